@@ -1,0 +1,5 @@
+"""edge_sdk: torch-free device SDK (numpy + onnxruntime) for federated test-time adaptation."""
+from edge_sdk.numerics import entropy, log_softmax, softmax
+
+__version__ = "0.1.0"
+__all__ = ["entropy", "log_softmax", "softmax", "__version__"]

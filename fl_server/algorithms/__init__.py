@@ -1,0 +1,27 @@
+"""Federated methods behind one interface (:mod:`fl_server.algorithms.base`)."""
+from __future__ import annotations
+
+from typing import Any
+
+from fl_server.algorithms.base import Algorithm, Hyper, NotApplicable
+from fl_server.algorithms.fedavg import FedAvg
+from fl_server.algorithms.fedprox import FedProx
+from fl_server.algorithms.finetune import FedAvgFT
+from fl_server.algorithms.local import Local
+from fl_server.algorithms.tent import Tent
+from fl_server.models import Classifier
+
+ALGORITHMS: dict[str, type[Algorithm]] = {a.name: a for a in (FedAvg, FedProx, FedAvgFT, Local, Tent)}
+
+
+def build_algorithm(name: str, model: Classifier, num_train_clients: int, **hyper: Any) -> Algorithm:
+    """Instantiate a method by its display name (e.g. ``"FedAvg"``, ``"TENT"``)."""
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown method {name!r}; choose one of {', '.join(ALGORITHMS)}")
+    cls = ALGORITHMS[name]
+    if cls is Local:
+        return Local(model, num_train_clients=num_train_clients, **hyper)
+    return cls(model, **hyper)
+
+
+__all__ = ["ALGORITHMS", "Algorithm", "Hyper", "NotApplicable", "build_algorithm"]

@@ -1,0 +1,84 @@
+"""The one small interface every federated method implements.
+
+Training (simulation and HTTP flow use the same functions):
+  ``init_state`` -> server state (pytree of tensors)
+  ``client_start(server_state, ids)`` -> stacked client states (leading axis = selected clients)
+  ``local_step(client_state, server_state, x, y)`` -> client state   (pure, one client; vmapped by the engine)
+  ``aggregate(server_state, ids, client_states, weights)`` -> server state
+Evaluation:
+  ``val_params(server_state, ids, trainer)`` -> params per training client (stacked) or one shared params
+  ``personalize(server_state, x)`` -> params for one *new* client from its unlabeled data ``x`` (pure)
+  ``predict(params, x)`` -> logits
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, ClassVar, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fl_server.functional import State, broadcast, get_params, make_forward, sgd, weighted_mean
+from fl_server.models import Classifier
+
+StepFn = Callable[[State, State, torch.Tensor, torch.Tensor], State]
+
+
+class LocalTrainer(Protocol):
+    """What the engine offers an algorithm that must train at evaluation time (e.g. FedAvg+FT)."""
+
+    def __call__(self, step_fn: StepFn, states: State, server_state: State, ids: np.ndarray,
+                 iterations: int) -> State: ...
+
+
+class NotApplicable(RuntimeError):
+    """Raised when a method has no answer for a setting (e.g. ``Local`` for a new client)."""
+
+
+@dataclass
+class Hyper:
+    """Base hyperparameters; subclasses add their own fields (defaults from the papers)."""
+
+    lr: float = 0.1
+    weight_decay: float = 0.0
+
+
+class Algorithm:
+    name: ClassVar[str] = "base"
+    Config: ClassVar[type[Hyper]] = Hyper
+
+    def __init__(self, model: Classifier, config: Hyper | None = None, **overrides: Any) -> None:
+        base = config if config is not None else self.Config()
+        self.hp = type(base)(**{**asdict(base), **overrides})
+        self.model = model
+        self.forward = make_forward(model)
+
+    # ---------------------------------------------------------------- training
+    def init_state(self, dtype: torch.dtype, device: torch.device) -> State:
+        return {"params": get_params(self.model, dtype, device)}
+
+    def client_start(self, server_state: State, ids: np.ndarray) -> State:
+        return {"params": broadcast(server_state["params"], len(ids))}
+
+    def loss(self, params: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.forward(params, x), y)
+
+    def local_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> State:
+        grads = torch.func.grad(self.loss)(client_state["params"], server_state, x, y)
+        return {"params": sgd(client_state["params"], grads, self.hp.lr, self.hp.weight_decay)}
+
+    def aggregate(self, server_state: State, ids: np.ndarray, client_states: State, weights: torch.Tensor) -> State:
+        return {**server_state, "params": weighted_mean(client_states["params"], weights)}
+
+    # -------------------------------------------------------------- evaluation
+    def val_params(self, server_state: State, ids: np.ndarray, trainer: LocalTrainer) -> State:
+        """Params used on training clients' validation data. Shared (unstacked) by default."""
+        return server_state["params"]
+
+    def personalize(self, server_state: State, x: torch.Tensor) -> State:
+        """Params for a new client with unlabeled data ``x`` [N, C, H, W]. Global model by default."""
+        return server_state["params"]
+
+    def predict(self, params: State, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(params, x)

@@ -1,0 +1,1 @@
+"""Results harness: named experiments, resumable seed runs, aggregated tables, docs/RESULTS.md."""

@@ -1,0 +1,87 @@
+"""Named experiments of the results harness: data protocol per dataset, methods with the papers'
+hyperparameters, and the papers' reference numbers (SPEC.md)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """How one dataset is federated and trained for an experiment."""
+
+    dataset: str
+    model: str
+    rounds: int
+    partition: str = "pathological"
+    num_clients: int = 100
+    new_fraction: float = 0.5
+    val_fraction: float = 0.15
+    alpha: float | None = None
+    local_iterations: int = 20
+    batch_size: int = 64
+    client_fraction: float = 1.0
+    eval_every: int = 1
+    method_hp: dict[str, dict[str, Any]] = field(default_factory=dict)
+    note: str = ""
+
+    def quick(self) -> "Protocol":
+        """A CI-sized version: about a minute per row on 2 CPU cores."""
+        return replace(self, num_clients=20, rounds=max(3, self.rounds // 40), local_iterations=10,
+                       eval_every=1, note="--quick (smoke test, not a result)")
+
+
+@dataclass(frozen=True)
+class Experiment:
+    name: str
+    methods: tuple[str, ...]
+    protocols: dict[str, Protocol]
+    paper: dict[tuple[str, str, str], float]  # (dataset, method, split) -> number
+    description: str = ""
+
+
+# UPFL Table 1 (new-client "test" and training-client "val" accuracy, mean of 3 seeds).
+UPFL_TABLE1_PAPER: dict[tuple[str, str, str], float] = {}
+for _method, (_mv, _mt, _fv, _ft) in {
+    "FedAvg": (95.06, 94.69, 90.32, 86.99), "FedProx": (96.27, 95.77, 90.35, 87.10),
+    "ODPFL-HN": (96.39, 95.67, 89.24, 85.27), "TENT": (98.44, 98.51, 95.68, 94.98),
+    "PFL-Ensemble": (99.02, 44.82, 97.03, 50.16), "FedTTA": (98.73, 98.47, 95.29, 93.26),
+    "FedTTA-Prox": (98.76, 98.64, 95.53, 94.60), "FedTTA++": (98.94, 98.66, 96.04, 96.48),
+}.items():
+    UPFL_TABLE1_PAPER[("mnist", _method, "val")] = _mv
+    UPFL_TABLE1_PAPER[("mnist", _method, "test")] = _mt
+    UPFL_TABLE1_PAPER[("fashion_mnist", _method, "val")] = _fv
+    UPFL_TABLE1_PAPER[("fashion_mnist", _method, "test")] = _ft
+
+_UPFL_LR = {"mnist": 0.1, "fashion_mnist": 0.3, "digits": 0.1}  # UPFL Table 4: FedAvg and TENT eta
+
+
+def _upfl_hp(dataset: str) -> dict[str, dict[str, Any]]:
+    lr = _UPFL_LR[dataset]
+    return {"FedAvg": {"lr": lr}, "TENT": {"lr": lr}, "FedProx": {"lr": 0.3, "mu": 0.001},
+            "FedAvg+FT": {"lr": lr}, "Local": {"lr": lr}}
+
+
+EXPERIMENTS: dict[str, Experiment] = {
+    "upfl-table1": Experiment(
+        name="upfl-table1",
+        methods=("FedAvg", "TENT"),
+        protocols={
+            "mnist": Protocol("mnist", "mlp", rounds=200, method_hp=_upfl_hp("mnist")),
+            "fashion_mnist": Protocol("fashion_mnist", "convnet", rounds=300, method_hp=_upfl_hp("fashion_mnist")),
+            # the embedded default: 1,797 8x8 digits over 20 clients (no download)
+            "digits": Protocol("digits", "mlp", rounds=60, num_clients=20, method_hp=_upfl_hp("digits"),
+                               note="embedded default data set; no paper number"),
+        },
+        paper=UPFL_TABLE1_PAPER,
+        description="UPFL Table 1: train and test sets united, 100 clients, pathological 2 classes/client, "
+                    "50% new clients, 85/15 train/val on training clients, tau=20, B=64, all clients per round; "
+                    "test accuracy reported at the round of best validation accuracy.",
+    ),
+}
+
+
+def get_experiment(name: str) -> Experiment:
+    if name not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {name!r}; choose one of {', '.join(EXPERIMENTS)}")
+    return EXPERIMENTS[name]

@@ -1,0 +1,122 @@
+"""Run experiment rows seed by seed. One result file per (experiment, dataset, method, seed) under
+``<results>/raw/``, skipped when present, so a long table accumulates over several sessions; the table
+``<results>/<experiment>.json`` is aggregated from whatever seeds are done."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fl_server.algorithms import build_algorithm
+from fl_server.bench.experiments import Experiment, Protocol
+from fl_server.data import load_dataset
+from fl_server.data.federated import FederatedData, make_federated
+from fl_server.device import describe, pick_device
+from fl_server.engine import RunConfig, Simulation
+from fl_server.models import build_model
+
+
+def build_federated(protocol: Protocol, seed: int, data_root: str | None = None) -> FederatedData:
+    dataset = load_dataset(protocol.dataset, root=data_root, split="all")
+    return make_federated(dataset, protocol.partition, protocol.num_clients, protocol.new_fraction,
+                          protocol.val_fraction, seed=seed, alpha=protocol.alpha)
+
+
+def run_seed(protocol: Protocol, method: str, seed: int, run_dir: Path | None, device: str = "auto",
+             mode: str = "vmap", progress: bool = True, data_root: str | None = None,
+             fed: FederatedData | None = None) -> dict[str, Any]:
+    """Train and evaluate one method on one seed; returns the raw result record."""
+    fed = fed if fed is not None else build_federated(protocol, seed, data_root)
+    shape = fed.dataset.x.shape[1:]
+    model = build_model(protocol.model, shape, fed.dataset.num_classes, seed=seed)
+    algorithm = build_algorithm(method, model, fed.num_train_clients, **protocol.method_hp.get(method, {}))
+    cfg = RunConfig(rounds=protocol.rounds, local_iterations=protocol.local_iterations,
+                    batch_size=protocol.batch_size, client_fraction=protocol.client_fraction,
+                    eval_every=protocol.eval_every, seed=seed, mode=mode, device=device,
+                    out_dir=str(run_dir) if run_dir else None, progress=progress)
+    sim = Simulation(algorithm, fed, cfg)
+    result = sim.run()
+    return {
+        "dataset": protocol.dataset, "method": method, "seed": seed, "model": protocol.model,
+        "rounds": protocol.rounds, "best_round": result.best_round,
+        "val": 100 * result.best_val,
+        "test": None if result.test_at_best is None else 100 * result.test_at_best,
+        "wall_s": round(result.wall_s, 2), "device": describe(sim.device), "mode": mode,
+        "hyper": algorithm.hp.__dict__, "protocol_note": protocol.note, "host": platform.node(),
+        "curve": [{"round": r["round"], "val": r.get("val"), "test": r.get("test")}
+                  for r in result.history if "val" in r],
+    }
+
+
+def safe_name(method: str) -> str:
+    """Method name as a folder name ("FedTTA++" -> "FedTTApp")."""
+    return method.replace("+", "p").replace("/", "_")
+
+
+def raw_path(results_dir: Path, experiment: str, dataset: str, method: str, seed: int) -> Path:
+    return results_dir / "raw" / experiment / dataset / safe_name(method) / f"seed{seed}.json"
+
+
+def run_experiment(exp: Experiment, datasets: list[str], methods: list[str], seeds: int, results_dir: Path,
+                   runs_dir: Path, quick: bool = False, device: str = "auto", mode: str = "vmap",
+                   progress: bool = True, data_root: str | None = None, command: str = "") -> list[dict]:
+    """Run every missing (dataset, method, seed) and rewrite the aggregated table."""
+    for dataset in datasets:
+        if dataset not in exp.protocols:
+            raise ValueError(f"{exp.name} has no protocol for {dataset!r}; choose from {', '.join(exp.protocols)}")
+        protocol = exp.protocols[dataset].quick() if quick else exp.protocols[dataset]
+        for seed in range(seeds):
+            fed = None
+            for method in methods:
+                out = raw_path(results_dir, exp.name, dataset, method, seed)
+                if out.exists():
+                    continue
+                fed = fed if fed is not None else build_federated(protocol, seed, data_root)
+                run_dir = runs_dir / exp.name / dataset / out.parent.name / f"seed{seed}"
+                record = run_seed(protocol, method, seed, run_dir, device, mode, progress, data_root, fed)
+                record["command"] = command
+                out.parent.mkdir(parents=True, exist_ok=True)
+                tmp = out.with_suffix(".tmp")
+                tmp.write_text(json.dumps(record, indent=1))
+                os.replace(tmp, out)
+    return aggregate(exp, results_dir, command)
+
+
+def aggregate(exp: Experiment, results_dir: Path, command: str = "") -> list[dict]:
+    """Rows in the DESIGN.md schema from every raw seed file of ``exp``."""
+    rows: list[dict] = []
+    base = results_dir / "raw" / exp.name
+    for dataset in exp.protocols:
+        for method in _methods_present(exp, base / dataset):
+            records = [json.loads(p.read_text()) for p in sorted((base / dataset / method[1]).glob("seed*.json"))]
+            for split in ("val", "test"):
+                values = [r[split] for r in records if r.get(split) is not None]
+                if not values:
+                    continue
+                rows.append({
+                    "experiment": exp.name, "dataset": dataset, "method": method[0], "split": split,
+                    "metric": "accuracy", "mean": round(float(np.mean(values)), 2),
+                    "std": round(float(np.std(values, ddof=1)) if len(values) > 1 else 0.0, 2),
+                    "seeds": len(values), "paper": exp.paper.get((dataset, method[0], split)),
+                    "device": ", ".join(sorted({r["device"] for r in records})),
+                    "wall_s": round(float(np.mean([r["wall_s"] for r in records])), 1),
+                    "rounds": records[0]["rounds"],
+                    "best_round": [r["best_round"] for r in records],
+                    "command": records[0].get("command") or command,
+                })
+    out = results_dir / f"{exp.name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=1) + "\n")
+    return rows
+
+
+def _methods_present(exp: Experiment, folder: Path) -> list[tuple[str, str]]:
+    if not folder.exists():
+        return []
+    found = {p.name for p in folder.iterdir() if p.is_dir()}
+    names = [(m, safe_name(m)) for m in exp.methods]
+    return [n for n in names if n[1] in found]

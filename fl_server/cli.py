@@ -1,0 +1,134 @@
+"""``fl-server``: train, bench, report, data. (The coordinator's ``serve`` lands with the API issue.)"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1 ...")
+    p.add_argument("--mode", default="vmap", choices=("vmap", "loop"),
+                   help="step same-architecture clients together (vmap) or one by one (reference loop)")
+    p.add_argument("--data-dir", default=None, help="directory with the IDX files (default: $FL_DATA_DIR)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from fl_server.bench.experiments import get_experiment
+    from fl_server.bench.runner import build_federated, run_seed
+
+    protocol = get_experiment("upfl-table1").protocols.get(args.dataset)
+    if protocol is None:
+        raise SystemExit(f"error: no default protocol for dataset {args.dataset!r}")
+    changes = {k: v for k, v in {"rounds": args.rounds, "num_clients": args.clients, "model": args.model}.items()
+               if v is not None}
+    protocol = replace(protocol, **changes)
+    fed = build_federated(protocol, args.seed, args.data_dir)
+    print(fed.summary())
+    record = run_seed(protocol, args.method, args.seed, Path(args.out), args.device, args.mode,
+                      not args.no_progress, args.data_dir, fed)
+    record.pop("curve")
+    print(json.dumps(record, indent=1))
+    test = "n/a" if record["test"] is None else f"{record['test']:.2f}%"
+    print(f"{args.method} on {args.dataset}: best val {record['val']:.2f}% at round {record['best_round']}, "
+          f"new-client test {test}, {record['wall_s']:.1f}s on {record['device']}; run files in {args.out}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from fl_server.bench.experiments import get_experiment
+    from fl_server.bench.report import write_report
+    from fl_server.bench.runner import run_experiment
+
+    exp = get_experiment(args.experiment)
+    datasets = args.dataset or [d for d in exp.protocols if d != "digits"]
+    methods = args.methods or list(exp.methods)
+    results = Path(args.results_dir or ("runs/quick/results" if args.quick else "docs/results"))
+    command = "fl-server " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    rows = run_experiment(exp, datasets, methods, args.seeds, results, Path(args.runs_dir), args.quick,
+                          args.device, args.mode, not args.no_progress, args.data_dir, command)
+    for r in rows:
+        paper = "" if r["paper"] is None else f" (paper {r['paper']:.2f})"
+        print(f"{r['dataset']:>14} {r['method']:>10} {r['split']:>4}: {r['mean']:.2f} +- {r['std']:.2f} "
+              f"over {r['seeds']} seed(s){paper}")
+    if results == Path("docs/results"):
+        print(f"wrote {write_report(Path('docs'))}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from fl_server.bench.report import write_report
+
+    print(f"wrote {write_report(Path(args.docs))}")
+    return 0
+
+
+def cmd_data(args: argparse.Namespace) -> int:
+    from fl_server.data import fetch, load_dataset
+
+    if args.action == "fetch":
+        path = fetch(args.name, Path(args.dir))
+        print(f"{args.name}: files in {path}")
+        return 0
+    for split in ("train", "test"):
+        ds = load_dataset(args.name, root=args.dir, split=split)
+        counts = np.bincount(ds.y, minlength=ds.num_classes).tolist()
+        print(f"{args.name} {split}: {len(ds)} samples, images {list(ds.x.shape[1:])}, class counts {counts}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fl-server", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train one method on one data set (default: FedAvg on the embedded digits)")
+    p.add_argument("--dataset", default="digits", choices=("digits", "mnist", "fashion_mnist"))
+    p.add_argument("--method", default="FedAvg")
+    p.add_argument("--model", default=None, help="model from the zoo (default: the protocol's)")
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--clients", type=int, default=None, help="number of clients (default: the protocol's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/train", help="run directory (metrics.jsonl, checkpoints; resumable)")
+    _add_run_flags(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("bench", help="run a named experiment and write docs/results/<experiment>.json")
+    p.add_argument("experiment")
+    p.add_argument("--dataset", action="append", help="repeatable; default: every paper data set of the experiment")
+    p.add_argument("--methods", nargs="+", default=None)
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="CI-sized protocol, written under runs/quick/")
+    p.add_argument("--results-dir", default=None)
+    p.add_argument("--runs-dir", default="runs/bench")
+    _add_run_flags(p)
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("report", help="regenerate docs/RESULTS.md")
+    p.add_argument("--docs", default="docs")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("data", help="obtain or inspect data sets")
+    p.add_argument("action", choices=("fetch", "info"))
+    p.add_argument("name", choices=("mnist", "fashion_mnist", "digits", "cifar10"))
+    p.add_argument("--dir", default=None, help="target/source directory (default: $FL_DATA_DIR)")
+    p.set_defaults(func=cmd_data)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:  # data/config errors: one clear line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

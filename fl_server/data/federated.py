@@ -1,0 +1,97 @@
+"""A federated task: one dataset, training clients (train/val indices) and held-out new clients."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fl_server.data import partitions
+from fl_server.data.datasets import ArrayDataset
+from fl_server.data.shifts import rotate
+
+PARTITIONS = ("pathological", "dirichlet", "iid", "incomplete")
+
+
+@dataclass
+class FederatedData:
+    """Index lists into ``dataset``: ``train[k]`` / ``val[k]`` belong to training client k,
+    ``new[j]`` is new client j's whole (unlabeled at adaptation time) data set."""
+
+    dataset: ArrayDataset
+    train: list[np.ndarray]
+    val: list[np.ndarray]
+    new: list[np.ndarray]
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_train_clients(self) -> int:
+        return len(self.train)
+
+    def summary(self) -> str:
+        sizes = [len(t) for t in self.train]
+        return (f"{self.dataset.name}: {len(self.train)} training clients "
+                f"({min(sizes)}-{max(sizes)} train samples), {len(self.new)} new clients, "
+                f"{self.info.get('partition', '?')} partition")
+
+
+def partition_labels(labels: np.ndarray, partition: str, num_clients: int, rng: np.random.Generator,
+                     alpha: float | None = None) -> list[np.ndarray]:
+    """Dispatch to :mod:`fl_server.data.partitions` by name."""
+    if partition == "pathological":
+        return partitions.pathological(labels, num_clients, rng)
+    if partition == "dirichlet":
+        if alpha is None:
+            raise ValueError("the dirichlet partition needs alpha")
+        return partitions.dirichlet(labels, num_clients, alpha, rng)
+    if partition == "iid":
+        return partitions.iid(labels, num_clients, rng)
+    if partition == "incomplete":
+        return partitions.incomplete_classes(labels, num_clients, rng)
+    raise ValueError(f"unknown partition {partition!r}; choose one of {', '.join(PARTITIONS)}")
+
+
+def make_federated(
+    dataset: ArrayDataset, partition: str = "pathological", num_clients: int = 100, new_fraction: float = 0.5,
+    val_fraction: float = 0.15, seed: int = 0, alpha: float | None = None, new_client_fraction_kept: float = 1.0,
+) -> FederatedData:
+    """UPFL protocol by default: 100 pathological clients, 50% new clients, 85/15 train/val.
+    ``new_client_fraction_kept`` < 1 subsamples each new client's data (UPFL Fig. 3)."""
+    rng = np.random.default_rng(seed)
+    clients = partition_labels(dataset.y, partition, num_clients, rng, alpha)
+    train_ids, new_ids = partitions.split_new_clients(num_clients, new_fraction, rng)
+    train, val = zip(*(partitions.train_val_split(clients[k], val_fraction, rng) for k in train_ids))
+    new = [clients[k] for k in new_ids]
+    if new_client_fraction_kept < 1.0:
+        new = [partitions.subsample(c, new_client_fraction_kept, rng) for c in new]
+    info = {"partition": partition, "num_clients": num_clients, "new_fraction": new_fraction,
+            "val_fraction": val_fraction, "seed": seed, "alpha": alpha,
+            "new_client_fraction_kept": new_client_fraction_kept}
+    return FederatedData(dataset, list(train), list(val), new, info)
+
+
+def rotation_concept_shift(
+    dataset: ArrayDataset, seed: int = 0, n_samples: int = 1000, num_clients: int = 50,
+    train_angles: tuple[float, ...] = (0, 30, 60), new_angles: tuple[float, ...] = (15, 45),
+    val_fraction: float = 0.15,
+) -> FederatedData:
+    """UPFL App. F: ``n_samples`` random samples, IID over ``num_clients``; half are training clients, each
+    rotated by a fixed angle drawn from ``train_angles``; the other half are new clients rotated by an angle
+    from ``new_angles``. Returns a new (rotated) dataset with the indices into it."""
+    rng = np.random.default_rng(seed)
+    pick = rng.choice(len(dataset), size=n_samples, replace=False)
+    base = dataset.subset(pick)
+    clients = partitions.iid(base.y, num_clients, rng)
+    train_ids, new_ids = partitions.split_new_clients(num_clients, 0.5, rng)
+    angles = np.zeros(num_clients)
+    angles[train_ids] = rng.choice(train_angles, size=len(train_ids))
+    angles[new_ids] = rng.choice(new_angles, size=len(new_ids))
+    x = base.x.copy()
+    for angle in np.unique(angles):  # one vectorised rotation per distinct angle
+        idx = np.concatenate([clients[k] for k in np.flatnonzero(angles == angle)])
+        x[idx] = rotate(base.x[idx], float(angle))
+    rotated = ArrayDataset(f"{dataset.name}-rotated", x, base.y, dataset.num_classes)
+    train, val = zip(*(partitions.train_val_split(clients[k], val_fraction, rng) for k in train_ids))
+    info = {"partition": "rotation", "num_clients": num_clients, "seed": seed,
+            "train_angles": angles[train_ids].tolist(), "new_angles": angles[new_ids].tolist()}
+    return FederatedData(rotated, list(train), list(val), [clients[k] for k in new_ids], info)

@@ -1,0 +1,265 @@
+"""In-process federated simulation: rounds of client sampling, local training (vmap or reference loop),
+aggregation and evaluation, with JSONL metrics, checkpoint/resume and a progress bar.
+
+Reproducibility: the caller seeds the model's initial weights (``build_model(..., seed=)``); every random choice of round r
+(client sampling, mini-batches) comes from ``numpy.random.default_rng([seed, r, purpose])``, so a resumed
+run repeats exactly what an uninterrupted run would have done.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from fl_server.algorithms.base import Algorithm, NotApplicable, StepFn
+from fl_server.data.federated import FederatedData
+from fl_server.device import pick_device
+from fl_server.functional import State, from_numpy_flat, stack, to_numpy_flat, unstack
+
+_SAMPLE, _BATCHES, _EVAL = 0, 1, 2  # rng purposes
+
+
+@dataclass
+class RunConfig:
+    rounds: int = 200
+    local_iterations: int = 20  # tau
+    batch_size: int = 64  # B
+    client_fraction: float = 1.0  # UPFL: all training clients every round
+    eval_every: int = 1
+    seed: int = 0
+    mode: str = "vmap"  # "vmap" (clients stepped together) or "loop" (per-client reference)
+    dtype: str = "float32"
+    device: str = "auto"
+    chunk_size: int | None = None  # vmap chunking over clients, bounds memory
+    eval_chunk: int = 4096  # samples per forward at evaluation
+    checkpoint_every: int = 10
+    out_dir: str | None = None
+    progress: bool = True
+
+    def identity(self) -> dict[str, Any]:
+        """The fields that change results (a resumed run must match them)."""
+        keep = ("rounds", "local_iterations", "batch_size", "client_fraction", "eval_every", "seed", "dtype")
+        return {k: getattr(self, k) for k in keep}
+
+
+@dataclass
+class RunResult:
+    best_round: int = -1
+    best_val: float = float("-inf")
+    test_at_best: float | None = None
+    last: dict[str, Any] = field(default_factory=dict)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    wall_s: float = 0.0
+    rounds_done: int = 0
+
+
+def client_batches(client_indices: list[np.ndarray], iterations: int, batch_size: int,
+                   rng: np.random.Generator) -> np.ndarray:
+    """[K, T, B] dataset indices: each client walks through successive random permutations of its own
+    data (epochs), so a client with n < B samples repeats samples inside a batch."""
+    out = np.empty((len(client_indices), iterations, batch_size), dtype=np.int64)
+    need = iterations * batch_size
+    for k, idx in enumerate(client_indices):  # K small numpy draws; the hot path is the torch step
+        reps = -(-need // len(idx))
+        order = np.concatenate([rng.permutation(len(idx)) for _ in range(reps)])[:need]
+        out[k] = idx[order].reshape(iterations, batch_size)
+    return out
+
+
+def run_local_steps(step_fn: StepFn, states: State, server_state: State, x: torch.Tensor, y: torch.Tensor,
+                    batches: torch.Tensor, mode: str, chunk_size: int | None = None) -> State:
+    """Apply ``step_fn`` for every client (leading axis of ``states``) over its batches [K, T, B]."""
+    if mode == "vmap":
+        vstep = torch.vmap(step_fn, in_dims=(0, None, 0, 0), chunk_size=chunk_size)
+        for t in range(batches.shape[1]):
+            idx = batches[:, t]
+            states = vstep(states, server_state, x[idx], y[idx])
+        return states
+    if mode == "loop":
+        out = []
+        for k, state in enumerate(unstack(states)):
+            for t in range(batches.shape[1]):
+                idx = batches[k, t]
+                state = step_fn(state, server_state, x[idx], y[idx])
+            out.append(state)
+        return stack(out)
+    raise ValueError(f"unknown mode {mode!r}; use 'vmap' or 'loop'")
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _save_state(path: Path, state: State) -> None:
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, **to_numpy_flat(state))
+    os.replace(tmp, path)
+
+
+def load_state(path: Path, device: torch.device | None = None) -> State:
+    with np.load(path, allow_pickle=False) as arrays:
+        return from_numpy_flat({k: arrays[k] for k in arrays.files}, device)
+
+
+class Simulation:
+    """One federated run of ``algorithm`` on ``fed`` under ``cfg``."""
+
+    def __init__(self, algorithm: Algorithm, fed: FederatedData, cfg: RunConfig) -> None:
+        self.algorithm, self.fed, self.cfg = algorithm, fed, cfg
+        self.device = pick_device(cfg.device)
+        self.dtype = getattr(torch, cfg.dtype)
+        self.x = torch.from_numpy(fed.dataset.x).to(self.device, self.dtype)
+        self.y = torch.from_numpy(fed.dataset.y).to(self.device)
+        self.train_sizes = torch.tensor([len(t) for t in fed.train], dtype=self.dtype, device=self.device)
+        algorithm.model.to(self.device)
+        self.server_state = algorithm.init_state(self.dtype, self.device)
+        self.out_dir = Path(cfg.out_dir) if cfg.out_dir else None
+        self.fingerprint = self._fingerprint()
+
+    # ------------------------------------------------------------------ pieces
+    def _rng(self, round_: int, purpose: int) -> np.random.Generator:
+        return np.random.default_rng([self.cfg.seed, round_, purpose])
+
+    def _fingerprint(self) -> str:
+        ident = {"method": self.algorithm.name, "hp": dataclasses.asdict(self.algorithm.hp),
+                 "data": self.fed.info, "dataset": self.fed.dataset.name, "run": self.cfg.identity()}
+        return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def select_clients(self, round_: int) -> np.ndarray:
+        k = self.fed.num_train_clients
+        m = max(1, int(round(self.cfg.client_fraction * k)))
+        if m == k:
+            return np.arange(k)
+        return np.sort(self._rng(round_, _SAMPLE).choice(k, size=m, replace=False))
+
+    def local_train(self, step_fn: StepFn, states: State, server_state: State, ids: np.ndarray,
+                    iterations: int, rng: np.random.Generator) -> State:
+        batches = client_batches([self.fed.train[i] for i in ids], iterations, self.cfg.batch_size, rng)
+        return run_local_steps(step_fn, states, server_state, self.x, self.y,
+                               torch.from_numpy(batches).to(self.device), self.cfg.mode, self.cfg.chunk_size)
+
+    def run_round(self, round_: int) -> None:
+        ids = self.select_clients(round_)
+        states = self.algorithm.client_start(self.server_state, ids)
+        states = self.local_train(self.algorithm.local_step, states, self.server_state, ids,
+                                  self.cfg.local_iterations, self._rng(round_, _BATCHES))
+        self.server_state = self.algorithm.aggregate(self.server_state, ids, states, self.train_sizes[ids])
+
+    # -------------------------------------------------------------- evaluation
+    def _logits(self, params: State, idx: np.ndarray) -> torch.Tensor:
+        with torch.no_grad():
+            parts = [self.algorithm.predict(params, self.x[torch.from_numpy(idx[s:s + self.cfg.eval_chunk])])
+                     for s in range(0, len(idx), self.cfg.eval_chunk)]
+        return torch.cat(parts)
+
+    def _accuracy(self, params: State, idx: np.ndarray) -> float:
+        pred = self._logits(params, idx).argmax(-1)
+        return float((pred == self.y[torch.from_numpy(idx)]).double().mean())
+
+    def _is_stacked(self, params: State) -> bool:
+        name, p = next(iter(self.algorithm.model.named_parameters()))
+        return params[name].ndim == p.ndim + 1
+
+    def evaluate_val(self, round_: int) -> float:
+        """Mean over training clients of the accuracy on their validation split."""
+        ids = np.arange(self.fed.num_train_clients)
+        rng = self._rng(round_, _EVAL)
+        params = self.algorithm.val_params(
+            self.server_state, ids,
+            lambda step, states, server, sel, iters: self.local_train(step, states, server, sel, iters, rng))
+        if self._is_stacked(params):
+            accs = [self._accuracy(p, self.fed.val[k]) for k, p in enumerate(unstack(params))]
+            return float(np.mean(accs))
+        # one shared model: a single batched forward over all validation samples
+        idx = np.concatenate(self.fed.val)
+        owner = np.repeat(np.arange(len(self.fed.val)), [len(v) for v in self.fed.val])
+        correct = (self._logits(params, idx).argmax(-1) == self.y[torch.from_numpy(idx)]).cpu().numpy()
+        return float(np.mean(np.bincount(owner, weights=correct) / np.bincount(owner)))
+
+    def evaluate_new(self) -> float | None:
+        """Mean over new clients of the accuracy of the personalised model on the client's own data."""
+        if not self.fed.new:
+            return None
+        accs = []
+        for idx in self.fed.new:
+            try:
+                params = self.algorithm.personalize(self.server_state, self.x[torch.from_numpy(idx)])
+            except NotApplicable:
+                return None
+            accs.append(self._accuracy(params, idx))
+        return float(np.mean(accs))
+
+    # -------------------------------------------------------------- persistence
+    def _checkpoint(self, round_: int, result: RunResult) -> None:
+        if self.out_dir is None:
+            return
+        _save_state(self.out_dir / "checkpoint.npz", self.server_state)
+        meta = {"fingerprint": self.fingerprint, "rounds_done": round_ + 1, "best_round": result.best_round,
+                "best_val": result.best_val, "test_at_best": result.test_at_best, "wall_s": result.wall_s}
+        _atomic_write(self.out_dir / "checkpoint.json", json.dumps(meta).encode())
+
+    def _resume(self, result: RunResult) -> int:
+        if self.out_dir is None:
+            return 0
+        if not (self.out_dir / "checkpoint.json").exists():
+            (self.out_dir / "metrics.jsonl").unlink(missing_ok=True)  # rows of an aborted, uncheckpointed run
+            return 0
+        meta = json.loads((self.out_dir / "checkpoint.json").read_text())
+        if meta.get("fingerprint") != self.fingerprint:
+            raise ValueError(f"{self.out_dir} holds a checkpoint of a different run (config changed); "
+                             "use another --out directory or delete it")
+        self.server_state = load_state(self.out_dir / "checkpoint.npz", self.device)
+        result.best_round, result.best_val = meta["best_round"], meta["best_val"]
+        result.test_at_best, result.wall_s = meta["test_at_best"], meta["wall_s"]
+        metrics = self.out_dir / "metrics.jsonl"
+        if metrics.exists():  # drop rows past the checkpoint (they will be recomputed identically)
+            rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+            rows = [r for r in rows if r["round"] < meta["rounds_done"]]
+            _atomic_write(metrics, "".join(json.dumps(r) + "\n" for r in rows).encode())
+            result.history = rows
+        return int(meta["rounds_done"])
+
+    # --------------------------------------------------------------------- run
+    def run(self) -> RunResult:
+        result = RunResult()
+        if self.out_dir is not None:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+        start_round = self._resume(result)
+        bar = tqdm(range(start_round, self.cfg.rounds), initial=start_round, total=self.cfg.rounds,
+                   desc=f"{self.algorithm.name} {self.fed.dataset.name}", disable=not self.cfg.progress,
+                   dynamic_ncols=True)
+        for r in bar:
+            t0 = time.perf_counter()
+            self.run_round(r)
+            row: dict[str, Any] = {"round": r}
+            last = r == self.cfg.rounds - 1
+            if (r + 1) % self.cfg.eval_every == 0 or last:
+                row["val"] = self.evaluate_val(r)
+                row["test"] = self.evaluate_new()
+                if row["val"] > result.best_val:
+                    result.best_round, result.best_val, result.test_at_best = r, row["val"], row["test"]
+                    if self.out_dir is not None:
+                        _save_state(self.out_dir / "best.npz", self.server_state)
+                bar.set_postfix(val=f"{row['val']:.4f}", test="-" if row["test"] is None else f"{row['test']:.4f}")
+            result.wall_s += time.perf_counter() - t0
+            row["wall_s"] = round(result.wall_s, 3)
+            result.history.append(row)
+            result.last = row
+            if self.out_dir is not None:
+                with open(self.out_dir / "metrics.jsonl", "a") as fh:
+                    fh.write(json.dumps(row) + "\n")
+                if (r + 1) % self.cfg.checkpoint_every == 0 or last:
+                    self._checkpoint(r, result)
+        result.rounds_done = self.cfg.rounds
+        return result

@@ -1,0 +1,99 @@
+"""Functional model state: pytrees (nested dicts) of tensors, stacked along a leading client axis.
+
+A *state* is a nested ``dict[str, Tensor | dict]``; a *stacked* state has one extra leading dimension K
+(one slice per client). ``torch.func.vmap`` maps over that dimension.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.utils import _pytree as pytree
+
+State = dict[str, Any]
+Params = dict[str, torch.Tensor]
+
+
+def get_params(module: nn.Module, dtype: torch.dtype | None = None, device: torch.device | None = None) -> Params:
+    """Detached copies of a module's parameters. Models in the zoo have no buffers (no BatchNorm)."""
+    if any(True for _ in module.buffers()):
+        raise ValueError("functional training supports buffer-free models only (no BatchNorm)")
+    return {name: p.detach().to(dtype=dtype, device=device).clone() for name, p in module.named_parameters()}
+
+
+def make_forward(module: nn.Module) -> Callable[[Params, torch.Tensor], torch.Tensor]:
+    """``forward(params, x)`` for a buffer-free module, usable under grad/vmap."""
+
+    def forward(params: Params, x: torch.Tensor) -> torch.Tensor:
+        return functional_call(module, params, (x,))
+
+    return forward
+
+
+def tree_map(fn: Callable[..., torch.Tensor], tree: Any, *rest: Any) -> Any:
+    return pytree.tree_map(fn, tree, *rest)
+
+
+def stack(states: list[Any]) -> Any:
+    """List of K states -> one stacked state (leading dim K)."""
+    return pytree.tree_map(lambda *leaves: torch.stack(leaves), *states)
+
+
+def unstack(stacked: Any) -> list[Any]:
+    """Stacked state -> list of K states (views)."""
+    leaves, spec = pytree.tree_flatten(stacked)
+    return [pytree.tree_unflatten([leaf[k] for leaf in leaves], spec) for k in range(leaves[0].shape[0])]
+
+
+def broadcast(state: Any, k: int) -> Any:
+    """Copy one state K times into a stacked state."""
+    return pytree.tree_map(lambda t: t.unsqueeze(0).expand(k, *t.shape).clone(), state)
+
+
+def index(stacked: Any, ids: torch.Tensor | np.ndarray) -> Any:
+    ids_t = torch.as_tensor(np.asarray(ids), dtype=torch.long)
+    return pytree.tree_map(lambda t: t[ids_t.to(t.device)], stacked)
+
+
+def weighted_mean(stacked: Any, weights: torch.Tensor) -> Any:
+    """Sum_k w_k state_k / sum_k w_k over the leading axis."""
+    w = weights / weights.sum()
+
+    def mean(t: torch.Tensor) -> torch.Tensor:
+        return torch.tensordot(w.to(t.dtype), t, dims=1)
+
+    return pytree.tree_map(mean, stacked)
+
+
+def sgd(params: Any, grads: Any, lr: float, weight_decay: float = 0.0) -> Any:
+    """Plain SGD step on pytrees: p <- p - lr (g + wd p)."""
+    if weight_decay:
+        return pytree.tree_map(lambda p, g: p - lr * (g + weight_decay * p), params, grads)
+    return pytree.tree_map(lambda p, g: p - lr * g, params, grads)
+
+
+def to_numpy_flat(state: Any, prefix: str = "") -> dict[str, np.ndarray]:
+    """Flatten a state into ``{"a/b/c": array}`` for ``np.savez`` (no pickle)."""
+    out: dict[str, np.ndarray] = {}
+    for key, value in state.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(to_numpy_flat(value, name + "/"))
+        else:
+            out[name] = value.detach().cpu().numpy()
+    return out
+
+
+def from_numpy_flat(arrays: dict[str, np.ndarray], device: torch.device | None = None) -> State:
+    """Inverse of :func:`to_numpy_flat`."""
+    state: State = {}
+    for name, arr in arrays.items():
+        node = state
+        *parents, leaf = name.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = torch.from_numpy(np.array(arr)).to(device)
+    return state

@@ -1,0 +1,35 @@
+"""Shared fixtures: the real data in ../shared/data (skip with a clear reason where it is absent)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def _have(sub: str) -> bool:
+    return (SHARED_DATA / sub / "train-images-idx3-ubyte.gz").is_file()
+
+
+@pytest.fixture(scope="session")
+def data_root() -> Path:
+    if not _have("mnist"):
+        pytest.skip(f"real MNIST not found in {SHARED_DATA} (the shared data folder is absent)")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def mnist_all(data_root: Path):  # type: ignore[no-untyped-def]
+    from fl_server.data import load_dataset
+
+    return load_dataset("mnist", root=data_root, split="all")
+
+
+@pytest.fixture(scope="session")
+def fashion_all(data_root: Path):  # type: ignore[no-untyped-def]
+    from fl_server.data import load_dataset
+
+    if not _have("fashion-mnist"):
+        pytest.skip(f"real Fashion-MNIST not found in {SHARED_DATA}")
+    return load_dataset("fashion_mnist", root=data_root, split="all")
