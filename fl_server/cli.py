@@ -32,7 +32,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     fed = build_federated(protocol, args.seed, args.data_dir)
     print(fed.summary())
     record = run_seed(protocol, args.method, args.seed, Path(args.out), args.device, args.mode,
-                      not args.no_progress, args.data_dir, fed)
+                      not args.no_progress, args.data_dir, fed, test_at_best_only=False)
     record.pop("curve")
     print(json.dumps(record, indent=1))
     test = "n/a" if record["test"] is None else f"{record['test']:.2f}%"

@@ -47,6 +47,9 @@ class Hyper:
 class Algorithm:
     name: ClassVar[str] = "base"
     Config: ClassVar[type[Hyper]] = Hyper
+    # True for test-time methods: training clients' validation accuracy is then measured, like the new
+    # clients', after ``personalize`` on the (unlabeled) validation data itself.
+    adapts_at_test_time: ClassVar[bool] = False
 
     def __init__(self, model: Classifier, config: Hyper | None = None, **overrides: Any) -> None:
         base = config if config is not None else self.Config()

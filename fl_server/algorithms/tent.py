@@ -27,6 +27,7 @@ class TentConfig(FedAvgConfig):
 class Tent(FedAvg):
     name = "TENT"
     Config = TentConfig
+    adapts_at_test_time = True
 
     def entropy_step(self, params: State, x: torch.Tensor) -> State:
         lr = self.hp.tent_lr if self.hp.tent_lr is not None else self.hp.lr

@@ -28,7 +28,7 @@ def build_federated(protocol: Protocol, seed: int, data_root: str | None = None)
 
 def run_seed(protocol: Protocol, method: str, seed: int, run_dir: Path | None, device: str = "auto",
              mode: str = "vmap", progress: bool = True, data_root: str | None = None,
-             fed: FederatedData | None = None) -> dict[str, Any]:
+             fed: FederatedData | None = None, test_at_best_only: bool = True) -> dict[str, Any]:
     """Train and evaluate one method on one seed; returns the raw result record."""
     fed = fed if fed is not None else build_federated(protocol, seed, data_root)
     shape = fed.dataset.x.shape[1:]
@@ -37,7 +37,8 @@ def run_seed(protocol: Protocol, method: str, seed: int, run_dir: Path | None, d
     cfg = RunConfig(rounds=protocol.rounds, local_iterations=protocol.local_iterations,
                     batch_size=protocol.batch_size, client_fraction=protocol.client_fraction,
                     eval_every=protocol.eval_every, seed=seed, mode=mode, device=device,
-                    out_dir=str(run_dir) if run_dir else None, progress=progress)
+                    out_dir=str(run_dir) if run_dir else None, progress=progress,
+                    test_at_best_only=test_at_best_only)
     sim = Simulation(algorithm, fed, cfg)
     result = sim.run()
     return {

@@ -1,0 +1,126 @@
+"""FedTTA, FedTTA-Prox and FedTTA++ (UPFL, Algorithm 1; SPEC.md section 1).
+
+State: ``params`` = base model psi, ``phi`` = adaptation model g (C -> 32 -> 32 -> 32 -> 1).
+Local meta-training step on a batch (X, Y):
+  psi~ = psi - eta_inner * grad_psi ||g(f(X; psi); phi)||_2                 (Eq. 5, differentiable)
+  L    = CE(f(X; psi~), Y) + mu * KL(softmax(f(X; psi)) || softmax(f(X; psi_server)))   (Eq. 6, 12)
+  psi <- psi - eta_outer * dL/dpsi   (second order: through psi~),   phi <- phi - eta_adapt * dL/dphi
+Server: both psi and phi averaged, weighted by the clients' training-set sizes.
+New client with unlabeled D: FedTTA takes one step of Eq. 5 on the full D; FedTTA++ takes up to E steps
+with entropy early stopping (:class:`edge_sdk.EntropyEarlyStopping`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from edge_sdk import EntropyEarlyStopping
+from fl_server.algorithms.base import Algorithm, Hyper
+from fl_server.algorithms.losses import entropy_from_logits
+from fl_server.functional import State, broadcast, get_params, make_forward, sgd, weighted_mean
+from fl_server.models import AdaptationMLP, Classifier
+
+
+@dataclass
+class FedTTAConfig(Hyper):
+    lr: float = 0.3  # eta_outer (UPFL Table 4, MNIST FedTTA)
+    inner_lr: float = 0.5  # eta_inner
+    adapt_lr: float = 0.01  # eta_adapt
+    mu: float = 0.0  # proxy-term weight (FedTTA-Prox / FedTTA++)
+    adapt_width: int = 32
+    patience: int = 0  # 0: one adaptation step (FedTTA); >= 1: entropy early stopping (FedTTA++)
+    max_steps: int = 50  # E, the authors' code
+
+
+class FedTTA(Algorithm):
+    name = "FedTTA"
+    Config = FedTTAConfig
+    adapts_at_test_time = True
+
+    def __init__(self, model: Classifier, config: Hyper | None = None, **overrides) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(model, config, **overrides)
+        self.adapter = AdaptationMLP(model.num_classes, self.hp.adapt_width)
+        self.g = make_forward(self.adapter)
+
+    def init_state(self, dtype: torch.dtype, device: torch.device) -> State:
+        # the adapter's init is drawn after the model's, from the same (seeded) global stream
+        return {"params": get_params(self.model, dtype, device), "phi": get_params(self.adapter, dtype, device)}
+
+    def client_start(self, server_state: State, ids: np.ndarray) -> State:
+        return {key: broadcast(server_state[key], len(ids)) for key in ("params", "phi")}
+
+    # --------------------------------------------------------------- the math
+    def personalization_loss(self, psi: State, phi: State, x: torch.Tensor) -> torch.Tensor:
+        """l_per = || g(f(X; psi); phi) ||_2 over the batch (UPFL Eq. 4)."""
+        return torch.linalg.vector_norm(self.g(phi, self.forward(psi, x)))
+
+    def adapt_step(self, psi: State, phi: State, x: torch.Tensor) -> State:
+        """psi~ = psi - eta_inner grad_psi l_per (Eq. 5); differentiable w.r.t. psi and phi."""
+        grads = torch.func.grad(self.personalization_loss)(psi, phi, x)
+        return sgd(psi, grads, self.hp.inner_lr)
+
+    def meta_loss(self, psi: State, phi: State, psi_server: State, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = F.cross_entropy(self.forward(self.adapt_step(psi, phi, x), x), y)
+        if self.hp.mu:
+            log_p = F.log_softmax(self.forward(psi, x), -1)
+            log_q = F.log_softmax(self.forward(psi_server, x), -1).detach()
+            loss = loss + self.hp.mu * (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+        return loss
+
+    def local_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> State:
+        g_psi, g_phi = torch.func.grad(self.meta_loss, argnums=(0, 1))(
+            client_state["params"], client_state["phi"], server_state["params"], x, y)
+        return {"params": sgd(client_state["params"], g_psi, self.hp.lr, self.hp.weight_decay),
+                "phi": sgd(client_state["phi"], g_phi, self.hp.adapt_lr)}
+
+    def aggregate(self, server_state: State, ids: np.ndarray, client_states: State, weights: torch.Tensor) -> State:
+        return {**server_state, **{k: weighted_mean(client_states[k], weights) for k in ("params", "phi")}}
+
+    # ------------------------------------------------------------ new client
+    def personalize(self, server_state: State, x: torch.Tensor) -> State:
+        psi, phi = server_state["params"], server_state["phi"]
+        if self.hp.patience < 1:
+            return self.adapt_step(psi, phi, x)
+        return self.personalize_early_stopping(psi, phi, x)[0]
+
+    def personalize_early_stopping(self, psi: State, phi: State, x: torch.Tensor) -> tuple[State, EntropyEarlyStopping]:
+        """FedTTA++: iterate Eq. 5, keep the iterate of lowest mean prediction entropy on ``x``."""
+        stopper = EntropyEarlyStopping(self.hp.patience, self.hp.max_steps)
+        best, current = psi, psi
+        with torch.no_grad():
+            stop = stopper.update(float(entropy_from_logits(self.forward(psi, x)).mean()))
+        while not stop:
+            current = {k: v.detach() for k, v in self.adapt_step(current, phi, x).items()}
+            with torch.no_grad():
+                stop = stopper.update(float(entropy_from_logits(self.forward(current, x)).mean()))
+            if stopper.best_step == len(stopper.history) - 1:
+                best = current
+        return best, stopper
+
+
+class FedTTAProx(FedTTA):
+    name = "FedTTA-Prox"
+    Config = FedTTAConfig
+
+
+class FedTTAPlusPlus(FedTTA):
+    name = "FedTTA++"
+    Config = FedTTAConfig
+
+
+# UPFL Table 4 hyperparameters per data set (eta_outer as ``lr``).
+FEDTTA_HP: dict[str, dict[str, dict[str, float]]] = {
+    "mnist": {
+        "FedTTA": {"inner_lr": 0.5, "lr": 0.3, "adapt_lr": 0.01},
+        "FedTTA-Prox": {"inner_lr": 0.5, "lr": 0.3, "adapt_lr": 0.001, "mu": 0.01},
+        "FedTTA++": {"inner_lr": 0.5, "lr": 0.3, "adapt_lr": 0.001, "mu": 0.01, "patience": 1},
+    },
+    "fashion_mnist": {
+        "FedTTA": {"inner_lr": 0.05, "lr": 0.1, "adapt_lr": 0.001},
+        "FedTTA-Prox": {"inner_lr": 0.05, "lr": 0.1, "adapt_lr": 0.001, "mu": 0.001},
+        "FedTTA++": {"inner_lr": 0.05, "lr": 0.1, "adapt_lr": 0.001, "mu": 0.001, "patience": 5},
+    },
+}
