@@ -13,8 +13,9 @@ import numpy as np
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1 ...")
-    p.add_argument("--mode", default="vmap", choices=("vmap", "loop"),
-                   help="step same-architecture clients together (vmap) or one by one (reference loop)")
+    p.add_argument("--mode", default="auto", choices=("auto", "vmap", "loop"),
+                   help="step same-architecture clients together (vmap) or one by one (reference loop); "
+                        "auto: vmap on CUDA and for conv-free models on CPU")
     p.add_argument("--data-dir", default=None, help="directory with the IDX files (default: $FL_DATA_DIR)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 

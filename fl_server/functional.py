@@ -75,6 +75,15 @@ def sgd(params: Any, grads: Any, lr: float, weight_decay: float = 0.0) -> Any:
     return pytree.tree_map(lambda p, g: p - lr * g, params, grads)
 
 
+def clip_by_global_norm(grads: tuple[Any, ...], max_norm: float) -> tuple[Any, ...]:
+    """Scale all gradient pytrees together by min(1, max_norm / ||g||_2) (as torch's clip_grad_norm_, but
+    functional and vmappable: one norm per client under vmap)."""
+    leaves = [leaf for g in grads for leaf in pytree.tree_leaves(g)]
+    norm = torch.sqrt(sum((leaf ** 2).sum() for leaf in leaves))
+    scale = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    return tuple(pytree.tree_map(lambda t: t * scale, g) for g in grads)
+
+
 def to_numpy_flat(state: Any, prefix: str = "") -> dict[str, np.ndarray]:
     """Flatten a state into ``{"a/b/c": array}`` for ``np.savez`` (no pickle)."""
     out: dict[str, np.ndarray] = {}

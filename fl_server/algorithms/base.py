@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fl_server.functional import State, broadcast, get_params, make_forward, sgd, weighted_mean
+from fl_server.functional import State, broadcast, clip_by_global_norm, get_params, make_forward, sgd, weighted_mean
 from fl_server.models import Classifier
 
 StepFn = Callable[[State, State, torch.Tensor, torch.Tensor], State]
@@ -42,6 +42,7 @@ class Hyper:
 
     lr: float = 0.1
     weight_decay: float = 0.0
+    clip_norm: float | None = None  # per-client gradient-norm clip of the local step (authors' code: 10)
 
 
 class Algorithm:
@@ -69,6 +70,8 @@ class Algorithm:
 
     def local_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> State:
         grads = torch.func.grad(self.loss)(client_state["params"], server_state, x, y)
+        if self.hp.clip_norm is not None:
+            (grads,) = clip_by_global_norm((grads,), self.hp.clip_norm)
         return {"params": sgd(client_state["params"], grads, self.hp.lr, self.hp.weight_decay)}
 
     def aggregate(self, server_state: State, ids: np.ndarray, client_states: State, weights: torch.Tensor) -> State:

@@ -53,7 +53,11 @@ for _method, (_mv, _mt, _fv, _ft) in {
     UPFL_TABLE1_PAPER[("fashion_mnist", _method, "val")] = _fv
     UPFL_TABLE1_PAPER[("fashion_mnist", _method, "test")] = _ft
 
-_UPFL_LR = {"mnist": 0.1, "fashion_mnist": 0.3, "digits": 0.1}  # UPFL Table 4: FedAvg and TENT eta
+# UPFL Table 4 gives FedAvg/TENT eta = 0.1 (MNIST) and 0.3 (Fashion-MNIST). With our ConvNet (PyTorch default
+# init, inputs in [0, 1]) 0.3 collapses Fashion-MNIST training to one class within the first rounds (3 seeds
+# of the full protocol on an H100: best validation round 0-1, val 12.8%); on a 20-client training-client
+# validation probe 0.1 reached 67% val after 6 rounds against 15% for 0.3. We therefore use 0.1 for both.
+_UPFL_LR = {"mnist": 0.1, "fashion_mnist": 0.1, "digits": 0.1}
 
 
 def _upfl_hp(dataset: str) -> dict[str, dict[str, Any]]:
@@ -68,7 +72,8 @@ EXPERIMENTS: dict[str, Experiment] = {
         methods=("FedAvg", "TENT"),
         protocols={
             "mnist": Protocol("mnist", "mlp", rounds=200, method_hp=_upfl_hp("mnist")),
-            "fashion_mnist": Protocol("fashion_mnist", "convnet", rounds=300, method_hp=_upfl_hp("fashion_mnist")),
+            "fashion_mnist": Protocol("fashion_mnist", "convnet", rounds=300, method_hp=_upfl_hp("fashion_mnist"),
+                                      note="eta 0.1 instead of Table 4's 0.3 (0.3 collapses; chosen on validation)"),
             # the embedded default: 1,797 8x8 digits over 20 clients (no download)
             "digits": Protocol("digits", "mlp", rounds=60, num_clients=20, method_hp=_upfl_hp("digits"),
                                note="embedded default data set; no paper number"),

@@ -26,20 +26,29 @@ def experiment_section(name: str, rows: list[dict[str, Any]]) -> str:
     lines = [f"## {name}", ""]
     if exp is not None and exp.description:
         lines += [exp.description, ""]
-    lines += ["| dataset | method | split | ours | paper | seeds | rounds | device | wall s/seed | command |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| dataset | method | split | ours | paper | seeds | rounds (best) | device | wall s/seed | command | note |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         paper = "-" if r.get("paper") is None else f"{r['paper']:.2f}"
+        best = ",".join(str(b) for b in r.get("best_round", []))
         lines.append(f"| {r['dataset']} | {r['method']} | {r['split']} | {_fmt(r)} | {paper} | {r['seeds']} | "
-                     f"{r.get('rounds', '-')} | {r['device']} | {r.get('wall_s', '-')} | `{r.get('command', '')}` |")
+                     f"{r.get('rounds', '-')} ({best}) | {r['device']} | {r.get('wall_s', '-')} | "
+                     f"`{r.get('command', '')}` | {r.get('note', '')} |")
     return "\n".join(lines) + "\n"
 
 
+_BENCH_SKIP = {"benchmark", "what", "method", "metric", "value", "device", "command"}
+
+
 def benchmark_section(name: str, rows: list[dict[str, Any]]) -> str:
-    lines = [f"## benchmark: {name}", "", "| what | metric | value | device | command |", "|---|---|---|---|---|"]
+    lines = [f"## benchmark: {name}", "", "| what | metric | value | details | device | command |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         what = r.get("what") or r.get("method", "")
-        lines.append(f"| {what} | {r['metric']} | {r['value']} | {r.get('device', '-')} | `{r.get('command', '')}` |")
+        details = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                            for k, v in r.items() if k not in _BENCH_SKIP)
+        lines.append(f"| {what} | {r['metric']} | {r['value']} | {details} | {r.get('device', '-')} | "
+                     f"`{r.get('command', '')}` |")
     return "\n".join(lines) + "\n"
 
 

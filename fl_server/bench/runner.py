@@ -27,7 +27,7 @@ def build_federated(protocol: Protocol, seed: int, data_root: str | None = None)
 
 
 def run_seed(protocol: Protocol, method: str, seed: int, run_dir: Path | None, device: str = "auto",
-             mode: str = "vmap", progress: bool = True, data_root: str | None = None,
+             mode: str = "auto", progress: bool = True, data_root: str | None = None,
              fed: FederatedData | None = None, test_at_best_only: bool = True) -> dict[str, Any]:
     """Train and evaluate one method on one seed; returns the raw result record."""
     fed = fed if fed is not None else build_federated(protocol, seed, data_root)
@@ -46,7 +46,7 @@ def run_seed(protocol: Protocol, method: str, seed: int, run_dir: Path | None, d
         "rounds": protocol.rounds, "best_round": result.best_round,
         "val": 100 * result.best_val,
         "test": None if result.test_at_best is None else 100 * result.test_at_best,
-        "wall_s": round(result.wall_s, 2), "device": describe(sim.device), "mode": mode,
+        "wall_s": round(result.wall_s, 2), "device": describe(sim.device), "mode": sim.mode,
         "hyper": algorithm.hp.__dict__, "protocol_note": protocol.note, "host": platform.node(),
         "curve": [{"round": r["round"], "val": r.get("val"), "test": r.get("test")}
                   for r in result.history if "val" in r],
@@ -63,7 +63,7 @@ def raw_path(results_dir: Path, experiment: str, dataset: str, method: str, seed
 
 
 def run_experiment(exp: Experiment, datasets: list[str], methods: list[str], seeds: int, results_dir: Path,
-                   runs_dir: Path, quick: bool = False, device: str = "auto", mode: str = "vmap",
+                   runs_dir: Path, quick: bool = False, device: str = "auto", mode: str = "auto",
                    progress: bool = True, data_root: str | None = None, command: str = "") -> list[dict]:
     """Run every missing (dataset, method, seed) and rewrite the aggregated table."""
     for dataset in datasets:
@@ -107,6 +107,7 @@ def aggregate(exp: Experiment, results_dir: Path, command: str = "") -> list[dic
                     "wall_s": round(float(np.mean([r["wall_s"] for r in records])), 1),
                     "rounds": records[0]["rounds"],
                     "best_round": [r["best_round"] for r in records],
+                    "note": records[0].get("protocol_note", ""),
                     "command": records[0].get("command") or command,
                 })
     out = results_dir / f"{exp.name}.json"

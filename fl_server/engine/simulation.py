@@ -36,7 +36,10 @@ class RunConfig:
     client_fraction: float = 1.0  # UPFL: all training clients every round
     eval_every: int = 1
     seed: int = 0
-    mode: str = "vmap"  # "vmap" (clients stepped together) or "loop" (per-client reference)
+    # "vmap" (clients stepped together), "loop" (per-client reference) or "auto": vmap on CUDA, and on the
+    # CPU for models without convolutions (vmapped conv backward is a grouped convolution, which is far
+    # slower than the loop on CPU; measured in docs/benchmarks/vmap-engine.json)
+    mode: str = "auto"
     dtype: str = "float32"
     device: str = "auto"
     chunk_size: int | None = None  # vmap chunking over clients, bounds memory
@@ -98,6 +101,15 @@ def run_local_steps(step_fn: StepFn, states: State, server_state: State, x: torc
     raise ValueError(f"unknown mode {mode!r}; use 'vmap' or 'loop'")
 
 
+def resolve_mode(mode: str, device: torch.device, model: torch.nn.Module) -> str:
+    if mode not in ("auto", "vmap", "loop"):
+        raise ValueError(f"unknown mode {mode!r}; use 'auto', 'vmap' or 'loop'")
+    if mode != "auto":
+        return mode
+    has_conv = any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
+    return "vmap" if device.type == "cuda" or not has_conv else "loop"
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data)
@@ -127,6 +139,7 @@ class Simulation:
         self.train_sizes = torch.tensor([len(t) for t in fed.train], dtype=self.dtype, device=self.device)
         algorithm.model.to(self.device)
         self.server_state = algorithm.init_state(self.dtype, self.device)
+        self.mode = resolve_mode(cfg.mode, self.device, algorithm.model)
         self.out_dir = Path(cfg.out_dir) if cfg.out_dir else None
         self.fingerprint = self._fingerprint()
         self.best_state: State | None = None
@@ -151,7 +164,7 @@ class Simulation:
                     iterations: int, rng: np.random.Generator) -> State:
         batches = client_batches([self.fed.train[i] for i in ids], iterations, self.cfg.batch_size, rng)
         return run_local_steps(step_fn, states, server_state, self.x, self.y,
-                               torch.from_numpy(batches).to(self.device), self.cfg.mode, self.cfg.chunk_size)
+                               torch.from_numpy(batches).to(self.device), self.mode, self.cfg.chunk_size)
 
     def run_round(self, round_: int) -> None:
         ids = self.select_clients(round_)
