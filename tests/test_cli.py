@@ -28,7 +28,7 @@ def test_train_on_embedded_digits(tmp_path: Path) -> None:
 
 
 def test_bench_quick_writes_schema_rows(tmp_path: Path, data_root: Path) -> None:
-    out = fl_server("bench", "upfl-table1", "--quick", "--dataset", "mnist", "--seeds", "1",
+    out = fl_server("bench", "upfl-table1", "--quick", "--dataset", "mnist", "--seeds", "1", "--methods", "FedAvg", "TENT",
                     "--results-dir", str(tmp_path / "res"), "--runs-dir", str(tmp_path / "runs"), "--no-progress",
                     env={"FL_DATA_DIR": str(data_root)})
     assert out.returncode == 0, out.stderr
@@ -40,7 +40,7 @@ def test_bench_quick_writes_schema_rows(tmp_path: Path, data_root: Path) -> None
         assert keys <= set(r) and r["seeds"] == 1 and 0 <= r["mean"] <= 100
     assert next(r for r in rows if r["method"] == "FedAvg" and r["split"] == "test")["paper"] == 94.69
     # resumable: a second call finds every seed file and trains nothing
-    again = fl_server("bench", "upfl-table1", "--quick", "--dataset", "mnist", "--seeds", "1",
+    again = fl_server("bench", "upfl-table1", "--quick", "--dataset", "mnist", "--seeds", "1", "--methods", "FedAvg", "TENT",
                       "--results-dir", str(tmp_path / "res"), "--runs-dir", str(tmp_path / "runs"), "--no-progress",
                       env={"FL_DATA_DIR": str(data_root)})
     assert again.returncode == 0 and "FedAvg" in again.stdout

@@ -93,3 +93,13 @@ def test_client_batches_walk_permutations() -> None:
     # client 0: every epoch of 10 samples is a permutation
     assert sorted(b[0, :2].ravel()) == list(range(10)) and sorted(b[0, 2:].ravel()) == list(range(10))
     assert set(b[1].ravel()) == {100, 101, 102}  # fewer samples than a batch: repeats
+
+
+def test_resolve_mode() -> None:
+    from fl_server.engine.simulation import resolve_mode
+
+    cpu, mlp, cnn = torch.device("cpu"), build_model("mlp", (1, 8, 8), 10), build_model("convnet", (1, 8, 8), 10)
+    assert resolve_mode("auto", cpu, mlp) == "vmap" and resolve_mode("auto", cpu, cnn) == "loop"
+    assert resolve_mode("auto", torch.device("cuda"), cnn) == "vmap" and resolve_mode("loop", cpu, mlp) == "loop"
+    with pytest.raises(ValueError, match="unknown mode 'fast'"):
+        resolve_mode("fast", cpu, mlp)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from fl_server.algorithms.fedtta import FEDTTA_HP
+
 
 @dataclass(frozen=True)
 class Protocol:
@@ -63,13 +65,14 @@ _UPFL_LR = {"mnist": 0.1, "fashion_mnist": 0.1, "digits": 0.1}
 def _upfl_hp(dataset: str) -> dict[str, dict[str, Any]]:
     lr = _UPFL_LR[dataset]
     return {"FedAvg": {"lr": lr}, "TENT": {"lr": lr}, "FedProx": {"lr": 0.3, "mu": 0.001},
-            "FedAvg+FT": {"lr": lr}, "Local": {"lr": lr}}
+            "FedAvg+FT": {"lr": lr}, "Local": {"lr": lr},
+            **FEDTTA_HP.get(dataset, FEDTTA_HP["mnist"])}
 
 
 EXPERIMENTS: dict[str, Experiment] = {
     "upfl-table1": Experiment(
         name="upfl-table1",
-        methods=("FedAvg", "TENT"),
+        methods=("FedAvg", "TENT", "FedTTA", "FedTTA-Prox", "FedTTA++"),
         protocols={
             "mnist": Protocol("mnist", "mlp", rounds=200, method_hp=_upfl_hp("mnist")),
             "fashion_mnist": Protocol("fashion_mnist", "convnet", rounds=300, method_hp=_upfl_hp("fashion_mnist"),
