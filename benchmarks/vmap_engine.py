@@ -71,6 +71,9 @@ def main() -> int:
     ap.add_argument("--cases", nargs="*", type=int, default=None, help="indices into CASES (default: all)")
     args = ap.parse_args()
     device = pick_device(args.device)
+    # parity is about the engine, not TF32: cuDNN convolutions default to TF32 on Ampere+ GPUs
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
     fed = make_federated(load_dataset("mnist", root=args.data_dir, split="all"), "pathological", 100, seed=0)
     command = "python benchmarks/vmap_engine.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     rows = []

@@ -107,3 +107,10 @@ def test_fedtta_plus_plus_returns_the_lowest_entropy_iterate() -> None:
     np.testing.assert_allclose(ent, stopper.history, rtol=1e-5)
     assert stopper.best_step == int(np.argmin(ent))
     assert all(torch.equal(best[k], iterates[stopper.best_step][k]) for k in best)
+
+
+def test_adapter_init_is_seeded() -> None:
+    make = lambda seed: build_algorithm("FedTTA", build_model("mlp", (1, 4, 4), 3, seed=0), 1, seed=seed)  # noqa: E731
+    a, b, c = make(0), make(0), make(1)
+    pa, pb, pc = (list(m.adapter.parameters()) for m in (a, b, c))
+    assert all(torch.equal(x, y) for x, y in zip(pa, pb)) and not torch.equal(pa[0], pc[0])

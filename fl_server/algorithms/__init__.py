@@ -16,14 +16,15 @@ ALGORITHMS: dict[str, type[Algorithm]] = {a.name: a for a in (FedAvg, FedProx, F
                                                                 FedTTA, FedTTAProx, FedTTAPlusPlus)}
 
 
-def build_algorithm(name: str, model: Classifier, num_train_clients: int, **hyper: Any) -> Algorithm:
-    """Instantiate a method by its display name (e.g. ``"FedAvg"``, ``"TENT"``)."""
+def build_algorithm(name: str, model: Classifier, num_train_clients: int, seed: int = 0, **hyper: Any) -> Algorithm:
+    """Instantiate a method by its display name (e.g. ``"FedAvg"``, ``"TENT"``); ``seed`` fixes the init of
+    the modules a method adds to ``model``."""
     if name not in ALGORITHMS:
         raise ValueError(f"unknown method {name!r}; choose one of {', '.join(ALGORITHMS)}")
     cls = ALGORITHMS[name]
     if cls is Local:
-        return Local(model, num_train_clients=num_train_clients, **hyper)
-    return cls(model, **hyper)
+        return Local(model, num_train_clients=num_train_clients, seed=seed, **hyper)
+    return cls(model, seed=seed, **hyper)
 
 
 __all__ = ["ALGORITHMS", "Algorithm", "Hyper", "NotApplicable", "build_algorithm"]

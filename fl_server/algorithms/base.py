@@ -52,9 +52,11 @@ class Algorithm:
     # clients', after ``personalize`` on the (unlabeled) validation data itself.
     adapts_at_test_time: ClassVar[bool] = False
 
-    def __init__(self, model: Classifier, config: Hyper | None = None, **overrides: Any) -> None:
+    def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0, **overrides: Any) -> None:
+        """``seed`` fixes the initial weights of any module the method adds to ``model`` (e.g. FedTTA's g)."""
         base = config if config is not None else self.Config()
         self.hp = type(base)(**{**asdict(base), **overrides})
+        self.seed = seed
         self.model = model
         self.forward = make_forward(model)
 

@@ -40,13 +40,14 @@ class FedTTA(Algorithm):
     Config = FedTTAConfig
     adapts_at_test_time = True
 
-    def __init__(self, model: Classifier, config: Hyper | None = None, **overrides) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(model, config, **overrides)
-        self.adapter = AdaptationMLP(model.num_classes, self.hp.adapt_width)
+    def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0, **overrides) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(model, config, seed, **overrides)
+        with torch.random.fork_rng(devices=[]):  # seeded init, global RNG untouched
+            torch.manual_seed(seed + 7919)
+            self.adapter = AdaptationMLP(model.num_classes, self.hp.adapt_width)
         self.g = make_forward(self.adapter)
 
     def init_state(self, dtype: torch.dtype, device: torch.device) -> State:
-        # the adapter's init is drawn after the model's, from the same (seeded) global stream
         return {"params": get_params(self.model, dtype, device), "phi": get_params(self.adapter, dtype, device)}
 
     def client_start(self, server_state: State, ids: np.ndarray) -> State:

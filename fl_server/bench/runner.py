@@ -33,7 +33,8 @@ def run_seed(protocol: Protocol, method: str, seed: int, run_dir: Path | None, d
     fed = fed if fed is not None else build_federated(protocol, seed, data_root)
     shape = fed.dataset.x.shape[1:]
     model = build_model(protocol.model, shape, fed.dataset.num_classes, seed=seed)
-    algorithm = build_algorithm(method, model, fed.num_train_clients, **protocol.method_hp.get(method, {}))
+    algorithm = build_algorithm(method, model, fed.num_train_clients, seed=seed,
+                                **protocol.method_hp.get(method, {}))
     cfg = RunConfig(rounds=protocol.rounds, local_iterations=protocol.local_iterations,
                     batch_size=protocol.batch_size, client_fraction=protocol.client_fraction,
                     eval_every=protocol.eval_every, seed=seed, mode=mode, device=device,
