@@ -1,1 +1,11 @@
-"""ONNX export of frozen forward paths and gradient-step graphs (see the export/SDK issue)."""
+"""ONNX export of frozen forward paths and gradient-step graphs (dynamic batch axis, pinned opset)."""
+from export.graphs import OPSET, export_function
+from export.steps import StepSpec, fedtta_step_spec, forward_spec, tent_step_spec
+
+
+def export_spec(spec: StepSpec, path):  # type: ignore[no-untyped-def]
+    """Export a :class:`StepSpec` to ``path`` (atomic)."""
+    return export_function(spec.fn, spec.example, spec.input_names, spec.output_names, spec.batch_inputs, path)
+
+
+__all__ = ["OPSET", "StepSpec", "export_function", "export_spec", "fedtta_step_spec", "forward_spec", "tent_step_spec"]

@@ -1,0 +1,48 @@
+"""Trace pure functions of (inputs, weights) into ONNX graphs with a dynamic batch axis.
+
+The gradient steps a device needs are traced with ``make_fx`` (symbolic shapes) over ``torch.func.grad``,
+with :mod:`export.decompositions` so ConvNets lower, then exported by the dynamo ONNX exporter. Every
+weight is a graph input, so the device feeds the weights it holds and receives the updated ones.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from export.decompositions import DECOMPOSITIONS
+
+OPSET = 18
+
+
+def _positional_module(graph: torch.nn.Module, arg_names: Sequence[str]) -> torch.nn.Module:
+    """A module whose ``forward(self, a, b, ...)`` has one named argument per graph input (the exporter
+    maps ``dynamic_shapes`` and ONNX input names by argument)."""
+    args = ", ".join(arg_names)
+    namespace: dict = {}
+    exec(f"def forward(self, {args}):\n    return self.graph({args})\n", namespace)  # noqa: S102 - fixed template
+    module = type("TracedStep", (torch.nn.Module,), {"forward": namespace["forward"]})()
+    module.graph = graph
+    return module
+
+
+def export_function(fn: Callable[..., tuple[torch.Tensor, ...]], example: Sequence[torch.Tensor],
+                    input_names: Sequence[str], output_names: Sequence[str], batch_inputs: Sequence[str],
+                    path: str | os.PathLike) -> Path:
+    """Export ``fn(*example)`` to ONNX at ``path``; inputs named in ``batch_inputs`` get a dynamic axis 0.
+    Written atomically (temp file + rename)."""
+    graph = make_fx(fn, tracing_mode="symbolic", decomposition_table=DECOMPOSITIONS)(*example)
+    arg_names = [f"in{i}" for i in range(len(example))]
+    batch = torch.export.Dim("batch", min=1)
+    dynamic = {a: ({0: batch} if n in batch_inputs else None) for a, n in zip(arg_names, input_names)}
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    onnx_program = torch.onnx.export(_positional_module(graph, arg_names), tuple(example), dynamo=True,
+                                     input_names=list(input_names), output_names=list(output_names),
+                                     dynamic_shapes=dynamic, opset_version=OPSET, verbose=False)
+    onnx_program.save(str(tmp))
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,76 @@
+"""The graphs a device runs, as pure functions of (x, weights), ready for :func:`export.graphs.export_function`.
+
+Each builder returns a :class:`StepSpec`: the function, example inputs, and ONNX input/output names.
+Weight inputs are named ``psi.<param>`` (base model) and ``phi.<param>`` (FedTTA's adaptation model);
+updated weights come back as ``new.<param>``.
+- ``forward_spec``: (x, psi) -> logits                         plain inference with the device's weights
+- ``fedtta_step_spec``: (x, psi, phi) -> (new psi, logits, entropy)   one step of UPFL Eq. 5 on the batch
+- ``tent_step_spec``: (x, psi) -> (new psi, logits, entropy)   one SGD step on the mean prediction entropy
+``logits`` and ``entropy`` (mean prediction entropy, natural log) are those of the *updated* weights, which is
+what FedTTA++'s early stopping needs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from fl_server.algorithms.fedtta import FedTTA
+from fl_server.algorithms.losses import entropy_from_logits
+from fl_server.algorithms.tent import Tent
+from fl_server.functional import State, make_forward
+from fl_server.models import Classifier
+
+
+@dataclass
+class StepSpec:
+    fn: Callable[..., tuple[torch.Tensor, ...]]
+    example: list[torch.Tensor]
+    input_names: list[str]
+    output_names: list[str]
+    batch_inputs: tuple[str, ...] = ("x",)
+
+
+def _example_x(model: Classifier, params: State, batch: int) -> torch.Tensor:
+    first = next(iter(params.values()))
+    shape = getattr(model, "input_shape", None)
+    if shape is None:
+        raise ValueError("model has no input_shape; build it with fl_server.models.build_model")
+    return torch.rand(batch, *shape, dtype=first.dtype)
+
+
+def forward_spec(model: Classifier, params: State, batch: int = 4) -> StepSpec:
+    names = list(params)
+    forward = make_forward(model)
+
+    def fn(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (forward(dict(zip(names, weights)), x),)
+
+    return StepSpec(fn, [_example_x(model, params, batch), *params.values()],
+                    ["x", *(f"psi.{n}" for n in names)], ["logits"])
+
+
+def fedtta_step_spec(algorithm: FedTTA, psi: State, phi: State, batch: int = 4) -> StepSpec:
+    names, phi_names = list(psi), list(phi)
+
+    def fn(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        new = algorithm.adapt_step(dict(zip(names, weights[:len(names)])), dict(zip(phi_names, weights[len(names):])), x)
+        logits = algorithm.forward(new, x)
+        return (*(new[n] for n in names), logits, entropy_from_logits(logits).mean())
+
+    return StepSpec(fn, [_example_x(algorithm.model, psi, batch), *psi.values(), *phi.values()],
+                    ["x", *(f"psi.{n}" for n in names), *(f"phi.{n}" for n in phi_names)],
+                    [*(f"new.{n}" for n in names), "logits", "entropy"])
+
+
+def tent_step_spec(algorithm: Tent, psi: State, batch: int = 4) -> StepSpec:
+    names = list(psi)
+
+    def fn(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        new = algorithm.entropy_step(dict(zip(names, weights)), x)
+        logits = algorithm.forward(new, x)
+        return (*(new[n] for n in names), logits, entropy_from_logits(logits).mean())
+
+    return StepSpec(fn, [_example_x(algorithm.model, psi, batch), *psi.values()],
+                    ["x", *(f"psi.{n}" for n in names)], [*(f"new.{n}" for n in names), "logits", "entropy"])
