@@ -26,7 +26,7 @@ def _positional_module(graph: torch.nn.Module, arg_names: Sequence[str]) -> torc
     exec(f"def forward(self, {args}):\n    return self.graph({args})\n", namespace)  # noqa: S102 - fixed template
     module = type("TracedStep", (torch.nn.Module,), {"forward": namespace["forward"]})()
     module.graph = graph
-    return module
+    return module.eval()
 
 
 def export_function(fn: Callable[..., tuple[torch.Tensor, ...]], example: Sequence[torch.Tensor],

@@ -70,3 +70,45 @@ def test_step_lowers_entropy_on_device(batches, tmp_path: Path) -> None:  # type
         out = session.run(None, dict(zip(spec.input_names, [x, *weights])))
         weights, entropies = out[:len(weights)], entropies + [float(out[-1])]
     assert entropies[-1] < entropies[0]
+
+
+def test_fedtta_plus_plus_on_onnxruntime_matches_torch(batches, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from edge_sdk.steps import StepRunner, load_session, personalize_early_stopping
+
+    alg = build_algorithm("FedTTA++", build_model("mlp", (1, 28, 28), 10, seed=0), 1, seed=0,
+                          **{**FEDTTA_HP["mnist"]["FedTTA++"], "patience": 2, "max_steps": 8})
+    state = alg.init_state(torch.float32, torch.device("cpu"))
+    step = fedtta_step_spec(alg, state["params"], state["phi"])
+    fwd = forward_spec(alg.model, state["params"])
+    export_spec(step, tmp_path / "step.onnx")
+    export_spec(fwd, tmp_path / "forward.onnx")
+    psi = {n: v.numpy() for n, v in state["params"].items()}
+    runner = StepRunner(load_session(tmp_path / "step.onnx"), fixed={n: v.numpy() for n, v in state["phi"].items()})
+    x = batches[0]
+    best_dev, stop_dev = personalize_early_stopping(runner, load_session(tmp_path / "forward.onnx"), x.numpy(), psi,
+                                                    patience=2, max_steps=8)
+    best_ref, stop_ref = alg.personalize_early_stopping(state["params"], state["phi"], x)
+    assert stop_dev.best_step == stop_ref.best_step and len(stop_dev.history) == len(stop_ref.history)
+    np.testing.assert_allclose(stop_dev.history, stop_ref.history, atol=1e-5)
+    for n in best_dev:
+        assert float(np.abs(best_dev[n] - best_ref[n].numpy()).max()) <= TOL
+
+
+def test_device_step_rejects_bad_input(tmp_path: Path) -> None:
+    from edge_sdk.steps import StepRunner, load_session
+
+    alg = build_algorithm("TENT", build_model("mlp", (1, 28, 28), 10, seed=0), 1, lr=0.1)
+    spec = tent_step_spec(alg, alg.init_state(torch.float32, torch.device("cpu"))["params"])
+    runner = StepRunner(load_session(export_spec(spec, tmp_path / "t.onnx")))
+    psi = dict(zip(runner.param_names, (w.numpy() for w in spec.example[1:])))
+    good = np.zeros((2, 1, 28, 28), np.float32)
+    with pytest.raises(ValueError, match="float32"):
+        runner.step(good.astype(np.float64), psi)
+    with pytest.raises(ValueError, match="axis 2"):
+        runner.step(np.zeros((2, 1, 27, 28), np.float32), psi)
+    with pytest.raises(ValueError, match="NaN or inf"):
+        runner.step(np.full((2, 1, 28, 28), np.nan, np.float32), psi)
+    with pytest.raises(ValueError, match="empty batch"):
+        runner.step(np.zeros((0, 1, 28, 28), np.float32), psi)
+    with pytest.raises(ValueError, match="4 dimensions"):
+        runner.step(np.zeros((28, 28), np.float32), psi)
