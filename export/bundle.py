@@ -1,0 +1,85 @@
+"""Artifact bundles: ONNX graphs and ``.npz`` weights plus ``manifest.json`` (sha256, size, opset, I/O
+signatures, method and hyperparameters, versions). Written atomically: files go to a temporary sibling
+directory that is renamed into place only when complete, so a reader never sees half a bundle."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+import fl_server
+from export.graphs import OPSET
+from export.steps import StepSpec
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+_ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.DOUBLE: "float64",
+                onnx.TensorProto.INT64: "int64", onnx.TensorProto.INT32: "int32"}
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _signature(values: Any) -> list[dict[str, Any]]:
+    out = []
+    for v in values:
+        t = v.type.tensor_type
+        shape = [d.dim_param or d.dim_value for d in t.shape.dim]
+        out.append({"name": v.name, "dtype": _ONNX_DTYPES.get(t.elem_type, str(t.elem_type)), "shape": shape})
+    return out
+
+
+def write_bundle(dest: str | os.PathLike, graphs: dict[str, Path], weights: dict[str, dict[str, np.ndarray]],
+                 method: str, hyperparameters: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
+    """Assemble a bundle at ``dest`` from exported graphs (name -> .onnx path) and weight sets
+    (name -> {param: array}, saved as ``<name>.npz``). Replaces an existing bundle atomically."""
+    dest = Path(dest)
+    staging = dest.with_name(f".{dest.name}.staging-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    artifacts = []
+    for name, src in graphs.items():
+        target = staging / f"{name}.onnx"
+        shutil.copyfile(src, target)
+        model = onnx.load(str(target), load_external_data=False)
+        artifacts.append({"name": name, "kind": "onnx", "file": target.name, "opset": OPSET,
+                          "inputs": _signature(model.graph.input), "outputs": _signature(model.graph.output)})
+    for name, arrays in weights.items():
+        target = staging / f"{name}.npz"
+        np.savez(target, **arrays)
+        artifacts.append({"name": name, "kind": "weights", "file": target.name,
+                          "arrays": {k: {"dtype": str(v.dtype), "shape": list(v.shape)} for k, v in arrays.items()}})
+    for a in artifacts:
+        path = staging / a["file"]
+        a["sha256"], a["size"] = sha256_file(path), path.stat().st_size
+    manifest = {"format": FORMAT_VERSION, "method": method, "hyperparameters": hyperparameters,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "versions": {"fl_server": fl_server.__version__, "onnx_opset": OPSET}, "artifacts": artifacts,
+                **(extra or {})}
+    (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
+    old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+    if dest.exists():
+        os.replace(dest, old)
+    os.replace(staging, dest)
+    shutil.rmtree(old, ignore_errors=True)
+    return dest
+
+
+def export_specs(specs: dict[str, StepSpec], workdir: Path) -> dict[str, Path]:
+    """Export several step specs into ``workdir``; returns name -> path."""
+    from export import export_spec
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    return {name: export_spec(spec, workdir / f"{name}.onnx") for name, spec in specs.items()}
