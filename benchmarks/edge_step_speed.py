@@ -21,7 +21,6 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from edge_sdk.steps import load_session  # noqa: E402

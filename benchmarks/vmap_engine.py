@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from fl_server.algorithms import build_algorithm

@@ -15,7 +15,7 @@ from fl_server.algorithms import build_algorithm
 from fl_server.bench.experiments import Experiment, Protocol
 from fl_server.data import load_dataset
 from fl_server.data.federated import FederatedData, make_federated
-from fl_server.device import describe, pick_device
+from fl_server.device import describe
 from fl_server.engine import RunConfig, Simulation
 from fl_server.models import build_model
 
