@@ -16,9 +16,12 @@ $(STAMP): pyproject.toml edge_sdk/pyproject.toml
 
 setup: $(STAMP)
 
-## the main job on the embedded default data set (scikit-learn's 8x8 digits, no download)
+## the main job on the embedded default data set (scikit-learn's 8x8 digits, no download):
+## federated training -> ONNX bundle -> new clients personalise on onnxruntime (no torch on the device side)
 run: $(STAMP)
 	$(BIN)/fl-server train --dataset digits --method TENT --out runs/default
+	$(BIN)/fl-server export runs/default --out runs/default-bundle
+	$(BIN)/python examples/personalize_on_device.py --bundle runs/default-bundle
 
 ## the whole test suite (real MNIST / Fashion-MNIST from ../shared/data when present)
 test: $(STAMP)

@@ -6,9 +6,13 @@ weight is a graph input, so the device feeds the weights it holds and receives t
 """
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
+import warnings
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -34,11 +38,30 @@ def export_function(fn: Callable[..., tuple[torch.Tensor, ...]], example: Sequen
                     path: str | os.PathLike) -> Path:
     """Export ``fn(*example)`` to ONNX at ``path``; inputs named in ``batch_inputs`` get a dynamic axis 0.
     Written atomically (temp file + rename)."""
+    with _quiet():
+        return _export(fn, example, input_names, output_names, batch_inputs, Path(path))
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The exporter prints progress lines and library warnings; keep the user's terminal clean."""
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        level = logging.getLogger("torch").level
+        logging.getLogger("torch").setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            logging.getLogger("torch").setLevel(level)
+
+
+def _export(fn: Callable[..., tuple[torch.Tensor, ...]], example: Sequence[torch.Tensor],
+            input_names: Sequence[str], output_names: Sequence[str], batch_inputs: Sequence[str],
+            path: Path) -> Path:
     graph = make_fx(fn, tracing_mode="symbolic", decomposition_table=DECOMPOSITIONS)(*example)
     arg_names = [f"in{i}" for i in range(len(example))]
     batch = torch.export.Dim("batch", min=1)
     dynamic = {a: ({0: batch} if n in batch_inputs else None) for a, n in zip(arg_names, input_names)}
-    path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     onnx_program = torch.onnx.export(_positional_module(graph, arg_names), tuple(example), dynamo=True,
                                      input_names=list(input_names), output_names=list(output_names),

@@ -1,4 +1,4 @@
-"""``fl-server``: train, bench, report, data. (The coordinator's ``serve`` lands with the API issue.)"""
+"""``fl-server``: train, bench, export, report, data. (The coordinator's ``serve`` lands with the API issue.)"""
 from __future__ import annotations
 
 import argparse
@@ -63,6 +63,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from export.run import export_run
+
+    path = export_run(args.run_dir, args.out)
+    print(f"bundle written to {path} (verify and use it on a device with edge_sdk.bundle.load_bundle)")
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from fl_server.bench.report import write_report
 
@@ -109,6 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs-dir", default="runs/bench")
     _add_run_flags(p)
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("export", help="export a trained run's best model and device steps as an ONNX bundle")
+    p.add_argument("run_dir", help="run directory of `fl-server train --out` (holds run.json and best.npz)")
+    p.add_argument("--out", required=True, help="bundle directory to write (replaced atomically)")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("report", help="regenerate docs/RESULTS.md")
     p.add_argument("--docs", default="docs")

@@ -56,3 +56,25 @@ def test_data_info_and_clear_errors(tmp_path: Path, data_root: Path) -> None:
 def test_unknown_method_is_one_clear_line(tmp_path: Path) -> None:
     out = fl_server("train", "--method", "Nope", "--rounds", "1", "--out", str(tmp_path))
     assert out.returncode == 2 and "unknown method 'Nope'" in out.stderr
+
+
+def test_train_export_and_personalize_on_device(tmp_path: Path) -> None:
+    """The `make run` chain on a short run: train -> export -> torch-free device personalisation."""
+    trained = fl_server("train", "--dataset", "digits", "--method", "TENT", "--rounds", "8", "--out",
+                        str(tmp_path / "run"), "--no-progress")
+    assert trained.returncode == 0, trained.stderr
+    exported = fl_server("export", str(tmp_path / "run"), "--out", str(tmp_path / "bundle"))
+    assert exported.returncode == 0 and (tmp_path / "bundle" / "manifest.json").exists(), exported.stderr
+    device = subprocess.run([sys.executable, "examples/personalize_on_device.py", "--bundle", str(tmp_path / "bundle")],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert device.returncode == 0, device.stderr
+    assert "artifacts verified" in device.stdout and "torch imported: False" in device.stdout
+    torch_acc = float(trained.stdout.split("new-client test ")[1].split("%")[0])  # at the best-val round
+    summary = next(line for line in device.stdout.splitlines() if "new clients: mean accuracy" in line)
+    device_acc = float(summary.split("-> ")[1].split("%")[0])
+    assert abs(device_acc - torch_acc) < 0.5  # the device reproduces the torch TENT evaluation
+
+
+def test_export_without_a_run_is_one_clear_line(tmp_path: Path) -> None:
+    out = fl_server("export", str(tmp_path), "--out", str(tmp_path / "b"))
+    assert out.returncode == 2 and "run.json: not found" in out.stderr

@@ -3,6 +3,7 @@
 ``<results>/<experiment>.json`` is aggregated from whatever seeds are done."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
@@ -41,6 +42,12 @@ def run_seed(protocol: Protocol, method: str, seed: int, run_dir: Path | None, d
                     out_dir=str(run_dir) if run_dir else None, progress=progress,
                     test_at_best_only=test_at_best_only)
     sim = Simulation(algorithm, fed, cfg)
+    if run_dir is not None:  # what `fl-server export` needs to rebuild the model around best.npz
+        run_dir.mkdir(parents=True, exist_ok=True)
+        describe_run = {"method": method, "hyper": dataclasses.asdict(algorithm.hp), "model": protocol.model,
+                        "dataset": protocol.dataset, "input_shape": list(shape),
+                        "num_classes": fed.dataset.num_classes, "seed": seed, "protocol": dataclasses.asdict(protocol)}
+        (run_dir / "run.json").write_text(json.dumps(describe_run, indent=1, default=str))
     result = sim.run()
     return {
         "dataset": protocol.dataset, "method": method, "seed": seed, "model": protocol.model,

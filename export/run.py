@@ -1,0 +1,41 @@
+"""Export a finished run (``run.json`` + ``best.npz`` in its run directory) into a device bundle."""
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import torch
+
+from export.bundle import export_specs, write_bundle
+from export.steps import StepSpec, fedtta_step_spec, forward_spec, tent_step_spec
+from fl_server.algorithms import build_algorithm
+from fl_server.algorithms.fedtta import FedTTA
+from fl_server.algorithms.tent import Tent
+from fl_server.engine.simulation import load_state
+from fl_server.models import build_model
+
+
+def export_run(run_dir: str | Path, dest: str | Path) -> Path:
+    """Build the method's device graphs around the best-validation weights of ``run_dir``; write a bundle."""
+    run_dir = Path(run_dir)
+    for needed in ("run.json", "best.npz"):
+        if not (run_dir / needed).is_file():
+            raise FileNotFoundError(f"{run_dir / needed}: not found; train first (fl-server train --out {run_dir})")
+    run = json.loads((run_dir / "run.json").read_text())
+    model = build_model(run["model"], tuple(run["input_shape"]), run["num_classes"], seed=run["seed"])
+    algorithm = build_algorithm(run["method"], model, 1, seed=run["seed"], **run["hyper"])
+    state = {k: {n: v.float() for n, v in d.items()} for k, d in load_state(run_dir / "best.npz").items()
+             if k in ("params", "phi")}
+    specs: dict[str, StepSpec] = {"forward": forward_spec(model, state["params"])}
+    if isinstance(algorithm, FedTTA):
+        specs["fedtta_step"] = fedtta_step_spec(algorithm, state["params"], state["phi"])
+    elif isinstance(algorithm, Tent):
+        specs["tent_step"] = tent_step_spec(algorithm, state["params"])
+    weights = {k: {n: v.numpy() for n, v in d.items()} for k, d in state.items()}
+    with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
+        graphs = export_specs(specs, Path(tmp))
+        return write_bundle(dest, graphs, weights, run["method"], run["hyper"],
+                            extra={"model": run["model"], "dataset": run["dataset"], "seed": run["seed"],
+                                   "protocol": run["protocol"],
+                                   "input_shape": run["input_shape"], "num_classes": run["num_classes"]})
