@@ -1,0 +1,235 @@
+"""Speed of BTFL's test-time interpolation on one CPU core (edge_sdk.btfl, numpy only on the device path).
+
+Microseconds per sample, all measured in one run on the same seeded stream (D = 64 features, C = 10 classes):
+
+* ``BTFLStream.predict`` (exact e, the paper's options) at batch 1 and batch 256 -- the whole per-sample
+  pipeline: validation, fsq + both DLE likelihoods, both heads' softmax / entropy, events, tau_hat, the Beta
+  recursion, e and the mixture (Eq. 21);
+* the e step alone as predict runs it (memoised grid at batch 1, as a one-at-a-time stream hits it), cold
+  (memo off) at batch 1, and at batch 256;
+* ``BTFLStream.predict`` with ``integral="trapezoid100"`` (our vectorised authors' variant);
+* references for e on the same (alpha, beta, tau_hat) triples: (a) scipy.integrate.quad per sample, (b) a
+  re-statement of the authors' per-sample Python loop: 100-point trapezoid of Eq. 19 on [0.01, 0.99]
+  (np.trapz is gone in NumPy 2.4, so the trapezoid is written out; the Beta pdf via betaln, which is cheaper
+  than the scipy.stats call a straightforward port would make).
+
+Rows are merged by (what, device) into docs/benchmarks/btfl-speed.json.
+
+    python benchmarks/btfl_speed.py [--out docs/benchmarks/btfl-speed.json] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS"):
+    os.environ[_var] = "1"  # one core: set before numpy is imported
+
+import argparse
+import json
+import math
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from edge_sdk import btfl, entropy
+
+ROOT = Path(__file__).resolve().parents[1]
+
+D, C = 64, 10
+DEVICE = "cpu:1 thread"
+COMMAND = "python benchmarks/btfl_speed.py"
+
+
+def pin_one_core() -> None:
+    if hasattr(os, "sched_setaffinity"):
+        cpus = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cpus[-1]})
+
+
+def make_stream_data(n: int, seed: int = 0) -> dict[str, np.ndarray | float]:
+    """Seeded synthetic client: own / other feature distributions, a mixed test stream, two heads' logits."""
+    rng = np.random.default_rng(seed)
+    keep = rng.uniform(0.2, 0.8, D)
+    own = rng.exponential(0.6, (2000, D)) * (rng.random((2000, D)) < keep)
+    other = rng.exponential(0.9, (2000, D))
+    src = rng.random(n) < 0.5
+    feats = np.where(
+        src[:, None], rng.exponential(0.6, (n, D)) * (rng.random((n, D)) < keep), rng.exponential(0.9, (n, D))
+    )
+    local = rng.normal(0, 1, (n, C)) * rng.uniform(0.3, 4, (n, 1))
+    glob = rng.normal(0, 1, (n, C)) * rng.uniform(0.3, 4, (n, 1))
+    return {
+        "local_dle": btfl.fit_dle(own),
+        "global_dle": btfl.fit_dle(other),
+        "features": feats,
+        "local": local,
+        "global": glob,
+        "h_local_bar": float(np.median(entropy(local))),
+        "h_global_bar": float(np.median(entropy(glob))),
+    }
+
+
+def new_stream(data: dict, **options: object) -> btfl.BTFLStream:
+    return btfl.BTFLStream(data["local_dle"], data["global_dle"], data["h_local_bar"], data["h_global_bar"], **options)
+
+
+def time_predict(data: dict, batch: int, repeats: int, **options: object) -> float:
+    """Median over repeats of (wall time of streaming all samples in chunks of ``batch``) / samples, in us."""
+    n = len(data["features"])
+    times = []
+    for _ in range(repeats + 1):
+        stream = new_stream(data, **options)
+        t0 = time.perf_counter()
+        for s in range(0, n, batch):
+            stream.predict(data["local"][s : s + batch], data["global"][s : s + batch], data["features"][s : s + batch])
+        times.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(times[1:])  # first pass = warm-up
+
+
+def stream_triples(data: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(alpha, beta) stacked [2, N] and tau_hat [N] exactly as predict feeds them to the weight."""
+    stream = new_stream(data)
+    stream.predict(data["local"], data["global"], data["features"])
+    ab = np.stack([stream.last_alphas, stream.last_betas])
+    return ab, np.exp(np.minimum(stream.last_log_tau_hat, 709.0))
+
+
+def time_weight(ab: np.ndarray, tau: np.ndarray, batch: int, repeats: int, memo: bool = True) -> float:
+    n = tau.shape[0]
+    chunks = [(np.ascontiguousarray(ab[:, s : s + batch]), tau[s : s + batch]) for s in range(0, n, batch)]
+    saved = btfl._MEMO_MAX_BATCH
+    btfl._MEMO_MAX_BATCH = saved if memo else 0
+    try:
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            for a_b, t in chunks:
+                btfl._expected_weight(a_b, t)
+            times.append((time.perf_counter() - t0) / n * 1e6)
+    finally:
+        btfl._MEMO_MAX_BATCH = saved
+    return statistics.median(times[1:])
+
+
+def quad_weight(a: float, b: float, t: float) -> float:
+    """Reference: scipy.integrate.quad of Beta(m; a, b) * m / (m + (1 - m) t) on [0, 1]."""
+    from scipy import integrate
+    from scipy.special import betaln
+
+    log_norm = betaln(a, b)
+
+    def integrand(m: float) -> float:
+        if m <= 0.0 or m >= 1.0:
+            return 0.0
+        return math.exp((a - 1) * math.log(m) + (b - 1) * math.log1p(-m) - log_norm) * m / (m + (1 - m) * t)
+
+    return integrate.quad(integrand, 0.0, 1.0, points=[t / (1 + t)], epsabs=1e-13, epsrel=1e-11, limit=400)[0]
+
+
+def authors_trapezoid_weight(a: float, b: float, t: float) -> float:
+    """Re-statement of the authors' per-sample integral: 100-point trapezoid of m_hat pdf(m_hat | z) (Eq. 19)."""
+    from scipy.special import betaln
+
+    mh = np.linspace(0.01, 0.99, 100)
+    den = 1 + mh * t - mh
+    m = mh * t / den
+    pdf = np.exp((a - 1) * np.log(m) + (b - 1) * np.log1p(-m) - betaln(a, b)) * t / den**2
+    y = mh * pdf
+    return float(np.sum((y[1:] + y[:-1]) * 0.5 * np.diff(mh)))
+
+
+def time_per_sample_loop(
+    fn: Callable[[float, float, float], float], ab: np.ndarray, tau: np.ndarray
+) -> tuple[float, np.ndarray]:
+    triples = list(zip(ab[0].tolist(), ab[1].tolist(), tau.tolist()))
+    t0 = time.perf_counter()
+    out = np.array([fn(a, b, t) for a, b, t in triples])
+    return (time.perf_counter() - t0) / len(triples) * 1e6, out
+
+
+def merge_rows(path: Path, rows: list[dict]) -> None:
+    old = json.loads(path.read_text()) if path.exists() else []
+    keys = {(r["what"], r["device"]) for r in rows}
+    merged = [r for r in old if (r.get("what"), r.get("device")) not in keys] + rows
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(merged, indent=1) + "\n")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(ROOT / "docs/benchmarks/btfl-speed.json"))
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--samples", type=int, default=2048, help="stream length for the predict / e timings")
+    ap.add_argument("--ref-samples", type=int, default=400, help="samples for the per-sample reference loops")
+    args = ap.parse_args()
+    pin_one_core()
+    data = make_stream_data(args.samples)
+    ab, tau = stream_triples(data)
+
+    results: list[tuple[str, float, dict]] = []
+    for batch in (1, 256):
+        results.append(
+            (f"BTFLStream.predict (exact e), batch {batch}", time_predict(data, batch, args.repeats), {"batch": batch})
+        )
+    for batch in (1, 256):
+        results.append(
+            (
+                f"BTFLStream.predict (integral=trapezoid100), batch {batch}",
+                time_predict(data, batch, args.repeats, integral="trapezoid100"),
+                {"batch": batch},
+            )
+        )
+    results.append(
+        ("e only (exact, as in predict: memoised grid), batch 1", time_weight(ab, tau, 1, args.repeats), {"batch": 1})
+    )
+    results.append(
+        ("e only (exact, memo off), batch 1", time_weight(ab, tau, 1, args.repeats, memo=False), {"batch": 1})
+    )
+    results.append(("e only (exact), batch 256", time_weight(ab, tau, 256, args.repeats), {"batch": 256}))
+
+    k = min(args.ref_samples, tau.shape[0])
+    exact = btfl.expected_global_weight(ab[0, :k], ab[1, :k], tau[:k])
+    us_quad, e_quad = time_per_sample_loop(quad_weight, ab[:, :k], tau[:k])
+    us_trap, e_trap = time_per_sample_loop(authors_trapezoid_weight, ab[:, :k], tau[:k])
+    results.append(
+        (
+            "e reference: scipy.integrate.quad per sample",
+            us_quad,
+            {"batch": 1, "max_abs_diff_exact_vs_quad": float(np.abs(exact - e_quad).max())},
+        )
+    )
+    results.append(
+        (
+            "e authors' per-sample 100-point trapezoid loop",
+            us_trap,
+            {"batch": 1, "max_abs_diff_trapezoid_vs_exact": float(np.abs(exact - e_trap).max())},
+        )
+    )
+
+    rows = []
+    for what, value, extra in results:
+        row = {
+            "benchmark": "btfl-speed",
+            "what": what,
+            "metric": "us_per_sample",
+            "value": round(value, 2),
+            "device": DEVICE,
+            "command": COMMAND,
+            **extra,
+            "D": D,
+            "C": C,
+            "numpy": np.__version__,
+        }
+        rows.append(row)
+        print(f"{what:<62s} {value:10.2f} us/sample  {json.dumps(extra)}")
+    merge_rows(Path(args.out), rows)
+    print(f"wrote {len(rows)} rows to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,455 @@
+"""BTFL device math (edge_sdk.btfl): the exact weight vs scipy quad, DLE, tau_hat, HBU, the streaming predictor."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from edge_sdk.btfl import (
+    EVENT_EXD,
+    EVENT_IND,
+    EVENT_NONE,
+    BTFLStream,
+    DLESmoothing,
+    average_dles,
+    detect_events,
+    dle_log_likelihood,
+    expected_global_weight,
+    fit_dle,
+    fsq_quantize,
+    hbu_sequence,
+    hbu_update,
+    log_tau_hat,
+    soft_clip_log_tau,
+    tau_hat,
+    trapezoid_global_weight,
+)
+from scipy import integrate
+from scipy.special import betaln
+
+from edge_sdk import btfl, entropy, softmax
+
+
+# ------------------------------------------------------------------------------------------------------
+# the exact integral e = E_{m ~ Beta(a, b)}[m / (m + (1 - m) t)]
+# ------------------------------------------------------------------------------------------------------
+def quad_reference(a: float, b: float, t: float) -> float:
+    """Slow per-sample reference: scipy quad of Beta(m; a, b) * m / (m + (1 - m) t) over [0, 1]; the point
+    where m_hat = 1/2 (m = t / (1 + t)) is passed as a breakpoint so quad sees the sharp transition."""
+    log_norm = betaln(a, b)
+
+    def integrand(m: float) -> float:
+        if m <= 0.0 or m >= 1.0:
+            return 0.0
+        pdf = math.exp((a - 1.0) * math.log(m) + (b - 1.0) * math.log1p(-m) - log_norm)
+        return pdf * m / (m + (1.0 - m) * t)
+
+    value, _ = integrate.quad(integrand, 0.0, 1.0, points=[t / (1.0 + t)], epsabs=1e-13, epsrel=1e-11, limit=400)
+    return value
+
+
+CORNERS = [(a, b, t) for a in (1.0, 20.0) for b in (1.0, 20.0) for t in (1e-6, 1.0, 1e6)] + [
+    # the closed form a/(a+b) 2F1(1, b; a+b+1; 1-t) evaluated with scipy.special.hyp2f1 (scipy 1.17) gives
+    # +-inf at the first four points and is off by 3e-6 at the fifth (c - a - b integer, z -> 1)
+    (1.0, 1.3, 1e-3),
+    (1.3, 1.0, 1e3),
+    (1.0, 1.3, 1e-6),
+    (1.0, 1.0 + 1e-7, 1e-3),
+    (2.0, 1.3, 1e-3),
+    (2.0, 1.0 + 1e-12, 1e-4),
+]
+
+
+def test_weight_matches_quad_on_10000_triples() -> None:
+    rng = np.random.default_rng(20250803)
+    n = 10_000
+    a = rng.uniform(1.0, 20.0, n)
+    b = rng.uniform(1.0, 20.0, n)
+    t = np.exp(rng.uniform(math.log(1e-6), math.log(1e6), n))
+    corners = np.array(CORNERS)
+    a, b, t = (np.concatenate([x, corners[:, i]]) for i, x in enumerate((a, b, t)))
+    e = expected_global_weight(a, b, t)  # vectorised, all 10,000 + corners in one call
+    assert e.shape == a.shape and np.isfinite(e).all() and (e >= 0).all() and (e <= 1).all()
+    subset = np.concatenate([rng.choice(n, 2_000, replace=False), np.arange(n, len(a))])
+    ref = np.array([quad_reference(a[i], b[i], t[i]) for i in subset])
+    err = np.abs(e[subset] - ref)
+    assert err.max() < 1e-6, (err.max(), subset[err.argmax()])
+    assert err.max() < 1e-9  # what we actually achieve (quad itself is good to ~1e-11 here)
+
+
+def test_weight_tau_one_is_prior_mean() -> None:
+    rng = np.random.default_rng(1)
+    a, b = rng.uniform(0.2, 50.0, 500), rng.uniform(0.2, 50.0, 500)
+    np.testing.assert_allclose(expected_global_weight(a, b, 1.0), a / (a + b), rtol=0, atol=1e-13)
+    assert expected_global_weight(1.0, 1.0, 1.0) == pytest.approx(0.5, abs=1e-15)
+
+
+def test_weight_limits_symmetry_and_broadcasting() -> None:
+    a = np.array([1.0, 2.5, 20.0])
+    np.testing.assert_array_equal(expected_global_weight(a, 3.0, 0.0), [1.0, 1.0, 1.0])
+    np.testing.assert_array_equal(expected_global_weight(a, 3.0, np.inf), [0.0, 0.0, 0.0])
+    np.testing.assert_allclose(expected_global_weight(a, 3.0, 1e-300), 1.0, atol=1e-12)
+    np.testing.assert_allclose(expected_global_weight(a, 3.0, 1e300), 0.0, atol=1e-12)
+    # e(a, b, t) = 1 - e(b, a, 1/t)  (swap IND / EXD)
+    rng = np.random.default_rng(2)
+    aa, bb, tt = rng.uniform(1, 20, 300), rng.uniform(1, 20, 300), np.exp(rng.uniform(-14, 14, 300))
+    np.testing.assert_allclose(
+        expected_global_weight(aa, bb, tt), 1 - expected_global_weight(bb, aa, 1 / tt), atol=1e-13
+    )
+    out = expected_global_weight(np.array([[1.0], [2.0]]), np.array([1.0, 3.0, 5.0]), 0.5)
+    assert out.shape == (2, 3)
+    assert expected_global_weight(2.0, 3.0, 0.7).shape == ()
+
+
+def test_weight_is_decreasing_in_tau() -> None:
+    taus = np.logspace(-8, 8, 801)
+    for a, b in [(1.0, 1.0), (1.0, 20.0), (20.0, 1.0), (7.3, 2.2), (0.3, 0.5), (300.0, 40.0)]:
+        e = expected_global_weight(a, b, taus)
+        assert (np.diff(e) <= 1e-15).all(), (a, b)
+        assert (np.diff(e[::40]) < 0).all(), (a, b)  # strictly, on a coarser grid
+
+
+@pytest.mark.parametrize(
+    ("alpha", "beta", "tau", "message"),
+    [
+        (0.0, 1.0, 1.0, "alpha must be finite and > 0"),
+        (-1.0, 1.0, 1.0, "alpha must be finite and > 0"),
+        (np.nan, 1.0, 1.0, "alpha must be finite and > 0"),
+        (1.0, 0.0, 1.0, "beta must be finite and > 0"),
+        (1.0, [2.0, -3.0], 1.0, "beta must be finite and > 0"),
+        (1.0, 1.0, -0.5, "tau_hat must be >= 0 and not NaN"),
+        (1.0, 1.0, np.nan, "tau_hat must be >= 0 and not NaN"),
+    ],
+)
+def test_weight_rejects_bad_input(alpha: object, beta: object, tau: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        expected_global_weight(alpha, beta, tau)
+    with pytest.raises(ValueError, match=message):
+        trapezoid_global_weight(alpha, beta, tau)
+
+
+def trapezoid_loop(a: float, b: float, t: float) -> float:
+    """Per-sample restatement of the authors' integral: 100-point trapezoid of Eq. 19 on [0.01, 0.99]."""
+    mh = np.linspace(0.01, 0.99, 100)
+    m = mh * t / (1 + mh * t - mh)
+    pdf = np.exp((a - 1) * np.log(m) + (b - 1) * np.log1p(-m) - betaln(a, b)) * t / (1 + mh * t - mh) ** 2
+    y = mh * pdf
+    return float(np.sum((y[1:] + y[:-1]) / 2 * np.diff(mh)))
+
+
+def test_trapezoid_variant_matches_its_loop_and_is_close_to_exact_in_the_bulk() -> None:
+    rng = np.random.default_rng(3)
+    a, b, t = rng.uniform(1, 20, 200), rng.uniform(1, 20, 200), np.exp(rng.uniform(-5, 5, 200))
+    vec = trapezoid_global_weight(a, b, t)
+    np.testing.assert_allclose(vec, [trapezoid_loop(*x) for x in zip(a, b, t)], rtol=1e-10, atol=1e-13)
+    a, b, t = rng.uniform(2, 10, 200), rng.uniform(2, 10, 200), np.exp(rng.uniform(-1, 1, 200))
+    assert np.abs(trapezoid_global_weight(a, b, t) - expected_global_weight(a, b, t)).max() < 1e-2
+
+
+# ------------------------------------------------------------------------------------------------------
+# DLE
+# ------------------------------------------------------------------------------------------------------
+FEATURES = np.array([[0.0, 1.0, 2.0], [0.6, 0.5, 0.0], [3.0, 0.1, 0.55]])
+# tanh: [[0, .76, .96], [.54, .46, 0], [.995, .10, .5005]] -> codes [[0,1,1],[1,0,0],[1,0,1]]
+
+
+def test_fsq_and_fit_dle_hand_example() -> None:
+    codes = fsq_quantize(FEATURES)
+    np.testing.assert_array_equal(codes, [[0, 1, 1], [1, 0, 0], [1, 0, 1]])
+    assert codes.dtype == np.int8
+    freqs = fit_dle(FEATURES)
+    np.testing.assert_allclose(freqs, [[1 / 3, 2 / 3], [2 / 3, 1 / 3], [1 / 3, 2 / 3]], atol=1e-15)
+    np.testing.assert_array_equal(fsq_quantize(np.array([5.0, 1.0, 0.3]), levels=3), [2, 2, 1])  # round(2 tanh z)
+
+
+def test_dle_log_likelihood_hand_example() -> None:
+    freqs = fit_dle(FEATURES)
+    codes = np.array([[0, 0, 0], [1, 1, 1], [0, 1, 1]])
+    raw = dle_log_likelihood(codes, freqs, DLESmoothing.none())
+    expected_raw = [
+        (math.log(1 / 3) + math.log(2 / 3) + math.log(1 / 3)) / 3,
+        (math.log(2 / 3) + math.log(1 / 3) + math.log(2 / 3)) / 3,
+        (math.log(1 / 3) + math.log(1 / 3) + math.log(2 / 3)) / 3,
+    ]
+    np.testing.assert_allclose(raw, expected_raw, rtol=1e-15)
+    # default = authors' log(0.6 p + 0.2): 1/3 -> 0.4, 2/3 -> 0.6
+    default = dle_log_likelihood(codes, freqs)
+    np.testing.assert_allclose(
+        default,
+        [
+            (2 * math.log(0.4) + math.log(0.6)) / 3,
+            (2 * math.log(0.6) + math.log(0.4)) / 3,
+            (2 * math.log(0.4) + math.log(0.6)) / 3,
+        ],
+        rtol=1e-15,
+    )
+    # additive (Laplace, 1 pseudo-count, n = 3): (n_k + 1) / (3 + 2) -> 1/3 -> 2/5, 2/3 -> 3/5
+    lap = dle_log_likelihood(codes, freqs, DLESmoothing.additive(1.0, n_train=3, levels=2))
+    np.testing.assert_allclose(lap, default, rtol=1e-14)  # coincides with 0.6 p + 0.2 for n = 3
+    assert DLESmoothing.authors(2) == DLESmoothing(0.6, 0.2)
+    assert DLESmoothing.authors(4) == DLESmoothing(0.6, 0.1)
+
+
+def test_smoothing_prevents_minus_inf() -> None:
+    freqs = np.array([[1.0, 0.0], [0.5, 0.5]])  # level 1 never seen in dimension 0
+    codes = np.array([[1, 0]])
+    assert dle_log_likelihood(codes, freqs, DLESmoothing.none())[0] == -np.inf
+    for sm in (None, DLESmoothing.authors(2), DLESmoothing.additive(0.5, n_train=100)):
+        assert np.isfinite(dle_log_likelihood(codes, freqs, sm)).all()
+    # tau_hat and the weight stay defined even with -inf likelihoods (no smoothing)
+    lt = log_tau_hat([-np.inf, -np.inf, -1.0], [-np.inf, -1.0, -np.inf], [1.0] * 3, [1.0] * 3, 1.0, 1.0)
+    np.testing.assert_array_equal(lt, [0.0, -np.inf, np.inf])
+    np.testing.assert_allclose(expected_global_weight(1.0, 1.0, np.exp(lt)), [0.5, 1.0, 0.0], atol=1e-15)
+
+
+def test_average_dles() -> None:
+    f1 = np.array([[1.0, 0.0], [0.5, 0.5]])
+    f2 = np.array([[0.0, 1.0], [0.25, 0.75]])
+    np.testing.assert_allclose(average_dles([f1, f2]), [[0.5, 0.5], [0.375, 0.625]])
+    np.testing.assert_allclose(average_dles([f1, f2], weights=[3, 1]), [[0.75, 0.25], [0.4375, 0.5625]])
+
+
+def test_dle_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="features must be non-negative"):
+        fsq_quantize(np.array([[0.5, -0.1]]))
+    with pytest.raises(ValueError, match="features must be finite"):
+        fit_dle(np.array([[0.5, np.nan]]))
+    with pytest.raises(ValueError, match="features must be 2-D"):
+        fit_dle(np.zeros(4))
+    with pytest.raises(ValueError, match="levels must be an integer in"):
+        fsq_quantize(np.zeros(3), levels=1)
+    with pytest.raises(ValueError, match="freqs rows must be probability vectors"):
+        dle_log_likelihood(np.zeros((1, 2), dtype=int), np.array([[0.7, 0.7], [0.5, 0.5]]))
+    with pytest.raises(ValueError, match="codes must have 2 columns"):
+        dle_log_likelihood(np.zeros((1, 3), dtype=int), np.full((2, 2), 0.5))
+    with pytest.raises(ValueError, match=r"codes must be integers in \[0, 2\)"):
+        dle_log_likelihood(np.array([[0, 2]]), np.full((2, 2), 0.5))
+    with pytest.raises(ValueError, match="smoothing needs finite a >= 0 and b >= 0"):
+        DLESmoothing(0.6, -0.1)
+
+
+# ------------------------------------------------------------------------------------------------------
+# tau_hat (Eq. 15) and the soft clip
+# ------------------------------------------------------------------------------------------------------
+def test_tau_hat_eq15_hand_example() -> None:
+    lql, lqg, hl, hg, hlb, hgb = -0.5, -0.7, 1.0, 0.5, 0.5, 1.0
+    q_l, q_g = math.exp(lql), math.exp(lqg)
+    expected = q_l ** math.exp((hl - hlb) / hlb) / q_g ** math.exp((hg - hgb) / hgb)
+    assert tau_hat(lql, lqg, hl, hg, hlb, hgb) == pytest.approx(expected, rel=1e-14)
+    assert log_tau_hat(lql, lqg, hl, hg, hlb, hgb) == pytest.approx(math.log(expected), rel=1e-14)
+    # at H = H_bar the exponents are 1 and tau_hat = tau = q_l / q_g (Eq. 9)
+    assert tau_hat(lql, lqg, hlb, hgb, hlb, hgb) == pytest.approx(math.exp(lql - lqg), rel=1e-14)
+    with pytest.raises(ValueError, match="h_local_bar must be a finite number > 0"):
+        tau_hat(lql, lqg, hl, hg, 0.0, hgb)
+    with pytest.raises(ValueError, match="must not be NaN"):
+        tau_hat(np.nan, lqg, hl, hg, hlb, hgb)
+
+
+def test_soft_clip() -> None:
+    lt = np.linspace(-50, 50, 1001)
+    c = soft_clip_log_tau(lt, kb=4.0)
+    assert (np.abs(c) <= math.log(5.0)).all() and (np.diff(c) >= 0).all()  # saturates at [1/5, 5]
+    assert (np.diff(soft_clip_log_tau(np.linspace(-5, 5, 101))) > 0).all()
+    assert soft_clip_log_tau(np.array([0.0]))[0] == 0.0  # tau_hat = 1 stays 1 (no authors' bug)
+    assert soft_clip_log_tau(np.array([1e-4]))[0] == pytest.approx(1e-4, rel=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------------
+# HBU: events, update, pruning
+# ------------------------------------------------------------------------------------------------------
+def test_detect_events_truth_table() -> None:
+    # (log tau, H_l, H_g) with H_l_bar = H_g_bar = 1
+    cases = [
+        (+1.0, 0.5, 1.5, EVENT_IND),  # local fits, local confident, global unsure
+        (-1.0, 1.5, 0.5, EVENT_EXD),  # global fits, local unsure, global confident
+        (+1.0, 1.5, 0.5, EVENT_NONE),  # inspection fails
+        (-1.0, 0.5, 1.5, EVENT_NONE),
+        (+1.0, 0.5, 0.5, EVENT_NONE),
+        (0.0, 0.5, 1.5, EVENT_NONE),  # tau == 1
+        (+1.0, 1.0, 1.5, EVENT_NONE),  # strict inequalities
+        (np.nan, 1.5, 0.5, EVENT_NONE),
+    ]
+    lt, hl, hg, want = (np.array(x) for x in zip(*cases))
+    np.testing.assert_array_equal(detect_events(lt, hl, hg, 1.0, 1.0), want)
+
+
+def test_hbu_update_convention_and_pruning() -> None:
+    assert hbu_update(1.0, 1.0, EVENT_EXD) == (2.0, 1.0)  # EXD evidence -> alpha (m = P(EXD))
+    assert hbu_update(1.0, 1.0, EVENT_IND) == (1.0, 2.0)
+    assert hbu_update(1.0, 1.0, EVENT_NONE) == (1.0, 1.0)
+    # Algorithm 1: 15 + 1 + 1 = 17 > 16 -> (1 + 16/17, 1 + 1/17)
+    a, b = hbu_update(15.0, 1.0, EVENT_EXD, lam=16.0)
+    assert (a, b) == pytest.approx((1 + 16 / 17, 1 + 1 / 17), rel=1e-15)
+    assert hbu_update(14.0, 1.0, EVENT_EXD, lam=16.0) == (15.0, 1.0)  # 16 is not > 16
+    a, b = hbu_update(15.0, 1.0, EVENT_EXD, lam=16.0, restart="authors", restart_c=300.0)
+    assert (a, b) == pytest.approx((16 / 17 * 30 + 1, 1 / 17 * 30 + 1), rel=1e-15)
+    a, b = hbu_update(15.0, 1.0, EVENT_EXD, lam=16.0, restart="authors", restart_c=10.0)
+    assert (a, b) == pytest.approx((1 + 16 / 17, 1 + 1 / 17), rel=1e-15)  # c = 10 is the paper's rule
+    with pytest.raises(ValueError, match="event must be one of"):
+        hbu_update(1.0, 1.0, 2)
+
+
+@pytest.mark.parametrize("lam", [5.0, 16.0, 20.0])
+def test_pruning_keeps_strength_bounded(lam: float) -> None:
+    events = np.random.default_rng(4).choice([EVENT_EXD, EVENT_IND, EVENT_NONE], size=5_000, p=[0.5, 0.3, 0.2])
+    alphas, betas, a_end, b_end = hbu_sequence(1.0, 1.0, events, lam=lam)
+    strength = np.append(alphas + betas, a_end + b_end)
+    assert strength.max() <= lam  # after every update + pruning step
+    assert strength.min() >= 2.0 and (alphas >= 1).all() and (betas >= 1).all()
+    assert (strength[1:] < strength[:-1]).any()  # pruning happened
+    assert alphas[0] == 1.0 and betas[0] == 1.0  # sample 0 uses the initial Beta(1, 1)
+
+
+# ------------------------------------------------------------------------------------------------------
+# the stream
+# ------------------------------------------------------------------------------------------------------
+D, C = 16, 5
+
+
+def _logits_with_entropy_ratio(h_ratio_target: float) -> tuple[np.ndarray, float]:
+    """One row of logits and its entropy (used to set H_bar relative to it)."""
+    logits = np.array([[2.0, 0.5, 0.0, -0.5, -1.0]])
+    return logits, float(entropy(logits)[0]) / h_ratio_target
+
+
+def _directional_stream(kind: str) -> BTFLStream:
+    local = np.tile([0.6, 0.4], (D, 1))  # local DLE: level 0 more likely
+    glob = np.tile([0.4, 0.6], (D, 1))  # global DLE: level 1 more likely
+    logits, _ = _logits_with_entropy_ratio(1.0)
+    h = float(entropy(logits)[0])
+    if kind == "EXD":  # H_l > H_l_bar, H_g < H_g_bar; (H - H_bar)/H_bar = +-0.2
+        return BTFLStream(local, glob, h_local_bar=h / 1.2, h_global_bar=h / 0.8)
+    return BTFLStream(local, glob, h_local_bar=h / 0.8, h_global_bar=h / 1.2)
+
+
+@pytest.mark.parametrize("kind", ["EXD", "IND"])
+def test_stream_of_one_kind_drives_the_weight(kind: str) -> None:
+    stream = _directional_stream(kind)
+    logits, _ = _logits_with_entropy_ratio(1.0)
+    n = 15  # 14 events reach alpha + beta = 16 = lambda; the 15th sample's event is then pruned
+    feats = np.full((n, D), 3.0 if kind == "EXD" else 0.0)  # codes all 1 (fits global) / all 0 (fits local)
+    stream.predict(np.repeat(logits, n, 0), np.repeat(logits, n, 0), feats)
+    e = stream.last_weights
+    assert (stream.last_events == (EVENT_EXD if kind == "EXD" else EVENT_IND)).all()
+    if kind == "EXD":
+        assert (np.diff(e) > 0).all() and e[0] < 0.7 and e[-1] > 0.95
+        np.testing.assert_array_equal(stream.last_alphas, np.arange(1.0, n + 1))
+    else:
+        assert (np.diff(e) < 0).all() and e[0] > 0.3 and e[-1] < 0.05
+        np.testing.assert_array_equal(stream.last_betas, np.arange(1.0, n + 1))
+    # the event of sample 15 pushes the strength to 17 > 16 -> pruned back to 3
+    assert stream.alpha + stream.beta == pytest.approx(3.0)
+    assert (stream.alpha > stream.beta) == (kind == "EXD")
+
+
+def _random_setup(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, float, float]:
+    rng = np.random.default_rng(seed)
+    own = rng.exponential(0.5, (400, D)) * (rng.random((400, D)) < np.linspace(0.2, 0.8, D))
+    other = rng.exponential(0.9, (400, D))
+    local, glob = fit_dle(own), fit_dle(other)
+    n = 64
+    src = rng.random(n) < 0.5  # mixed stream: half "own" half "other"
+    feats = np.where(
+        src[:, None], rng.exponential(0.5, (n, D)) * (rng.random((n, D)) < 0.5), rng.exponential(0.9, (n, D))
+    )
+    lo = rng.normal(0, 1, (n, C)) * rng.uniform(0.3, 4, (n, 1))
+    gl = rng.normal(0, 1, (n, C)) * rng.uniform(0.3, 4, (n, 1))
+    h_lb, h_gb = float(np.median(entropy(lo))), float(np.median(entropy(gl)))
+    return local, glob, feats, lo, gl, h_lb, h_gb
+
+
+CONFIGS = [
+    {},
+    {"mixing": "logprob", "tau_clip_kb": 4.0},
+    {"integral": "trapezoid100", "restart": "authors", "restart_c": 50.0, "lam": 5.0},
+    {"smoothing": DLESmoothing.additive(1.0, n_train=400), "lam": 4.0},
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("batch", [1, 7, 32])
+def test_batch_equals_one_at_a_time(batch: int, config: dict) -> None:
+    local, glob, feats, lo, gl, h_lb, h_gb = _random_setup()
+    ref_stream = BTFLStream(local, glob, h_lb, h_gb, **config)
+    ref = np.concatenate([ref_stream.predict(lo[i : i + 1], gl[i : i + 1], feats[i : i + 1]) for i in range(len(lo))])
+    ref_w = []
+    one = BTFLStream(local, glob, h_lb, h_gb, **config)
+    for i in range(len(lo)):
+        one.predict(lo[i : i + 1], gl[i : i + 1], feats[i : i + 1])
+        ref_w.append(one.last_weights[0])
+    stream = BTFLStream(local, glob, h_lb, h_gb, **config)
+    outs, weights, events = [], [], []
+    for s in range(0, len(lo), batch):
+        outs.append(stream.predict(lo[s : s + batch], gl[s : s + batch], feats[s : s + batch]))
+        weights.append(stream.last_weights)
+        events.append(stream.last_events)
+    ev = np.concatenate(events)
+    assert (ev == EVENT_EXD).sum() >= 3 and (ev == EVENT_IND).sum() >= 3  # the recursion is exercised
+    np.testing.assert_array_equal(np.concatenate(outs), ref)  # bit for bit
+    np.testing.assert_array_equal(np.concatenate(weights), np.array(ref_w))
+    assert (stream.alpha, stream.beta) == (ref_stream.alpha, ref_stream.beta)
+
+
+def test_stream_agrees_with_the_public_functions() -> None:
+    local, glob, feats, lo, gl, h_lb, h_gb = _random_setup(1)
+    stream = BTFLStream(local, glob, h_lb, h_gb)
+    probs = stream.predict(lo, gl, feats)
+    codes = fsq_quantize(feats)
+    lql, lqg = dle_log_likelihood(codes, local), dle_log_likelihood(codes, glob)
+    hl, hg = entropy(lo), entropy(gl)
+    np.testing.assert_array_equal(stream.last_events, detect_events(lql - lqg, hl, hg, h_lb, h_gb))
+    np.testing.assert_allclose(
+        stream.last_log_tau_hat, log_tau_hat(lql, lqg, hl, hg, h_lb, h_gb), rtol=1e-13, atol=1e-15
+    )
+    alphas, betas, a_end, b_end = hbu_sequence(1.0, 1.0, stream.last_events)
+    np.testing.assert_array_equal(stream.last_alphas, alphas)
+    assert (stream.alpha, stream.beta) == (a_end, b_end)
+    e = expected_global_weight(alphas, betas, np.exp(stream.last_log_tau_hat))
+    np.testing.assert_allclose(stream.last_weights, e, rtol=0, atol=1e-14)
+    np.testing.assert_allclose(probs, e[:, None] * softmax(gl) + (1 - e[:, None]) * softmax(lo), atol=1e-14)
+    np.testing.assert_allclose(probs.sum(1), 1.0, atol=1e-12)
+    stream.reset()
+    assert (stream.alpha, stream.beta) == (1.0, 1.0)
+
+
+def test_stream_rejects_bad_input() -> None:
+    local = np.full((D, 2), 0.5)
+    stream = BTFLStream(local, local, 1.0, 1.0)
+    lo, gl, ft = np.zeros((2, C)), np.zeros((2, C)), np.zeros((2, D))
+    with pytest.raises(ValueError, match="local_logits must be 2-D"):
+        stream.predict(np.zeros(C), gl, ft)
+    with pytest.raises(ValueError, match=r"global_logits must have 5 columns, got shape \(2, 4\)"):
+        stream.predict(lo, np.zeros((2, 4)), ft)
+    with pytest.raises(ValueError, match="global_logits must have 2 rows"):
+        stream.predict(lo, np.zeros((3, C)), ft)
+    with pytest.raises(ValueError, match="features must have 16 columns"):
+        stream.predict(lo, gl, np.zeros((2, D + 1)))
+    with pytest.raises(ValueError, match="local_logits must be finite"):
+        stream.predict(np.full((2, C), np.nan), gl, ft)
+    with pytest.raises(ValueError, match="features must be non-negative"):
+        stream.predict(lo, gl, -np.ones((2, D)))
+    with pytest.raises(ValueError, match="features must be finite"):
+        stream.predict(lo, gl, np.full((2, D), np.inf))
+    with pytest.raises(ValueError, match="mixing must be 'prob' or 'logprob'"):
+        BTFLStream(local, local, 1.0, 1.0, mixing="logits")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="integral must be 'exact' or 'trapezoid100'"):
+        BTFLStream(local, local, 1.0, 1.0, integral="simpson")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="restart must be 'paper' or 'authors'"):
+        BTFLStream(local, local, 1.0, 1.0, restart="none")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="h_global_bar must be a finite number > 0"):
+        BTFLStream(local, local, 1.0, 0.0)
+    with pytest.raises(ValueError, match="must have the same shape"):
+        BTFLStream(local, np.full((D + 1, 2), 0.5), 1.0, 1.0)
+
+
+def test_import_edge_sdk_does_not_import_torch() -> None:
+    code = (
+        "import sys, edge_sdk; s = edge_sdk.btfl.BTFLStream; "
+        "assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    assert "btfl" in __import__("edge_sdk").__all__ and btfl.__name__ == "edge_sdk.btfl"
