@@ -61,6 +61,11 @@ class Algorithm:
         self.forward = make_forward(model)
 
     # ---------------------------------------------------------------- training
+    def attach(self, x: torch.Tensor, y: torch.Tensor, train: list[np.ndarray]) -> None:
+        """Called once by the simulation with the data tensors (on the run's device) and each training
+        client's training indices, for methods whose server-side step needs a client's data (e.g. ODPFL-HN's
+        embedding of the client's set). In the HTTP flow the client computes those parts itself."""
+
     def init_state(self, dtype: torch.dtype, device: torch.device) -> State:
         return {"params": get_params(self.model, dtype, device)}
 

@@ -138,6 +138,7 @@ class Simulation:
         self.y = torch.from_numpy(fed.dataset.y).to(self.device)
         self.train_sizes = torch.tensor([len(t) for t in fed.train], dtype=self.dtype, device=self.device)
         algorithm.model.to(self.device)
+        algorithm.attach(self.x, self.y, fed.train)
         self.server_state = algorithm.init_state(self.dtype, self.device)
         self.mode = resolve_mode(cfg.mode, self.device, algorithm.model)
         self.out_dir = Path(cfg.out_dir) if cfg.out_dir else None
