@@ -9,11 +9,12 @@ from fl_server.algorithms.fedprox import FedProx
 from fl_server.algorithms.fedtta import FedTTA, FedTTAPlusPlus, FedTTAProx
 from fl_server.algorithms.finetune import FedAvgFT
 from fl_server.algorithms.local import Local
+from fl_server.algorithms.odpfl_hn import ODPFLHN
 from fl_server.algorithms.tent import Tent
 from fl_server.models import Classifier
 
 ALGORITHMS: dict[str, type[Algorithm]] = {a.name: a for a in (FedAvg, FedProx, FedAvgFT, Local, Tent,
-                                                                FedTTA, FedTTAProx, FedTTAPlusPlus)}
+                                                                FedTTA, FedTTAProx, FedTTAPlusPlus, ODPFLHN)}
 
 
 def build_algorithm(name: str, model: Classifier, num_train_clients: int, seed: int = 0, **hyper: Any) -> Algorithm:
@@ -24,6 +25,10 @@ def build_algorithm(name: str, model: Classifier, num_train_clients: int, seed: 
     cls = ALGORITHMS[name]
     if cls is Local:
         return Local(model, num_train_clients=num_train_clients, seed=seed, **hyper)
+    if cls is ODPFLHN and "encoder_model" not in hyper:  # the encoder's trunk = the target model's
+        if model.arch is None:
+            raise ValueError("ODPFL-HN needs encoder_model (the model was not built by build_model)")
+        hyper = {**hyper, "encoder_model": model.arch}
     return cls(model, seed=seed, **hyper)
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fl_server.algorithms.fedtta import FEDTTA_HP
+from fl_server.algorithms.odpfl_hn import ODPFL_HP
 
 
 @dataclass(frozen=True)
@@ -66,13 +67,13 @@ def _upfl_hp(dataset: str) -> dict[str, dict[str, Any]]:
     lr = _UPFL_LR[dataset]
     return {"FedAvg": {"lr": lr}, "TENT": {"lr": lr}, "FedProx": {"lr": 0.3, "mu": 0.001},
             "FedAvg+FT": {"lr": lr}, "Local": {"lr": lr},
-            **FEDTTA_HP.get(dataset, FEDTTA_HP["mnist"])}
+            **FEDTTA_HP.get(dataset, FEDTTA_HP["mnist"]), **ODPFL_HP.get(dataset, ODPFL_HP["mnist"])}
 
 
 EXPERIMENTS: dict[str, Experiment] = {
     "upfl-table1": Experiment(
         name="upfl-table1",
-        methods=("FedAvg", "TENT", "FedTTA", "FedTTA-Prox", "FedTTA++"),
+        methods=("FedAvg", "TENT", "FedTTA", "FedTTA-Prox", "FedTTA++", "ODPFL-HN"),
         protocols={
             "mnist": Protocol("mnist", "mlp", rounds=200, method_hp=_upfl_hp("mnist")),
             "fashion_mnist": Protocol("fashion_mnist", "convnet", rounds=300, method_hp=_upfl_hp("fashion_mnist"),

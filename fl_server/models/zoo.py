@@ -22,9 +22,10 @@ class Classifier(nn.Module):
     """``forward(x) = head(features(x))``; ``feature_dim`` is the width of ``features``' output."""
 
     def __init__(self, features: nn.Module, feature_dim: int, num_classes: int,
-                 input_shape: InputShape | None = None) -> None:
+                 input_shape: InputShape | None = None, arch: str | None = None) -> None:
         super().__init__()
         self.input_shape = input_shape
+        self.arch = arch  # zoo name, e.g. "convnet" (set by build_model)
         self.features = features
         self.head = nn.Linear(feature_dim, num_classes)
         self.feature_dim = feature_dim
@@ -97,7 +98,7 @@ def build_model(name: str, input_shape: InputShape, num_classes: int, seed: int 
         if seed is not None:
             torch.manual_seed(seed)
         features, dim = _FEATURES[name](tuple(input_shape))  # type: ignore[arg-type]
-        return Classifier(features, dim, num_classes, tuple(input_shape))  # type: ignore[arg-type]
+        return Classifier(features, dim, num_classes, tuple(input_shape), name)  # type: ignore[arg-type]
 
 
 class AdaptationMLP(nn.Module):

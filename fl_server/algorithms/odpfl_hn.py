@@ -1,0 +1,275 @@
+"""ODPFL-HN: on-demand personalised FL with a client encoder and a hypernetwork (SPEC.md section 2;
+seeds/odpfl-hn.txt, Algorithm 1, Eq. 1, Sec. 7).
+
+Modules (both owned by the server, shipped to clients as needed):
+  g_gamma  client encoder, a deep set over the client's samples  [N, *input_shape] -> e [E]
+           phi(x) = Linear(D, 200)(trunk(x)) with trunk = ``features`` of the target architecture;
+           pooling: mean of units 0..99, max of units 100..199; psi = Linear(200, E).
+           DP mode (Sec. 7, Lemma 2): phi(x) on the unit sphere (B = 1), mean pooling only, then psi.
+  f_theta  hypernetwork  e [E] (or [K, E]) -> w, the target model's params (leading K when batched):
+           E -> 100 -> 100 -> 100 (ReLU) -> one linear head per target parameter tensor.
+Objective (Eq. 1): L(theta, gamma) = sum_i sum_j l(h(x_j^i; f_theta(g_gamma(D_i))), y_j^i).
+Round (Algorithm 1, pFedHN chain rule):
+  client:  e_i = g_gamma(D_i)                                   (ClientEncoding; all of D_i in one pass)
+  server:  w_i = f_theta(e_i)
+  client:  w_i^new = SGD on CE(h(.; w), .) from w_i;  Delta w_i = w_i^new - w_i      (ClientUpdate)
+  server:  (Delta theta, Delta e_i) = (dw_i/dtheta, dw_i/de_i)^T (-Delta w_i)        (chain rule)
+           theta <- SGD(momentum 0.9, wd 1e-3, clip 50)(theta, Delta theta)
+  client:  Delta gamma = (de_i/dgamma)^T Delta e_i                                   (ClientBackprop)
+  server:  gamma <- gamma - encoder_lr * Delta gamma
+With K clients per round the chain-rule gradients are averaged, weighted by the clients' training-set sizes.
+New client (inference): it computes e_new = g_gamma(D_new) locally (optionally + Gaussian noise, Sec. 7,
+:mod:`edge_sdk.dp`) and sends only e_new; the server returns w_new = f_theta(e_new).
+
+State: ``params`` (f_theta(0), only so that generic helpers have a target model), ``hn`` (theta),
+``hn_mom`` (theta's momentum buffers), ``enc`` (gamma).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edge_sdk import dp as edge_dp
+from fl_server.algorithms.base import Algorithm, Hyper, LocalTrainer
+from fl_server.functional import State, clip_by_global_norm, get_params, make_forward, sgd, tree_map
+from fl_server.models import Classifier, build_model
+
+
+@dataclass
+class ODPFLHNConfig(Hyper):
+    """Defaults: UPFL Table 4, MNIST. ``lr`` (base field) is unused: the local step uses ``local_lr``."""
+
+    local_lr: float = 0.3  # client SGD on the generated model
+    encoder_lr: float = 0.5  # gamma
+    hn_lr: float = 0.5  # theta
+    hn_momentum: float = 0.9  # pFedHN
+    hn_weight_decay: float = 1e-3  # pFedHN
+    hn_clip: float = 50.0  # pFedHN: global grad-norm clip of theta's gradient
+    embed_dim: int = 32  # E (UPFL re-implementation)
+    set_width: int = 200  # width of phi's output; half mean- half max-pooled
+    hn_width: int = 100
+    hn_layers: int = 3
+    encoder_model: str = "mlp"  # trunk of the encoder = ``features`` of this zoo model (the protocol's model)
+    dp: bool = False  # Sec. 7 encoder: unit-sphere phi, mean pooling only
+    dp_epsilon: float = math.inf  # new clients' privacy budget (inf: no noise)
+    dp_delta: float = 0.01
+
+
+class SetEncoder(nn.Module):
+    """Deep-set client encoder g_gamma: a set [N, *input_shape] -> embedding [embed_dim] (order invariant)."""
+
+    def __init__(self, trunk: nn.Module, feature_dim: int, embed_dim: int, width: int = 200,
+                 dp: bool = False) -> None:
+        super().__init__()
+        if width % 2:
+            raise ValueError(f"set width must be even (half mean-, half max-pooled), got {width}")
+        self.trunk = trunk
+        self.phi = nn.Linear(feature_dim, width)
+        self.psi = nn.Linear(width, embed_dim)
+        self.dp = dp
+
+    def per_sample(self, x: torch.Tensor) -> torch.Tensor:
+        """phi(x): [N, *input_shape] -> [N, width]; on the unit sphere in DP mode (same map as
+        :func:`edge_sdk.dp.unit_sphere`)."""
+        h = self.phi(self.trunk(x))
+        if self.dp:
+            h = h / torch.clamp(torch.linalg.vector_norm(h, dim=-1, keepdim=True), min=1e-12)
+        return h
+
+    def pool(self, h: torch.Tensor) -> torch.Tensor:
+        """[N, width] -> [width]: mean (DP) or mean of the first half | max of the second half."""
+        if self.dp:
+            return h.mean(0)
+        half = h.shape[-1] // 2
+        return torch.cat([h[:, :half].mean(0), h[:, half:].amax(0)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.psi(self.pool(self.per_sample(x)))
+
+
+class HyperNetwork(nn.Module):
+    """f_theta: e [E] or [K, E] -> {name: tensor of the target param's shape (leading K when batched)}."""
+
+    def __init__(self, embed_dim: int, target_shapes: dict[str, torch.Size], width: int = 100,
+                 layers: int = 3) -> None:
+        super().__init__()
+        body: list[nn.Module] = []
+        in_dim = embed_dim
+        for _ in range(layers):
+            body += [nn.Linear(in_dim, width), nn.ReLU()]
+            in_dim = width
+        self.body = nn.Sequential(*body)
+        self.names = list(target_shapes)
+        self.shapes = [tuple(target_shapes[n]) for n in self.names]
+        self.heads = nn.ModuleList(nn.Linear(width, math.prod(s)) for s in self.shapes)
+
+    def forward(self, e: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.body(e)
+        lead = tuple(e.shape[:-1])
+        return {n: head(h).reshape(*lead, *s) for n, s, head in zip(self.names, self.shapes, self.heads)}
+
+
+class ODPFLHN(Algorithm):
+    name = "ODPFL-HN"
+    Config = ODPFLHNConfig
+
+    def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0, **overrides: Any) -> None:
+        super().__init__(model, config, seed, **overrides)
+        hp = self.hp
+        if not (hp.dp_epsilon > 0) or not (0 < hp.dp_delta < 1):
+            raise ValueError(f"need dp_epsilon > 0 and 0 < dp_delta < 1, got {hp.dp_epsilon}, {hp.dp_delta}")
+        if math.isfinite(hp.dp_epsilon) and not hp.dp:
+            raise ValueError("a finite dp_epsilon needs the DP encoder (dp=True): the noise is calibrated to "
+                             "the sensitivity of the unit-sphere, mean-pooled encoder (Sec. 7)")
+        if model.input_shape is None:
+            raise ValueError("ODPFL-HN needs the model's input_shape (build it with build_model)")
+        with torch.random.fork_rng(devices=[]):  # seeded init, global RNG untouched
+            torch.manual_seed(seed + 104_729)
+            enc_model = build_model(hp.encoder_model, model.input_shape, model.num_classes)
+            self.encoder = SetEncoder(enc_model.features, enc_model.feature_dim, hp.embed_dim, hp.set_width, hp.dp)
+            shapes = {n: p.shape for n, p in model.named_parameters()}
+            self.hypernet = HyperNetwork(hp.embed_dim, shapes, hp.hn_width, hp.hn_layers)
+        self.enc_fn = make_forward(self.encoder)  # (gamma, x [N, ...]) -> e [E]
+        self.hn_fn = make_forward(self.hypernet)  # (theta, e [.., E]) -> w
+        self.dp_rng = np.random.default_rng([seed, 7])
+        self._x: torch.Tensor | None = None
+        self._y: torch.Tensor | None = None
+        self._train: list[np.ndarray] | None = None
+
+    # ------------------------------------------------------------------ state
+    def attach(self, x: torch.Tensor, y: torch.Tensor, train: list[np.ndarray]) -> None:
+        self._x, self._y, self._train = x, y, train
+
+    def init_state(self, dtype: torch.dtype, device: torch.device) -> State:
+        theta = get_params(self.hypernet, dtype, device)
+        return {"params": self.generate(theta, torch.zeros(self.hp.embed_dim, dtype=dtype, device=device)),
+                "hn": theta, "hn_mom": tree_map(torch.zeros_like, theta),
+                "enc": get_params(self.encoder, dtype, device)}
+
+    def _client_x(self, i: int) -> torch.Tensor:
+        if self._x is None or self._train is None:
+            raise RuntimeError("ODPFL-HN needs the clients' data: call attach(x, y, train) first")
+        return self._x[torch.from_numpy(np.asarray(self._train[i])).to(self._x.device)]
+
+    # ------------------------------------------------------------- client side
+    def encode(self, enc: State, x: torch.Tensor) -> torch.Tensor:
+        """ClientEncoding: e = g_gamma(D), D = ``x`` [N, *input_shape] in one pass -> [E] (no grad).
+        This vector is all a new client sends to the server."""
+        with torch.no_grad():
+            return self.enc_fn(enc, x)
+
+    def privatize(self, enc: State, embedding: torch.Tensor, set_size: int,
+                  rng: np.random.Generator | None = None) -> torch.Tensor:
+        """e + N(0, sigma^2 I) (Sec. 7) with sigma from :func:`edge_sdk.dp.gaussian_sigma` for this client's
+        |D| = ``set_size``, B = 1 and L = spectral norm of psi (the linear map after the mean pooling)."""
+        if not self.hp.dp:
+            raise ValueError("privatize needs the DP encoder (dp=True)")
+        lipschitz = float(torch.linalg.matrix_norm(enc["psi.weight"].detach().double(), ord=2))
+        noisy = edge_dp.privatize_embedding(embedding.detach().cpu().double().numpy(), self.hp.dp_epsilon,
+                                            self.hp.dp_delta, set_size, rng if rng is not None else self.dp_rng,
+                                            bound=1.0, lipschitz=lipschitz)
+        return torch.as_tensor(noisy, dtype=embedding.dtype, device=embedding.device)
+
+    def local_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> State:
+        """ClientUpdate, one SGD step of CE on h(.; w) at ``local_lr`` (pure, vmappable)."""
+        grads = torch.func.grad(lambda p: F.cross_entropy(self.forward(p, x), y))(client_state["params"])
+        if self.hp.clip_norm is not None:
+            (grads,) = clip_by_global_norm((grads,), self.hp.clip_norm)
+        return {"params": sgd(client_state["params"], grads, self.hp.local_lr, self.hp.weight_decay),
+                "w0": client_state["w0"]}
+
+    @staticmethod
+    def client_delta(client_states: State) -> State:
+        """Delta w = w_new - w (stacked or single client)."""
+        return tree_map(lambda new, old: new - old, client_states["params"], client_states["w0"])
+
+    def encoder_backprop(self, enc: State, x: torch.Tensor, grad_e: torch.Tensor) -> State:
+        """ClientBackprop: Delta gamma = (d g_gamma(x) / d gamma)^T grad_e; ``grad_e`` [E] -> grads like gamma."""
+        with torch.enable_grad():
+            _, vjp = torch.func.vjp(lambda g: self.enc_fn(g, x), enc)
+            (grad,) = vjp(grad_e.to(next(iter(enc.values())).dtype))
+        return grad
+
+    # ------------------------------------------------------------- server side
+    def generate(self, hn: State, embedding: torch.Tensor) -> State:
+        """w = f_theta(e): e [E] -> target params; e [K, E] -> stacked target params [K, ...]."""
+        with torch.no_grad():
+            return self.hn_fn(hn, embedding)
+
+    def hypernet_backprop(self, hn: State, embeddings: torch.Tensor, delta_w: State,
+                          coef: torch.Tensor | None = None) -> tuple[State, torch.Tensor]:
+        """pFedHN chain rule: with w = f_theta(e) and the cotangent -Delta w (scaled per client by ``coef``),
+        returns (grad_theta = sum_k coef_k (dw_k/dtheta)^T (-Delta w_k), grad_e [.., E] = (dw/de)^T (-Delta w)).
+        ``embeddings`` [E] with an unstacked ``delta_w``, or [K, E] with stacked ones."""
+        with torch.enable_grad():
+            theta = {k: v.detach().requires_grad_(True) for k, v in hn.items()}
+            e = embeddings.detach().requires_grad_(True)
+            w = self.hn_fn(theta, e)
+            names = list(w)
+            cot = []
+            for n in names:
+                d = -delta_w[n].to(w[n].dtype)
+                if coef is not None:
+                    d = d * coef.to(d.dtype).reshape(-1, *([1] * (d.ndim - 1)))
+                cot.append(d)
+            grads = torch.autograd.grad([w[n] for n in names], [*theta.values(), e], grad_outputs=cot)
+        return dict(zip(theta, grads[:-1])), grads[-1]
+
+    def server_update(self, server_state: State, grad_theta: State, grad_gamma: State) -> State:
+        """theta: SGD with momentum, weight decay and global-norm clip (pFedHN); gamma: SGD at encoder_lr."""
+        hp = self.hp
+        (g,) = clip_by_global_norm((grad_theta,), hp.hn_clip)
+        g = tree_map(lambda gi, p: gi + hp.hn_weight_decay * p, g, server_state["hn"])
+        mom = tree_map(lambda b, gi: hp.hn_momentum * b + gi, server_state["hn_mom"], g)
+        theta = sgd(server_state["hn"], mom, hp.hn_lr)
+        gamma = sgd(server_state["enc"], grad_gamma, hp.encoder_lr)
+        e0 = torch.zeros(hp.embed_dim, dtype=next(iter(theta.values())).dtype,
+                         device=next(iter(theta.values())).device)
+        return {**server_state, "params": self.generate(theta, e0), "hn": theta, "hn_mom": mom, "enc": gamma}
+
+    # ------------------------------------------------------ engine interface
+    def embed_clients(self, enc: State, ids: np.ndarray) -> torch.Tensor:
+        """[K, E]: each training client's embedding of all its training data."""
+        return torch.stack([self.encode(enc, self._client_x(int(i))) for i in ids])
+
+    def client_start(self, server_state: State, ids: np.ndarray) -> State:
+        w = self.generate(server_state["hn"], self.embed_clients(server_state["enc"], ids))
+        return {"params": w, "w0": tree_map(torch.clone, w)}
+
+    def aggregate(self, server_state: State, ids: np.ndarray, client_states: State, weights: torch.Tensor) -> State:
+        """Algorithm 1, lines 6-10, for the K selected clients at once (gradients weighted by ``weights``)."""
+        coef = weights / weights.sum()
+        delta = self.client_delta(client_states)
+        enc = server_state["enc"]
+        emb = self.embed_clients(enc, ids)
+        grad_theta, grad_e = self.hypernet_backprop(server_state["hn"], emb, delta, coef)
+        grad_gamma: State | None = None
+        for k, i in enumerate(ids):  # ClientBackprop on each client, summed (coef is already in grad_e)
+            gk = self.encoder_backprop(enc, self._client_x(int(i)), grad_e[k])
+            grad_gamma = gk if grad_gamma is None else tree_map(torch.add, grad_gamma, gk)
+        assert grad_gamma is not None
+        return self.server_update(server_state, grad_theta, grad_gamma)
+
+    def val_params(self, server_state: State, ids: np.ndarray, trainer: LocalTrainer) -> State:
+        """Stacked generated params [K, ...] for the training clients (embedding of their training data)."""
+        return self.generate(server_state["hn"], self.embed_clients(server_state["enc"], ids))
+
+    def personalize(self, server_state: State, x: torch.Tensor) -> State:
+        """New client: e = g_gamma(x) (+ DP noise if dp_epsilon is finite) -> w = f_theta(e)."""
+        e = self.encode(server_state["enc"], x)
+        if math.isfinite(self.hp.dp_epsilon):
+            e = self.privatize(server_state["enc"], e, len(x))
+        return self.generate(server_state["hn"], e)
+
+
+# UPFL Table 4 (ODPFL-HN rows): local, encoder and hypernetwork learning rates per data set.
+ODPFL_HP: dict[str, dict[str, dict[str, float]]] = {
+    "mnist": {"ODPFL-HN": {"local_lr": 0.3, "encoder_lr": 0.5, "hn_lr": 0.5}},
+    "fashion_mnist": {"ODPFL-HN": {"local_lr": 0.1, "encoder_lr": 0.5, "hn_lr": 0.5}},
+}
