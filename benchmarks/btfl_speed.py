@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fl_server.bench.rows import merge_rows
+
 from edge_sdk import btfl, entropy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,14 +151,6 @@ def time_per_sample_loop(
     t0 = time.perf_counter()
     out = np.array([fn(a, b, t) for a, b, t in triples])
     return (time.perf_counter() - t0) / len(triples) * 1e6, out
-
-
-def merge_rows(path: Path, rows: list[dict]) -> None:
-    old = json.loads(path.read_text()) if path.exists() else []
-    keys = {(r["what"], r["device"]) for r in rows}
-    merged = [r for r in old if (r.get("what"), r.get("device")) not in keys] + rows
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(merged, indent=1) + "\n")
 
 
 def main() -> int:

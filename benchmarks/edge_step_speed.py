@@ -27,6 +27,7 @@ from edge_sdk.steps import load_session  # noqa: E402
 from export import export_spec, fedtta_step_spec, forward_spec, tent_step_spec  # noqa: E402
 from fl_server.algorithms import build_algorithm  # noqa: E402
 from fl_server.algorithms.fedtta import FEDTTA_HP  # noqa: E402
+from fl_server.bench.rows import merge_rows  # noqa: E402
 from fl_server.data import load_dataset  # noqa: E402
 from fl_server.models import build_model  # noqa: E402
 
@@ -75,11 +76,7 @@ def main() -> int:
                        "device": "cpu:1 thread", "torch": torch.__version__, "command": command}
                 print(json.dumps(row))
                 rows.append(row)
-    out = Path(args.out)
-    old = json.loads(out.read_text()) if out.exists() else []
-    keep = [r for r in old if (r["what"], r["device"]) not in {(n["what"], n["device"]) for n in rows}]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(keep + rows, indent=1) + "\n")
+    merge_rows(args.out, rows)
     for r in rows:
         print(f"{r['what']:<34} ORT {r['ort_ms']:>8.3f} ms   torch {r['torch_eager_ms']:>8.3f} ms   x{r['value']}")
     return 0

@@ -13,12 +13,12 @@ import shlex
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from fl_server.algorithms import build_algorithm
 from fl_server.algorithms.fedtta import FEDTTA_HP
+from fl_server.bench.rows import merge_rows
 from fl_server.data import load_dataset
 from fl_server.data.federated import make_federated
 from fl_server.device import describe, pick_device
@@ -95,13 +95,9 @@ def main() -> int:
                "device": describe(device), "torch": torch.__version__, "command": command}
         print(json.dumps(row))
         rows.append(row)
-    out = Path(args.out)
-    old = json.loads(out.read_text()) if out.exists() else []
-    keep = [r for r in old if (r["what"], r["device"]) not in {(n["what"], n["device"]) for n in rows}]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(keep + rows, indent=1) + "\n")
+    merged = merge_rows(args.out, rows)
     print(f"{'case':<28} {'device':<34} {'loop s':>8} {'vmap s':>8} {'speedup':>8} {'f64 diff':>10}")
-    for r in keep + rows:
+    for r in merged:
         print(f"{r['what']:<28} {r['device']:<34} {r['loop_s']:>8} {r['vmap_s']:>8} {r['value']:>8} "
               f"{r['max_abs_diff_float64']:>10.1e}")
     return 0

@@ -3,7 +3,6 @@ signatures, method and hyperparameters, versions). Written atomically: files go 
 directory that is renamed into place only when complete, so a reader never sees half a bundle."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -15,21 +14,13 @@ import numpy as np
 import onnx
 
 import fl_server
+from edge_sdk.bundle import MANIFEST, sha256_file
 from export.graphs import OPSET
 from export.steps import StepSpec
 
-MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 _ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.DOUBLE: "float64",
                 onnx.TensorProto.INT64: "int64", onnx.TensorProto.INT32: "int32"}
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _signature(values: Any) -> list[dict[str, Any]]:

@@ -18,7 +18,8 @@ class BundleError(ValueError):
     """A bundle is missing, malformed, or does not match its manifest."""
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks."""
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -82,6 +83,6 @@ def load_bundle(root: str | os.PathLike) -> Bundle:
             raise BundleError(f"{path}: listed in the manifest but missing")
         if path.stat().st_size != a.get("size"):
             raise BundleError(f"{path}: size {path.stat().st_size} does not match the manifest ({a.get('size')})")
-        if _sha256(path) != a.get("sha256"):
+        if sha256_file(path) != a.get("sha256"):
             raise BundleError(f"{path}: sha256 does not match the manifest; refusing to use it")
     return Bundle(root, manifest)
