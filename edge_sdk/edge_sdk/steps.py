@@ -13,6 +13,7 @@ import numpy as np
 import onnxruntime as ort
 
 from edge_sdk.early_stopping import EntropyEarlyStopping
+from edge_sdk.numerics import entropy
 
 Weights = dict[str, np.ndarray]
 
@@ -67,8 +68,6 @@ def personalize_early_stopping(runner: StepRunner, forward: ort.InferenceSession
                                patience: int, max_steps: int = 50) -> tuple[Weights, EntropyEarlyStopping]:
     """FedTTA++ on the device: step until the mean entropy has not decreased for ``patience`` steps and
     return the lowest-entropy iterate (iterate 0, the received model, included)."""
-    from edge_sdk.numerics import entropy
-
     stopper = EntropyEarlyStopping(patience, max_steps)
     feeds = {"x": check_batch(x, forward), **{f"psi.{n}": psi[n] for n in runner.param_names}}
     stop = stopper.update(float(entropy(forward.run(["logits"], feeds)[0]).mean()))

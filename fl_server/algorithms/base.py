@@ -56,7 +56,6 @@ class Algorithm:
         """``seed`` fixes the initial weights of any module the method adds to ``model`` (e.g. FedTTA's g)."""
         base = config if config is not None else self.Config()
         self.hp = type(base)(**{**asdict(base), **overrides})
-        self.seed = seed
         self.model = model
         self.forward = make_forward(model)
 
