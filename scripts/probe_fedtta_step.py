@@ -1,10 +1,13 @@
-"""Diagnostic for issue 3: does FedTTA's one-step adaptation depend on the size of the adaptation batch?
+"""Diagnostic for issue 3: does FedTTA's test-time step depend on the size of the adaptation set?
 
-Loads a trained FedTTA checkpoint (best.npz of a `fl-server bench upfl-table1 --methods FedTTA` run) and adapts
-on each *training* client's own training data used unlabeled (never the new clients' test split): no
-adaptation, one full-batch step, one step per batch of 64, and a full-batch step scaled by sqrt(64/N).
+A new client adapts on its full unlabeled set (N = 700 on the Table-1 protocol) while meta-training only ever
+took steps on batches of B = 64; the paper's loss ||g(Z)||_2 grows like sqrt(N), so the full-set step is about
+sqrt(N/B) = 3.3 times larger than any step seen in training. This probe decides the remedy on *validation*:
+each training client adapts on its whole local set (train + val, N ~ 700, used unlabeled, like a new client)
+and is scored on its validation labels only. The new clients' test split is never touched.
 
-    python scripts/probe_fedtta_step.py runs/bench/upfl-table1/mnist/FedTTA/seed0/best.npz --dataset mnist --seed 0
+    python scripts/probe_fedtta_step.py runs/bench/upfl-table1/mnist/FedTTApp/seed0/best.npz \
+        --method FedTTA++ --dataset mnist --seed 0
 """
 from __future__ import annotations
 
@@ -23,34 +26,33 @@ from fl_server.models import build_model
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint")
+    ap.add_argument("--method", default="FedTTA")
     ap.add_argument("--dataset", default="mnist")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--batch", type=int, default=64)
     args = ap.parse_args()
+    torch.set_grad_enabled(True)
     protocol = get_experiment("upfl-table1").protocols[args.dataset]
     fed = build_federated(protocol, args.seed)
-    alg = build_algorithm("FedTTA", build_model(protocol.model, fed.dataset.x.shape[1:], 10, seed=args.seed),
-                          fed.num_train_clients, seed=args.seed, **protocol.method_hp["FedTTA"])
+    model = build_model(protocol.model, fed.dataset.x.shape[1:], 10, seed=args.seed)
+    hp = protocol.method_hp[args.method]
+    variants = {"paper ||g||_2 (raw)": None, f"sqrt(B mean g^2), B={protocol.batch_size}": protocol.batch_size}
     state = load_state(args.checkpoint)
     x_all, y_all = torch.from_numpy(fed.dataset.x), torch.from_numpy(fed.dataset.y)
-    psi, phi, b = state["params"], state["phi"], args.batch
-
-    def predict(p, x):  # type: ignore[no-untyped-def]
-        with torch.no_grad():
-            return alg.forward(p, x).argmax(-1)
-
-    res: dict[str, list[float]] = {"none": [], "full batch": [], f"batches of {b}": [], "full, sqrt-scaled": []}
-    for idx in fed.train:
-        x, y = x_all[idx], y_all[idx]
-        res["none"].append(float((predict(psi, x) == y).float().mean()))
-        res["full batch"].append(float((predict(alg.adapt_step(psi, phi, x), x) == y).float().mean()))
-        per_batch = torch.cat([predict(alg.adapt_step(psi, phi, x[s:s + b]), x[s:s + b]) for s in range(0, len(x), b)])
-        res[f"batches of {b}"].append(float((per_batch == y).float().mean()))
-        g = torch.func.grad(alg.personalization_loss)(psi, phi, x)
-        scaled = {k: v - alg.hp.inner_lr * (b / len(x)) ** 0.5 * g[k] for k, v in psi.items()}
-        res["full, sqrt-scaled"].append(float((predict(scaled, x) == y).float().mean()))
-    for name, accs in res.items():
-        print(f"{name:>20}: {100 * np.mean(accs):.2f}% (mean over {len(accs)} training clients)")
+    sizes = [len(t) + len(v) for t, v in zip(fed.train, fed.val)]
+    print(f"{args.method} {args.dataset} seed {args.seed}: {len(sizes)} training clients, adaptation set N = "
+          f"{min(sizes)}..{max(sizes)}, scored on the validation labels")
+    for name, loss_batch in variants.items():
+        alg = build_algorithm(args.method, model, fed.num_train_clients, seed=args.seed, **{**hp, "loss_batch": loss_batch})
+        accs, none = [], []
+        for tr, va in zip(fed.train, fed.val):
+            x = x_all[np.concatenate([tr, va])]
+            new = alg.personalize(state, x)
+            with torch.no_grad():
+                pred = alg.forward(new, x_all[va]).argmax(-1)
+                pred0 = alg.forward(state["params"], x_all[va]).argmax(-1)
+            accs.append(float((pred == y_all[va]).float().mean()))
+            none.append(float((pred0 == y_all[va]).float().mean()))
+        print(f"  {name:>28}: {100 * np.mean(accs):.2f}%   (no adaptation: {100 * np.mean(none):.2f}%)")
 
 
 if __name__ == "__main__":

@@ -114,3 +114,18 @@ def test_adapter_init_is_seeded() -> None:
     a, b, c = make(0), make(0), make(1)
     pa, pb, pc = (list(m.adapter.parameters()) for m in (a, b, c))
     assert all(torch.equal(x, y) for x, y in zip(pa, pb)) and not torch.equal(pa[0], pc[0])
+
+
+def test_personalization_loss_is_the_paper_norm_at_batch_b_and_invariant_to_set_size() -> None:
+    """l_per = sqrt(B mean g^2): the paper's ||g||_2 on a batch of B samples; on a new client's full set the
+    step no longer grows like sqrt(N) (a set repeated k times gives exactly the same step)."""
+    alg, s, x, _ = _tiny(loss_batch=16)
+    raw = build_algorithm("FedTTA", alg.model, 1, inner_lr=0.5, adapt_width=8, loss_batch=None)
+    psi, phi = s["params"], s["phi"]
+    assert torch.allclose(alg.personalization_loss(psi, phi, x), raw.personalization_loss(psi, phi, x), atol=1e-12)
+    x4 = x.repeat(4, 1, 1, 1)
+    one, four = alg.adapt_step(psi, phi, x), alg.adapt_step(psi, phi, x4)
+    assert max(float((one[k] - four[k]).abs().max()) for k in one) < 1e-12
+    raw_one, raw_four = raw.adapt_step(psi, phi, x), raw.adapt_step(psi, phi, x4)  # the paper's: 2x the step
+    ratio = [float(((raw_four[k] - psi[k]).norm() / (raw_one[k] - psi[k]).norm())) for k in psi]
+    np.testing.assert_allclose(ratio, 2.0, rtol=1e-9)

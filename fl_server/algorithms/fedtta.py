@@ -33,6 +33,11 @@ class FedTTAConfig(Hyper):
     adapt_width: int = 32
     patience: int = 0  # 0: one adaptation step (FedTTA); >= 1: entropy early stopping (FedTTA++)
     max_steps: int = 50  # E, the authors' code
+    # Reference batch B of the personalization loss: l_per = sqrt(B * mean_i g_i^2), which is the paper's
+    # ||g(Z)||_2 on a training batch of B samples, but does not grow as sqrt(N) on a new client's full set of
+    # N samples (the paper's full-batch step would be sqrt(N/B) times larger than anything seen in training).
+    # None: the paper's raw ||g(Z)||_2 on every batch size.
+    loss_batch: int | None = 64
 
 
 class FedTTA(Algorithm):
@@ -55,8 +60,12 @@ class FedTTA(Algorithm):
 
     # --------------------------------------------------------------- the math
     def personalization_loss(self, psi: State, phi: State, x: torch.Tensor) -> torch.Tensor:
-        """l_per = || g(f(X; psi); phi) ||_2 over the batch (UPFL Eq. 4)."""
-        return torch.linalg.vector_norm(self.g(phi, self.forward(psi, x)))
+        """l_per = || g(f(X; psi); phi) ||_2 over the batch (UPFL Eq. 4), at the reference batch size."""
+        scores = self.g(phi, self.forward(psi, x))
+        if self.hp.loss_batch is None:
+            return torch.linalg.vector_norm(scores)
+        # sqrt(B * mean g^2) == ||g||_2 when N == B; mean() keeps N symbolic for the ONNX export
+        return torch.sqrt(self.hp.loss_batch * scores.square().mean())
 
     def adapt_step(self, psi: State, phi: State, x: torch.Tensor) -> State:
         """psi~ = psi - eta_inner grad_psi l_per (Eq. 5); differentiable w.r.t. psi and phi."""
