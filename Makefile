@@ -28,7 +28,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 ## edge_sdk alone in a fresh venv: proves `pip install ./edge_sdk` pulls no torch
-test-sdk:
+test-sdk: $(STAMP)
 	bash scripts/check_edge_sdk_venv.sh
 
 bench-quick: $(STAMP)

@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from edge_sdk.bundle import load_bundle
-from edge_sdk.steps import StepRunner, personalize_early_stopping
+from edge_sdk.personalize import Personalizer
 from fl_server.data import load_dataset
 from fl_server.data.federated import make_federated
 
@@ -33,42 +33,25 @@ def main() -> int:
     args = ap.parse_args()
 
     bundle = load_bundle(args.bundle)
-    m, hp, proto = bundle.manifest, bundle.hyperparameters, bundle.manifest["protocol"]
+    m, proto = bundle.manifest, bundle.manifest["protocol"]
     print(f"bundle {args.bundle}: {bundle.method} on {m['dataset']} ({m['model']}), "
           f"{len(m['artifacts'])} artifacts verified")
     fed = make_federated(load_dataset(m["dataset"], root=args.data_dir), proto["partition"], proto["num_clients"],
                          proto["new_fraction"], proto["val_fraction"], seed=m["seed"], alpha=proto["alpha"])
-    forward = bundle.session("forward")
-    psi = bundle.weights("params")
-    names = [i.name for i in forward.get_inputs()]
-    runner = None
-    if "fedtta_step" in {a["name"] for a in m["artifacts"]}:
-        runner = StepRunner(bundle.session("fedtta_step"), fixed=bundle.weights("phi"))
-    elif "tent_step" in {a["name"] for a in m["artifacts"]}:
-        runner = StepRunner(bundle.session("tent_step"))
-
+    personalizer = Personalizer(bundle)
     before, after, ms = [], [], []
     for j, idx in enumerate(fed.new):
         x, y = fed.dataset.x[idx], fed.dataset.y[idx]
-        feeds = {"x": x, **{n: psi[n[len("psi."):]] for n in names if n.startswith("psi.")}}
-        before.append(accuracy(forward.run(["logits"], feeds)[0], y))
+        before.append(accuracy(personalizer.predict(x), y))
         t0 = time.perf_counter()
-        if runner is None:
-            logits = forward.run(["logits"], feeds)[0]
-        elif hp.get("patience", 0) >= 1:  # FedTTA++
-            best, _ = personalize_early_stopping(runner, forward, x, psi, hp["patience"], hp.get("max_steps", 50))
-            logits = forward.run(["logits"], {"x": x, **{f"psi.{n}": v for n, v in best.items()}})[0]
-        else:  # FedTTA (one step) or TENT (``steps`` full-batch steps)
-            current = psi
-            for _ in range(int(hp.get("steps", 1))):
-                current, logits, _ = runner.step(x, current)
+        result = personalizer.personalize(x)
         ms.append(1e3 * (time.perf_counter() - t0))
-        after.append(accuracy(logits, y))
+        after.append(accuracy(personalizer.predict(x, result.weights), y))
         if j < args.show:
             print(f"  new client {j:>2}: {len(idx):>4} samples  accuracy {100 * before[-1]:5.1f}% -> "
-                  f"{100 * after[-1]:5.1f}%  ({ms[-1]:.1f} ms on the device)")
+                  f"{100 * after[-1]:5.1f}%  ({result.steps} step(s), {ms[-1]:.1f} ms on the device)")
     print(f"{len(fed.new)} new clients: mean accuracy {100 * np.mean(before):.2f}% (received model) -> "
-          f"{100 * np.mean(after):.2f}% ({bundle.method} on onnxruntime), median {np.median(ms):.1f} ms per client")
+          f"{100 * np.mean(after):.2f}% ({personalizer.kind} on onnxruntime), median {np.median(ms):.1f} ms per client")
     print(f"torch imported: {'torch' in sys.modules}")
     return 0
 

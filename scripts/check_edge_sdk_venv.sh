@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
-# pip install ./edge_sdk into a fresh venv and check that torch is neither installed nor imported.
+# The device side alone: a fresh venv with only `pip install ./edge_sdk` (+ pytest) must not get torch, must
+# import edge_sdk without torch, and must pass the SDK's own tests (edge_sdk/tests) against bundles and torch
+# reference outputs exported beforehand by the coordinator's environment ($MAIN_PYTHON -m export.sdk_fixture).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-venv=$(mktemp -d)/sdk-venv
+main_python=${MAIN_PYTHON:-$here/.venv/bin/python}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+venv=$work/sdk-venv
 python3 -m venv "$venv"
-"$venv/bin/pip" install -q "$here/edge_sdk"
+"$venv/bin/pip" install -q "$here/edge_sdk" "pytest>=8"
 if "$venv/bin/pip" show torch >/dev/null 2>&1; then echo "FAIL: torch was installed by edge_sdk"; exit 1; fi
-(cd "$(dirname "$venv")" && "$venv/bin/python" -c "import edge_sdk, sys; assert 'torch' not in sys.modules; print('edge_sdk', edge_sdk.__version__, 'imports without torch')")
-"$venv/bin/pip" list --format=freeze | sed 's/^/  /'
-rm -rf "$(dirname "$venv")"
+(cd "$work" && "$venv/bin/python" -c "import edge_sdk, sys; assert 'torch' not in sys.modules; print('edge_sdk', edge_sdk.__version__, 'imports without torch')")
+"$venv/bin/pip" list --format=freeze | grep -v -i -E '^(pytest|pluggy|iniconfig|packaging|pygments)==' | sed 's/^/  /'
+(cd "$here" && FL_DATA_DIR=${FL_DATA_DIR:-$(cd "$here/.." && pwd)/shared/data} "$main_python" -m export.sdk_fixture "$work/fixture")
+cd "$work" && EDGE_SDK_FIXTURE="$work/fixture" "$venv/bin/python" -m pytest -q -p no:cacheprovider "$here/edge_sdk/tests"

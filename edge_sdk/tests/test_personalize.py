@@ -1,0 +1,61 @@
+"""The SDK personalises exported bundles on onnxruntime exactly as torch does on the server (no torch here)."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_sdk.bundle import BundleError, load_bundle
+from edge_sdk.personalize import Personalizer
+
+TOL = 1e-4  # float32 logits after several exported gradient steps
+
+
+@pytest.fixture(scope="module")
+def ref(sdk_fixture: Path) -> dict[str, np.ndarray]:
+    with np.load(sdk_fixture / "reference.npz", allow_pickle=False) as arrays:
+        return {k: arrays[k] for k in arrays.files}
+
+
+def test_fedtta_plus_plus_matches_torch(sdk_fixture: Path, ref: dict[str, np.ndarray]) -> None:
+    p = Personalizer(load_bundle(sdk_fixture / "fedtta_pp"))
+    assert p.kind == "FedTTA++"
+    np.testing.assert_allclose(p.predict(ref["x"]), ref["fedtta_pp_base_logits"], atol=TOL)
+    result = p.personalize(ref["x"])
+    assert result.steps == int(ref["fedtta_pp_best_step"])
+    np.testing.assert_allclose(result.entropy_history, ref["fedtta_pp_history"], atol=1e-5)
+    logits = p.predict(ref["x"], result.weights)
+    np.testing.assert_allclose(logits, ref["fedtta_pp_logits"], atol=TOL)
+    assert (logits.argmax(-1) == ref["fedtta_pp_logits"].argmax(-1)).mean() == 1.0
+
+
+def test_tent_matches_torch(sdk_fixture: Path, ref: dict[str, np.ndarray]) -> None:
+    p = Personalizer(load_bundle(sdk_fixture / "tent"))
+    assert p.kind == "TENT"
+    result = p.personalize(ref["x"])
+    assert result.steps == 2 and result.entropy_history[-1] < result.entropy_history[0]
+    np.testing.assert_allclose(p.predict(ref["x"], result.weights), ref["tent_logits"], atol=TOL)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda x: x.astype(np.float64), "must be float32"),
+    (lambda x: x[:, 0], "dimensions"),
+    (lambda x: x[:0], "empty batch"),
+    (lambda x: np.where(np.arange(x.size).reshape(x.shape) == 3, np.nan, x).astype(np.float32), "NaN or inf"),
+])
+def test_bad_input_is_refused_before_onnxruntime(sdk_fixture: Path, ref: dict[str, np.ndarray], bad, message: str) -> None:  # type: ignore[no-untyped-def]
+    p = Personalizer(load_bundle(sdk_fixture / "fedtta_pp"))
+    with pytest.raises(ValueError, match=message):
+        p.personalize(bad(ref["x"]))
+
+
+def test_tampered_bundle_is_refused(sdk_fixture: Path, tmp_path: Path) -> None:
+    copy = Path(shutil.copytree(sdk_fixture / "tent", tmp_path / "tent"))
+    onnx_file = next(copy.glob("*.onnx"))
+    data = bytearray(onnx_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    onnx_file.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match="sha256"):
+        load_bundle(copy)

@@ -1,0 +1,90 @@
+"""Bundles with torch reference outputs, for the SDK's own tests in a venv that has no torch.
+
+    python -m export.sdk_fixture OUT_DIR [--data-dir DIR]
+
+Writes ``OUT_DIR/fedtta_pp`` and ``OUT_DIR/tent`` (bundles of a briefly meta-trained FedTTA++ and a
+FedAvg-initialised TENT MLP on real MNIST; the embedded digits when MNIST is absent) and
+``OUT_DIR/reference.npz``: a batch of real images and what torch computes for it (received-model logits,
+personalised logits, FedTTA++'s chosen iterate and entropy curve). ``edge_sdk/tests`` checks the SDK against
+it. No pickle: weights and references are plain ``.npz`` read with ``allow_pickle=False``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from export.bundle import export_specs, write_bundle
+from export.steps import fedtta_step_spec, forward_spec, tent_step_spec
+from fl_server.algorithms import build_algorithm
+from fl_server.algorithms.fedtta import FEDTTA_HP
+from fl_server.data import load_dataset
+from fl_server.data.errors import DataFileError
+from fl_server.models import build_model
+
+FEDTTA_PP_HP = {**FEDTTA_HP["mnist"]["FedTTA++"], "patience": 2, "max_steps": 8}
+
+
+def _real_images(data_root: str | None) -> tuple[str, np.ndarray, np.ndarray]:
+    try:
+        ds = load_dataset("mnist", root=data_root, split="all")
+    except DataFileError:
+        ds = load_dataset("digits")
+    return ds.name, ds.x, ds.y
+
+
+def make_sdk_fixture(out: str | Path, data_root: str | None = None, n: int = 256) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    name, x_all, y_all = _real_images(data_root)
+    shape = tuple(x_all.shape[1:])
+    x_train, y_train = torch.from_numpy(x_all[:2048]), torch.from_numpy(y_all[:2048])
+    x = torch.from_numpy(x_all[-n:])
+    ref: dict[str, np.ndarray] = {"x": x.numpy(), "y": y_all[-n:]}
+
+    fedtta = build_algorithm("FedTTA++", build_model("mlp", shape, 10, seed=0), 1, seed=0, **FEDTTA_PP_HP)
+    state = fedtta.init_state(torch.float32, torch.device("cpu"))
+    server = state
+    for i in range(0, len(x_train), 64):  # a short meta-training run so that adaptation has something to do
+        state = {k: {p: v.detach() for p, v in d.items()} for k, d in
+                 fedtta.local_step(state, server, x_train[i:i + 64], y_train[i:i + 64]).items()}
+    best, stopper = fedtta.personalize_early_stopping(state["params"], state["phi"], x)
+    with torch.no_grad():
+        ref["fedtta_pp_base_logits"] = fedtta.forward(state["params"], x).numpy()
+        ref["fedtta_pp_logits"] = fedtta.forward(best, x).numpy()
+    ref["fedtta_pp_best_step"] = np.array(stopper.best_step)
+    ref["fedtta_pp_history"] = np.array(stopper.history)
+
+    tent = build_algorithm("TENT", build_model("mlp", shape, 10, seed=1), 1, seed=1, steps=2)
+    tstate = tent.init_state(torch.float32, torch.device("cpu"))
+    tuned = tent.personalize(tstate, x)
+    with torch.no_grad():
+        ref["tent_logits"] = tent.forward(tuned, x).numpy()
+
+    with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
+        graphs = export_specs({"forward": forward_spec(fedtta.model, state["params"]),
+                               "fedtta_step": fedtta_step_spec(fedtta, state["params"], state["phi"])}, Path(tmp) / "f")
+        write_bundle(out / "fedtta_pp", graphs, {k: {p: v.numpy() for p, v in state[k].items()} for k in state},
+                     "FedTTA++", FEDTTA_PP_HP, extra={"dataset": name})
+        graphs = export_specs({"forward": forward_spec(tent.model, tstate["params"]),
+                               "tent_step": tent_step_spec(tent, tstate["params"])}, Path(tmp) / "t")
+        write_bundle(out / "tent", graphs, {"params": {p: v.numpy() for p, v in tstate["params"].items()}},
+                     "TENT", dataclasses.asdict(tent.hp), extra={"dataset": name})
+    np.savez(out / "reference.npz", **ref)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out")
+    ap.add_argument("--data-dir", default=None)
+    args = ap.parse_args()
+    print(f"SDK test fixture written to {make_sdk_fixture(args.out, args.data_dir)}")
+
+
+if __name__ == "__main__":
+    main()
