@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from export.bundle import export_specs, write_bundle
+from export.quantize import freeze_weights, quantize_int8
 from export.steps import StepSpec, fedtta_step_spec, forward_spec, tent_step_spec
 from fl_server.algorithms import build_algorithm
 from fl_server.algorithms.fedtta import FedTTA
@@ -16,8 +17,9 @@ from fl_server.engine.simulation import load_state
 from fl_server.models import build_model
 
 
-def export_run(run_dir: str | Path, dest: str | Path) -> Path:
-    """Build the method's device graphs around the best-validation weights of ``run_dir``; write a bundle."""
+def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False) -> Path:
+    """Build the method's device graphs around the best-validation weights of ``run_dir``; write a bundle.
+    ``int8``: also ship ``forward_int8``, the received model frozen and dynamically quantized (plain inference)."""
     run_dir = Path(run_dir)
     for needed in ("run.json", "best.npz"):
         if not (run_dir / needed).is_file():
@@ -35,6 +37,9 @@ def export_run(run_dir: str | Path, dest: str | Path) -> Path:
     weights = {k: {n: v.numpy() for n, v in d.items()} for k, d in state.items()}
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         graphs = export_specs(specs, Path(tmp))
+        if int8:
+            frozen = freeze_weights(graphs["forward"], weights["params"], Path(tmp) / "forward_frozen.onnx")
+            graphs["forward_int8"] = quantize_int8(frozen, Path(tmp) / "forward_int8.onnx")
         return write_bundle(dest, graphs, weights, run["method"], run["hyper"],
                             extra={"model": run["model"], "dataset": run["dataset"], "seed": run["seed"],
                                    "protocol": run["protocol"],

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from export.bundle import export_specs, write_bundle
+from export.quantize import freeze_weights, quantize_int8
 from export.steps import fedtta_step_spec, forward_spec, tent_step_spec
 from fl_server.algorithms import build_algorithm
 from fl_server.algorithms.fedtta import FEDTTA_HP
@@ -68,6 +69,9 @@ def make_sdk_fixture(out: str | Path, data_root: str | None = None, n: int = 256
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         graphs = export_specs({"forward": forward_spec(fedtta.model, state["params"]),
                                "fedtta_step": fedtta_step_spec(fedtta, state["params"], state["phi"])}, Path(tmp) / "f")
+        frozen = freeze_weights(graphs["forward"], {p: v.numpy() for p, v in state["params"].items()},
+                                Path(tmp) / "frozen.onnx")
+        graphs["forward_int8"] = quantize_int8(frozen, Path(tmp) / "forward_int8.onnx")
         write_bundle(out / "fedtta_pp", graphs, {k: {p: v.numpy() for p, v in state[k].items()} for k in state},
                      "FedTTA++", FEDTTA_PP_HP, extra={"dataset": name})
         graphs = export_specs({"forward": forward_spec(tent.model, tstate["params"]),

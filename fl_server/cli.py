@@ -66,7 +66,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from export.run import export_run
 
-    path = export_run(args.run_dir, args.out)
+    path = export_run(args.run_dir, args.out, int8=args.int8)
     print(f"bundle written to {path} (verify and use it on a device with edge_sdk.bundle.load_bundle)")
     return 0
 
@@ -121,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="export a trained run's best model and device steps as an ONNX bundle")
     p.add_argument("run_dir", help="run directory of `fl-server train --out` (holds run.json and best.npz)")
     p.add_argument("--out", required=True, help="bundle directory to write (replaced atomically)")
+    p.add_argument("--int8", action="store_true", help="also ship forward_int8 (frozen, int8-quantized received model)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("report", help="regenerate docs/RESULTS.md")

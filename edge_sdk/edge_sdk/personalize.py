@@ -30,11 +30,13 @@ class Personalized:
 
 
 class Personalizer:
-    def __init__(self, bundle: Bundle, threads: int | None = None) -> None:
+    def __init__(self, bundle: Bundle, threads: int | None = None, int8: bool = False) -> None:
+        """``int8``: predictions of the received (un-personalised) model use the bundle's ``forward_int8``."""
         self.bundle = bundle
         self.hp = bundle.hyperparameters
         self.forward = bundle.session("forward", threads)
         self.base = bundle.weights("params")
+        self.frozen_int8 = bundle.session("forward_int8", threads) if int8 else None
         names = {a["name"] for a in bundle.manifest["artifacts"]}
         self.runner: StepRunner | None = None
         if "fedtta_step" in names:
@@ -49,6 +51,8 @@ class Personalizer:
 
     def predict(self, x: np.ndarray, weights: Weights | None = None) -> np.ndarray:
         """Logits [N, C] of the model with ``weights`` (default: the received base model)."""
+        if weights is None and self.frozen_int8 is not None:
+            return self.frozen_int8.run(["logits"], {"x": check_batch(x, self.frozen_int8)})[0]
         w = self.base if weights is None else weights
         feeds = {"x": check_batch(x, self.forward), **{n: w[n[len("psi."):]] for n in self._psi_inputs}}
         return self.forward.run(["logits"], feeds)[0]

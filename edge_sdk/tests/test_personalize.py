@@ -59,3 +59,15 @@ def test_tampered_bundle_is_refused(sdk_fixture: Path, tmp_path: Path) -> None:
     onnx_file.write_bytes(bytes(data))
     with pytest.raises(BundleError, match="sha256"):
         load_bundle(copy)
+
+
+def test_int8_forward_is_smaller_and_agrees(sdk_fixture: Path, ref: dict[str, np.ndarray]) -> None:
+    bundle = load_bundle(sdk_fixture / "fedtta_pp")
+    fp32, int8 = Personalizer(bundle), Personalizer(bundle, int8=True)
+    size = {a["name"]: a["size"] for a in bundle.manifest["artifacts"]}
+    assert size["forward_int8"] < 0.3 * (size["forward"] + size["params"])
+    agree = (fp32.predict(ref["x"]).argmax(-1) == int8.predict(ref["x"]).argmax(-1)).mean()
+    assert agree >= 0.95, agree
+    # personalised weights always run on the fp32 graph (the int8 graph has the received weights baked in)
+    result = int8.personalize(ref["x"])
+    np.testing.assert_allclose(int8.predict(ref["x"], result.weights), ref["fedtta_pp_logits"], atol=TOL)

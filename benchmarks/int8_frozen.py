@@ -1,0 +1,97 @@
+"""int8 dynamic quantization of a trained model's frozen forward path: size, accuracy change, latency.
+
+For each finished run directory (``fl-server train --out DIR``: run.json + best.npz), the received model's
+forward graph is exported, frozen (weights as initializers) and quantized to int8 (export/quantize.py). Both are
+scored on the run's own new clients (the held-out clients of its protocol, received model without
+personalisation) and timed at batch 64 on one onnxruntime thread, in the same run. Rows merged into
+docs/benchmarks/edge-sdk.json by (what, device).
+
+    python benchmarks/int8_frozen.py runs/int8/mnist-fedavg [RUN_DIR ...] [--data-dir DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from edge_sdk.steps import load_session
+from export import export_spec, forward_spec
+from export.quantize import freeze_weights, quantize_int8
+from fl_server.bench.rows import merge_rows
+from fl_server.data import load_dataset
+from fl_server.data.federated import make_federated
+from fl_server.engine.simulation import load_state
+from fl_server.models import build_model
+
+
+def median_ms(fn, repeats: int = 30) -> float:  # type: ignore[no-untyped-def]
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def client_accuracy(session, x: np.ndarray, y: np.ndarray, clients: list[np.ndarray]) -> float:  # type: ignore[no-untyped-def]
+    """Mean over clients of the accuracy on the client's data (the UPFL new-client metric)."""
+    correct = session.run(["logits"], {"x": x})[0].argmax(-1) == y
+    return 100 * float(np.mean([correct[idx].mean() for idx in clients]))
+
+
+def measure(run_dir: Path, data_dir: str | None, work: Path, command: str) -> dict:
+    run = json.loads((run_dir / "run.json").read_text())
+    proto = run["protocol"]
+    model = build_model(run["model"], tuple(run["input_shape"]), run["num_classes"], seed=run["seed"])
+    params = {n: v.float() for n, v in load_state(run_dir / "best.npz")["params"].items()}
+    graph = export_spec(forward_spec(model, params), work / f"{run_dir.name}.onnx")
+    fp32 = freeze_weights(graph, {n: v.numpy() for n, v in params.items()}, work / f"{run_dir.name}.fp32.onnx")
+    int8 = quantize_int8(fp32, work / f"{run_dir.name}.int8.onnx")
+    ds = load_dataset(run["dataset"], root=data_dir, split="all")
+    fed = make_federated(ds, proto["partition"], proto["num_clients"], proto["new_fraction"], proto["val_fraction"],
+                         seed=run["seed"], alpha=proto["alpha"])
+    idx = np.concatenate(fed.new)
+    local = [np.arange(s, s + len(c)) for s, c in zip(np.cumsum([0] + [len(c) for c in fed.new[:-1]]), fed.new)]
+    sessions = {k: load_session(p, threads=1) for k, p in (("fp32", fp32), ("int8", int8))}
+    acc = {k: client_accuracy(s, ds.x[idx], ds.y[idx], local) for k, s in sessions.items()}
+    batch = ds.x[idx[:64]]
+    ms = {k: median_ms(lambda s=s: s.run(["logits"], {"x": batch})) for k, s in sessions.items()}
+    return {"benchmark": "edge-sdk", "what": f"int8 forward, {run['model']}, {run['dataset']} {run['method']} run",
+            "metric": "accuracy_change_points", "value": round(acc["int8"] - acc["fp32"], 2),
+            "accuracy_fp32": round(acc["fp32"], 2), "accuracy_int8": round(acc["int8"], 2),
+            "evaluated_on": f"{len(fed.new)} new clients of the run's protocol, received model (no personalisation)",
+            "bytes_fp32": fp32.stat().st_size, "bytes_int8": int8.stat().st_size,
+            "ms_fp32_batch64": round(ms["fp32"], 3), "ms_int8_batch64": round(ms["int8"], 3),
+            "device": "cpu:1 thread", "run": str(run_dir), "rounds": run.get("rounds"),
+            "torch": torch.__version__, "command": command}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+")
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--out", default="docs/benchmarks/edge-sdk.json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    command = "python benchmarks/int8_frozen.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [measure(Path(r), args.data_dir, Path(tmp), command) for r in args.runs]
+    merge_rows(args.out, rows)
+    for r in rows:
+        print(f"{r['what']}: {r['accuracy_fp32']:.2f}% -> {r['accuracy_int8']:.2f}% (int8), "
+              f"{r['bytes_fp32'] / 1e6:.2f} MB -> {r['bytes_int8'] / 1e6:.2f} MB, "
+              f"{r['ms_fp32_batch64']:.2f} -> {r['ms_int8_batch64']:.2f} ms per batch of 64")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
