@@ -15,32 +15,20 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import shlex  # noqa: E402
-import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
 from edge_sdk.steps import load_session  # noqa: E402
+from timing import median_ms  # noqa: E402
 from export import export_spec, fedtta_step_spec, forward_spec, tent_step_spec  # noqa: E402
 from fl_server.algorithms import build_algorithm  # noqa: E402
 from fl_server.algorithms.fedtta import FEDTTA_HP  # noqa: E402
 from fl_server.bench.rows import merge_rows  # noqa: E402
 from fl_server.data import load_dataset  # noqa: E402
 from fl_server.models import build_model  # noqa: E402
-
-
-def median_ms(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
 
 
 def main() -> int:

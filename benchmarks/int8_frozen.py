@@ -13,10 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -30,16 +28,7 @@ from fl_server.data import load_dataset
 from fl_server.data.federated import make_federated
 from fl_server.engine.simulation import load_state
 from fl_server.models import build_model
-
-
-def median_ms(fn, repeats: int = 30) -> float:  # type: ignore[no-untyped-def]
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+from timing import median_ms
 
 
 def client_accuracy(session, x: np.ndarray, y: np.ndarray, clients: list[np.ndarray]) -> float:  # type: ignore[no-untyped-def]
@@ -64,7 +53,7 @@ def measure(run_dir: Path, data_dir: str | None, work: Path, command: str) -> di
     sessions = {k: load_session(p, threads=1) for k, p in (("fp32", fp32), ("int8", int8))}
     acc = {k: client_accuracy(s, ds.x[idx], ds.y[idx], local) for k, s in sessions.items()}
     batch = ds.x[idx[:64]]
-    ms = {k: median_ms(lambda s=s: s.run(["logits"], {"x": batch})) for k, s in sessions.items()}
+    ms = {k: median_ms(lambda s=s: s.run(["logits"], {"x": batch}), 30) for k, s in sessions.items()}
     return {"benchmark": "edge-sdk", "what": f"int8 forward, {run['model']}, {run['dataset']} {run['method']} run",
             "metric": "accuracy_change_points", "value": round(acc["int8"] - acc["fp32"], 2),
             "accuracy_fp32": round(acc["fp32"], 2), "accuracy_int8": round(acc["int8"], 2),
