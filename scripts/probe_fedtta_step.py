@@ -12,12 +12,15 @@ and is scored on its validation labels only. The new clients' test split is neve
 from __future__ import annotations
 
 import argparse
+import shlex
+import sys
 
 import numpy as np
 import torch
 
 from fl_server.algorithms import build_algorithm
 from fl_server.bench.experiments import get_experiment
+from fl_server.bench.rows import merge_rows
 from fl_server.bench.runner import build_federated
 from fl_server.engine.simulation import load_state
 from fl_server.models import build_model
@@ -29,6 +32,7 @@ def main() -> None:
     ap.add_argument("--method", default="FedTTA")
     ap.add_argument("--dataset", default="mnist")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="docs/results/fedtta-loss-probe.json", help="rows merged by (method, variant)")
     args = ap.parse_args()
     torch.set_grad_enabled(True)
     protocol = get_experiment("upfl-table1").protocols[args.dataset]
@@ -41,6 +45,8 @@ def main() -> None:
     sizes = [len(t) + len(v) for t, v in zip(fed.train, fed.val)]
     print(f"{args.method} {args.dataset} seed {args.seed}: {len(sizes)} training clients, adaptation set N = "
           f"{min(sizes)}..{max(sizes)}, scored on the validation labels")
+    command = "python scripts/probe_fedtta_step.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    rows = []
     for name, loss_batch in variants.items():
         alg = build_algorithm(args.method, model, fed.num_train_clients, seed=args.seed, **{**hp, "loss_batch": loss_batch})
         accs, none = [], []
@@ -53,6 +59,13 @@ def main() -> None:
             accs.append(float((pred == y_all[va]).float().mean()))
             none.append(float((pred0 == y_all[va]).float().mean()))
         print(f"  {name:>28}: {100 * np.mean(accs):.2f}%   (no adaptation: {100 * np.mean(none):.2f}%)")
+        rows.append({"experiment": "fedtta-loss-probe", "dataset": args.dataset, "method": args.method,
+                     "seed": args.seed, "variant": name, "loss_batch": loss_batch, "split": "val",
+                     "accuracy": round(100 * float(np.mean(accs)), 2),
+                     "accuracy_no_adaptation": round(100 * float(np.mean(none)), 2),
+                     "adaptation_set": f"each training client's train+val ({min(sizes)}..{max(sizes)} samples), unlabeled",
+                     "checkpoint": args.checkpoint, "device": "cpu", "command": command})
+    merge_rows(args.out, rows, key=("dataset", "method", "seed", "variant"))
 
 
 if __name__ == "__main__":

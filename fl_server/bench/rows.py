@@ -7,12 +7,13 @@ import os
 from pathlib import Path
 
 
-def merge_rows(path: str | os.PathLike, rows: list[dict]) -> list[dict]:
-    """Replace the rows of ``path`` that share (what, device) with ``rows``; keep the others. Atomic write."""
+def merge_rows(path: str | os.PathLike, rows: list[dict], key: tuple[str, ...] = ("what", "device")) -> list[dict]:
+    """Replace the rows of ``path`` that share ``key`` (default (what, device)) with ``rows``; keep the others.
+    Atomic write."""
     path = Path(path)
     old = json.loads(path.read_text()) if path.exists() else []
-    keys = {(r["what"], r["device"]) for r in rows}
-    merged = [r for r in old if (r.get("what"), r.get("device")) not in keys] + rows
+    keys = {tuple(r[k] for k in key) for r in rows}
+    merged = [r for r in old if tuple(r.get(k) for k in key) not in keys] + rows
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(merged, indent=1) + "\n")
