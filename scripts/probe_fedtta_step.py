@@ -59,9 +59,10 @@ def main() -> None:
             accs.append(float((pred == y_all[va]).float().mean()))
             none.append(float((pred0 == y_all[va]).float().mean()))
         print(f"  {name:>28}: {100 * np.mean(accs):.2f}%   (no adaptation: {100 * np.mean(none):.2f}%)")
-        rows.append({"experiment": "fedtta-loss-probe", "dataset": args.dataset, "method": args.method,
-                     "seed": args.seed, "variant": name, "loss_batch": loss_batch, "split": "val",
-                     "accuracy": round(100 * float(np.mean(accs)), 2),
+        rows.append({"what": f"{args.method} {args.dataset} seed {args.seed}: {name}", "metric": "val accuracy %",
+                     "value": round(100 * float(np.mean(accs)), 2),
+                     "dataset": args.dataset, "method": args.method,
+                     "seed": args.seed, "variant": name, "loss_batch": loss_batch,
                      "accuracy_no_adaptation": round(100 * float(np.mean(none)), 2),
                      "adaptation_set": f"each training client's train+val ({min(sizes)}..{max(sizes)} samples), unlabeled",
                      "checkpoint": args.checkpoint, "device": "cpu", "command": command})

@@ -47,15 +47,18 @@ def benchmark_section(name: str, rows: list[dict[str, Any]]) -> str:
         what = r.get("what") or r.get("method", "")
         details = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
                             for k, v in r.items() if k not in _BENCH_SKIP)
-        lines.append(f"| {what} | {r['metric']} | {r['value']} | {details} | {r.get('device', '-')} | "
-                     f"`{r.get('command', '')}` |")
+        cells = [what, r["metric"], r["value"], details, r.get("device", "-"), f"`{r.get('command', '')}`"]
+        lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def write_report(docs: Path = Path("docs")) -> Path:
     parts = [HEADER]
     for path in sorted((docs / "results").glob("*.json")):
-        parts.append(experiment_section(path.stem, json.loads(path.read_text())))
+        rows = json.loads(path.read_text())
+        # seed-aggregated experiment tables; other result files (probes, sweeps) as generic rows
+        section = experiment_section if all("mean" in r for r in rows) else benchmark_section
+        parts.append(section(path.stem, rows))
     for path in sorted((docs / "benchmarks").glob("*.json")):
         data = json.loads(path.read_text())
         parts.append(benchmark_section(path.stem, data if isinstance(data, list) else [data]))
