@@ -37,6 +37,14 @@ def client_accuracy(session, x: np.ndarray, y: np.ndarray, clients: list[np.ndar
     return 100 * float(np.mean([correct[idx].mean() for idx in clients]))
 
 
+def checkpoint_rounds(run_dir: Path) -> dict:
+    """Rounds trained so far and the round of best.npz (a run may be measured before it finished): best.npz is
+    written whenever validation improves, so it is the best-val row of metrics.jsonl."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    best = max(rows, key=lambda r: r["val"])
+    return {"rounds_done": len(rows), "best_round": best["round"], "test_at_best_round_torch": round(100 * best["test"], 2)}
+
+
 def measure(run_dir: Path, data_dir: str | None, work: Path, command: str) -> dict:
     run = json.loads((run_dir / "run.json").read_text())
     proto = run["protocol"]
@@ -60,7 +68,7 @@ def measure(run_dir: Path, data_dir: str | None, work: Path, command: str) -> di
             "evaluated_on": f"{len(fed.new)} new clients of the run's protocol, received model (no personalisation)",
             "bytes_fp32": fp32.stat().st_size, "bytes_int8": int8.stat().st_size,
             "ms_fp32_batch64": round(ms["fp32"], 3), "ms_int8_batch64": round(ms["int8"], 3),
-            "device": "cpu:1 thread", "run": str(run_dir), "rounds": run.get("rounds"),
+            "device": "cpu:1 thread", "run": str(run_dir), **checkpoint_rounds(run_dir),
             "torch": torch.__version__, "command": command}
 
 
