@@ -38,7 +38,7 @@ def run_seed(protocol: Protocol, method: str, seed: int, run_dir: Path | None, d
                                 **protocol.method_hp.get(method, {}))
     cfg = RunConfig(rounds=protocol.rounds, local_iterations=protocol.local_iterations,
                     batch_size=protocol.batch_size, client_fraction=protocol.client_fraction,
-                    eval_every=protocol.eval_every, seed=seed, mode=mode, device=device,
+                    eval_every=protocol.eval_every_for(method), seed=seed, mode=mode, device=device,
                     out_dir=str(run_dir) if run_dir else None, progress=progress,
                     test_at_best_only=test_at_best_only)
     sim = Simulation(algorithm, fed, cfg)
@@ -55,7 +55,8 @@ def run_seed(protocol: Protocol, method: str, seed: int, run_dir: Path | None, d
         "val": 100 * result.best_val,
         "test": None if result.test_at_best is None else 100 * result.test_at_best,
         "wall_s": round(result.wall_s, 2), "device": describe(sim.device), "mode": sim.mode,
-        "hyper": algorithm.hp.__dict__, "protocol_note": protocol.note, "host": platform.node(),
+        "hyper": algorithm.hp.__dict__, "protocol_note": protocol.note_for(method),
+        "eval_every": protocol.eval_every_for(method), "host": platform.node(),
         "curve": [{"round": r["round"], "val": r.get("val"), "test": r.get("test")}
                   for r in result.history if "val" in r],
     }
