@@ -184,3 +184,42 @@ def test_btgfl_quick_via_harness(data_root: Path, tmp_path: Path) -> None:
     # rerun: every raw file exists, nothing is retrained (fast) and the table is identical
     assert main(argv) == 0
     assert json.loads((results / "btgfl.json").read_text()) == rows
+
+
+# ------------------------------------------------------------------------------------------------ device bundle
+def test_btfl_client_bundle_runs_on_the_device_path(mnist_all, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Export client 1's bundle, load it torch-free (onnxruntime + numpy) and reproduce the server-side stream."""
+    from edge_sdk.btfl import BTFLStream
+    from edge_sdk.bundle import load_bundle
+    from export.btfl import export_btfl_client
+
+    alg, server, x, y, train = _small_btfl(mnist_all)
+    for _ in range(3):  # a few real steps so the heads are not at their init
+        st = alg.client_start(server, np.array([0, 1, 2]))
+        sts = [index(st, k) for k in range(3)]
+        sts = [alg.local_step(alg.local_step(alg.local_step(s, server, x[32 * k:32 * k + 32], y[32 * k:32 * k + 32]),
+                                             server, x[:32], y[:32]), server, x[:32], y[:32]) for k, s in enumerate(sts)]
+        stacked = {"params": {n: torch.stack([s["params"][n] for s in sts]) for n in sts[0]["params"]},
+                   "local_head": torch.stack([s["local_head"] for s in sts]),
+                   "step": torch.stack([s["step"] for s in sts])}
+        server = alg.aggregate(server, np.arange(3), stacked, torch.ones(3))
+    arts = alg.client_artifacts(server, x, train)
+    bundle = load_bundle(export_btfl_client(alg, server["params"], arts[1], tmp_path / "client1"))
+    assert bundle.method == "BTFL"
+    state = bundle.weights("btfl")
+    sess = bundle.session("features")
+    test_x = mnist_all.x[500:540]
+    feeds = {"x": test_x, **{f"psi.{n}": v for n, v in bundle.weights("psi").items()}}
+    z, g = sess.run(["features", "global_logits"], feeds)
+    with torch.no_grad():
+        z_ref = alg.features(server["params"], torch.from_numpy(test_x))
+        g_ref = alg.global_head(server["params"], z_ref)
+    np.testing.assert_allclose(z, z_ref.numpy(), atol=1e-4)
+    np.testing.assert_allclose(g, g_ref.numpy(), atol=1e-4)
+    z64 = z.astype(np.float64)
+    device = BTFLStream.from_arrays(state).predict(z64 @ state["local_head"].T, g.astype(np.float64), z64)
+    server_side = BTFLStream(arts[1].local_dle, arts[1].global_dle, arts[1].h_local_bar, arts[1].h_global_bar)
+    ref = server_side.predict(z64 @ arts[1].local_head.T, g.astype(np.float64), z64)
+    np.testing.assert_allclose(device, ref, atol=1e-12)
+    with pytest.raises(ValueError, match="lack"):
+        BTFLStream.from_arrays({"local_dle": state["local_dle"]})

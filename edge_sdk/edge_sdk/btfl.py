@@ -710,6 +710,18 @@ class BTFLStream:
         self.last_weight: float | None = None  # e of the last predict_one call
         self.last_event: int | None = None
 
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray], **options: object) -> BTFLStream:
+        """From a BTFL bundle's ``btfl`` weights (``local_dle``, ``global_dle``, ``h_bar`` = (H_l_bar, H_g_bar));
+        ``options`` as in the constructor."""
+        missing = {"local_dle", "global_dle", "h_bar"} - set(arrays)
+        if missing:
+            raise ValueError(f"BTFL arrays lack {', '.join(sorted(missing))} (is this a BTFL bundle's 'btfl' set?)")
+        h_bar = np.asarray(arrays["h_bar"], dtype=np.float64).ravel()
+        if h_bar.shape != (2,):
+            raise ValueError(f"h_bar must hold (H_l_bar, H_g_bar), got shape {h_bar.shape}")
+        return cls(arrays["local_dle"], arrays["global_dle"], float(h_bar[0]), float(h_bar[1]), **options)  # type: ignore[arg-type]
+
     def reset(self) -> None:
         """Back to Beta(alpha0, beta0)."""
         self.alpha, self.beta = self.alpha0, self.beta0

@@ -110,8 +110,8 @@ def _btgfl_protocol(dataset: str, rounds: int, iters: int) -> Protocol:
 EXPERIMENTS["btgfl"] = Experiment(
     name="btgfl",
     methods=("FedAvg", "FedAvg+FT", "FedTHE (bs=32)", "FedTHE (bs=1)", "BTFL (bs=32)", "BTFL (bs=1)"),
-    protocols={"fashion_mnist": _btgfl_protocol("fashion_mnist", 30, 48),
-               "mnist": _btgfl_protocol("mnist", 30, 48)},
+    protocols={"fashion_mnist": _btgfl_protocol("fashion_mnist", 20, 48),
+               "mnist": _btgfl_protocol("mnist", 20, 48)},
     paper={},
     description="BTGFL (BTFL Sec. 5.1): 20 clients Dir(0.1), BTFL CNN; per client five test streams "
                 "(orig IND = held-out local data, shifted IND, orig EXD = other clients' held-out data, shifted "
