@@ -116,7 +116,8 @@ EXPERIMENTS["btgfl"] = Experiment(
     description="BTGFL (BTFL Sec. 5.1): 20 clients Dir(0.1), BTFL CNN; per client five test streams "
                 "(orig IND = held-out local data, shifted IND, orig EXD = other clients' held-out data, shifted "
                 "EXD; shift = half corruptions, half rotation; synthetic = even mix), each a fresh stream. One "
-                "training run serves every method; accuracy = mean over clients. BTFL paper Table 2 (CIFAR-10, "
+                "training run serves every method (FedAvg = global head, FedAvg+FT = the client's local head on the "
+                "global features); accuracy = mean over clients. BTFL paper Table 2 (CIFAR-10, "
                 "avg): FedAvg 58.67, FedAvg+FT 56.88, FedTHE 66.15, BTFL 68.03. See fl_server/bench/btgfl.py.",
     runner="fl_server.bench.btgfl:run_btgfl",
 )
