@@ -81,7 +81,7 @@ def test_feature_history_is_the_ema_recursion() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ recipe
-def _small_btfl(mnist_all, body: int = 2):  # type: ignore[no-untyped-def]
+def _small_btfl(mnist_all, body: int | None = 2):  # type: ignore[no-untyped-def]
     model = build_model("btfl_cnn", mnist_all.x.shape[1:], 10, seed=0)
     alg = build_algorithm("BTFL", model, 3, seed=0, lr=0.05, body_iterations=body)
     x = torch.from_numpy(mnist_all.x[:96])
@@ -122,6 +122,20 @@ def test_aggregate_averages_the_body_and_keeps_each_clients_head(mnist_all) -> N
     assert torch.equal(new["local_heads"][1], server["local_heads"][1])  # not selected: unchanged
     with pytest.raises(ValueError, match="body_iterations"):  # a round without personalization steps
         alg.aggregate(server, ids, alg.client_start(server, ids), torch.ones(2))
+
+
+def test_default_schedule_interleaves_one_head_step_in_six(mnist_all) -> None:  # type: ignore[no-untyped-def]
+    """Without body_iterations (e.g. `fl-server train --method BTFL`): steps 5, 11, ... train only the local head."""
+    alg, server, x, y, _ = _small_btfl(mnist_all, body=None)
+    st = index(alg.client_start(server, np.array([0])), 0)
+    head_steps = []
+    for t in range(12):
+        new = alg.local_step(st, server, x[:32], y[:32])
+        if not torch.equal(new["local_head"], st["local_head"]):
+            head_steps.append(t)
+            assert torch.equal(new["params"]["head.weight"], st["params"]["head.weight"])
+        st = new
+    assert head_steps == [5, 11]
 
 
 def test_client_artifacts_leave_one_out_global_dle(mnist_all) -> None:  # type: ignore[no-untyped-def]

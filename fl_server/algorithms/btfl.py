@@ -36,9 +36,10 @@ class BTFLConfig(Hyper):
     lr: float = 0.01  # paper (CNN on CIFAR-10): SGD lr 0.01, weight decay 5e-4
     weight_decay: float = 5e-4
     head_lr: float | None = None  # local-head lr (None: lr)
-    # steps per round on phi + global head; the remaining local iterations train the local head. The runner sets
-    # it to 5/6 of the round (5 local epochs + 1 personalization epoch).
-    body_iterations: int = 50
+    # steps per round on phi + global head; the remaining local iterations train the local head. The btgfl runner
+    # sets it to 5/6 of the round (5 local epochs + 1 personalization epoch). None (for protocols that do not
+    # set it): every 6th step of a round is a local-head step (the same 5:1 ratio, interleaved).
+    body_iterations: int | None = None
     dle_levels: int = 2  # fsq levels (paper: round(tanh z) in {0, 1})
 
 
@@ -101,7 +102,9 @@ class BTFL(Algorithm):
                 "step": torch.zeros(k, device=ids_t.device)}
 
     def local_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> State:
-        body = (client_state["step"] < self.hp.body_iterations).to(x.dtype)  # 1: local training, 0: personalization
+        step = client_state["step"]
+        is_body = step % 6 != 5 if self.hp.body_iterations is None else step < self.hp.body_iterations
+        body = is_body.to(x.dtype)  # 1: local training, 0: personalization
 
         def loss(params: State, head: torch.Tensor) -> torch.Tensor:
             z = self.features(params, x)
@@ -117,9 +120,10 @@ class BTFL(Algorithm):
         return {"params": params, "local_head": head, "step": client_state["step"] + 1}
 
     def aggregate(self, server_state: State, ids: np.ndarray, client_states: State, weights: torch.Tensor) -> State:
-        if bool((client_states["step"] <= self.hp.body_iterations).any()):
-            raise ValueError(f"BTFL: a round must run more than body_iterations={self.hp.body_iterations} local "
-                             "iterations, or the local heads are never trained")
+        need = 6 if self.hp.body_iterations is None else self.hp.body_iterations + 1
+        if bool((client_states["step"] < need).any()):
+            raise ValueError(f"BTFL: a round must run at least {need} local iterations (body_iterations="
+                             f"{self.hp.body_iterations}), or the local heads are never trained")
         heads = server_state["local_heads"].clone()
         heads[torch.as_tensor(ids, dtype=torch.long, device=heads.device)] = client_states["local_head"]
         return {**server_state, "params": weighted_mean(client_states["params"], weights), "local_heads": heads}
