@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from edge_sdk.fedthe import feature_history, fedthe_predict
+from edge_sdk.fedthe import code_history, feature_history, fedthe_predict
 from fl_server.algorithms import build_algorithm
 from fl_server.algorithms.btfl import BTFL
 from fl_server.bench import btgfl
@@ -19,7 +19,19 @@ from fl_server.models import build_model
 
 
 # ------------------------------------------------------------------------------------------------ FedTHE
-def fedthe_reference(g, l_, z, mu_l, mu_g, bs, steps=20, lr=0.1, tol=1e-5):  # type: ignore[no-untyped-def]
+def authors_history(z: torch.Tensor, bs: int) -> torch.Tensor:
+    """The loop of the authors' THE_worker: per batch, the first entry is the previous batch's last history
+    (the stream's first feature at the start) and only the other samples enter the EMA."""
+    hist: list[torch.Tensor] = []
+    for b in range(0, len(z), bs):
+        h = [z[0] if not hist else hist[-1]]
+        for i in range(1, len(z[b:b + bs])):
+            h.append(0.1 * z[b + i] + 0.9 * h[-1])
+        hist += h
+    return torch.stack(hist)
+
+
+def fedthe_reference(g, l_, z, mu_l, mu_g, bs, variant="spec", steps=20, lr=0.1, tol=1e-5):  # type: ignore[no-untyped-def]
     """Slow reference: per batch, torch autograd + torch.optim.Adam on a [B, 2], EMA by a Python loop."""
     g, l_, z = (torch.tensor(a) for a in (g, l_, z))
     hist, h = [], None
@@ -27,14 +39,20 @@ def fedthe_reference(g, l_, z, mu_l, mu_g, bs, steps=20, lr=0.1, tol=1e-5):  # t
         h = zi.clone() if h is None else 0.1 * zi + 0.9 * h
         hist.append(h)
     z_t = 0.1 * z + 0.9 * torch.stack(hist)
-    d_g, d_l = (torch.linalg.norm(z_t - torch.tensor(m), dim=1) for m in (mu_g, mu_l))
+    code_hist = authors_history(z, bs)
     s = torch.nn.functional.cosine_similarity(g.softmax(1), l_.softmax(1), dim=1, eps=1e-6)
     out = []
     for b in range(0, len(g), bs):
         sl = slice(b, b + bs)
         a = torch.ones(len(g[sl]), 2, dtype=torch.float64, requires_grad=True)
         opt = torch.optim.Adam([a], lr=lr)
+        rep = z[sl]
         for _ in range(steps):
+            if variant == "code":  # the authors re-assign test_rep = 0.3 test_rep + 0.7 history at every step
+                rep = 0.3 * rep + 0.7 * code_hist[sl]
+                z_t = torch.zeros_like(z)
+                z_t[sl] = rep
+            d_g, d_l = (torch.linalg.norm(z_t - torch.tensor(m), dim=1) for m in (mu_g, mu_l))
             w = a.softmax(1)
             o = w[:, :1] * g[sl] + w[:, 1:] * l_[sl]
             ent = -(o.softmax(1) * o.log_softmax(1)).sum(1)
@@ -49,16 +67,25 @@ def fedthe_reference(g, l_, z, mu_l, mu_g, bs, steps=20, lr=0.1, tol=1e-5):  # t
     return torch.cat(out).numpy()
 
 
+@pytest.mark.parametrize("variant", ["spec", "code"])
 @pytest.mark.parametrize("bs", [1, 7, 32])
-def test_fedthe_matches_autograd_adam_reference(bs: int) -> None:
+def test_fedthe_matches_autograd_adam_reference(bs: int, variant: str) -> None:
     rng = np.random.default_rng(bs)
     n, c, d = 45, 10, 16
     g, l_ = rng.normal(0, 2, (n, c)), rng.normal(0, 2, (n, c))
     z = rng.exponential(1.0, (n, d))
     mu_l, mu_g = rng.exponential(1.0, d), rng.exponential(1.0, d)
-    ours, w = fedthe_predict(g, l_, z, mu_l, mu_g, bs)
-    np.testing.assert_allclose(ours, fedthe_reference(g, l_, z, mu_l, mu_g, bs), atol=1e-8)
+    ours, w = fedthe_predict(g, l_, z, mu_l, mu_g, bs, variant=variant)
+    np.testing.assert_allclose(ours, fedthe_reference(g, l_, z, mu_l, mu_g, bs, variant), atol=1e-8)
     assert np.allclose(w.sum(1), 1.0) and not np.allclose(w, 0.5)  # the weights moved
+
+
+@pytest.mark.parametrize("bs", [1, 2, 5, 32])
+def test_code_history_is_the_authors_loop(bs: int) -> None:
+    z = np.random.default_rng(bs).normal(size=(23, 4))
+    np.testing.assert_allclose(code_history(z, bs), authors_history(torch.tensor(z), bs).numpy(), atol=1e-12)
+    if bs == 1:  # batch size 1: the history never leaves the first feature
+        assert np.array_equal(code_history(z, 1), np.tile(z[0], (23, 1)))
 
 
 def test_fedthe_prefers_the_head_whose_prototype_is_closer() -> None:

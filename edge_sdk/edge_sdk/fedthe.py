@@ -14,8 +14,10 @@ when the norm of its gradient falls below 1e-5. Prediction: argmax o.
 Vectorisation: the loss is a mean of per-sample terms and Adam is per coordinate, so every batch of a stream is
 optimised at once: the gradient is analytic (no autograd), the batch coupling (1/B scale, the per-batch stop test)
 is kept exactly. The EMA is a first-order linear filter (scipy.signal.lfilter) over the whole stream.
-Differences from the authors' code (facts, not reproduced): their history loop never feeds the first sample of a
-batch into the EMA (so at batch size 1 the history stays at the stream's first feature), and their z~ uses 0.3 / 0.7.
+``variant="code"`` reproduces two facts of the authors' code (LINs-lab/FedTHE, ``THE_worker.py``) that the SPEC
+formulation drops: (1) the history loop never feeds the first sample of a batch into the EMA, so at batch size 1
+the history stays at the stream's first feature forever; (2) z~ = 0.3 z + 0.7 h is re-assigned inside the
+optimisation loop, so at step t it is 0.3^t z + (1 - 0.3^t) h. (1) is what makes FedTHE batch-size dependent.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from scipy.signal import lfilter
 
 from edge_sdk.numerics import log_softmax
 
-__all__ = ["feature_history", "fedthe_predict"]
+__all__ = ["code_history", "feature_history", "fedthe_predict"]
 
 
 def feature_history(z: np.ndarray, decay: float = 0.9) -> np.ndarray:
@@ -33,6 +35,19 @@ def feature_history(z: np.ndarray, decay: float = 0.9) -> np.ndarray:
     if z.ndim != 2 or len(z) == 0:
         raise ValueError(f"features must be a non-empty [N, D] array, got shape {z.shape}")
     return lfilter([1.0 - decay], [1.0, -decay], z, axis=0, zi=decay * z[:1])[0]
+
+
+def code_history(z: np.ndarray, batch_size: int, decay: float = 0.9) -> np.ndarray:
+    """The authors' history: the EMA skips the first sample of every batch (h_1 = z_1; at a batch start
+    h_i = h_{i-1}). Computed as :func:`feature_history` over the other samples, forward-filled."""
+    z = np.asarray(z, dtype=np.float64)
+    pos = np.arange(len(z))
+    keep = np.flatnonzero(pos % batch_size != 0)
+    if len(keep) == 0:  # batch size 1: the history never moves
+        return np.broadcast_to(z[0], z.shape).copy()
+    h_keep = lfilter([1.0 - decay], [1.0, -decay], z[keep], axis=0, zi=decay * z[:1])[0]
+    last = np.maximum.accumulate(np.where(pos % batch_size != 0, pos, 0))  # last kept position <= i (0: none)
+    return np.where((last > 0)[:, None], h_keep[np.searchsorted(keep, last)], z[0])
 
 
 def _entropy_grad(o: np.ndarray) -> np.ndarray:
@@ -46,12 +61,15 @@ def _entropy_grad(o: np.ndarray) -> np.ndarray:
 def fedthe_predict(global_logits: np.ndarray, local_logits: np.ndarray, features: np.ndarray,
                    mu_local: np.ndarray, mu_global: np.ndarray, batch_size: int, steps: int = 20,
                    lr: float = 0.1, tol: float = 1e-5, history_decay: float = 0.9,
-                   feature_mix: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
+                   feature_mix: float = 0.1, variant: str = "spec") -> tuple[np.ndarray, np.ndarray]:
     """One client's test stream, in order, cut into batches of ``batch_size``.
 
     global_logits, local_logits [N, C]; features [N, D]; mu_* [D] -> (ensembled logits o [N, C],
-    weights [N, 2] = (w_global, w_local)).
+    weights [N, 2] = (w_global, w_local)). ``variant``: "spec" (SPEC.md section 4) or "code" (the authors'
+    history and z~, module docstring; ``feature_mix`` is then 0.3).
     """
+    if variant not in ("spec", "code"):
+        raise ValueError(f"variant must be 'spec' or 'code', got {variant!r}")
     g = np.asarray(global_logits, dtype=np.float64)
     l_ = np.asarray(local_logits, dtype=np.float64)
     z = np.asarray(features, dtype=np.float64)
@@ -60,8 +78,12 @@ def fedthe_predict(global_logits: np.ndarray, local_logits: np.ndarray, features
         raise ValueError(f"logits must both be [N, C] and features [N, D]; got {g.shape}, {l_.shape}, {z.shape}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    z_t = feature_mix * z + (1.0 - feature_mix) * feature_history(z, history_decay)
-    d = np.stack([np.linalg.norm(z_t - mu_global, axis=1), np.linalg.norm(z_t - mu_local, axis=1)], 1)  # [N, 2]
+    if variant == "spec":
+        hist = feature_history(z, history_decay)
+        z_t = feature_mix * z + (1.0 - feature_mix) * hist
+        d = np.stack([np.linalg.norm(z_t - mu_global, axis=1), np.linalg.norm(z_t - mu_local, axis=1)], 1)  # [N, 2]
+    else:
+        hist = code_history(z, batch_size, history_decay)
     p_g, p_l = np.exp(log_softmax(g)), np.exp(log_softmax(l_))
     s = (p_g * p_l).sum(1) / np.maximum(np.linalg.norm(p_g, axis=1) * np.linalg.norm(p_l, axis=1), 1e-6)  # cos
     batch = np.arange(n) // batch_size
@@ -72,6 +94,9 @@ def fedthe_predict(global_logits: np.ndarray, local_logits: np.ndarray, features
     active = np.ones(batch[-1] + 1, dtype=bool)
     b1, b2, eps = 0.9, 0.999, 1e-8
     for t in range(1, steps + 1):  # Adam over all batches at once (steps is small and inherently serial)
+        if variant == "code":  # z~ re-mixed with the history at every step (authors' code)
+            z_t = 0.3 ** t * z + (1.0 - 0.3 ** t) * hist
+            d = np.stack([np.linalg.norm(z_t - mu_global, axis=1), np.linalg.norm(z_t - mu_local, axis=1)], 1)
         w = np.exp(a - a.max(1, keepdims=True))
         w /= w.sum(1, keepdims=True)
         o = w[:, :1] * g + w[:, 1:] * l_

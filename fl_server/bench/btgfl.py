@@ -12,7 +12,8 @@ method; the model of the last round is evaluated. Per client five test streams, 
   D shifted EXD C with the same kind of shift;
   E synthetic   an even mix of A-D (a quarter of each), shuffled into one stream.
 Methods: FedAvg (global head), FedAvg+FT (the local head: the global features fine-tuned by one personalization
-epoch per round on frozen features), FedTHE and BTFL at test batch sizes 32 and 1. Accuracy of a column =
+epoch per round on frozen features), FedTHE (SPEC.md), FedTHE-code (the authors' history / z~, see
+:mod:`edge_sdk.fedthe`) and BTFL, at test batch sizes 32 and 1. Accuracy of a column =
 mean over clients of the client's stream accuracy; "avg" = mean of the five columns.
 
 One raw file per (dataset, method, seed) under ``<results>/raw/btgfl/`` (the training run itself is resumable
@@ -46,7 +47,6 @@ from fl_server.engine import RunConfig, Simulation
 from fl_server.models import build_model
 
 COLUMNS = ("orig_ind", "shifted_ind", "orig_exd", "shifted_exd", "synthetic")
-METHODS = ("FedAvg", "FedAvg+FT", "FedTHE (bs=32)", "FedTHE (bs=1)", "BTFL (bs=32)", "BTFL (bs=1)")
 
 
 @dataclass(frozen=True)
@@ -135,8 +135,9 @@ def evaluate_methods(algorithm: BTFL, server_state: dict, data: BTGFLData, x: to
         "FedAvg+FT": lambda art, g, l_, z: (l_, None),
     }
     for bs in (32, 1):
-        predictors[f"FedTHE (bs={bs})"] = lambda art, g, l_, z, bs=bs: (
-            fedthe_predict(g, l_, z, art.mu_local, art.mu_global, bs)[0], None)
+        for name, variant in (("FedTHE", "spec"), ("FedTHE-code", "code")):
+            predictors[f"{name} (bs={bs})"] = lambda art, g, l_, z, bs=bs, v=variant: (
+                fedthe_predict(g, l_, z, art.mu_local, art.mu_global, bs, variant=v)[0], None)
         predictors[f"BTFL (bs={bs})"] = lambda art, g, l_, z, bs=bs: _btfl_probs(art, g, l_, z, bs)
     results: dict[str, dict[str, Any]] = {}
     for method, predict in predictors.items():
@@ -202,7 +203,8 @@ def run_btgfl(exp: Experiment, datasets: list[str], methods: list[str], seeds: i
             protocol = replace(protocol, local_iterations=6, eval_every=protocol.rounds)
         for seed in range(seeds):
             outs = {m: raw_path(results_dir, exp.name, dataset, m, seed) for m in methods}
-            if all(p.exists() for p in outs.values()):
+            outs = {m: p for m, p in outs.items() if not p.exists()}
+            if not outs:
                 continue
             records = run_seed(protocol, seed, runs_dir / exp.name / dataset / f"seed{seed}", cfg, device, mode,
                                progress, data_root)
