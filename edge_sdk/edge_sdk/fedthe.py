@@ -22,7 +22,6 @@ optimisation loop, so at step t it is 0.3^t z + (1 - 0.3^t) h. (1) is what makes
 from __future__ import annotations
 
 import numpy as np
-from scipy.signal import lfilter
 
 from edge_sdk.numerics import log_softmax
 
@@ -31,6 +30,8 @@ __all__ = ["code_history", "feature_history", "fedthe_predict"]
 
 def feature_history(z: np.ndarray, decay: float = 0.9) -> np.ndarray:
     """EMA test history over a stream: z [N, D] -> h [N, D], h_1 = z_1, h_i = (1-decay) z_i + decay h_{i-1}."""
+    from scipy.signal import lfilter  # lazy: scipy.signal is slow to import and only FedTHE needs it
+
     z = np.asarray(z, dtype=np.float64)
     if z.ndim != 2 or len(z) == 0:
         raise ValueError(f"features must be a non-empty [N, D] array, got shape {z.shape}")
@@ -40,6 +41,8 @@ def feature_history(z: np.ndarray, decay: float = 0.9) -> np.ndarray:
 def code_history(z: np.ndarray, batch_size: int, decay: float = 0.9) -> np.ndarray:
     """The authors' history: the EMA skips the first sample of every batch (h_1 = z_1; at a batch start
     h_i = h_{i-1}). Computed as :func:`feature_history` over the other samples, forward-filled."""
+    from scipy.signal import lfilter
+
     z = np.asarray(z, dtype=np.float64)
     pos = np.arange(len(z))
     keep = np.flatnonzero(pos % batch_size != 0)
