@@ -7,13 +7,16 @@ Microseconds per sample, all measured in one run on the same seeded stream (D = 
   recursion, e and the mixture (Eq. 21);
 * the e step alone as predict runs it (memoised grid at batch 1, as a one-at-a-time stream hits it), cold
   (memo off) at batch 1, and at batch 256;
+* ``BTFLStream.predict_one``: the batch-1 fast path (scalar Python math, one [2, D] product for both DLEs, a
+  memoised grid for e), and the e step alone as it runs there (``_weight_one``);
 * ``BTFLStream.predict`` with ``integral="trapezoid100"`` (our vectorised authors' variant);
 * references for e on the same (alpha, beta, tau_hat) triples: (a) scipy.integrate.quad per sample, (b) a
   re-statement of the authors' per-sample Python loop: 100-point trapezoid of Eq. 19 on [0.01, 0.99]
   (np.trapz is gone in NumPy 2.4, so the trapezoid is written out; the Beta pdf via betaln, which is cheaper
   than the scipy.stats call a straightforward port would make).
 
-Rows are merged by (what, device) into docs/benchmarks/btfl-speed.json.
+Rows are merged by (what, device) into docs/benchmarks/btfl-speed.json. Each row records the machine's load
+average at the start and end of the run: on a shared machine compare rows of one run (ratios), not runs.
 
     python benchmarks/btfl_speed.py [--out docs/benchmarks/btfl-speed.json] [--repeats 5]
 """
@@ -92,6 +95,31 @@ def time_predict(data: dict, batch: int, repeats: int, **options: object) -> flo
     return statistics.median(times[1:])  # first pass = warm-up
 
 
+def time_predict_one(data: dict, repeats: int) -> float:
+    """Median over repeats of the per-sample wall time of ``predict_one`` over the whole stream, in us."""
+    n = len(data["features"])
+    rows = [(data["local"][i], data["global"][i], data["features"][i]) for i in range(n)]
+    times = []
+    for _ in range(repeats + 1):
+        stream = new_stream(data)
+        t0 = time.perf_counter()
+        for lo, gl, ft in rows:
+            stream.predict_one(lo, gl, ft)
+        times.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(times[1:])
+
+
+def time_weight_one(ab: np.ndarray, lt: np.ndarray, repeats: int) -> float:
+    triples = list(zip(ab[0].tolist(), ab[1].tolist(), lt.tolist()))
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        for a, b, t in triples:
+            btfl._weight_one(a, b, t)
+        times.append((time.perf_counter() - t0) / len(triples) * 1e6)
+    return statistics.median(times[1:])
+
+
 def stream_triples(data: dict) -> tuple[np.ndarray, np.ndarray]:
     """(alpha, beta) stacked [2, N] and tau_hat [N] exactly as predict feeds them to the weight."""
     stream = new_stream(data)
@@ -164,7 +192,10 @@ def main() -> int:
     data = make_stream_data(args.samples)
     ab, tau = stream_triples(data)
 
+    load_start = os.getloadavg()[0]
     results: list[tuple[str, float, dict]] = []
+    results.append(("BTFLStream.predict_one (batch-1 fast path, exact e)", time_predict_one(data, args.repeats),
+                    {"batch": 1}))
     for batch in (1, 256):
         results.append(
             (f"BTFLStream.predict (exact e), batch {batch}", time_predict(data, batch, args.repeats), {"batch": batch})
@@ -180,6 +211,8 @@ def main() -> int:
     results.append(
         ("e only (exact, as in predict: memoised grid), batch 1", time_weight(ab, tau, 1, args.repeats), {"batch": 1})
     )
+    results.append(("e only (exact, scalar path of predict_one)", time_weight_one(ab, np.log(np.maximum(tau, 1e-300)), args.repeats),
+                    {"batch": 1}))
     results.append(
         ("e only (exact, memo off), batch 1", time_weight(ab, tau, 1, args.repeats, memo=False), {"batch": 1})
     )
@@ -204,6 +237,7 @@ def main() -> int:
         )
     )
 
+    load = f"{load_start:.2f} -> {os.getloadavg()[0]:.2f}"
     rows = []
     for what, value, extra in results:
         row = {
@@ -217,6 +251,7 @@ def main() -> int:
             "D": D,
             "C": C,
             "numpy": np.__version__,
+            "load_avg_1min": load,
         }
         rows.append(row)
         print(f"{what:<62s} {value:10.2f} us/sample  {json.dumps(extra)}")

@@ -50,6 +50,7 @@ absolute error against mpmath (hyp2f1 at 30 digits) / scipy quad, tau_hat log-un
 from __future__ import annotations
 
 import math
+import operator
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Literal
@@ -589,6 +590,44 @@ def _hbu_run(
 
 
 # --------------------------------------------------------------------------------------------------------
+# scalar helpers of the batch-1 path (BTFLStream.predict_one)
+# --------------------------------------------------------------------------------------------------------
+def _softmax_entropy(x: list[float]) -> tuple[list[float], float, float, float]:
+    """Python floats: logits -> (exp(x - max), their sum S, entropy H = log Z - sum p x, log Z); p = exp / S."""
+    m = max(x)
+    ex = [math.exp(v - m) for v in x]
+    s = sum(ex)
+    lz = m + math.log(s)
+    return ex, s, lz - sum(map(operator.mul, ex, x)) / s, lz
+
+
+_ONE: dict[tuple[float, float], tuple[np.ndarray, np.ndarray]] = {}
+_ONE_MAX_ENTRIES = 4096
+
+
+def _one_grid(a: float, b: float) -> tuple[np.ndarray, np.ndarray]:
+    """(v / 2 on the logit grid, normalised density weights) of :func:`_logit_grid` for one (alpha, beta)."""
+    hit = _ONE.get((a, b))
+    if hit is None:
+        ab = np.array([[a], [b]])
+        v_start, step, nodes = _logit_grid(ab)
+        n = int(nodes[0])
+        _, dens, total = _group_terms(ab, v_start, step, n)
+        hit = (0.5 * (v_start[0] - step[0] * _steps(n)), dens[0] / total[0])
+        if len(_ONE) >= _ONE_MAX_ENTRIES:
+            _ONE.clear()
+        _ONE[(a, b)] = hit
+    return hit
+
+
+def _weight_one(a: float, b: float, log_tau: float) -> float:
+    """Scalar e of :func:`expected_global_weight` from log tau_hat: m_hat = 1 / (1 + e^(v + log tau)) =
+    (1 - tanh((v + log tau) / 2)) / 2 on the same logit-space grid (tanh cannot overflow; weights sum to 1)."""
+    half_v, w = _one_grid(a, b)
+    return 0.5 - 0.5 * float(w @ np.tanh(half_v + 0.5 * log_tau))
+
+
+# --------------------------------------------------------------------------------------------------------
 # the streaming predictor
 # --------------------------------------------------------------------------------------------------------
 class BTFLStream:
@@ -656,16 +695,92 @@ class BTFLStream:
         self._dim_index = np.arange(self.dim)
         self._h_bar = np.array([[self.h_local_bar], [self.h_global_bar]])  # [2, 1]
         self._neg_h_bar = -self._h_bar
+        # batch-1 fast path (predict_one), 2 levels and finite tables: with code c_d in {0, 1},
+        # log q = (sum_d T[d, 0] + sum_d c_d (T[d, 1] - T[d, 0])) / D, one [2, D] @ [D] product per sample
+        self._q_delta: np.ndarray | None = None
+        if self.levels == 2 and not self._tables_may_be_inf:
+            self._q_base = (self._log_tables[:, :, 0].sum(1) / self.dim).tolist()
+            self._q_delta = (self._log_tables[:, :, 1] - self._log_tables[:, :, 0]) / self.dim
         self.alpha, self.beta = self.alpha0, self.beta0
         self.last_weights: np.ndarray | None = None  # e per sample of the last predict call, [B]
         self.last_alphas: np.ndarray | None = None  # prior alpha used per sample, [B]
         self.last_betas: np.ndarray | None = None
         self.last_events: np.ndarray | None = None  # EVENT_* per sample, [B]
         self.last_log_tau_hat: np.ndarray | None = None
+        self.last_weight: float | None = None  # e of the last predict_one call
+        self.last_event: int | None = None
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, np.ndarray], **options: object) -> BTFLStream:
+        """From a BTFL bundle's ``btfl`` weights (``local_dle``, ``global_dle``, ``h_bar`` = (H_l_bar, H_g_bar));
+        ``options`` as in the constructor."""
+        missing = {"local_dle", "global_dle", "h_bar"} - set(arrays)
+        if missing:
+            raise ValueError(f"BTFL arrays lack {', '.join(sorted(missing))} (is this a BTFL bundle's 'btfl' set?)")
+        h_bar = np.asarray(arrays["h_bar"], dtype=np.float64).ravel()
+        if h_bar.shape != (2,):
+            raise ValueError(f"h_bar must hold (H_l_bar, H_g_bar), got shape {h_bar.shape}")
+        return cls(arrays["local_dle"], arrays["global_dle"], float(h_bar[0]), float(h_bar[1]), **options)  # type: ignore[arg-type]
 
     def reset(self) -> None:
         """Back to Beta(alpha0, beta0)."""
         self.alpha, self.beta = self.alpha0, self.beta0
+
+    def predict_one(self, local_logits: object, global_logits: object, features: object) -> np.ndarray:
+        """One sample: local_logits [C], global_logits [C], features [D] (>= 0) -> probabilities [C].
+
+        The batch-1 fast path of :meth:`predict` (same semantics and state update): scalar Python math for the
+        heads, events, Eq. 15 and the Beta update, one small matrix product for both DLEs and a memoised grid
+        for e. Agrees with ``predict`` on the same stream to ~1e-15 (not bit for bit: different summation
+        order). Sets ``last_weight`` and ``last_event`` (scalars); the batch ``last_*`` arrays are cleared.
+        Falls back to ``predict`` for more than 2 fsq levels or unsmoothed DLEs.
+        """
+        lo = np.asarray(local_logits, dtype=np.float64)
+        gl = np.asarray(global_logits, dtype=np.float64)
+        ft = np.asarray(features, dtype=np.float64)
+        if lo.ndim != 1 or gl.shape != lo.shape or ft.shape != (self.dim,) or lo.shape[0] < 2:
+            raise ValueError(f"predict_one needs local_logits [C], global_logits [C] (C >= 2) and features "
+                             f"[{self.dim}]; got {lo.shape}, {gl.shape}, {ft.shape}")
+        if self._q_delta is None:
+            out = self.predict(lo[None], gl[None], ft[None])[0]
+            self.last_weight, self.last_event = float(self.last_weights[0]), int(self.last_events[0])
+            return out
+        if not (0.0 <= ft.min() and ft.max() < math.inf):  # NaN fails both comparisons
+            raise ValueError("features must be finite and non-negative (post-ReLU)")
+        lo_l, gl_l = lo.tolist(), gl.tolist()
+        ex_l, s_l, h_l, lz_l = _softmax_entropy(lo_l)
+        ex_g, s_g, h_g, lz_g = _softmax_entropy(gl_l)
+        if not math.isfinite(h_l + h_g + lz_l + lz_g):  # any NaN / inf logit ends up here
+            raise ValueError("local_logits and global_logits must be finite (no NaN/inf)")
+        q_l, q_g = (self._q_delta @ (np.tanh(ft) > 0.5)).tolist()  # Eq. 5 (round(tanh z) = 1 iff tanh z > 1/2)
+        lq_l, lq_g = self._q_base[0] + q_l, self._q_base[1] + q_g
+        dh_l, dh_g = h_l - self.h_local_bar, h_g - self.h_global_bar
+        lt_raw = lq_l - lq_g  # sign of log tau (Eq. 9) and the inspection pi (Eq. 10)
+        if lt_raw > 0 and dh_l < 0 < dh_g:
+            event = EVENT_IND
+        elif lt_raw < 0 and dh_g < 0 < dh_l:
+            event = EVENT_EXD
+        else:
+            event = EVENT_NONE
+        lt = (math.exp(min(dh_l / self.h_local_bar, 700.0)) * lq_l
+              - math.exp(min(dh_g / self.h_global_bar, 700.0)) * lq_g)  # Eq. 15
+        if self.tau_clip_kb is not None:
+            lim = math.log(self.tau_clip_kb + 1.0)
+            lt = lim * math.tanh(lt / lim)
+        a, b = self.alpha, self.beta
+        if self.integral == "exact":
+            e = _weight_one(a, b, lt)
+        else:
+            e = float(_trapezoid_from_log_tau(np.array([a]), np.array([b]), np.array([lt]))[0])
+        if event:
+            self.alpha, self.beta = hbu_update(a, b, event, self.lam, self.restart, self.restart_c)
+        self.last_weight, self.last_event = e, event
+        self.last_weights = self.last_alphas = self.last_betas = self.last_events = self.last_log_tau_hat = None
+        if self.mixing == "prob":  # Eq. 21: e softmax(g) + (1 - e) softmax(l)
+            c_g, c_l = e / s_g, (1.0 - e) / s_l
+            return np.array([c_g * pg + c_l * pl for pg, pl in zip(ex_g, ex_l)])
+        ex, s_mix, _, _ = _softmax_entropy([e * (g - lz_g) + (1.0 - e) * (x - lz_l) for g, x in zip(gl_l, lo_l)])
+        return np.array(ex) / s_mix
 
     def _validate(self, local_logits: object, global_logits: object, features: object) -> tuple[np.ndarray, ...]:
         lo = _float_array("local_logits", local_logits)

@@ -415,6 +415,49 @@ def test_stream_agrees_with_the_public_functions() -> None:
     assert (stream.alpha, stream.beta) == (1.0, 1.0)
 
 
+@pytest.mark.parametrize("config", [*CONFIGS, {"smoothing": DLESmoothing.none()}, {"levels": 3}])
+def test_predict_one_fast_path_follows_predict(config: dict) -> None:
+    """The batch-1 fast path gives the stream's predictions (to rounding), events and final Beta state."""
+    local, glob, feats, lo, gl, h_lb, h_gb = _random_setup(2)
+    config = dict(config)
+    if config.pop("levels", 2) == 3:  # 3 fsq levels: the fast path falls back to predict
+        own, other = feats[: len(feats) // 2], feats[len(feats) // 2 :]
+        local, glob = fit_dle(own, levels=3), fit_dle(other, levels=3)
+    batch = BTFLStream(local, glob, h_lb, h_gb, **config)
+    ref = batch.predict(lo, gl, feats)
+    fast = BTFLStream(local, glob, h_lb, h_gb, **config)
+    out, w, ev = [], [], []
+    for i in range(len(lo)):
+        out.append(fast.predict_one(lo[i], gl[i], feats[i]))
+        w.append(fast.last_weight)
+        ev.append(fast.last_event)
+    np.testing.assert_allclose(np.stack(out), ref, rtol=0, atol=1e-14)
+    np.testing.assert_allclose(w, batch.last_weights, rtol=0, atol=1e-14)
+    np.testing.assert_array_equal(ev, batch.last_events)
+    assert (fast.alpha, fast.beta) == (batch.alpha, batch.beta)
+    assert len(set(ev)) == 3  # IND, EXD and no-event samples all exercised
+
+
+def test_predict_one_rejects_bad_input() -> None:
+    local = np.full((D, 2), 0.5)
+    stream = BTFLStream(local, local, 1.0, 1.0)
+    with pytest.raises(ValueError, match="predict_one needs"):
+        stream.predict_one(np.zeros((1, C)), np.zeros((1, C)), np.zeros((1, D)))
+    with pytest.raises(ValueError, match="predict_one needs"):
+        stream.predict_one(np.zeros(C), np.zeros(C), np.zeros(D + 1))
+    for bad in (-np.ones(D), np.full(D, np.nan), np.full(D, np.inf)):
+        with pytest.raises(ValueError, match="finite and non-negative"):
+            stream.predict_one(np.zeros(C), np.zeros(C), bad)
+    for bad in (np.nan, np.inf, -np.inf):
+        logits = np.zeros(C)
+        logits[1] = bad
+        with pytest.raises(ValueError, match="logits must be finite"):
+            stream.predict_one(logits, np.zeros(C), np.zeros(D))
+        with pytest.raises(ValueError, match="logits must be finite"):
+            stream.predict_one(np.zeros(C), logits, np.zeros(D))
+    assert (stream.alpha, stream.beta) == (1.0, 1.0)  # nothing was consumed
+
+
 def test_stream_rejects_bad_input() -> None:
     local = np.full((D, 2), 0.5)
     stream = BTFLStream(local, local, 1.0, 1.0)

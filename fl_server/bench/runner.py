@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import platform
@@ -63,8 +64,8 @@ def run_seed(protocol: Protocol, method: str, seed: int, run_dir: Path | None, d
 
 
 def safe_name(method: str) -> str:
-    """Method name as a folder name ("FedTTA++" -> "FedTTApp")."""
-    return method.replace("+", "p").replace("/", "_")
+    """Method name as a folder name ("FedTTA++" -> "FedTTApp", "BTFL (bs=32)" -> "BTFL_bs32")."""
+    return method.replace("+", "p").replace("/", "_").replace(" ", "_").translate(str.maketrans("", "", "()="))
 
 
 def raw_path(results_dir: Path, experiment: str, dataset: str, method: str, seed: int) -> Path:
@@ -75,6 +76,10 @@ def run_experiment(exp: Experiment, datasets: list[str], methods: list[str], see
                    runs_dir: Path, quick: bool = False, device: str = "auto", mode: str = "auto",
                    progress: bool = True, data_root: str | None = None, command: str = "") -> list[dict]:
     """Run every missing (dataset, method, seed) and rewrite the aggregated table."""
+    if exp.runner is not None:  # an experiment with its own protocol (e.g. btgfl)
+        module, func = exp.runner.split(":")
+        return getattr(importlib.import_module(module), func)(
+            exp, datasets, methods, seeds, results_dir, runs_dir, quick, device, mode, progress, data_root, command)
     for dataset in datasets:
         if dataset not in exp.protocols:
             raise ValueError(f"{exp.name} has no protocol for {dataset!r}; choose from {', '.join(exp.protocols)}")

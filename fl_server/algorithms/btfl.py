@@ -1,0 +1,153 @@
+"""BTFL training recipe (Zhou et al., KDD '25; ``shared/seeds/btfl.txt`` Sec. 4 and App. "Training settings").
+
+Two heads on one feature extractor phi (post-ReLU features z, dimension D):
+* the global model (phi + global head) is trained with FedAvg: CE on the client's data, weighted average;
+* every client keeps a bias-free local head Linear(D, C), trained on *frozen* features after the round's local
+  training ("5-epoch local training followed by a 1-epoch personalization phase"; only the global model is
+  uploaded). Here a round is ``local_iterations`` steps: the first ``body_iterations`` train phi + global head,
+  the rest train the local head on detached features (masks, so the step stays pure and vmappable).
+
+After training (:meth:`BTFL.client_artifacts`) each client computes on its training set, with the final global
+features: its local DLE (fsq level frequencies, Eqs. 5-6), H_l_bar / H_g_bar (mean entropies of the two heads,
+Eq. 15) and the mean feature (FedTHE's local prototype). The server's global DLE for client k is the average of
+the *other* clients' DLEs (leave-one-out, as the authors); the global prototype is the mean of all prototypes.
+Test time runs on the device in numpy (:class:`edge_sdk.btfl.BTFLStream`); see ``fl_server.bench.btgfl``.
+
+In the simulation the local heads live in the server state (stacked [K, C, D]) for convenience; in a real
+deployment they never leave the client.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+from edge_sdk import btfl as btfl_math
+from fl_server.algorithms.base import Algorithm, Hyper
+from fl_server.algorithms.losses import entropy_from_logits
+from fl_server.functional import State, broadcast, tree_map, weighted_mean
+
+
+@dataclass
+class BTFLConfig(Hyper):
+    lr: float = 0.01  # paper (CNN on CIFAR-10): SGD lr 0.01, weight decay 5e-4
+    weight_decay: float = 5e-4
+    head_lr: float | None = None  # local-head lr (None: lr)
+    # steps per round on phi + global head; the remaining local iterations train the local head. The btgfl runner
+    # sets it to 5/6 of the round (5 local epochs + 1 personalization epoch). None (for protocols that do not
+    # set it): every 6th step of a round is a local-head step (the same 5:1 ratio, interleaved).
+    body_iterations: int | None = None
+    dle_levels: int = 2  # fsq levels (paper: round(tanh z) in {0, 1})
+
+
+@dataclass
+class ClientArtifacts:
+    """What client k's device needs besides phi and the global head (all numpy, no pickle)."""
+
+    local_head: np.ndarray  # [C, D] (bias-free)
+    local_dle: np.ndarray  # [D, L] level frequencies on the client's training features
+    global_dle: np.ndarray  # [D, L] average of the other clients' local DLEs
+    h_local_bar: float  # mean entropy of the local head on the training set (nats)
+    h_global_bar: float  # mean entropy of the global head on the training set
+    mu_local: np.ndarray  # [D] mean training feature (FedTHE)
+    mu_global: np.ndarray  # [D] mean of all clients' mu_local (FedTHE)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Flat float arrays for an ``.npz`` weight file."""
+        return {"local_head": self.local_head, "local_dle": self.local_dle, "global_dle": self.global_dle,
+                "h_bar": np.array([self.h_local_bar, self.h_global_bar]), "mu_local": self.mu_local,
+                "mu_global": self.mu_global}
+
+
+class BTFL(Algorithm):
+    name = "BTFL"
+    Config = BTFLConfig
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.num_train_clients: int | None = None
+        self._head_seed = kwargs.get("seed", 0)
+
+    def attach(self, x: torch.Tensor, y: torch.Tensor, train: list[np.ndarray]) -> None:
+        self.num_train_clients = len(train)
+
+    # ---------------------------------------------------------------- model pieces
+    def features(self, params: State, x: torch.Tensor) -> torch.Tensor:
+        """phi(x) -> z [N, D] (post-ReLU) with functional params of the whole classifier."""
+        sub = {k[len("features."):]: v for k, v in params.items() if k.startswith("features.")}
+        return functional_call(self.model.features, sub, (x,))
+
+    @staticmethod
+    def global_head(params: State, z: torch.Tensor) -> torch.Tensor:
+        return z @ params["head.weight"].T + params["head.bias"]
+
+    # ---------------------------------------------------------------- training
+    def init_state(self, dtype: torch.dtype, device: torch.device) -> State:
+        if self.num_train_clients is None:
+            raise ValueError("BTFL needs the number of training clients: call attach() first (the simulation does)")
+        state = super().init_state(dtype, device)
+        c, d = state["params"]["head.weight"].shape
+        gen = torch.Generator().manual_seed(int(self._head_seed) + 7919)
+        bound = 1.0 / d ** 0.5  # nn.Linear's default init range
+        heads = (torch.rand(self.num_train_clients, c, d, generator=gen) * 2 - 1) * bound
+        return {**state, "local_heads": heads.to(dtype=dtype, device=device)}
+
+    def client_start(self, server_state: State, ids: np.ndarray) -> State:
+        ids_t = torch.as_tensor(ids, dtype=torch.long, device=server_state["local_heads"].device)
+        k = len(ids)
+        return {"params": broadcast(server_state["params"], k), "local_head": server_state["local_heads"][ids_t].clone(),
+                "step": torch.zeros(k, device=ids_t.device)}
+
+    def local_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> State:
+        step = client_state["step"]
+        is_body = step % 6 != 5 if self.hp.body_iterations is None else step < self.hp.body_iterations
+        body = is_body.to(x.dtype)  # 1: local training, 0: personalization
+
+        def loss(params: State, head: torch.Tensor) -> torch.Tensor:
+            z = self.features(params, x)
+            ce_g = F.cross_entropy(self.global_head(params, z), y)
+            ce_l = F.cross_entropy(z.detach() @ head.T, y)  # frozen features
+            return body * ce_g + (1 - body) * ce_l
+
+        g_params, g_head = torch.func.grad(loss, argnums=(0, 1))(client_state["params"], client_state["local_head"])
+        lr, wd = self.hp.lr, self.hp.weight_decay
+        head_lr = self.hp.head_lr if self.hp.head_lr is not None else lr
+        params = tree_map(lambda p, g: p - body * lr * (g + wd * p), client_state["params"], g_params)
+        head = client_state["local_head"] - (1 - body) * head_lr * (g_head + wd * client_state["local_head"])
+        return {"params": params, "local_head": head, "step": client_state["step"] + 1}
+
+    def aggregate(self, server_state: State, ids: np.ndarray, client_states: State, weights: torch.Tensor) -> State:
+        need = 6 if self.hp.body_iterations is None else self.hp.body_iterations + 1
+        if bool((client_states["step"] < need).any()):
+            raise ValueError(f"BTFL: a round must run at least {need} local iterations (body_iterations="
+                             f"{self.hp.body_iterations}), or the local heads are never trained")
+        heads = server_state["local_heads"].clone()
+        heads[torch.as_tensor(ids, dtype=torch.long, device=heads.device)] = client_states["local_head"]
+        return {**server_state, "params": weighted_mean(client_states["params"], weights), "local_heads": heads}
+
+    # ---------------------------------------------------------------- artifacts
+    @torch.no_grad()
+    def client_artifacts(self, server_state: State, x: torch.Tensor, train: list[np.ndarray],
+                         chunk: int = 4096) -> list[ClientArtifacts]:
+        """Per training client: DLEs, mean head entropies and prototypes from its training set (``train[k]``
+        indexes ``x``), with the final global features. Global DLE of client k = mean of the other clients'."""
+        params, heads = server_state["params"], server_state["local_heads"]
+        local = []
+        for k, idx in enumerate(train):  # one pass per client over its own data (K small)
+            ids = torch.from_numpy(idx).to(x.device)
+            z = torch.cat([self.features(params, x[ids[s:s + chunk]]) for s in range(0, len(ids), chunk)])
+            h_l = entropy_from_logits(z @ heads[k].T).mean()
+            h_g = entropy_from_logits(self.global_head(params, z)).mean()
+            z_np = z.double().cpu().numpy()
+            local.append((btfl_math.fit_dle(z_np, self.hp.dle_levels), float(h_l), float(h_g), z_np.mean(0)))
+        dles = np.stack([d for d, *_ in local])
+        mus = np.stack([m for *_, m in local])
+        k_all = len(local)
+        out = []
+        for k, (dle, h_l, h_g, mu) in enumerate(local):
+            others = (dles.sum(0) - dle) / (k_all - 1) if k_all > 1 else dle  # leave-one-out average
+            out.append(ClientArtifacts(heads[k].double().cpu().numpy(), dle, others, h_l, h_g, mu, mus.mean(0)))
+        return out
