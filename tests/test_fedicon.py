@@ -40,9 +40,11 @@ def test_unsupervised_loss_is_eq7_with_the_other_view_as_only_positive() -> None
     assert float(unsup_contrastive_loss(z, 0.1)) == pytest.approx(_eq4_loop(z, ids, 0.1), rel=1e-10)
     # online form: anchor x, positive its view, A(x) = view + memory
     x, v, mem = z[:2], z[2:4], z[4:]
-    direct = np.mean([-math.log(math.exp(float(x[i] @ v[i]) / 0.1) /
-                                (math.exp(float(x[i] @ v[i]) / 0.1) + sum(math.exp(float(x[i] @ m) / 0.1) for m in mem)))
-                      for i in range(2)])
+    def term(i: int) -> float:
+        pos = math.exp(float(x[i] @ v[i]) / 0.1)
+        return -math.log(pos / (pos + sum(math.exp(float(x[i] @ m) / 0.1) for m in mem)))
+
+    direct = np.mean([term(0), term(1)])
     assert float(memory_contrastive_loss(x, v, mem, 0.1)) == pytest.approx(direct, rel=1e-10)
 
 
@@ -91,7 +93,7 @@ def trained(mnist_all):  # type: ignore[no-untyped-def]
 
 
 def test_fedicon_trains_encoder_then_head(trained) -> None:  # type: ignore[no-untyped-def]
-    algo, sim, result = trained
+    _, sim, result = trained
     assert int(sim.server_state["round"]) == 6
     assert result.best_val > 0.5  # linear probe on the contrastive encoder after 6 short rounds, 10 classes
 
@@ -104,7 +106,7 @@ def test_fedicon_tta_changes_encoder_only_and_keeps_accuracy(trained) -> None:  
     after = algo.personalize(sim.server_state, x)
     assert torch.equal(after["head.weight"], before["head.weight"])
     assert not torch.equal(after["features.1.weight"], before["features.1.weight"])
-    acc = lambda p: float((algo.predict(p, x).argmax(-1) == y).double().mean())  # noqa: E731
+    acc = lambda p: float((algo.predict(p, x).argmax(-1) == y).double().mean())
     assert acc(after) > acc(before) - 0.05
     # the step lowers the Eq. 7 loss on the batch it was taken on
     u = algo._uniforms(x[:64], 128, 0)
@@ -128,3 +130,23 @@ def test_fedicon_online_mode(trained) -> None:  # type: ignore[no-untyped-def]
         before = float((algo.predict(sim.server_state["params"], sim.x[idx]).argmax(-1) == sim.y[idx]).double().mean())
     algo.hp.tta_lr = 0.01
     assert acc >= before - 0.1  # adapting on the stream does not wreck the classifier
+
+
+def test_fedicon_shift_quick_experiment(tmp_path, data_root) -> None:  # type: ignore[no-untyped-def]
+    """The harness end to end at CI size: every method, shifted conditions, rows per shift."""
+    from fl_server.bench.experiments import get_experiment
+    from fl_server.bench.runner import run_experiment
+
+    exp = get_experiment("fedicon-shift")
+    rows = run_experiment(exp, ["mnist"], list(exp.methods), 1, tmp_path / "results", tmp_path / "runs",
+                          quick=True, progress=False, data_root=str(data_root))
+    got = {(r["method"], r["split"], r["shift"]) for r in rows}
+    for method in exp.methods:
+        for shift in ("clean", "gaussian_noise-3", "covariate-s3", "digits"):
+            assert (method, "test", shift) in got
+        assert (method, "val", "clean") in got
+    assert all(0.0 <= r["mean"] <= 100.0 for r in rows)
+    # trainings are shared: one FedAvg and one FedICON run folder
+    assert sorted(p.name for p in (tmp_path / "runs" / "fedicon-shift" / "mnist").iterdir()) == ["FedAvg", "FedICON"]
+    by = {(r["method"], r["shift"]): r["mean"] for r in rows if r["split"] == "test"}
+    assert by[("FedAvg", "clean")] > by[("FedAvg", "digits")]  # the domain shift costs accuracy

@@ -102,8 +102,8 @@ class FedICON(Algorithm):
         device = server_state["round"].device
         keys = torch.as_tensor((self.seed * 1_000_033 + round_) * 100_003 + np.asarray(ids, dtype=np.int64),
                                dtype=torch.int64, device=device)
-        return {"params": broadcast(server_state["params"], len(ids)), "proj": broadcast(server_state["proj"], len(ids)),
-                "key": keys, "step": torch.zeros(len(ids), dtype=torch.int64, device=device)}
+        return {"params": broadcast(server_state["params"], len(ids)),
+                "proj": broadcast(server_state["proj"], len(ids)), "key": keys, "step": torch.zeros(len(ids), dtype=torch.int64, device=device)}
 
     # ------------------------------------------------------------ local steps
     def supcon_objective(self, enc: State, proj: State, x: torch.Tensor, y: torch.Tensor,

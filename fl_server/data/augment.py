@@ -53,7 +53,7 @@ def hash_uniform(key: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 
 def _rotation_translation(x: torch.Tensor, u: torch.Tensor, cfg: AugmentConfig) -> torch.Tensor:
-    n, _, h, w = x.shape
+    h, w = x.shape[-2:]
     angle = (2 * u[:, 0] - 1) * math.radians(cfg.max_degrees)
     tx, ty = (2 * u[:, 1] - 1) * 2 * cfg.max_shift, (2 * u[:, 2] - 1) * 2 * cfg.max_shift  # grid units: 2 = width
     cos, sin = torch.cos(angle), torch.sin(angle)
