@@ -108,9 +108,11 @@ class MAP(Algorithm):
                     y: torch.Tensor, stage1: torch.Tensor) -> torch.Tensor:
         logits = self.forward(params, x)
         rs = F.cross_entropy(restricted_softmax_logits(logits, client_state["observed"], self.hp.alpha), y)
-        teacher = self.forward(client_state["hpm"], x).detach()
-        lam = self.hp.kd_lambda * client_state["kd"]
-        stage2 = (1 - lam) * F.cross_entropy(logits, y) + lam * kd_loss(logits, teacher, self.hp.kd_tau)
+        stage2 = F.cross_entropy(logits, y)
+        if self.hp.hpm:  # (the teacher's forward is skipped for methods without an HPM)
+            teacher = self.forward(client_state["hpm"], x).detach()
+            lam = self.hp.kd_lambda * client_state["kd"]
+            stage2 = (1 - lam) * stage2 + lam * kd_loss(logits, teacher, self.hp.kd_tau)
         loss = stage1 * rs + (1 - stage1) * stage2
         if self.hp.prox_mu:
             prox = sum(((p - q) ** 2).sum() for p, q in zip(params.values(), server_state["params"].values()))

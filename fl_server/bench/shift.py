@@ -10,6 +10,8 @@ distribution as its training data, a different feature distribution once shifted
   scikit-learn 8x8 digits upsampled to 28x28, assigned to clients the same way; MNIST only);
 - ``split="val"``: the clients' validation data, clean and under ``val_corruptions`` (types not used for
   testing) -- the numbers hyperparameters are chosen on.
+Test-time hyperparameters (``options["tune"]``: TENT's and FedICON's TTA rates) are chosen per seed on the
+mean over the validation conditions, then the test conditions are evaluated once.
 Methods share trainings: FedAvg, FedAvg-FT and TENT evaluate one FedAvg run; FedICON and FedICON w/o TTA
 one FedICON run (the run folder of the training method is reused). Every number is the final-round model.
 """
@@ -140,10 +142,26 @@ def run_shift_seed(protocol: "Protocol", method: str, seed: int, run_dir: Path |
     params = algo.val_params(state, ids,
                              lambda step, st, server, sel, it: sim.local_train(step, st, server, sel, it, rng))
     stacked = sim._is_stacked(params)
-    results = []
-    for split, shift, xs, ys in _conditions(protocol, fed, seed, data_root):
-        acc = _mean_accuracy(algo, state, params, stacked, xs, ys, sim.device, sim.dtype)
-        results.append({"split": split, "shift": shift, "value": 100 * acc})
+    conditions = _conditions(protocol, fed, seed, data_root)
+
+    def evaluate(split: str) -> list[dict[str, Any]]:
+        return [{"split": sp, "shift": shift,
+                 "value": 100 * _mean_accuracy(algo, state, params, stacked, xs, ys, sim.device, sim.dtype)}
+                for sp, shift, xs, ys in conditions if sp == split]
+
+    # test-time hyperparameters chosen on the validation conditions (mean over them), then tested once
+    chosen: dict[str, Any] = {}
+    grid = protocol.options.get("tune", {}).get(method, {})
+    results: list[dict[str, Any]] = []
+    for name, values in grid.items():
+        scores = []
+        for v in values:
+            setattr(algo.hp, name, v)
+            scores.append(float(np.mean([r["value"] for r in evaluate("val")])))
+        chosen[name] = values[int(np.argmax(scores))]
+        setattr(algo.hp, name, chosen[name])
+        results += [{"split": "val-tuning", "shift": f"{name}={v}", "value": sc} for v, sc in zip(values, scores)]
+    results += evaluate("val") + evaluate("test")
     for sev in protocol.options.get("severities", ()):
         vals = [r["value"] for r in results if r["split"] == "test" and r["shift"].endswith(f"-{sev}")]
         if vals:
@@ -152,7 +170,7 @@ def run_shift_seed(protocol: "Protocol", method: str, seed: int, run_dir: Path |
     return {
         "dataset": protocol.dataset, "method": method, "seed": seed, "model": protocol.model,
         "rounds": protocol.rounds, "best_round": protocol.rounds - 1, "trained_as": train_name,
-        "val": by.get(("val", "clean")), "test": by.get(("test", "clean")), "results": results,
+        "val": by.get(("val", "clean")), "test": by.get(("test", "clean")), "results": results, "chosen": chosen,
         "train_wall_s": round(result.wall_s, 2), "wall_s": round(result.wall_s + time.perf_counter() - t0, 2),
         "device": describe(sim.device), "mode": sim.mode, "hyper": dataclasses.asdict(algo.hp),
         "protocol_note": protocol.note, "host": platform.node(),
