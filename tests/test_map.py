@@ -123,3 +123,16 @@ def test_map_incomplete_quick_experiment(tmp_path, data_root) -> None:  # type: 
     assert set(got) == {(m, s) for m in ("FedAvg", "MAP") for s in ("personalization", "aggregation")}
     assert got[("MAP", "personalization")]["paper"] == 92.1
     assert all(10.0 < r["mean"] <= 100.0 for r in rows)
+
+
+def test_head_only_stage2_gives_heads_on_the_global_features(fashion_all) -> None:  # type: ignore[no-untyped-def]
+    """The BTFL composition: stage 2 moves only the classifier, so the personalised model = uploaded
+    features + a personal head."""
+    algo, fed = _algo(fashion_all, local_iterations=4, head_only_stage2=True)
+    sim = Simulation(algo, fed, RunConfig(rounds=1, local_iterations=4, progress=False))
+    ids = np.arange(fed.num_train_clients)
+    states = algo.client_start(sim.server_state, ids)
+    batches = torch.from_numpy(np.stack([np.resize(t, (4, 32)) for t in fed.train]))
+    out = run_local_steps(algo.local_step, states, sim.server_state, sim.x, sim.y, batches, "vmap")
+    assert torch.equal(out["params"]["features.1.weight"], out["agg"]["features.1.weight"])
+    assert not torch.allclose(out["params"]["head.weight"], out["agg"]["head.weight"])

@@ -31,7 +31,8 @@ def experiment_section(name: str, rows: list[dict[str, Any]]) -> str:
     for r in rows:
         paper = "-" if r.get("paper") is None else f"{r['paper']:.2f}"
         best = ",".join(str(b) for b in r.get("best_round", []))
-        lines.append(f"| {r['dataset']} | {r['method']} | {r['split']} | {_fmt(r)} | {paper} | {r['seeds']} | "
+        split = f"{r['split']} {r['shift']}" if "shift" in r else r["split"]
+        lines.append(f"| {r['dataset']} | {r['method']} | {split} | {_fmt(r)} | {paper} | {r['seeds']} | "
                      f"{r.get('rounds', '-')} ({best}) | {r['device']} | {r.get('wall_s', '-')} | "
                      f"`{r.get('command', '')}` | {r.get('note', '')} |")
     return "\n".join(lines) + "\n"
