@@ -150,3 +150,27 @@ def test_fedicon_shift_quick_experiment(tmp_path, data_root) -> None:  # type: i
     assert sorted(p.name for p in (tmp_path / "runs" / "fedicon-shift" / "mnist").iterdir()) == ["FedAvg", "FedICON"]
     by = {(r["method"], r["shift"]): r["mean"] for r in rows if r["split"] == "test"}
     assert by[("FedAvg", "clean")] > by[("FedAvg", "digits")]  # the domain shift costs accuracy
+
+
+def test_tta_step_exports_to_onnx_with_parity(tmp_path, trained) -> None:  # type: ignore[no-untyped-def]
+    """The Eq. 7 step is a pure graph (x, u, weights) -> weights: ONNX on onnxruntime matches torch at
+    another batch size than the traced one."""
+    import onnxruntime as ort
+
+    from export.fedicon import fedicon_tta_step_spec
+    from export.graphs import export_function
+
+    algo, sim, _ = trained
+    spec = fedicon_tta_step_spec(algo, sim.server_state["params"], sim.server_state["proj"], batch=4)
+    path = export_function(spec.fn, spec.example, spec.input_names, spec.output_names, spec.batch_inputs,
+                           tmp_path / "tta.onnx")
+    x = sim.x[:6]
+    u = hash_uniform(torch.tensor(3), 12, num_uniforms(x.shape[1:])).reshape(6, 2, -1)
+    inputs = [x, u, *spec.example[2:]]
+    out = ort.InferenceSession(str(path)).run(None, {n: v.numpy() for n, v in zip(spec.input_names, inputs)})
+    ref = spec.fn(*inputs)
+    assert max(float(np.abs(o - r.detach().numpy()).max()) for o, r in zip(out, ref)) < 1e-4
+    # and it is the step personalize() takes (view 1 of all samples, then view 2)
+    new_p, _ = algo.tta_step(sim.server_state["params"], sim.server_state["proj"], x,
+                             u.transpose(0, 1).reshape(12, -1))
+    assert np.allclose(out[0], new_p[spec.input_names[2][len("psi."):]].numpy(), atol=1e-5)
