@@ -174,3 +174,14 @@ def test_tta_step_exports_to_onnx_with_parity(tmp_path, trained) -> None:  # typ
     new_p, _ = algo.tta_step(sim.server_state["params"], sim.server_state["proj"], x,
                              u.transpose(0, 1).reshape(12, -1))
     assert np.allclose(out[0], new_p[spec.input_names[2][len("psi."):]].numpy(), atol=1e-5)
+
+
+def test_local_test_sets_follow_each_clients_label_mix() -> None:
+    from fl_server.bench.shift import assign_by_label
+
+    labels = np.repeat(np.arange(3), [100, 200, 300])
+    counts = np.array([[10, 0, 30], [30, 20, 0], [0, 20, 30]])
+    parts = assign_by_label(labels, counts, np.random.default_rng(0))
+    assert sorted(np.concatenate(parts).tolist()) == list(range(600))  # every test sample, exactly once
+    got = np.stack([np.bincount(labels[p], minlength=3) for p in parts])
+    assert got.tolist() == [[25, 0, 150], [75, 100, 0], [0, 100, 150]]
