@@ -56,7 +56,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                           args.device, args.mode, not args.no_progress, args.data_dir, command)
     for r in rows:
         paper = "" if r["paper"] is None else f" (paper {r['paper']:.2f})"
-        print(f"{r['dataset']:>14} {r['method']:>10} {r['split']:>4}: {r['mean']:.2f} +- {r['std']:.2f} "
+        split = f"{r['split']} {r['shift']}" if "shift" in r else r["split"]
+        print(f"{r['dataset']:>14} {r['method']:>10} {split:>4}: {r['mean']:.2f} +- {r['std']:.2f} "
               f"over {r['seeds']} seed(s){paper}")
     if results == Path("docs/results"):
         print(f"wrote {write_report(Path('docs'))}")

@@ -6,16 +6,19 @@ from typing import Any
 from fl_server.algorithms.base import Algorithm, Hyper, NotApplicable
 from fl_server.algorithms.btfl import BTFL
 from fl_server.algorithms.fedavg import FedAvg
+from fl_server.algorithms.fedicon import FedICON, FedICONNoTTA
 from fl_server.algorithms.fedprox import FedProx
 from fl_server.algorithms.fedtta import FedTTA, FedTTAPlusPlus, FedTTAProx
 from fl_server.algorithms.finetune import FedAvgFT
 from fl_server.algorithms.local import Local
+from fl_server.algorithms.map import MAP, FedPHP, FedRS
 from fl_server.algorithms.odpfl_hn import ODPFLHN
 from fl_server.algorithms.tent import Tent
 from fl_server.models import Classifier
 
 ALGORITHMS: dict[str, type[Algorithm]] = {a.name: a for a in (FedAvg, FedProx, FedAvgFT, Local, Tent,
-                                                                FedTTA, FedTTAProx, FedTTAPlusPlus, ODPFLHN, BTFL)}
+                                                                FedTTA, FedTTAProx, FedTTAPlusPlus, ODPFLHN, BTFL,
+                                                                FedICON, FedICONNoTTA, MAP, FedRS, FedPHP)}
 
 
 def build_algorithm(name: str, model: Classifier, num_train_clients: int, seed: int = 0, **hyper: Any) -> Algorithm:

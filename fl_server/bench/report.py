@@ -31,7 +31,11 @@ def experiment_section(name: str, rows: list[dict[str, Any]]) -> str:
     for r in rows:
         paper = "-" if r.get("paper") is None else f"{r['paper']:.2f}"
         best = ",".join(str(b) for b in r.get("best_round", []))
-        split = r["split"] if "column" not in r else f"{r['split']}: {r['column']}"  # btgfl: one row per column
+        split = r["split"]
+        if "column" in r:  # btgfl: one row per test-stream column
+            split = f"{split}: {r['column']}"
+        if "shift" in r:  # fedicon-shift: one row per shift
+            split = f"{split} {r['shift']}"
         lines.append(f"| {r['dataset']} | {r['method']} | {split} | {_fmt(r)} | {paper} | {r['seeds']} | "
                      f"{r.get('rounds', '-')} ({best}) | {r['device']} | {r.get('wall_s', '-')} | "
                      f"`{r.get('command', '')}` | {r.get('note', '')} |")

@@ -23,7 +23,7 @@ from fl_server.models import build_model
 
 
 def build_federated(protocol: Protocol, seed: int, data_root: str | None = None) -> FederatedData:
-    dataset = load_dataset(protocol.dataset, root=data_root, split="all")
+    dataset = load_dataset(protocol.dataset, root=data_root, split=protocol.split)
     return make_federated(dataset, protocol.partition, protocol.num_clients, protocol.new_fraction,
                           protocol.val_fraction, seed=seed, alpha=protocol.alpha)
 
@@ -92,7 +92,8 @@ def run_experiment(exp: Experiment, datasets: list[str], methods: list[str], see
                     continue
                 fed = fed if fed is not None else build_federated(protocol, seed, data_root)
                 run_dir = runs_dir / exp.name / dataset / out.parent.name / f"seed{seed}"
-                record = run_seed(protocol, method, seed, run_dir, device, mode, progress, data_root, fed)
+                record = (exp.run_fn or run_seed)(protocol, method, seed, run_dir, device, mode, progress,
+                                                  data_root, fed)
                 record["command"] = command
                 out.parent.mkdir(parents=True, exist_ok=True)
                 tmp = out.with_suffix(".tmp")
@@ -108,15 +109,13 @@ def aggregate(exp: Experiment, results_dir: Path, command: str = "") -> list[dic
     for dataset in exp.protocols:
         for method in _methods_present(exp, base / dataset):
             records = [json.loads(p.read_text()) for p in sorted((base / dataset / method[1]).glob("seed*.json"))]
-            for split in ("val", "test"):
-                values = [r[split] for r in records if r.get(split) is not None]
-                if not values:
-                    continue
+            for fields, values in _groups(records):
+                split = fields["split"]
                 rows.append({
-                    "experiment": exp.name, "dataset": dataset, "method": method[0], "split": split,
+                    "experiment": exp.name, "dataset": dataset, "method": method[0], **fields,
                     "metric": "accuracy", "mean": round(float(np.mean(values)), 2),
                     "std": round(float(np.std(values, ddof=1)) if len(values) > 1 else 0.0, 2),
-                    "seeds": len(values), "paper": exp.paper.get((dataset, method[0], split)),
+                    "seeds": len(values), "paper": exp.paper.get((dataset, method[0], fields.get("shift", split))),
                     "device": ", ".join(sorted({r["device"] for r in records})),
                     "wall_s": round(float(np.mean([r["wall_s"] for r in records])), 1),
                     "rounds": records[0]["rounds"],
@@ -128,6 +127,20 @@ def aggregate(exp: Experiment, results_dir: Path, command: str = "") -> list[dic
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=1) + "\n")
     return rows
+
+
+def _groups(records: list[dict]) -> list[tuple[dict[str, Any], list[float]]]:
+    """(row fields, per-seed values): from each record's ``results`` list (entries of fields + "value")
+    when present, else its ``val`` and ``test``."""
+    if not any("results" in r for r in records):
+        return [({"split": s}, vals) for s in ("val", "test")
+                if (vals := [r[s] for r in records if r.get(s) is not None])]
+    groups: dict[tuple, list[float]] = {}
+    for r in records:
+        for entry in r.get("results", []):
+            key = tuple((k, v) for k, v in entry.items() if k != "value")
+            groups.setdefault(key, []).append(entry["value"])
+    return [(dict(key), vals) for key, vals in groups.items()]
 
 
 def _methods_present(exp: Experiment, folder: Path) -> list[tuple[str, str]]:

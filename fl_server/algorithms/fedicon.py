@@ -1,0 +1,226 @@
+"""FedICON (Tan et al., seeds/fedicon.txt; SPEC.md section 5).
+
+Model: the classifier's ``features`` = encoder h (Eq. 3) and ``head`` = linear classifier; a projection
+g: D -> D -> ``proj_dim`` (ReLU MLP, as in SupCon/SimCLR) whose L2-normalised output is the contrastive
+representation z. The classifier reads the encoder output (the projection is used only by the losses).
+
+Training, one federated run of ``encoder_rounds + head rounds``:
+- rounds < ``encoder_rounds`` (local invariance extraction, Sec. 4.1.1): two augmented views of every
+  batch sample, supervised contrastive loss Eq. 4 (tau = 0.1) on z, SGD on encoder + projection;
+- later rounds: the linear classifier trained with cross-entropy on the frozen encoder (federated);
+- server (Eq. 6): parameters averaged weighted by |D_i| (the engine passes the training-set sizes).
+Personalisation of a training client (``val_params``): the head fine-tuned ``ft_iterations`` steps on
+the client's own labeled training data, encoder frozen.
+Test time (Sec. 4.2): the encoder (and projection) tuned with the unsupervised contrastive loss Eq. 7 on
+the client's unlabeled test data -- ``batch`` mode (``tta_epochs`` passes of mini-batches), or ``online``
+mode (:meth:`FedICON.online`): a memory of training samples stands in for A(x); after each step on the
+arriving samples, each replaces a random memory entry.
+The TTA step :meth:`FedICON.tta_step` is a pure function (weights, batch, uniforms) -> weights.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fl_server.algorithms.base import Algorithm, Hyper, LocalTrainer
+from fl_server.algorithms.contrastive import memory_contrastive_loss, normalize, supcon_loss, unsup_contrastive_loss
+from fl_server.data.augment import AugmentConfig, augment, hash_uniform, num_uniforms, two_views
+from fl_server.functional import State, broadcast, get_params, make_forward, sgd, weighted_mean
+from fl_server.models import Classifier
+
+
+@dataclass
+class FedICONConfig(Hyper):
+    lr: float = 0.005  # contrastive loss (paper Sec. 5.1)
+    head_lr: float = 0.01  # cross-entropy of the linear classifier
+    weight_decay: float = 5e-4
+    tau: float = 0.1
+    proj_dim: int = 64
+    encoder_rounds: int = 80  # the remaining rounds train the federated classifier
+    ft_iterations: int = 20  # personalisation of the classifier on the client's training data
+    tta: bool = True
+    tta_mode: str = "batch"  # "batch" or "online"
+    tta_lr: float = 0.005
+    tta_epochs: int = 1
+    tta_batch: int = 64
+    memory_size: int = 64  # online mode
+    aug_degrees: float = 15.0
+    aug_shift: float = 0.1
+    aug_contrast: float = 0.4
+    aug_noise: float = 0.1
+
+
+def _split(params: State) -> tuple[State, State]:
+    """(encoder params, head params) of a Classifier's flat parameter dict."""
+    enc = {k: v for k, v in params.items() if k.startswith("features.")}
+    head = {k: v for k, v in params.items() if k.startswith("head.")}
+    return enc, head
+
+
+def _mix_key(key: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    return key * 1_000_003 + step
+
+
+class FedICON(Algorithm):
+    name = "FedICON"
+    Config = FedICONConfig
+
+    def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0, **overrides: Any) -> None:
+        super().__init__(model, config, seed, **overrides)
+        if self.hp.tta_mode not in ("batch", "online"):
+            raise ValueError(f"tta_mode must be 'batch' or 'online', got {self.hp.tta_mode!r}")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + 104729)
+            d = model.feature_dim
+            self.projection = nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Linear(d, self.hp.proj_dim))
+        self.proj_forward = make_forward(self.projection)
+        self.features_forward = make_forward(model.features)
+        self.head_forward = make_forward(model.head)
+        self.aug = AugmentConfig(self.hp.aug_degrees, self.hp.aug_shift, self.hp.aug_contrast, self.hp.aug_noise)
+        self.seed = seed
+        self._phase = "encoder"
+
+    # ------------------------------------------------------------ pieces
+    def represent(self, enc: State, proj: State, x: torch.Tensor) -> torch.Tensor:
+        """z = normalize(g(h(x))) [N, proj_dim]."""
+        feats = self.features_forward({k[len("features."):]: v for k, v in enc.items()}, x)
+        return normalize(self.proj_forward(proj, feats))
+
+    def init_state(self, dtype: torch.dtype, device: torch.device) -> State:
+        self.projection.to(device)
+        return {"params": get_params(self.model, dtype, device), "proj": get_params(self.projection, dtype, device),
+                "round": torch.zeros((), dtype=torch.int64, device=device)}
+
+    def client_start(self, server_state: State, ids: np.ndarray) -> State:
+        round_ = int(server_state["round"])
+        self._phase = "encoder" if round_ < self.hp.encoder_rounds else "head"
+        device = server_state["round"].device
+        keys = torch.as_tensor((self.seed * 1_000_033 + round_) * 100_003 + np.asarray(ids, dtype=np.int64),
+                               dtype=torch.int64, device=device)
+        return {"params": broadcast(server_state["params"], len(ids)),
+                "proj": broadcast(server_state["proj"], len(ids)), "key": keys, "step": torch.zeros(len(ids), dtype=torch.int64, device=device)}
+
+    # ------------------------------------------------------------ local steps
+    def supcon_objective(self, enc: State, proj: State, x: torch.Tensor, y: torch.Tensor,
+                         key: torch.Tensor) -> torch.Tensor:
+        """Eq. 4 on two augmented views of the batch."""
+        z = self.represent(enc, proj, two_views(x, key, self.aug))
+        return supcon_loss(z, torch.cat([y, y]), self.hp.tau)
+
+    def encoder_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> State:
+        enc, head = _split(client_state["params"])
+        key = _mix_key(client_state["key"], client_state["step"])
+        g_enc, g_proj = torch.func.grad(self.supcon_objective, argnums=(0, 1))(enc, client_state["proj"], x, y, key)
+        enc = sgd(enc, g_enc, self.hp.lr, self.hp.weight_decay)
+        proj = sgd(client_state["proj"], g_proj, self.hp.lr, self.hp.weight_decay)
+        return {**client_state, "params": {**enc, **head}, "proj": proj, "step": client_state["step"] + 1}
+
+    def head_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> State:
+        """Cross-entropy on the frozen encoder's features."""
+        enc, head = _split(client_state["params"])
+        feats = self.features_forward({k[len("features."):]: v for k, v in enc.items()}, x).detach()
+
+        def ce(h: State) -> torch.Tensor:
+            return F.cross_entropy(self.head_forward({k[len("head."):]: v for k, v in h.items()}, feats), y)
+
+        head = sgd(head, torch.func.grad(ce)(head), self.hp.head_lr, self.hp.weight_decay)
+        return {**client_state, "params": {**enc, **head}, "step": client_state["step"] + 1}
+
+    def local_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> State:
+        step = self.encoder_step if self._phase == "encoder" else self.head_step
+        return step(client_state, server_state, x, y)
+
+    def aggregate(self, server_state: State, ids: np.ndarray, client_states: State, weights: torch.Tensor) -> State:
+        """Eq. 6: size-weighted average (the part a phase does not train is identical on every client)."""
+        return {"params": weighted_mean(client_states["params"], weights),
+                "proj": weighted_mean(client_states["proj"], weights), "round": server_state["round"] + 1}
+
+    # ------------------------------------------------------------ evaluation
+    def val_params(self, server_state: State, ids: np.ndarray, trainer: LocalTrainer) -> State:
+        """Personalised classifiers: the head fine-tuned on each client's training data (stacked)."""
+        states = self.client_start(server_state, ids)
+        return trainer(self.head_step, states, server_state, ids, self.hp.ft_iterations)["params"]
+
+    def tta_objective(self, enc: State, proj: State, x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """Eq. 7 on the batch ``x`` [N, ...]; ``u`` [2N, num_uniforms] draws the two views."""
+        z = self.represent(enc, proj, augment(torch.cat([x, x]), u, self.aug))
+        return unsup_contrastive_loss(z, self.hp.tau)
+
+    def tta_step(self, params: State, proj: State, x: torch.Tensor, u: torch.Tensor) -> tuple[State, State]:
+        """One SGD step of Eq. 7: pure (classifier params, projection, batch, uniforms) -> (params, projection)."""
+        enc, head = _split(params)
+        g_enc, g_proj = torch.func.grad(self.tta_objective, argnums=(0, 1))(enc, proj, x, u)
+        return {**sgd(enc, g_enc, self.hp.tta_lr), **head}, sgd(proj, g_proj, self.hp.tta_lr)
+
+    def _uniforms(self, x: torch.Tensor, n: int, tag: int) -> torch.Tensor:
+        key = torch.tensor(self.seed * 7_919 + tag, dtype=torch.int64, device=x.device)
+        return hash_uniform(key, n, num_uniforms(x.shape[1:])).to(x.dtype)
+
+    def personalize(self, server_state: State, x: torch.Tensor) -> State:
+        """Batch-mode TTA of ``server_state['params']`` on unlabeled ``x``; identity when ``tta`` is off."""
+        params, proj = server_state["params"], server_state["proj"]
+        if not self.hp.tta:
+            return params
+        if self.hp.tta_mode == "online":
+            return self.online(params, proj, x, x[:0])[0]
+        bs = self.hp.tta_batch
+        for epoch in range(self.hp.tta_epochs):  # mini-batch passes; the loop is over batches, not samples
+            order = torch.from_numpy(np.random.default_rng([self.seed, epoch]).permutation(len(x))).to(x.device)
+            for i, start in enumerate(range(0, len(x), bs)):
+                xb = x[order[start:start + bs]]
+                if len(xb) < 2:
+                    continue
+                u = self._uniforms(xb, 2 * len(xb), epoch * 1_000_003 + i)
+                params, proj = self.tta_step(params, proj, xb, u)
+                params, proj = {k: v.detach() for k, v in params.items()}, {k: v.detach() for k, v in proj.items()}
+        return params
+
+    def online_step(self, params: State, proj: State, x: torch.Tensor, memory: torch.Tensor,
+                    u: torch.Tensor) -> tuple[State, State]:
+        """Online Eq. 7 for the arriving samples ``x`` [b, ...]: positive = one augmented view (``u`` [b, K]),
+        A(x) = that view + the memory samples [M, ...]."""
+        enc, head = _split(params)
+
+        def objective(e: State, p: State) -> torch.Tensor:
+            z = self.represent(e, p, torch.cat([x, augment(x, u, self.aug), memory]))
+            b = len(x)
+            return memory_contrastive_loss(z[:b], z[b:2 * b], z[2 * b:], self.hp.tau)
+
+        g_enc, g_proj = torch.func.grad(objective, argnums=(0, 1))(enc, proj)
+        return {**sgd(enc, g_enc, self.hp.tta_lr), **head}, sgd(proj, g_proj, self.hp.tta_lr)
+
+    def online(self, params: State, proj: State, stream: torch.Tensor, memory: torch.Tensor,
+               chunk: int = 1) -> tuple[State, torch.Tensor]:
+        """Online mode over ``stream`` [N, ...] arriving ``chunk`` samples at a time: adapt on the arriving
+        samples, predict them with the adapted model, then each replaces a random memory entry. ``memory``
+        starts as training samples (empty: filled by the first test samples). Returns (final params,
+        logits [N, C] in stream order)."""
+        rng = np.random.default_rng([self.seed, 17])
+        memory = memory[: self.hp.memory_size].clone()
+        out = []
+        for i, start in enumerate(range(0, len(stream), chunk)):  # samples arrive one chunk at a time
+            xb = stream[start:start + chunk]
+            if len(memory):
+                params, proj = self.online_step(params, proj, xb, memory, self._uniforms(xb, len(xb), i))
+                params, proj = {k: v.detach() for k, v in params.items()}, {k: v.detach() for k, v in proj.items()}
+            with torch.no_grad():
+                out.append(self.forward(params, xb))
+            if len(memory) < self.hp.memory_size:
+                memory = torch.cat([memory, xb])[: self.hp.memory_size]
+            else:
+                memory[torch.from_numpy(rng.choice(len(memory), size=len(xb), replace=False))] = xb
+        return params, torch.cat(out)
+
+
+class FedICONNoTTA(FedICON):
+    """The ablation without test-time adaptation (same training)."""
+
+    name = "FedICON w/o TTA"
+
+    def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0, **overrides: Any) -> None:
+        super().__init__(model, config, seed, **{"tta": False, **overrides})

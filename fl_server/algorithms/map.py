@@ -1,0 +1,181 @@
+"""MAP = restricted softmax (FedRS) + inherited private model (FedPHP) (seeds/map.txt, Algorithm 1;
+SPEC.md section 6), with FedRS and FedPHP as its ablations.
+
+Client procedure on a selected client k, ``local_iterations`` SGD-momentum steps split in two stages:
+- stage 1 (the first ``stage1_fraction``): restricted softmax (Eq. 8), p_c ∝ exp(a_c w_c^T h) with
+  a_c = 1 for the client's observed classes and ``alpha`` for missing ones; the model at the end of
+  stage 1 is uploaded (psi_hat_a, line 7);
+- stage 2: softmax with L = (1 - lambda) CE + lambda * tau^2 KL(softmax(g_p/tau) || softmax(g/tau))
+  (Eqs. 11, 13), g_p = logits of the client's HPM (no KD before the client has an HPM);
+- HPM (Eq. 10): psi_p <- (1 - mu_k) psi_hat + mu_k psi_p, mu_k = min(1, mu * z_k / (Q T)), z_k = times
+  the client was selected (the first selection sets psi_p = psi_hat).
+Server: average of the uploaded models, weighted by the sizes the engine passes (Algorithm 1 line 6
+uses 1/|S_t|; the two coincide for equal-size clients).
+Implemented as one pure, vmappable step: the stage is a per-client step counter and both stages'
+losses are blended by a 0/1 weight (the KD teacher's forward is the only extra work in stage 1).
+
+Personalisation accuracy (Definition 2): the personalised model psi_hat after one client procedure from
+the current global model, on the client's local test set (``val_params``). Aggregation accuracy
+(Definition 1): the global model on the global test set (computed by the experiment runner).
+
+Ablations in the same family: FedRS = RS for all local steps (alpha = 0.9, no stage 2, no HPM); FedPHP =
+the two stages with alpha = 1 (softmax) and the HPM; FedAvg / FedProx under the same optimiser = alpha 1,
+one stage, no HPM (+ the proximal term ``prox_mu``).
+BTFL composition: with ``head_only_stage2`` the second stage trains only the classifier on the frozen
+global features, so the HPM heads (:meth:`MAP.local_heads`) are linear heads on the global feature
+extractor -- what BTFL uses as its local head.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fl_server.algorithms.base import Algorithm, Hyper, LocalTrainer
+from fl_server.functional import State, broadcast, get_params, index, tree_map, weighted_mean
+from fl_server.models import Classifier
+
+
+@dataclass
+class MAPConfig(Hyper):
+    lr: float = 0.03  # MAP Sec. 5: SGD momentum 0.9, lr 0.03, batch 64, wd 1e-5
+    weight_decay: float = 1e-5
+    momentum: float = 0.9
+    alpha: float = 0.9  # RS factor of missing classes (1 = softmax)
+    stage1_fraction: float = 0.5  # E/2 of E epochs; 1.0 = one stage (FedRS / FedAvg)
+    local_iterations: int = 20  # steps of one client procedure (set equal to the run's local_iterations)
+    hpm: bool = True
+    kd_lambda: float = 0.01
+    kd_tau: float = 4.0
+    mu_macro: float = 0.9
+    expected_selections: float = 30.0  # Q * T (0.2 * 150)
+    prox_mu: float = 0.0
+    head_only_stage2: bool = False  # BTFL composition: personalise only the classifier
+
+
+def restricted_softmax_logits(logits: torch.Tensor, observed: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Eq. 8 as logits: a_c * logit_c with a_c = 1 for observed classes (``observed`` [C] 0/1) else alpha."""
+    return logits * (observed + alpha * (1 - observed))
+
+
+def kd_loss(student: torch.Tensor, teacher: torch.Tensor, tau: float) -> torch.Tensor:
+    """Eq. 11: tau^2 * mean_i KL(softmax(g_p,i / tau) || softmax(g_i / tau))."""
+    log_t = F.log_softmax(teacher / tau, -1)
+    log_s = F.log_softmax(student / tau, -1)
+    return tau ** 2 * (log_t.exp() * (log_t - log_s)).sum(-1).mean()
+
+
+class MAP(Algorithm):
+    name = "MAP"
+    Config = MAPConfig
+
+    def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0, **overrides: Any) -> None:
+        super().__init__(model, config, seed, **overrides)
+        self.observed: torch.Tensor | None = None  # [K, C] 0/1, set by attach
+
+    def attach(self, x: torch.Tensor, y: torch.Tensor, train: list[np.ndarray]) -> None:
+        """Each training client's observed classes (the client knows its own label set)."""
+        c = self.model.num_classes
+        labels = y.cpu().numpy()
+        self.observed = torch.tensor(np.stack([np.bincount(labels[t], minlength=c) > 0 for t in train]),
+                                     dtype=x.dtype, device=x.device)
+
+    def init_state(self, dtype: torch.dtype, device: torch.device) -> State:
+        if self.observed is None:
+            raise RuntimeError("MAP needs attach() (the clients' class sets) before init_state")
+        params = get_params(self.model, dtype, device)
+        k = self.observed.shape[0]
+        return {"params": params, "hpm": broadcast(params, k), "count": torch.zeros(k, dtype=dtype, device=device),
+                "observed": self.observed.to(dtype)}
+
+    def client_start(self, server_state: State, ids: np.ndarray) -> State:
+        n = len(ids)
+        params = broadcast(server_state["params"], n)
+        has_hpm = (index(server_state["count"], ids) > 0).to(server_state["count"].dtype)
+        return {"params": params, "agg": params, "mom": tree_map(torch.zeros_like, params),
+                "hpm": index(server_state["hpm"], ids), "kd": has_hpm * float(self.hp.hpm),
+                "observed": index(server_state["observed"], ids),
+                "step": torch.zeros(n, dtype=torch.int64, device=server_state["count"].device)}
+
+    # ---------------------------------------------------------------- the step
+    def _stage1_iterations(self) -> int:
+        return int(round(self.hp.stage1_fraction * self.hp.local_iterations))
+
+    def client_loss(self, params: State, client_state: State, server_state: State, x: torch.Tensor,
+                    y: torch.Tensor, stage1: torch.Tensor) -> torch.Tensor:
+        logits = self.forward(params, x)
+        rs = F.cross_entropy(restricted_softmax_logits(logits, client_state["observed"], self.hp.alpha), y)
+        stage2 = F.cross_entropy(logits, y)
+        if self.hp.hpm:  # (the teacher's forward is skipped for methods without an HPM)
+            teacher = self.forward(client_state["hpm"], x).detach()
+            lam = self.hp.kd_lambda * client_state["kd"]
+            stage2 = (1 - lam) * stage2 + lam * kd_loss(logits, teacher, self.hp.kd_tau)
+        loss = stage1 * rs + (1 - stage1) * stage2
+        if self.hp.prox_mu:
+            prox = sum(((p - q) ** 2).sum() for p, q in zip(params.values(), server_state["params"].values()))
+            loss = loss + 0.5 * self.hp.prox_mu * prox
+        return loss
+
+    def local_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> State:
+        stage1 = (client_state["step"] < self._stage1_iterations()).to(x.dtype)
+        params = client_state["params"]
+        grads = torch.func.grad(self.client_loss)(params, client_state, server_state, x, y, stage1)
+        wd, m, lr = self.hp.weight_decay, self.hp.momentum, self.hp.lr
+        mom = {k: m * client_state["mom"][k] + grads[k] + wd * params[k] for k in params}
+        # head_only_stage2 (BTFL composition): stage 2 moves the classifier only
+        moves = {k: stage1 if self.hp.head_only_stage2 and not k.startswith("head.") else 1.0 for k in params}
+        new = {k: params[k] - lr * moves[k] * mom[k] for k in params}
+        agg = {k: stage1 * new[k] + (1 - stage1) * client_state["agg"][k] for k in params}  # end of stage 1
+        return {**client_state, "params": new, "mom": mom, "agg": agg, "step": client_state["step"] + 1}
+
+    # ------------------------------------------------------------- the server
+    def aggregate(self, server_state: State, ids: np.ndarray, client_states: State, weights: torch.Tensor) -> State:
+        out = {**server_state, "params": weighted_mean(client_states["agg"], weights)}
+        if not self.hp.hpm:
+            return out
+        ids_t = torch.as_tensor(ids, dtype=torch.long, device=weights.device)
+        count = server_state["count"].clone()
+        first = count[ids_t] == 0
+        count[ids_t] += 1
+        mu = torch.clamp(self.hp.mu_macro * count[ids_t] / self.hp.expected_selections, 0.0, 1.0)
+        mu = torch.where(first, torch.zeros_like(mu), mu)  # Eq. 10 with no previous HPM
+
+        def update(hpm: torch.Tensor, personal: torch.Tensor) -> torch.Tensor:
+            w = mu.reshape(-1, *([1] * (personal.ndim - 1))).to(personal.dtype)
+            new = hpm.clone()
+            new[ids_t] = (1 - w) * personal + w * hpm[ids_t]
+            return new
+
+        return {**out, "hpm": tree_map(update, server_state["hpm"], client_states["params"]), "count": count}
+
+    # ---------------------------------------------------------- evaluation
+    def val_params(self, server_state: State, ids: np.ndarray, trainer: LocalTrainer) -> State:
+        """Personalised models psi_hat: one client procedure from the current global model (stacked)."""
+        states = self.client_start(server_state, ids)
+        return trainer(self.local_step, states, server_state, ids, self.hp.local_iterations)["params"]
+
+    def local_heads(self, server_state: State) -> State:
+        """The clients' HPM classifiers ``{"weight": [K, C, D], "bias": [K, C]}`` (BTFL's local heads when
+        trained with ``head_only_stage2``)."""
+        return {"weight": server_state["hpm"]["head.weight"], "bias": server_state["hpm"]["head.bias"]}
+
+
+class FedRS(MAP):
+    """RS only: restricted softmax for every local step, uploaded and used as the personalised model."""
+
+    name = "FedRS"
+
+    def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0, **overrides: Any) -> None:
+        super().__init__(model, config, seed, **{"stage1_fraction": 1.0, "hpm": False, **overrides})
+
+
+class FedPHP(MAP):
+    """HPM only: MAP's two stages with softmax (alpha = 1) in the first."""
+
+    name = "FedPHP"
+
+    def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0, **overrides: Any) -> None:
+        super().__init__(model, config, seed, **{"alpha": 1.0, **overrides})

@@ -1,0 +1,177 @@
+"""The ``fedicon-shift`` protocol: training clients with Dir(alpha) labels, each with a local test set under
+test-time shift (FedICON Sec. 5.1, with corrupted MNIST / Fashion-MNIST and the 8x8 digits standing in for
+Digit-5).
+
+Data: the clients partition the *train* split (85/15 train/val per client); each client's local test set
+is drawn from the official *test* split with the client's own label proportions (the same label
+distribution as its training data, a different feature distribution once shifted). Conditions:
+- ``split="test"``: ``clean``; every corruption in ``test_corruptions`` at every severity (covariate
+  shift), plus ``covariate-s<k>`` (mean over the corruptions at severity k); ``digits`` (domain shift: the
+  scikit-learn 8x8 digits upsampled to 28x28, assigned to clients the same way; MNIST only);
+- ``split="val"``: the clients' validation data, clean and under ``val_corruptions`` (types not used for
+  testing) -- the numbers hyperparameters are chosen on.
+Test-time hyperparameters (``options["tune"]``: TENT's and FedICON's TTA rates) are chosen per seed on the
+mean over the validation conditions, then the test conditions are evaluated once.
+Methods share trainings: FedAvg, FedAvg-FT and TENT evaluate one FedAvg run; FedICON and FedICON w/o TTA
+one FedICON run (the run folder of the training method is reused). Every number is the final-round model.
+"""
+from __future__ import annotations
+
+import dataclasses
+import platform
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from fl_server.algorithms import build_algorithm
+from fl_server.data import load_dataset
+from fl_server.data.corruptions import corrupt
+from fl_server.data.federated import FederatedData
+from fl_server.data.shifts import resize
+from fl_server.device import describe
+from fl_server.engine import Simulation
+from fl_server.functional import unstack
+from fl_server.models import build_model
+
+if TYPE_CHECKING:
+    from fl_server.bench.experiments import Protocol
+
+# display name -> (training method, evaluation method in the registry)
+SHIFT_METHODS: dict[str, tuple[str, str]] = {
+    "FedAvg": ("FedAvg", "FedAvg"), "FedAvg-FT": ("FedAvg", "FedAvg+FT"), "TENT": ("FedAvg", "TENT"),
+    "FedICON w/o TTA": ("FedICON", "FedICON w/o TTA"), "FedICON": ("FedICON", "FedICON"),
+}
+
+
+def assign_by_label(labels: np.ndarray, client_counts: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
+    """Split ``labels``' indices over clients: class c goes to clients in proportion to ``client_counts[:, c]``
+    (each client's training count of c). Returns one index array per client."""
+    k, c = client_counts.shape
+    parts: list[list[np.ndarray]] = [[] for _ in range(k)]
+    for cls in range(c):  # C classes, not samples
+        idx = rng.permutation(np.flatnonzero(labels == cls))
+        share = client_counts[:, cls] / max(client_counts[:, cls].sum(), 1)
+        cuts = np.round(np.cumsum(share)[:-1] * len(idx)).astype(int)
+        for j, chunk in enumerate(np.split(idx, cuts)):
+            parts[j].append(chunk)
+    return [np.sort(np.concatenate(p)) for p in parts]
+
+
+def _conditions(protocol: "Protocol", fed: FederatedData, seed: int,
+                data_root: str | None) -> list[tuple[str, str, list[np.ndarray], list[np.ndarray]]]:
+    """(split, shift, per-client images, per-client labels) for every evaluation condition."""
+    opt = protocol.options
+    rng = np.random.default_rng([seed, 99])
+    counts = np.stack([np.bincount(fed.dataset.y[t], minlength=fed.dataset.num_classes) for t in fed.train])
+    out: list[tuple[str, str, list[np.ndarray], list[np.ndarray]]] = []
+
+    def add(split: str, shift: str, x: np.ndarray, y: np.ndarray, parts: list[np.ndarray]) -> None:
+        out.append((split, shift, [x[p] for p in parts], [y[p] for p in parts]))
+
+    val_idx = np.concatenate(fed.val)
+    val_parts = np.split(np.arange(len(val_idx)), np.cumsum([len(v) for v in fed.val])[:-1])
+    xv, yv = fed.dataset.x[val_idx], fed.dataset.y[val_idx]
+    add("val", "clean", xv, yv, val_parts)
+    for name in opt.get("val_corruptions", ()):
+        add("val", f"{name}-3", corrupt(xv, name, 3, np.random.default_rng([seed, 1, len(out)])), yv, val_parts)
+
+    test = load_dataset(protocol.dataset, root=data_root, split="test")
+    keep = opt.get("max_test_per_client")
+    parts = assign_by_label(test.y, counts, rng)
+    if keep:
+        parts = [p[:keep] for p in parts]
+    add("test", "clean", test.x, test.y, parts)
+    for name in opt.get("test_corruptions", ()):
+        for sev in opt.get("severities", (3,)):
+            add("test", f"{name}-{sev}", corrupt(test.x, name, sev, np.random.default_rng([seed, 2, len(out)])),
+                test.y, parts)
+    if opt.get("domain_shift") and protocol.dataset == "mnist":
+        digits = load_dataset("digits", split="all")
+        dparts = assign_by_label(digits.y, counts, rng)
+        add("test", "digits", resize(digits.x, (28, 28)), digits.y, dparts)
+    return out
+
+
+def _mean_accuracy(algo: Any, state: dict, params: Any, stacked: bool, xs: list[np.ndarray],
+                   ys: list[np.ndarray], device: torch.device, dtype: torch.dtype) -> float:
+    """Mean over clients of the accuracy after the method's test-time step on the client's unlabeled data."""
+    per_client = unstack(params) if stacked else [params] * len(xs)
+    accs = []
+    for p, x, y in zip(per_client, xs, ys):  # one adaptation per client
+        if len(y) == 0:
+            continue
+        xt = torch.from_numpy(x).to(device, dtype)
+        adapted = algo.personalize({**state, "params": p}, xt)
+        with torch.no_grad():
+            pred = algo.predict(adapted, xt).argmax(-1).cpu().numpy()
+        accs.append(float((pred == y).mean()))
+    return float(np.mean(accs))
+
+
+def run_shift_seed(protocol: "Protocol", method: str, seed: int, run_dir: Path | None, device: str = "auto",
+                   mode: str = "auto", progress: bool = True, data_root: str | None = None,
+                   fed: FederatedData | None = None) -> dict[str, Any]:
+    """Train (or reuse) the method's training run, then evaluate every shift condition."""
+    from fl_server.bench.runner import build_federated, safe_name  # runner imports the experiments
+
+    if method not in SHIFT_METHODS:
+        raise ValueError(f"fedicon-shift has no method {method!r}; choose one of {', '.join(SHIFT_METHODS)}")
+    train_name, eval_name = SHIFT_METHODS[method]
+    fed = fed if fed is not None else build_federated(protocol, seed, data_root)
+    shape = fed.dataset.x.shape[1:]
+    hp = dict(protocol.method_hp.get(train_name, {}))
+    if train_name == "FedICON":
+        hp["encoder_rounds"] = int(round(protocol.options.get("encoder_fraction", 0.8) * protocol.rounds))
+    model = build_model(protocol.model, shape, fed.dataset.num_classes, seed=seed)
+    train_algo = build_algorithm(train_name, model, fed.num_train_clients, seed=seed, **hp)
+    train_dir = None if run_dir is None else run_dir.parent.parent / safe_name(train_name) / run_dir.name
+    cfg = protocol.run_config(seed, str(train_dir) if train_dir else None, device, mode, progress)
+    sim = Simulation(train_algo, fed, cfg)
+    result = sim.run()
+    t0 = time.perf_counter()
+    eval_hp = {**hp, **protocol.method_hp.get(method, {})}
+    if eval_name.startswith("FedICON"):
+        eval_hp.pop("tta", None)
+    algo = build_algorithm(eval_name, model, fed.num_train_clients, seed=seed, **eval_hp)
+    state = sim.server_state
+    ids = np.arange(fed.num_train_clients)
+    rng = np.random.default_rng([seed, 7])
+    params = algo.val_params(state, ids,
+                             lambda step, st, server, sel, it: sim.local_train(step, st, server, sel, it, rng))
+    stacked = sim._is_stacked(params)
+    conditions = _conditions(protocol, fed, seed, data_root)
+
+    def evaluate(split: str) -> list[dict[str, Any]]:
+        return [{"split": sp, "shift": shift,
+                 "value": 100 * _mean_accuracy(algo, state, params, stacked, xs, ys, sim.device, sim.dtype)}
+                for sp, shift, xs, ys in conditions if sp == split]
+
+    # test-time hyperparameters chosen on the validation conditions (mean over them), then tested once
+    chosen: dict[str, Any] = {}
+    grid = protocol.options.get("tune", {}).get(method, {})
+    results: list[dict[str, Any]] = []
+    for name, values in grid.items():
+        scores = []
+        for v in values:
+            setattr(algo.hp, name, v)
+            scores.append(float(np.mean([r["value"] for r in evaluate("val")])))
+        chosen[name] = values[int(np.argmax(scores))]
+        setattr(algo.hp, name, chosen[name])
+        results += [{"split": "val-tuning", "shift": f"{name}={v}", "value": sc} for v, sc in zip(values, scores)]
+    results += evaluate("val") + evaluate("test")
+    for sev in protocol.options.get("severities", ()):
+        vals = [r["value"] for r in results if r["split"] == "test" and r["shift"].endswith(f"-{sev}")]
+        if vals:
+            results.append({"split": "test", "shift": f"covariate-s{sev}", "value": float(np.mean(vals))})
+    by = {(r["split"], r["shift"]): r["value"] for r in results}
+    return {
+        "dataset": protocol.dataset, "method": method, "seed": seed, "model": protocol.model,
+        "rounds": protocol.rounds, "best_round": protocol.rounds - 1, "trained_as": train_name,
+        "val": by.get(("val", "clean")), "test": by.get(("test", "clean")), "results": results, "chosen": chosen,
+        "train_wall_s": round(result.wall_s, 2), "wall_s": round(result.wall_s + time.perf_counter() - t0, 2),
+        "device": describe(sim.device), "mode": sim.mode, "hyper": dataclasses.asdict(algo.hp),
+        "protocol_note": protocol.note, "host": platform.node(),
+    }

@@ -1,0 +1,187 @@
+"""FedICON: contrastive losses against Eq. 4 / Eq. 7 written out, augmentations, training and TTA on real data."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fl_server.algorithms import build_algorithm
+from fl_server.algorithms.contrastive import memory_contrastive_loss, supcon_loss, unsup_contrastive_loss
+from fl_server.data.augment import augment, hash_uniform, num_uniforms, two_views
+from fl_server.data.federated import make_federated
+from fl_server.engine import RunConfig, Simulation
+from fl_server.models import build_model
+
+
+def _eq4_loop(z: torch.Tensor, y: torch.Tensor, tau: float) -> float:
+    """Eq. 4 term by term: for each anchor x, -1/|P(x)| sum_p log exp(z_x.z_p/tau) / sum_{a != x} exp(z_x.z_a/tau)."""
+    total, m = 0.0, len(z)
+    for i in range(m):
+        denom = sum(math.exp(float(z[i] @ z[a]) / tau) for a in range(m) if a != i)
+        pos = [p for p in range(m) if p != i and int(y[p]) == int(y[i])]
+        total += -sum(math.log(math.exp(float(z[i] @ z[p]) / tau) / denom) for p in pos) / len(pos)
+    return total / m
+
+
+def test_supcon_matches_eq4_loop() -> None:
+    g = torch.Generator().manual_seed(0)
+    z = torch.nn.functional.normalize(torch.randn(10, 4, generator=g, dtype=torch.float64), dim=1)
+    y = torch.tensor([0, 1, 0, 2, 1, 0, 1, 0, 2, 1])
+    assert float(supcon_loss(z, y, 0.1)) == pytest.approx(_eq4_loop(z, y, 0.1), rel=1e-10)
+    assert float(supcon_loss(z, y, 0.5)) == pytest.approx(_eq4_loop(z, y, 0.5), rel=1e-10)
+
+
+def test_unsupervised_loss_is_eq7_with_the_other_view_as_only_positive() -> None:
+    g = torch.Generator().manual_seed(1)
+    z = torch.nn.functional.normalize(torch.randn(8, 3, generator=g, dtype=torch.float64), dim=1)
+    ids = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
+    assert float(unsup_contrastive_loss(z, 0.1)) == pytest.approx(_eq4_loop(z, ids, 0.1), rel=1e-10)
+    # online form: anchor x, positive its view, A(x) = view + memory
+    x, v, mem = z[:2], z[2:4], z[4:]
+    def term(i: int) -> float:
+        pos = math.exp(float(x[i] @ v[i]) / 0.1)
+        return -math.log(pos / (pos + sum(math.exp(float(x[i] @ m) / 0.1) for m in mem)))
+
+    direct = np.mean([term(0), term(1)])
+    assert float(memory_contrastive_loss(x, v, mem, 0.1)) == pytest.approx(direct, rel=1e-10)
+
+
+def test_supcon_prefers_class_aligned_representations() -> None:
+    y = torch.tensor([0, 0, 1, 1, 0, 0, 1, 1])
+    aligned = torch.nn.functional.one_hot(y, 2).double() + 0.01 * torch.randn(8, 2, dtype=torch.float64)
+    shuffled = aligned[torch.tensor([0, 2, 1, 3, 4, 6, 5, 7])]
+    norm = torch.nn.functional.normalize
+    assert supcon_loss(norm(aligned, dim=1), y) < supcon_loss(norm(shuffled, dim=1), y)
+
+
+def test_augment_is_seeded_bounded_and_vmappable(mnist_all) -> None:  # type: ignore[no-untyped-def]
+    x = torch.from_numpy(mnist_all.x[:16])
+    key = torch.tensor(42)
+    a, b = two_views(x, key), two_views(x, key)
+    assert torch.equal(a, b) and a.shape == (32, 1, 28, 28)
+    assert not torch.equal(two_views(x, torch.tensor(43)), a)
+    assert float(a.min()) >= 0.0 and float(a.max()) <= 1.0
+    assert not torch.allclose(a[:16], a[16:])  # two different views
+    # a view stays close to its image (small rotation/shift): correlation well above unrelated digits
+    corr = torch.nn.functional.cosine_similarity(a[:16].flatten(1), x.flatten(1))
+    assert float(corr.mean()) > 0.5
+    keys = torch.tensor([1, 2, 3])
+    batched = torch.vmap(lambda k, xx: two_views(xx, k))(keys, x[:4].expand(3, 4, 1, 28, 28))
+    assert torch.allclose(batched[1], two_views(x[:4], torch.tensor(2)), atol=1e-6)
+    u = hash_uniform(torch.tensor(5), 1000, 3)
+    assert 0.0 < float(u.min()) and float(u.max()) < 1.0 and abs(float(u.mean()) - 0.5) < 0.03
+    # zero-strength augmentation is the identity
+    from fl_server.data.augment import AugmentConfig
+    ident = augment(x[:4], hash_uniform(key, 4, num_uniforms(x.shape[1:])), AugmentConfig(0, 0, 0, 0))
+    assert torch.allclose(ident, x[:4], atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def trained(mnist_all):  # type: ignore[no-untyped-def]
+    torch.set_num_threads(1)
+    ds = mnist_all.subset(np.arange(4000))
+    fed = make_federated(ds, "dirichlet", num_clients=8, new_fraction=0.25, alpha=0.5, seed=0)
+    model = build_model("mlp", (1, 28, 28), 10, seed=0)
+    algo = build_algorithm("FedICON", model, fed.num_train_clients, seed=0, encoder_rounds=4, lr=0.05,
+                           head_lr=1.0, ft_iterations=10, tta_lr=0.01)
+    sim = Simulation(algo, fed, RunConfig(rounds=6, local_iterations=15, batch_size=32, seed=0, progress=False,
+                                          eval_every=6))
+    result = sim.run()
+    return algo, sim, result
+
+
+def test_fedicon_trains_encoder_then_head(trained) -> None:  # type: ignore[no-untyped-def]
+    _, sim, result = trained
+    assert int(sim.server_state["round"]) == 6
+    assert result.best_val > 0.5  # linear probe on the contrastive encoder after 6 short rounds, 10 classes
+
+
+def test_fedicon_tta_changes_encoder_only_and_keeps_accuracy(trained) -> None:  # type: ignore[no-untyped-def]
+    algo, sim, _ = trained
+    idx = torch.from_numpy(sim.fed.new[0])
+    x, y = sim.x[idx], sim.y[idx]
+    before = sim.server_state["params"]
+    after = algo.personalize(sim.server_state, x)
+    assert torch.equal(after["head.weight"], before["head.weight"])
+    assert not torch.equal(after["features.1.weight"], before["features.1.weight"])
+    acc = lambda p: float((algo.predict(p, x).argmax(-1) == y).double().mean())
+    assert acc(after) > acc(before) - 0.05
+    # the step lowers the Eq. 7 loss on the batch it was taken on
+    u = algo._uniforms(x[:64], 128, 0)
+    enc = {k: v for k, v in before.items() if k.startswith("features.")}
+    loss0 = algo.tta_objective(enc, sim.server_state["proj"], x[:64], u)
+    p1, q1 = algo.tta_step(before, sim.server_state["proj"], x[:64], u)
+    loss1 = algo.tta_objective({k: v for k, v in p1.items() if k.startswith("features.")}, q1, x[:64], u)
+    assert float(loss1) < float(loss0)
+
+
+def test_fedicon_online_mode(trained) -> None:  # type: ignore[no-untyped-def]
+    algo, sim, _ = trained
+    idx = torch.from_numpy(sim.fed.new[0][:40])
+    memory = sim.x[torch.from_numpy(sim.fed.train[0][:64])]
+    algo.hp.tta_lr = 0.001  # one step per arriving sample: a smaller rate than batch mode
+    params, logits = algo.online(sim.server_state["params"], sim.server_state["proj"], sim.x[idx], memory)
+    assert logits.shape == (40, 10)
+    assert not torch.equal(params["features.1.weight"], sim.server_state["params"]["features.1.weight"])
+    acc = float((logits.argmax(-1) == sim.y[idx]).double().mean())
+    with torch.no_grad():
+        before = float((algo.predict(sim.server_state["params"], sim.x[idx]).argmax(-1) == sim.y[idx]).double().mean())
+    algo.hp.tta_lr = 0.01
+    assert acc >= before - 0.1  # adapting on the stream does not wreck the classifier
+
+
+def test_fedicon_shift_quick_experiment(tmp_path, data_root) -> None:  # type: ignore[no-untyped-def]
+    """The harness end to end at CI size: every method, shifted conditions, rows per shift."""
+    from fl_server.bench.experiments import get_experiment
+    from fl_server.bench.runner import run_experiment
+
+    exp = get_experiment("fedicon-shift")
+    rows = run_experiment(exp, ["mnist"], list(exp.methods), 1, tmp_path / "results", tmp_path / "runs",
+                          quick=True, progress=False, data_root=str(data_root))
+    got = {(r["method"], r["split"], r["shift"]) for r in rows}
+    for method in exp.methods:
+        for shift in ("clean", "gaussian_noise-3", "covariate-s3", "digits"):
+            assert (method, "test", shift) in got
+        assert (method, "val", "clean") in got
+    assert all(0.0 <= r["mean"] <= 100.0 for r in rows)
+    # trainings are shared: one FedAvg and one FedICON run folder
+    assert sorted(p.name for p in (tmp_path / "runs" / "fedicon-shift" / "mnist").iterdir()) == ["FedAvg", "FedICON"]
+    by = {(r["method"], r["shift"]): r["mean"] for r in rows if r["split"] == "test"}
+    assert by[("FedAvg", "clean")] > by[("FedAvg", "digits")]  # the domain shift costs accuracy
+
+
+def test_tta_step_exports_to_onnx_with_parity(tmp_path, trained) -> None:  # type: ignore[no-untyped-def]
+    """The Eq. 7 step is a pure graph (x, u, weights) -> weights: ONNX on onnxruntime matches torch at
+    another batch size than the traced one."""
+    import onnxruntime as ort
+
+    from export.fedicon import fedicon_tta_step_spec
+    from export.graphs import export_function
+
+    algo, sim, _ = trained
+    spec = fedicon_tta_step_spec(algo, sim.server_state["params"], sim.server_state["proj"], batch=4)
+    path = export_function(spec.fn, spec.example, spec.input_names, spec.output_names, spec.batch_inputs,
+                           tmp_path / "tta.onnx")
+    x = sim.x[:6]
+    u = hash_uniform(torch.tensor(3), 12, num_uniforms(x.shape[1:])).reshape(6, 2, -1)
+    inputs = [x, u, *spec.example[2:]]
+    out = ort.InferenceSession(str(path)).run(None, {n: v.numpy() for n, v in zip(spec.input_names, inputs)})
+    ref = spec.fn(*inputs)
+    assert max(float(np.abs(o - r.detach().numpy()).max()) for o, r in zip(out, ref)) < 1e-4
+    # and it is the step personalize() takes (view 1 of all samples, then view 2)
+    new_p, _ = algo.tta_step(sim.server_state["params"], sim.server_state["proj"], x,
+                             u.transpose(0, 1).reshape(12, -1))
+    assert np.allclose(out[0], new_p[spec.input_names[2][len("psi."):]].numpy(), atol=1e-5)
+
+
+def test_local_test_sets_follow_each_clients_label_mix() -> None:
+    from fl_server.bench.shift import assign_by_label
+
+    labels = np.repeat(np.arange(3), [100, 200, 300])
+    counts = np.array([[10, 0, 30], [30, 20, 0], [0, 20, 30]])
+    parts = assign_by_label(labels, counts, np.random.default_rng(0))
+    assert sorted(np.concatenate(parts).tolist()) == list(range(600))  # every test sample, exactly once
+    got = np.stack([np.bincount(labels[p], minlength=3) for p in parts])
+    assert got.tolist() == [[25, 0, 150], [75, 100, 0], [0, 100, 150]]

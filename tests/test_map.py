@@ -1,0 +1,138 @@
+"""MAP / FedRS / FedPHP: restricted softmax (Eq. 8), KD (Eq. 11), HPM momentum (Eq. 10), training on real data."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fl_server.algorithms import build_algorithm
+from fl_server.algorithms.map import kd_loss, restricted_softmax_logits
+from fl_server.data.federated import make_federated
+from fl_server.engine import RunConfig, Simulation
+from fl_server.engine.simulation import run_local_steps
+from fl_server.functional import index
+from fl_server.models import build_model
+
+
+def _algo(fashion, name="MAP", n_clients=6, **hp):  # type: ignore[no-untyped-def]
+    ds = fashion.subset(np.arange(3000))
+    fed = make_federated(ds, "incomplete", num_clients=n_clients, new_fraction=0.0, val_fraction=0.2, seed=0)
+    model = build_model("mlp", (1, 28, 28), 10, seed=0)
+    algo = build_algorithm(name, model, fed.num_train_clients, seed=0, **hp)
+    return algo, fed
+
+
+def test_restricted_softmax_alpha_one_is_softmax() -> None:
+    logits = torch.randn(5, 10, dtype=torch.float64)
+    observed = torch.tensor([1, 0, 1, 1, 0, 0, 1, 0, 0, 1], dtype=torch.float64)
+    assert torch.allclose(F.softmax(restricted_softmax_logits(logits, observed, 1.0), -1), F.softmax(logits, -1))
+    rs = restricted_softmax_logits(logits, observed, 0.5)
+    assert torch.allclose(rs[:, observed == 1], logits[:, observed == 1])
+    assert torch.allclose(rs[:, observed == 0], 0.5 * logits[:, observed == 0])
+
+
+def test_alpha_zero_leaves_missing_class_proxies_unchanged(fashion_all) -> None:  # type: ignore[no-untyped-def]
+    algo, fed = _algo(fashion_all, alpha=0.0, weight_decay=0.0, momentum=0.0, lr=0.5)
+    sim = Simulation(algo, fed, RunConfig(rounds=1, progress=False))
+    ids = np.array([0])
+    states = algo.client_start(sim.server_state, ids)
+    idx = torch.from_numpy(fed.train[0][:64])
+    step = torch.vmap(algo.local_step, in_dims=(0, None, 0, 0))
+    new = step(states, sim.server_state, sim.x[idx][None], sim.y[idx][None])
+    observed = algo.observed[0].bool()
+    assert 0 < int(observed.sum()) < 10
+    w0, w1 = states["params"]["head.weight"][0], new["params"]["head.weight"][0]
+    b0, b1 = states["params"]["head.bias"][0], new["params"]["head.bias"][0]
+    assert torch.equal(w0[~observed], w1[~observed]) and torch.equal(b0[~observed], b1[~observed])
+    assert not torch.allclose(w0[observed], w1[observed])
+    # with alpha = 1 (softmax) the same step pushes the missing proxies away
+    algo.hp.alpha = 1.0
+    new1 = step(states, sim.server_state, sim.x[idx][None], sim.y[idx][None])
+    assert not torch.allclose(w0[~observed], new1["params"]["head.weight"][0][~observed])
+
+
+def test_kd_loss_is_scaled_kl() -> None:
+    s, t = torch.randn(4, 10, dtype=torch.float64), torch.randn(4, 10, dtype=torch.float64)
+    pt = F.softmax(t / 4, -1)
+    direct = 16 * (pt * (pt.log() - F.log_softmax(s / 4, -1))).sum(-1).mean()
+    assert float(kd_loss(s, t, 4.0)) == pytest.approx(float(direct), rel=1e-12)
+    assert float(kd_loss(t, t, 4.0)) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_hpm_moving_average_with_client_specific_momentum(fashion_all) -> None:  # type: ignore[no-untyped-def]
+    algo, fed = _algo(fashion_all, expected_selections=4.0)
+    sim = Simulation(algo, fed, RunConfig(rounds=1, progress=False))
+    server = sim.server_state
+    ids = np.array([1, 3])
+    states = algo.client_start(server, ids)
+    personal = {k: v + 1.0 for k, v in states["params"].items()}  # a recognisable "personalised" model
+    out = algo.aggregate(server, ids, {**states, "params": personal}, torch.ones(2))
+    # first selection: the HPM is the personalised model
+    assert torch.allclose(index(out["hpm"], ids)["head.bias"], personal["head.bias"])
+    assert torch.equal(out["count"][torch.tensor([0, 1, 3])], torch.tensor([0.0, 1.0, 1.0]))
+    assert torch.equal(out["hpm"]["head.bias"][0], server["hpm"]["head.bias"][0])  # unselected: untouched
+    # second selection: mu = 0.9 * 2 / 4 = 0.45
+    personal2 = {k: v + 3.0 for k, v in states["params"].items()}
+    out2 = algo.aggregate(out, ids, {**states, "params": personal2}, torch.ones(2))
+    expect = 0.55 * personal2["head.bias"] + 0.45 * personal["head.bias"]
+    assert torch.allclose(index(out2["hpm"], ids)["head.bias"], expect, atol=1e-6)
+    # the uploaded model is the end of stage 1 ("agg"), not the personalised one
+    assert torch.allclose(out2["params"]["head.bias"], states["agg"]["head.bias"].mean(0))
+
+
+def test_two_stages_and_kd_only_with_hpm(fashion_all) -> None:  # type: ignore[no-untyped-def]
+    algo, fed = _algo(fashion_all, local_iterations=4)
+    sim = Simulation(algo, fed, RunConfig(rounds=1, local_iterations=4, progress=False))
+    ids = np.arange(fed.num_train_clients)
+    states = algo.client_start(sim.server_state, ids)
+    assert float(states["kd"].sum()) == 0.0  # no HPM yet
+    batches = torch.from_numpy(np.stack([np.resize(t, (4, 32)) for t in fed.train]))
+    out = run_local_steps(algo.local_step, states, sim.server_state, sim.x, sim.y, batches, "vmap")
+    ref = run_local_steps(algo.local_step, states, sim.server_state, sim.x, sim.y, batches, "loop")
+    assert torch.allclose(out["params"]["head.weight"], ref["params"]["head.weight"], atol=1e-5)
+    # agg = the model after the first 2 steps, params after all 4
+    two = run_local_steps(algo.local_step, states, sim.server_state, sim.x, sim.y, batches[:, :2], "vmap")
+    assert torch.allclose(out["agg"]["head.weight"], two["params"]["head.weight"], atol=1e-6)
+    assert not torch.allclose(out["params"]["head.weight"], out["agg"]["head.weight"])
+
+
+def test_map_personalises_above_the_global_model(fashion_all) -> None:  # type: ignore[no-untyped-def]
+    torch.set_num_threads(1)
+    algo, fed = _algo(fashion_all, n_clients=10, local_iterations=10, expected_selections=3.0)
+    sim = Simulation(algo, fed, RunConfig(rounds=6, local_iterations=10, client_fraction=0.5, eval_every=6,
+                                          progress=False, seed=0))
+    result = sim.run()
+    personal = result.best_val
+    idx = np.concatenate(fed.val)
+    global_acc = sim._accuracy(sim.server_state["params"], idx)
+    assert personal > global_acc + 0.05  # clients see 2..10 classes: local models beat the global one
+    assert float(sim.server_state["count"].sum()) == 6 * 5
+    heads = algo.local_heads(sim.server_state)
+    assert heads["weight"].shape == (fed.num_train_clients, 10, 200)
+
+
+def test_map_incomplete_quick_experiment(tmp_path, data_root) -> None:  # type: ignore[no-untyped-def]
+    from fl_server.bench.experiments import get_experiment
+    from fl_server.bench.runner import run_experiment
+
+    exp = get_experiment("map-incomplete")
+    rows = run_experiment(exp, ["fashion_mnist"], ["FedAvg", "MAP"], 1, tmp_path / "results", tmp_path / "runs",
+                          quick=True, progress=False, data_root=str(data_root))
+    got = {(r["method"], r["split"]): r for r in rows}
+    assert set(got) == {(m, s) for m in ("FedAvg", "MAP") for s in ("personalization", "aggregation")}
+    assert got[("MAP", "personalization")]["paper"] == 92.1
+    assert all(10.0 < r["mean"] <= 100.0 for r in rows)
+
+
+def test_head_only_stage2_gives_heads_on_the_global_features(fashion_all) -> None:  # type: ignore[no-untyped-def]
+    """The BTFL composition: stage 2 moves only the classifier, so the personalised model = uploaded
+    features + a personal head."""
+    algo, fed = _algo(fashion_all, local_iterations=4, head_only_stage2=True)
+    sim = Simulation(algo, fed, RunConfig(rounds=1, local_iterations=4, progress=False))
+    ids = np.arange(fed.num_train_clients)
+    states = algo.client_start(sim.server_state, ids)
+    batches = torch.from_numpy(np.stack([np.resize(t, (4, 32)) for t in fed.train]))
+    out = run_local_steps(algo.local_step, states, sim.server_state, sim.x, sim.y, batches, "vmap")
+    assert torch.equal(out["params"]["features.1.weight"], out["agg"]["features.1.weight"])
+    assert not torch.allclose(out["params"]["head.weight"], out["agg"]["head.weight"])
