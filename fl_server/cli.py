@@ -100,6 +100,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from fl_server.service import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    import torch
+
+    torch.set_num_threads(1)  # the API answers many requests in threads; training runs in subprocesses
     overrides = {k: v for k, v in {"default_rounds": args.rounds, "workers": args.workers}.items() if v is not None}
     app = create_app(args.store, **overrides)
     print(f"coordinator on http://{args.host}:{args.port} (store {args.store}; dashboard at /, API docs at /docs)")

@@ -124,3 +124,23 @@ def test_client_imports_no_torch() -> None:
 
     code = "import sys, edge_sdk; from edge_sdk import EdgeClient; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1] / "edge_sdk")
+
+
+def test_stream_example_runs(server: Coordinator, tmp_path: Path) -> None:
+    """examples/stream_inference.py end to end against the coordinator (TENT), and BTFL's clear refusal."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "edge_sdk")])}
+    cmd = [sys.executable, str(repo / "examples" / "stream_inference.py"), "--server", server.url,
+           "--cache", str(tmp_path / "cache"), "--png", str(tmp_path / "s.png"), "--json", str(tmp_path / "s.json")]
+    run = subprocess.run([*cmd, "--method", "tent"], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["samples"] > 0 and set(summary["accuracy"]) == {"in-distribution", "corrupted", "external classes"}
+    assert summary["torch_imported"] is False and (tmp_path / "s.png").stat().st_size > 1000
+    btfl = subprocess.run([*cmd, "--method", "btfl"], env=env, capture_output=True, text=True, timeout=300)
+    assert btfl.returncode == 3 and "does not serve BTFL yet" in btfl.stderr
