@@ -25,14 +25,14 @@ def _principal(request: Request, creds: HTTPAuthorizationCredentials | None) -> 
     return Principal(*found)
 
 
-def require_client(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> Principal:
+async def require_client(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> Principal:
     p = _principal(request, creds)
     if p.scope != "client":
         raise HTTPException(403, "this endpoint needs a client token (join with POST /v1/clients)")
     return p
 
 
-def require_admin(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> Principal:
+async def require_admin(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> Principal:
     p = _principal(request, creds)
     if p.scope != "admin":
         raise HTTPException(403, "this endpoint needs the admin token")

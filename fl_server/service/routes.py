@@ -1,8 +1,7 @@
 """The API routers. Endpoint names are a contract (issue 8); shapes are in :mod:`schemas`."""
 from __future__ import annotations
 
-import base64
-import os
+import json
 from typing import Any
 
 import numpy as np
@@ -19,7 +18,7 @@ from fl_server.service.store import JOB_STATES
 router = APIRouter()
 
 
-def service(request: Request) -> Service:
+async def service(request: Request) -> Service:
     return request.app.state.service
 
 
@@ -42,7 +41,7 @@ def _bundle_or_503(svc: Service, method: str | None) -> dict[str, Any]:
 
 # ----------------------------------------------------------------- public
 @router.get("/healthz", response_model=S.Health, tags=["ops"])
-def healthz(svc: Service = Depends(service)) -> dict[str, Any]:
+async def healthz(svc: Service = Depends(service)) -> dict[str, Any]:
     counts = {s: 0 for s in JOB_STATES}
     for j in svc.store.jobs():
         counts[j["status"]] += 1
@@ -51,30 +50,30 @@ def healthz(svc: Service = Depends(service)) -> dict[str, Any]:
 
 @router.post("/v1/clients", response_model=S.JoinResponse, status_code=201, tags=["devices"],
              responses={503: {"description": "no bundle yet (Retry-After)"}, 404: {"description": "unknown method"}})
-def join(body: S.JoinRequest, request: Request, svc: Service = Depends(service)) -> dict[str, Any]:
+async def join(body: S.JoinRequest, request: Request, svc: Service = Depends(service)) -> Response:
     """Join as a new client: a client id, a bearer token, the methods served now and the bundle's manifest."""
     bundle = _bundle_or_503(svc, body.method)
     client_id, token = svc.store.add_client(body.method or bundle["method"], bundle["id"],
                                             request.headers.get("user-agent", ""))
-    return {"client_id": client_id, "token": token, "methods": svc.methods(), "manifest": svc.manifest_view(bundle)}
+    head = json.dumps({"client_id": client_id, "token": token, "methods": svc.methods()})
+    return Response(head[:-1].encode() + b', "manifest": ' + svc.manifest_json(bundle) + b"}", status_code=201,
+                    media_type="application/json")
 
 
 @router.get("/v1/manifest", response_model=S.Manifest, tags=["devices"],
             responses={503: {"description": "no bundle yet (Retry-After)"}, 404: {"description": "unknown method"}})
-def manifest(response: Response, method: str | None = Query(None, max_length=64),
-             svc: Service = Depends(service)) -> dict[str, Any]:
+async def manifest(method: str | None = Query(None, max_length=64), svc: Service = Depends(service)) -> Response:
     """The newest bundle's manifest for ``method`` (default: the default bundle)."""
     bundle = _bundle_or_503(svc, method)
-    response.headers["ETag"] = f'"{bundle["id"]}"'
-    response.headers["Cache-Control"] = "no-cache"
-    return svc.manifest_view(bundle)
+    return Response(svc.manifest_json(bundle), media_type="application/json",
+                    headers={"ETag": f'"{bundle["id"]}"', "Cache-Control": "no-cache"})
 
 
 @router.get("/v1/artifacts/{sha256}", tags=["devices"], response_class=Response,
             responses={200: {"content": {"application/octet-stream": {}}}, 206: {"description": "partial content"},
                        304: {"description": "If-None-Match matched"}, 404: {"description": "unknown artifact"},
                        416: {"description": "range not satisfiable"}})
-def artifact(sha256: str, range_: str | None = Header(None, alias="range"),
+async def artifact(sha256: str, range_: str | None = Header(None, alias="range"),
              if_none_match: str | None = Header(None), if_range: str | None = Header(None),
              svc: Service = Depends(service)) -> Response:
     """Artifact bytes by content address. ETag is the sha256; single byte ranges are honoured."""
@@ -84,19 +83,16 @@ def artifact(sha256: str, range_: str | None = Header(None, alias="range"),
     headers = {"ETag": etag, "Accept-Ranges": "bytes", "Cache-Control": "public, max-age=31536000, immutable"}
     if if_none_match is not None and etag in [t.strip() for t in if_none_match.split(",")] + ['"*"', "*"]:
         return Response(status_code=304, headers=headers)
-    path = svc.artifacts.path(sha256)
-    size = os.path.getsize(path)
+    data = svc.artifact_bytes(sha256)
+    size = len(data)
     try:
         span = parse_range(range_, size) if if_range in (None, etag) else None
     except Unsatisfiable:
         return Response(status_code=416, headers={**headers, "Content-Range": f"bytes */{size}"})
-    with open(path, "rb") as fh:
-        if span is None:
-            return Response(fh.read(), media_type="application/octet-stream", headers=headers)
-        first, last = span
-        fh.seek(first)
-        data = fh.read(last - first + 1)
-    return Response(data, status_code=206, media_type="application/octet-stream",
+    if span is None:
+        return Response(data, media_type="application/octet-stream", headers=headers)
+    first, last = span
+    return Response(data[first:last + 1], status_code=206, media_type="application/octet-stream",
                     headers={**headers, "Content-Range": f"bytes {first}-{last}/{size}"})
 
 
@@ -104,8 +100,8 @@ def artifact(sha256: str, range_: str | None = Header(None, alias="range"),
 @router.post("/v1/hypernetwork/generate", response_model=S.GenerateResponse, tags=["methods"],
              responses={422: {"description": "wrong embedding dimension or non-finite values"},
                         503: {"description": "no ODPFL-HN bundle yet"}})
-def generate(body: S.GenerateRequest, _: Principal = Depends(require_client),
-             svc: Service = Depends(service)) -> dict[str, Any]:
+async def generate(body: S.GenerateRequest, _: Principal = Depends(require_client),
+                   svc: Service = Depends(service)) -> Response:
     """ODPFL-HN: personalised weights w = f_theta(e) from the client's embedding e (nothing else is accepted)."""
     if body.bundle_id is not None:
         bundle = svc.bundle_by_id(body.bundle_id)
@@ -117,11 +113,8 @@ def generate(body: S.GenerateRequest, _: Principal = Depends(require_client),
     if len(body.embedding) != dim:
         raise HTTPException(422, f"embedding must have {dim} values (the bundle's encoder output), "
                                  f"got {len(body.embedding)}")
-    weights = svc.hypernets.generate(bundle, np.asarray(body.embedding, dtype=np.float32))
-    params = {f"psi.{k}": {"shape": list(v.shape), "dtype": "float32",
-                           "data": base64.b64encode(np.ascontiguousarray(v, dtype="<f4").tobytes()).decode()}
-              for k, v in weights.items()}
-    return {"bundle_id": bundle["id"], "params": params}
+    body_bytes = await svc.generator.generate(bundle, np.asarray(body.embedding, dtype=np.float32))
+    return Response(body_bytes, media_type="application/json")
 
 
 def _dle_view(svc: Service, client_id: str) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 which bundle serves which method."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -9,13 +10,14 @@ from typing import Any
 
 from fl_server.service.artifacts import ArtifactStore
 from fl_server.service.config import DEFAULT_METHODS, ServiceConfig
-from fl_server.service.hypernet import HypernetCache
+from fl_server.service.hypernet import GenerateBatcher, HypernetCache
 from fl_server.service.jobs import JobRunner
 from fl_server.service.metrics import Metrics
 from fl_server.service.store import Store
 
 log = logging.getLogger("fl_server.service")
 NONE_METHOD = "none"  # plain inference with any bundle's forward graph and weights
+BLOB_MAX, BLOB_BUDGET = 16 << 20, 256 << 20  # artifact memory cache: per file, in all
 
 
 class Service:
@@ -26,10 +28,14 @@ class Service:
         self.artifacts = ArtifactStore(cfg.store_dir / "objects")
         self.runner = JobRunner(cfg, self.store, self.artifacts)
         self.hypernets = HypernetCache(self.artifacts)
+        self.generator = GenerateBatcher(self.hypernets)
         self.metrics = Metrics()
         self._public: set[str] = set()
         self._bundle_count = -1
         self._by_method: dict[str, dict[str, Any]] = {}
+        self._manifest_json: dict[str, bytes] = {}
+        self._blobs: dict[str, bytes] = {}  # small artifacts kept in memory (they never change)
+        self._blob_bytes = 0
         self._lock = threading.Lock()
         self.admin_token_file = cfg.store_dir / "admin_token"
 
@@ -97,6 +103,23 @@ class Service:
         m = bundle["manifest"]
         arts = [{**a, "url": f"/v1/artifacts/{a['sha256']}"} for a in m["artifacts"]]
         return {**m, "bundle_id": bundle["id"], "job_id": bundle["job_id"], "artifacts": arts}
+
+    def manifest_json(self, bundle: dict[str, Any]) -> bytes:
+        """The manifest view serialised once per bundle (the hot path of joins and manifest requests)."""
+        cached = self._manifest_json.get(bundle["id"])
+        if cached is None:
+            cached = self._manifest_json[bundle["id"]] = json.dumps(self.manifest_view(bundle)).encode()
+        return cached
+
+    def artifact_bytes(self, sha256: str) -> bytes:
+        """An artifact's bytes, from memory when it is small enough to keep (content never changes)."""
+        data = self._blobs.get(sha256)
+        if data is None:
+            data = self.artifacts.path(sha256).read_bytes()
+            if len(data) <= BLOB_MAX and self._blob_bytes + len(data) <= BLOB_BUDGET:
+                self._blobs[sha256] = data
+                self._blob_bytes += len(data)
+        return data
 
     def pending_default(self) -> dict[str, Any]:
         """Progress of the training that will produce the first bundle (for 503 bodies)."""
