@@ -149,6 +149,28 @@ def test_generate(server: Coordinator, client: dict) -> None:
     assert big.status_code == 413
 
 
+def test_concurrent_generates_are_batched_correctly(server: Coordinator, client: dict) -> None:
+    """Concurrent requests share one batched forward; each reply must still be its own embedding's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    e, _, _ = _embedding(server, client["manifest"])
+    embs = [(e * s).tolist() for s in np.linspace(-3, 3, 12)]
+    url, headers = f"{server.url}/v1/hypernetwork/generate", auth(client["token"])
+
+    def call(emb: list[float]) -> dict:
+        return httpx.post(url, json={"embedding": emb}, headers=headers, timeout=60).json()["params"]
+
+    with ThreadPoolExecutor(12) as pool:
+        together = list(pool.map(call, embs))
+    for emb, got in zip(embs, together):
+        alone = call(emb)
+        for name, t in alone.items():
+            a = np.frombuffer(base64.b64decode(t["data"]), dtype="<f4")
+            b = np.frombuffer(base64.b64decode(got[name]["data"]), dtype="<f4")
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert together[0] != together[-1]
+
+
 def test_btfl_dle_upload_and_reaggregation(server: Coordinator) -> None:
     rng = np.random.default_rng(0)
     a = httpx.post(f"{server.url}/v1/clients", json={}, timeout=10).json()
