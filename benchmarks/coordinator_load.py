@@ -92,6 +92,18 @@ async def load(url: str, embs: list[list[float]]) -> tuple[dict[str, list[float]
     return lat, errors, wall
 
 
+def _server_means(metrics: str) -> dict[str, float]:
+    """Mean server-side latency (ms) per route from the Prometheus histogram sums and counts."""
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for line in metrics.splitlines():
+        for suffix, into in (("_sum{", sums), ("_count{", counts)):
+            if line.startswith("fl_http_request_duration_seconds" + suffix):
+                route = line.split('route="', 1)[1].split('"', 1)[0]
+                into[route] = into.get(route, 0.0) + float(line.rsplit(" ", 1)[1])
+    return {r: 1e3 * sums[r] / counts[r] for r in sums if counts.get(r)}
+
+
 def _cpu_seconds(pid: int) -> float:
     """user + system CPU seconds of a process (from /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -137,6 +149,7 @@ def main() -> int:
         client_cpu = time.process_time() - client_cpu0
         server_cpu = _cpu_seconds(coord.proc.pid) - server_cpu0 if coord else None
         load_after = os.getloadavg()
+        server_side = _server_means(httpx.get(f"{url}/metrics", timeout=30).text)
     finally:
         if coord is not None:
             coord.stop()
@@ -154,6 +167,12 @@ def main() -> int:
             rows.append({**common, "endpoint": name, "metric": metric, "value": round(float(value), 2),
                          "requests": len(v), "target": 200.0 if name in ("join", "generate") and "p99" in metric
                          else None})
+    for name, route in (("join", "/v1/clients"), ("manifest", "/v1/manifest"), ("artifact", "/v1/artifacts/{sha256}"),
+                        ("generate", "/v1/hypernetwork/generate")):
+        if route in server_side:
+            rows.append({**common, "endpoint": name, "metric": "server_side_mean_ms",
+                         "value": round(server_side[route], 2), "note": "inside the server process (/metrics), "
+                         "from request arrival to response; includes waiting for the event loop"})
     rows.append({**common, "endpoint": "all", "metric": "throughput_rps", "value": round(requests / wall, 1),
                  "requests": requests, "wall_s": round(wall, 3)})
     rows.append({**common, "endpoint": "all", "metric": "devices_per_s", "value": round(args.devices / wall, 1)})
