@@ -219,6 +219,9 @@ def test_metrics_and_dashboard(server: Coordinator) -> None:
     assert "fl_clients " in text and 'fl_jobs{status="done"} 2' in text
     page = httpx.get(f"{server.url}/", timeout=10)
     assert page.status_code == 200 and "<svg" in page.text and "ODPFL-HN" in page.text
+    paths = httpx.get(f"{server.url}/openapi.json", timeout=10).json()["paths"]
+    assert {"/healthz", "/v1/clients", "/v1/manifest", "/v1/artifacts/{sha256}", "/v1/hypernetwork/generate",
+            "/v1/btfl/dle", "/v1/jobs", "/v1/jobs/{job_id}", "/metrics"} <= set(paths)
 
 
 def test_restart_keeps_state(server: Coordinator, client: dict, tmp_path: Path) -> None:
