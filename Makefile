@@ -16,12 +16,11 @@ $(STAMP): pyproject.toml edge_sdk/pyproject.toml
 
 setup: $(STAMP)
 
-## the main job on the embedded default data set (scikit-learn's 8x8 digits, no download):
-## federated training -> ONNX bundle -> new clients personalise on onnxruntime (no torch on the device side)
+## the main job on the embedded default data set (scikit-learn's 8x8 digits, no download): the coordinator
+## comes up, trains and exports its default bundles in the background, a device joins it, personalises and
+## streams predictions (onnxruntime, no torch on the device side); then the coordinator stops
 run: $(STAMP)
-	$(BIN)/fl-server train --dataset digits --method TENT --out runs/default
-	$(BIN)/fl-server export runs/default --out runs/default-bundle
-	$(BIN)/python examples/personalize_on_device.py --bundle runs/default-bundle
+	BIN=$(BIN) bash scripts/run_default.sh
 
 ## the whole test suite (real MNIST / Fashion-MNIST from ../shared/data when present)
 test: $(STAMP)

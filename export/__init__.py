@@ -1,6 +1,6 @@
 """ONNX export of frozen forward paths and gradient-step graphs (dynamic batch axis, pinned opset)."""
 from export.graphs import OPSET, export_function
-from export.steps import StepSpec, fedtta_step_spec, forward_spec, tent_step_spec
+from export.steps import StepSpec, encoder_spec, fedtta_step_spec, forward_spec, tent_step_spec
 
 
 def export_spec(spec: StepSpec, path):  # type: ignore[no-untyped-def]
@@ -8,4 +8,4 @@ def export_spec(spec: StepSpec, path):  # type: ignore[no-untyped-def]
     return export_function(spec.fn, spec.example, spec.input_names, spec.output_names, spec.batch_inputs, path)
 
 
-__all__ = ["OPSET", "StepSpec", "export_function", "export_spec", "fedtta_step_spec", "forward_spec", "tent_step_spec"]
+__all__ = ["OPSET", "StepSpec", "encoder_spec", "export_function", "export_spec", "fedtta_step_spec", "forward_spec", "tent_step_spec"]

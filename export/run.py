@@ -9,9 +9,10 @@ import torch
 
 from export.bundle import export_specs, write_bundle
 from export.quantize import freeze_weights, quantize_int8
-from export.steps import StepSpec, fedtta_step_spec, forward_spec, tent_step_spec
+from export.steps import StepSpec, encoder_spec, fedtta_step_spec, forward_spec, tent_step_spec
 from fl_server.algorithms import build_algorithm
 from fl_server.algorithms.fedtta import FedTTA
+from fl_server.algorithms.odpfl_hn import ODPFLHN
 from fl_server.algorithms.tent import Tent
 from fl_server.engine.simulation import load_state
 from fl_server.models import build_model
@@ -28,12 +29,14 @@ def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False) -> Pat
     model = build_model(run["model"], tuple(run["input_shape"]), run["num_classes"], seed=run["seed"])
     algorithm = build_algorithm(run["method"], model, 1, seed=run["seed"], **run["hyper"])
     state = {k: {n: v.float() for n, v in d.items()} for k, d in load_state(run_dir / "best.npz").items()
-             if k in ("params", "phi")}
+             if k in ("params", "phi", "enc")}
     specs: dict[str, StepSpec] = {"forward": forward_spec(model, state["params"])}
     if isinstance(algorithm, FedTTA):
         specs["fedtta_step"] = fedtta_step_spec(algorithm, state["params"], state["phi"])
     elif isinstance(algorithm, Tent):
         specs["tent_step"] = tent_step_spec(algorithm, state["params"])
+    elif isinstance(algorithm, ODPFLHN):  # the device encodes its set; theta (hn) stays on the server
+        specs["encoder"] = encoder_spec(algorithm, state["enc"])
     weights = {k: {n: v.numpy() for n, v in d.items()} for k, d in state.items()}
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         graphs = export_specs(specs, Path(tmp))

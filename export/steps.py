@@ -6,6 +6,7 @@ updated weights come back as ``new.<param>``.
 - ``forward_spec``: (x, psi) -> logits                         plain inference with the device's weights
 - ``fedtta_step_spec``: (x, psi, phi) -> (new psi, logits, entropy)   one step of UPFL Eq. 5 on the batch
 - ``tent_step_spec``: (x, psi) -> (new psi, logits, entropy)   one SGD step on the mean prediction entropy
+- ``encoder_spec``: (x, gamma) -> embedding [E]               ODPFL-HN's client encoder g_gamma (Eq. 1)
 ``logits`` and ``entropy`` (mean prediction entropy, natural log) are those of the *updated* weights, which is
 what FedTTA++'s early stopping needs.
 """
@@ -18,6 +19,7 @@ import torch
 
 from fl_server.algorithms.fedtta import FedTTA
 from fl_server.algorithms.losses import entropy_from_logits
+from fl_server.algorithms.odpfl_hn import ODPFLHN
 from fl_server.algorithms.tent import Tent
 from fl_server.functional import State, make_forward
 from fl_server.models import Classifier
@@ -74,3 +76,15 @@ def tent_step_spec(algorithm: Tent, psi: State, batch: int = 4) -> StepSpec:
 
     return StepSpec(fn, [_example_x(algorithm.model, psi, batch), *psi.values()],
                     ["x", *(f"psi.{n}" for n in names)], [*(f"new.{n}" for n in names), "logits", "entropy"])
+
+
+def encoder_spec(algorithm: ODPFLHN, gamma: State, batch: int = 4) -> StepSpec:
+    """ODPFL-HN's set encoder on the device: the client's whole unlabeled set x [N, ...] -> e [E]; only e
+    leaves the device (the server's hypernetwork turns it into weights)."""
+    names = list(gamma)
+
+    def fn(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (algorithm.enc_fn(dict(zip(names, weights)), x),)
+
+    return StepSpec(fn, [_example_x(algorithm.model, gamma, batch), *gamma.values()],
+                    ["x", *(f"gamma.{n}" for n in names)], ["embedding"])

@@ -1,4 +1,4 @@
-"""``fl-server``: train, bench, export, report, data. (The coordinator's ``serve`` lands with the API issue.)"""
+"""``fl-server``: train, bench, export, report, data, serve (the coordinator)."""
 from __future__ import annotations
 
 import argparse
@@ -93,6 +93,24 @@ def cmd_data(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from fl_server.service import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    import torch
+
+    torch.set_num_threads(1)  # the API answers many requests in threads; training runs in subprocesses
+    overrides = {k: v for k, v in {"default_rounds": args.rounds, "workers": args.workers}.items() if v is not None}
+    app = create_app(args.store, **overrides)
+    print(f"coordinator on http://{args.host}:{args.port} (store {args.store}; dashboard at /, API docs at /docs)")
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fl-server", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -134,6 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", choices=("mnist", "fashion_mnist", "digits", "cifar10"))
     p.add_argument("--dir", default=None, help="target/source directory (default: $FL_DATA_DIR)")
     p.set_defaults(func=cmd_data)
+
+    p = sub.add_parser("serve", help="run the coordinator API (trains the default bundles when the store is empty)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--store", default="runs/store", help="state directory: SQLite, artifacts, job runs")
+    p.add_argument("--rounds", type=int, default=None, help="rounds of the default jobs (default: $FL_SERVE_ROUNDS or 30)")
+    p.add_argument("--workers", type=int, default=None, help="concurrent training jobs (default: $FL_SERVE_WORKERS or 1)")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -1,0 +1,37 @@
+# The fl-edge coordinator: `docker run -p 8000:8000 IMAGE` trains the default bundles on the embedded digits
+# (first start) and serves them. State (SQLite, artifacts, job runs) lives in the /data volume.
+#   docker build -t fl-edge-coordinator .                                   # CPU torch (default)
+#   docker build --build-arg BASE_IMAGE=<a CUDA 12.8 runtime image with python3 and python3-venv> \
+#                --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 -t fl-edge-coordinator:cuda .
+#   (no Docker Hub? scripts/build_local_base_image.sh builds an equivalent base from Debian packages;
+#    wheels placed in docker/wheels/ are installed offline, see scripts/docker_verify.sh)
+ARG BASE_IMAGE=python:3.11-slim
+
+# ---- build stage: a venv with torch, the coordinator and edge_sdk (wheels and sources stay behind)
+FROM ${BASE_IMAGE} AS build
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /src
+COPY docker/wheels/ /tmp/wheels/
+COPY pyproject.toml README.md ./
+COPY edge_sdk/ ./edge_sdk/
+COPY fl_server/ ./fl_server/
+COPY export/ ./export/
+RUN python3 -m venv /opt/venv \
+ && if ls /tmp/wheels/*.whl >/dev/null 2>&1; then SRC="--no-index --find-links /tmp/wheels"; \
+    else SRC="--extra-index-url ${TORCH_INDEX}"; fi \
+ && /opt/venv/bin/pip install $SRC "torch==2.13.0" ./edge_sdk . \
+ && /opt/venv/bin/python -c "import torch, fl_server.service, edge_sdk; print('torch', torch.__version__)"
+
+# ---- runtime stage
+FROM ${BASE_IMAGE}
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH FL_SERVE_ROUNDS=30 OMP_NUM_THREADS=1
+COPY --from=build /opt/venv /opt/venv
+RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin fl && mkdir -p /data && chown fl /data
+USER fl
+WORKDIR /home/fl
+VOLUME /data
+EXPOSE 8000
+HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
+  CMD python -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:8000/healthz', timeout=2).status_code != 200)"
+CMD ["fl-server", "serve", "--host", "0.0.0.0", "--port", "8000", "--store", "/data"]

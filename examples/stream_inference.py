@@ -1,0 +1,178 @@
+"""A mobile-like client of the coordinator: join, download, personalise, then predict on a stream.
+
+    python examples/stream_inference.py --server http://127.0.0.1:8000 --method {btfl,fedtta++,odpfl-hn,tent,none}
+
+1. joins the coordinator (edge_sdk.EdgeClient; bundle downloaded with resume, every sha256 verified),
+2. personalises the bundle on a warm-up window of the device's *unlabeled* data (edge_sdk.personalize;
+   ODPFL-HN sends only its embedding and receives weights),
+3. processes a stream one sample at a time with two shifts: in-distribution (the device's own held-out
+   samples) -> corrupted (the same distribution under an image corruption) -> external classes (classes
+   the device never had), printing rolling accuracy and per-sample latency; a final summary and a PNG.
+
+The device's data come from the bundle's own protocol (a held-out new client of the data set it was trained
+on); labels are used only to score. No torch is imported (checked at the end).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from edge_sdk import EdgeClient, EdgeClientError
+from edge_sdk.personalize import personalize
+from fl_server.data import load_dataset
+from fl_server.data.corruptions import CORRUPTIONS, corrupt
+from fl_server.data.federated import make_federated
+
+METHODS = {"btfl": "BTFL", "fedtta++": "FedTTA++", "odpfl-hn": "ODPFL-HN", "tent": "TENT", "none": "none"}
+PHASES = ("in-distribution", "corrupted", "external classes")
+
+
+def build_stream(manifest: dict, client: int, warmup: int, per_phase: int, corruption: str, severity: int,
+                 seed: int, data_dir: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(warm-up x, stream x, stream y, stream phase id) for held-out new client ``client`` of the bundle's
+    protocol. Phases: the client's unseen samples; its samples corrupted; samples of classes it lacks."""
+    p = manifest["protocol"]
+    fed = make_federated(load_dataset(manifest["dataset"], root=data_dir), p["partition"], p["num_clients"],
+                         p["new_fraction"], p["val_fraction"], seed=manifest["seed"], alpha=p["alpha"])
+    if not 0 <= client < len(fed.new):
+        raise SystemExit(f"error: --client must be in [0, {len(fed.new)})")
+    x, y = fed.dataset.x, fed.dataset.y
+    rng = np.random.default_rng(seed)
+    own = rng.permutation(fed.new[client])
+    if len(own) < warmup + 2:
+        raise SystemExit(f"error: client {client} has {len(own)} samples; need more than --warmup {warmup}")
+    n = min(per_phase, len(own) - warmup)
+    ind = own[warmup:warmup + n]
+    shifted = rng.choice(own, size=n, replace=len(own) < n)
+    pool = np.concatenate([c for k, c in enumerate(fed.new) if k != client])
+    pool = pool[~np.isin(y[pool], np.unique(y[own]))]
+    ext = rng.choice(pool, size=n, replace=False)
+    xs = np.concatenate([x[ind], corrupt(x[shifted], corruption, severity, seed), x[ext]]).astype(np.float32)
+    ys = np.concatenate([y[ind], y[shifted], y[ext]])
+    return x[own[:warmup]].astype(np.float32), xs, ys, np.repeat(np.arange(3), n)
+
+
+def rolling(correct: np.ndarray, window: int) -> np.ndarray:
+    """Rolling mean over the last ``window`` samples (fewer at the start), vectorised with a cumsum."""
+    c = np.concatenate([[0.0], np.cumsum(correct)])
+    t = np.arange(1, len(correct) + 1)
+    lo = np.maximum(0, t - window)
+    return (c[t] - c[lo]) / (t - lo)
+
+
+def save_plot(path: Path, acc: np.ndarray, phase: np.ndarray, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG")
+        return False
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    ax.plot(np.arange(len(acc)), 100 * acc, color="#1f6feb", lw=1.6, label="rolling accuracy")
+    for k, name in enumerate(PHASES):
+        idx = np.flatnonzero(phase == k)
+        ax.axvspan(idx[0] - 0.5, idx[-1] + 0.5, color=("#e8f5e9", "#fff8e1", "#fdecea")[k], zorder=0)
+        ax.text(idx[0] + 1, 4, name, fontsize=8, color="#555")
+    ax.set(xlabel="stream sample", ylabel="accuracy (%)", ylim=(0, 102), title=title)
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--server", required=True, help="coordinator URL, e.g. http://127.0.0.1:8000")
+    ap.add_argument("--method", default="tent", choices=list(METHODS))
+    ap.add_argument("--client", type=int, default=0, help="which held-out new client this device is")
+    ap.add_argument("--warmup", type=int, default=32, help="unlabeled samples used to personalise")
+    ap.add_argument("--per-phase", type=int, default=200, help="stream samples per phase (at most)")
+    ap.add_argument("--corruption", default="gaussian_noise", choices=CORRUPTIONS)
+    ap.add_argument("--severity", type=int, default=3)
+    ap.add_argument("--window", type=int, default=20, help="rolling-accuracy window")
+    ap.add_argument("--print-every", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--wait", type=float, default=600, help="seconds to wait for the coordinator's bundle")
+    ap.add_argument("--cache", default="runs/device-cache", help="the device's artifact cache")
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--png", default=None, help="plot path (default runs/stream-<method>.png)")
+    ap.add_argument("--json", default=None, help="also write the summary here")
+    args = ap.parse_args()
+    method = METHODS[args.method]
+
+    with EdgeClient(args.server, cache_dir=args.cache) as client:
+        try:
+            client.wait_ready(None if method == "none" else method, timeout=args.wait)
+            info = client.join(None if method == "none" else method)
+        except EdgeClientError as exc:
+            if exc.status == 404 and method == "BTFL":
+                print(f"error: this coordinator does not serve BTFL yet (its BTFL bundle has not landed); "
+                      f"try --method fedtta++, odpfl-hn, tent or none. ({exc})", file=sys.stderr)
+                return 3
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        t0 = time.perf_counter()
+        bundle = client.download(info.manifest)
+        t_download = time.perf_counter() - t0
+        print(f"joined {args.server} as {info.client_id[:12]} (methods served: {', '.join(info.methods)}); "
+              f"{bundle.method} bundle {info.manifest['bundle_id'][:12]} verified, "
+              f"{len(bundle.manifest['artifacts'])} artifacts, {1e3 * t_download:.0f} ms")
+        warm, xs, ys, phase = build_stream(bundle.manifest, args.client, args.warmup, args.per_phase,
+                                           args.corruption, args.severity, args.seed, args.data_dir)
+        t0 = time.perf_counter()
+        model = personalize(bundle, warm, method, generate=client.generate)
+        t_personalize = time.perf_counter() - t0
+    baseline = personalize(bundle, warm, "none")
+    print(f"personalised with {args.method} on {len(warm)} unlabeled samples in {1e3 * t_personalize:.1f} ms "
+          f"({model.steps} step(s)); streaming {len(xs)} samples: {' -> '.join(PHASES)} "
+          f"({args.corruption}, severity {args.severity})")
+
+    correct = np.zeros(len(xs))
+    base_correct = np.zeros(len(xs))
+    latency = np.zeros(len(xs))
+    for t in range(len(xs)):  # one sample at a time, as a device sees them
+        s = time.perf_counter()
+        pred = int(model.logits(xs[t:t + 1]).argmax())
+        latency[t] = 1e3 * (time.perf_counter() - s)
+        correct[t] = pred == ys[t]
+        base_correct[t] = int(baseline.logits(xs[t:t + 1]).argmax()) == ys[t]
+        if (t + 1) % args.print_every == 0 or t == len(xs) - 1:
+            acc = rolling(correct[:t + 1], args.window)[-1]
+            print(f"  [{t + 1:>4}] {PHASES[phase[t]]:<16} rolling acc {100 * acc:5.1f}%   "
+                  f"latency p50 {np.median(latency[:t + 1]):.3f} ms  p99 {np.percentile(latency[:t + 1], 99):.3f} ms")
+
+    summary = {"method": args.method, "bundle_method": bundle.method, "server": args.server,
+               "dataset": bundle.manifest["dataset"], "client": args.client, "warmup": len(warm),
+               "samples": len(xs), "download_ms": round(1e3 * t_download, 1),
+               "personalize_ms": round(1e3 * t_personalize, 1),
+               "latency_ms_p50": round(float(np.median(latency)), 4),
+               "latency_ms_p99": round(float(np.percentile(latency, 99)), 4),
+               "accuracy": {name: round(100 * float(correct[phase == k].mean()), 2) for k, name in enumerate(PHASES)},
+               "accuracy_received_model": {name: round(100 * float(base_correct[phase == k].mean()), 2)
+                                           for k, name in enumerate(PHASES)},
+               "torch_imported": "torch" in sys.modules}
+    print("summary: " + ", ".join(f"{k} {v:.1f}%" for k, v in summary["accuracy"].items())
+          + f" (received model: " + ", ".join(f"{v:.1f}%" for v in summary["accuracy_received_model"].values())
+          + f"); latency p50 {summary['latency_ms_p50']:.3f} ms, p99 {summary['latency_ms_p99']:.3f} ms per sample")
+    png = Path(args.png or f"runs/stream-{args.method}.png")
+    if save_plot(png, rolling(correct, args.window), phase,
+                 f"{bundle.method} on {bundle.manifest['dataset']}: rolling accuracy (window {args.window})"):
+        print(f"plot: {png}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1))
+    print(json.dumps(summary))
+    print(f"torch imported: {summary['torch_imported']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

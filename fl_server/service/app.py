@@ -1,0 +1,101 @@
+"""App factory: ``create_app(store_dir)`` builds the coordinator (FastAPI) around a :class:`Service`."""
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from fl_server.service import dashboard, routes
+from fl_server.service.config import ServiceConfig
+from fl_server.service.metrics import Metrics
+from fl_server.service.state import Service
+
+
+class GuardMiddleware:
+    """Pure ASGI middleware: rejects bodies over ``max_body`` bytes with 413 (by Content-Length, and by
+    counting a streamed body) and records every request in :class:`Metrics`."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics, max_body: int) -> None:
+        self.app, self.metrics, self.max_body = app, metrics, max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), [500]
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body):
+            await _reject(send, f"request body over {self.max_body} bytes")
+            self.metrics.observe(scope["method"], scope["path"], 413, time.perf_counter() - start)
+            return
+        seen = [0]
+
+        async def counted() -> Message:
+            msg = await receive()
+            seen[0] += len(msg.get("body", b""))
+            if seen[0] > self.max_body:
+                raise _TooLarge
+            return msg
+
+        async def tap(msg: Message) -> None:
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+            await send(msg)
+
+        try:
+            await self.app(scope, counted, tap)
+        except _TooLarge:
+            status[0] = 413
+            await _reject(send, f"request body over {self.max_body} bytes")
+        finally:
+            self.metrics.observe(scope["method"], scope["path"], status[0], time.perf_counter() - start)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _reject(send: Send, message: str) -> None:
+    body = ('{"detail": "%s"}' % message).encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """422 with location and message per error, without echoing the input (which may be NaN, not JSON,
+    or large)."""
+    errors = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+              for e in exc.errors()[:20]]
+    return JSONResponse({"detail": errors}, status_code=422)
+
+
+def create_app(store_dir: str | Path, **overrides: Any) -> FastAPI:
+    """The coordinator app on ``store_dir`` (SQLite + content-addressed artifacts + job runs); keyword
+    arguments override :class:`ServiceConfig` fields. Training starts when the app starts (lifespan)."""
+    svc = Service(ServiceConfig(store_dir=Path(store_dir), **overrides))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        logging.getLogger("fl_server.service").setLevel(logging.INFO)
+        svc.start()
+        try:
+            yield
+        finally:
+            svc.stop()
+
+    app = FastAPI(title="fl-edge coordinator", version="0.1.0", lifespan=lifespan,
+                  description="Federated test-time adaptation: join, manifests, content-addressed artifacts, "
+                              "ODPFL-HN weight generation, BTFL DLE aggregation, training jobs.")
+    app.state.service = svc
+    app.add_exception_handler(RequestValidationError, validation_error)  # type: ignore[arg-type]
+    app.include_router(routes.router)
+    app.include_router(dashboard.router)
+    app.add_middleware(GuardMiddleware, metrics=svc.metrics, max_body=svc.cfg.max_body_bytes)
+    return app

@@ -1,0 +1,41 @@
+"""Coordinator settings: a dataclass with defaults, overridable from the environment (``FL_SERVE_*``)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# the methods the coordinator trains and serves now (display names of fl_server.algorithms)
+SERVABLE_METHODS = ("TENT", "FedTTA", "FedTTA-Prox", "FedTTA++", "ODPFL-HN", "FedAvg")
+DEFAULT_METHODS = ("TENT", "FedTTA++", "ODPFL-HN")
+DATASETS = ("digits", "mnist", "fashion_mnist")
+PARTITIONS = ("pathological", "dirichlet", "iid")
+
+
+def _env_list(name: str, default: tuple[str, ...]) -> tuple[str, ...]:
+    raw = os.environ.get(name)
+    return default if raw is None else tuple(m.strip() for m in raw.split(",") if m.strip())
+
+
+@dataclass
+class ServiceConfig:
+    store_dir: Path
+    # jobs started on the embedded digits when the store is empty; FL_SERVE_DEFAULT_METHODS="" disables them
+    default_methods: tuple[str, ...] = field(default_factory=lambda: _env_list("FL_SERVE_DEFAULT_METHODS",
+                                                                               DEFAULT_METHODS))
+    default_rounds: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_ROUNDS", "30")))
+    workers: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_WORKERS", "1")))
+    worker_threads: int = 1  # torch threads per training subprocess (the API keeps the other cores)
+    data_dir: str | None = field(default_factory=lambda: os.environ.get("FL_DATA_DIR"))
+    admin_token: str | None = field(default_factory=lambda: os.environ.get("FL_ADMIN_TOKEN"))
+    retry_after_s: int = 5
+    max_body_bytes: int = 1 << 20  # 1 MiB: an embedding or a DLE is far smaller
+    poll_s: float = 0.5  # job runner: how often progress is read from the run directory
+
+    def __post_init__(self) -> None:
+        self.store_dir = Path(self.store_dir)
+        unknown = [m for m in self.default_methods if m not in SERVABLE_METHODS]
+        if unknown:
+            raise ValueError(f"cannot serve {unknown}; servable methods: {', '.join(SERVABLE_METHODS)}")
+        if self.default_rounds < 1 or self.workers < 1:
+            raise ValueError("FL_SERVE_ROUNDS and FL_SERVE_WORKERS must be >= 1")

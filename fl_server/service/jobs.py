@@ -1,0 +1,136 @@
+"""Background job runner: worker threads claim queued jobs from the store and run each in a subprocess
+(:mod:`fl_server.service.worker`), so training never holds the API process's GIL or memory. Progress is read
+from the run directory's ``metrics.jsonl`` into the ``rounds`` table; a finished bundle is verified and moved
+into the content-addressed artifact store. A restart re-queues interrupted jobs, which resume from their
+run directory's last checkpoint."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from edge_sdk.bundle import MANIFEST, load_bundle
+from fl_server.service.artifacts import ArtifactStore
+from fl_server.service.config import ServiceConfig
+from fl_server.service.store import Store
+
+log = logging.getLogger("fl_server.service")
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """Complete JSON lines of a metrics file (a line being written is skipped until it is whole)."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+def import_bundle(store: Store, artifacts: ArtifactStore, job: dict[str, Any], job_dir: Path) -> str:
+    """Verify ``job_dir/bundle`` (every sha256), copy its files into the artifact store, record it."""
+    bundle = load_bundle(job_dir / "bundle")
+    for a in bundle.manifest["artifacts"]:
+        artifacts.put_file(bundle.root / a["file"], expected=a["sha256"])
+    bundle_id = artifacts.put_file(bundle.root / MANIFEST)
+    server: dict[str, str] = {}
+    if (job_dir / "server" / "hn.npz").is_file():
+        server["hn"] = artifacts.put_file(job_dir / "server" / "hn.npz")
+    store.add_bundle(bundle_id, job["id"], bundle.method, bundle.manifest["dataset"], bundle.manifest, server)
+    return bundle_id
+
+
+def _import_path() -> str:
+    """PYTHONPATH for the worker: wherever this process found fl_server and edge_sdk, then the caller's."""
+    import edge_sdk
+    import fl_server
+
+    roots = [str(Path(m.__file__).resolve().parents[1]) for m in (fl_server, edge_sdk)]
+    return os.pathsep.join([*dict.fromkeys(roots), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+
+
+class JobRunner:
+    def __init__(self, cfg: ServiceConfig, store: Store, artifacts: ArtifactStore) -> None:
+        self.cfg, self.store, self.artifacts = cfg, store, artifacts
+        self.jobs_dir = cfg.store_dir / "jobs"
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._procs: dict[str, subprocess.Popen] = {}
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        self.store.requeue_interrupted()
+        for i in range(self.cfg.workers):
+            t = threading.Thread(target=self._loop, name=f"job-runner-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def submit(self, spec: dict[str, Any], is_default: bool = False) -> str:
+        job_id = self.store.add_job(spec, is_default)
+        self._wake.set()
+        return job_id
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop the workers; running jobs stay 'running' in the store and are re-queued at the next start."""
+        self._stop.set()
+        self._wake.set()
+        with self._lock:
+            procs = list(self._procs.values())
+        for p in procs:
+            p.terminate()
+        for t in self._threads:
+            t.join(timeout)
+
+    # ------------------------------------------------------------------ loop
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            job = self.store.claim_job()
+            if job is None:
+                self._wake.wait(self.cfg.poll_s * 4)
+                self._wake.clear()
+                continue
+            try:
+                self._run(job)
+            except Exception as exc:  # a broken job must not kill the runner
+                log.exception("job %s failed", job["id"])
+                self.store.set_job(job["id"], status="failed", finished=time.time(), error=str(exc)[:2000])
+
+    def _run(self, job: dict[str, Any]) -> None:
+        job_dir = self.jobs_dir / job["id"]
+        job_dir.mkdir(parents=True, exist_ok=True)
+        spec = {**job["spec"], "data_dir": self.cfg.data_dir, "threads": self.cfg.worker_threads}
+        (job_dir / "spec.json").write_text(json.dumps(spec, indent=1))
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.cfg.worker_threads), "PYTHONPATH": _import_path()}
+        with open(job_dir / "log.txt", "ab") as logf:
+            proc = subprocess.Popen([sys.executable, "-m", "fl_server.service.worker", str(job_dir)],
+                                    stdout=logf, stderr=subprocess.STDOUT, env=env)
+            with self._lock:
+                self._procs[job["id"]] = proc
+            try:
+                while proc.poll() is None:
+                    self._stop.wait(self.cfg.poll_s)
+                    self.store.put_rounds(job["id"], read_metrics(job_dir / "run" / "metrics.jsonl"))
+            finally:
+                with self._lock:
+                    self._procs.pop(job["id"], None)
+        if self._stop.is_set():
+            return  # interrupted by shutdown: re-queued at the next start
+        self.store.put_rounds(job["id"], read_metrics(job_dir / "run" / "metrics.jsonl"))
+        if proc.returncode != 0:
+            tail = (job_dir / "log.txt").read_text(errors="replace")[-2000:]
+            self.store.set_job(job["id"], status="failed", finished=time.time(),
+                               error=f"worker exited with {proc.returncode}: {tail}")
+            return
+        bundle_id = import_bundle(self.store, self.artifacts, job, job_dir)
+        self.store.set_job(job["id"], status="done", finished=time.time(), bundle_id=bundle_id)
+        log.info("job %s done: bundle %s", job["id"], bundle_id)

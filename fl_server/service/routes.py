@@ -1,0 +1,205 @@
+"""The API routers. Endpoint names are a contract (issue 8); shapes are in :mod:`schemas`."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response
+from fastapi.responses import PlainTextResponse
+
+from edge_sdk import btfl
+from fl_server.service import schemas as S
+from fl_server.service.auth import Principal, require_admin, require_client
+from fl_server.service.ranges import Unsatisfiable, parse_range
+from fl_server.service.state import NONE_METHOD, Service
+from fl_server.service.store import JOB_STATES
+
+router = APIRouter()
+
+
+async def service(request: Request) -> Service:
+    return request.app.state.service
+
+
+def _not_ready(svc: Service, what: str) -> HTTPException:
+    detail = {"message": f"{what} is not ready yet: the coordinator is still training it; retry later",
+              **svc.pending_default()}
+    return HTTPException(503, detail, headers={"Retry-After": str(svc.cfg.retry_after_s)})
+
+
+def _bundle_or_503(svc: Service, method: str | None) -> dict[str, Any]:
+    bundle = svc.bundle_for(method)
+    if bundle is not None:
+        return bundle
+    if method not in (None, NONE_METHOD) and not any(
+            j["spec"]["method"] == method and j["status"] in ("queued", "running") for j in svc.store.jobs()):
+        have = ", ".join(svc.methods()) or "none yet"
+        raise HTTPException(404, f"no bundle and no job for method {method!r}; available: {have}")
+    raise _not_ready(svc, f"a bundle for {method or 'the default method'}")
+
+
+# ----------------------------------------------------------------- public
+@router.get("/healthz", response_model=S.Health, tags=["ops"])
+async def healthz(svc: Service = Depends(service)) -> dict[str, Any]:
+    counts = {s: 0 for s in JOB_STATES}
+    for j in svc.store.jobs():
+        counts[j["status"]] += 1
+    return {"status": "ok", "bundles": svc.store.count("bundles"), "jobs": counts}
+
+
+@router.post("/v1/clients", response_model=S.JoinResponse, status_code=201, tags=["devices"],
+             responses={503: {"description": "no bundle yet (Retry-After)"}, 404: {"description": "unknown method"}})
+async def join(body: S.JoinRequest, request: Request, svc: Service = Depends(service)) -> Response:
+    """Join as a new client: a client id, a bearer token, the methods served now and the bundle's manifest."""
+    bundle = _bundle_or_503(svc, body.method)
+    client_id, token = svc.store.add_client(body.method or bundle["method"], bundle["id"],
+                                            request.headers.get("user-agent", ""))
+    head = json.dumps({"client_id": client_id, "token": token, "methods": svc.methods()})
+    return Response(head[:-1].encode() + b', "manifest": ' + svc.manifest_json(bundle) + b"}", status_code=201,
+                    media_type="application/json")
+
+
+@router.get("/v1/manifest", response_model=S.Manifest, tags=["devices"],
+            responses={503: {"description": "no bundle yet (Retry-After)"}, 404: {"description": "unknown method"}})
+async def manifest(method: str | None = Query(None, max_length=64), svc: Service = Depends(service)) -> Response:
+    """The newest bundle's manifest for ``method`` (default: the default bundle)."""
+    bundle = _bundle_or_503(svc, method)
+    return Response(svc.manifest_json(bundle), media_type="application/json",
+                    headers={"ETag": f'"{bundle["id"]}"', "Cache-Control": "no-cache"})
+
+
+@router.get("/v1/artifacts/{sha256}", tags=["devices"], response_class=Response,
+            responses={200: {"content": {"application/octet-stream": {}}}, 206: {"description": "partial content"},
+                       304: {"description": "If-None-Match matched"}, 404: {"description": "unknown artifact"},
+                       416: {"description": "range not satisfiable"}})
+async def artifact(sha256: str, range_: str | None = Header(None, alias="range"),
+             if_none_match: str | None = Header(None), if_range: str | None = Header(None),
+             svc: Service = Depends(service)) -> Response:
+    """Artifact bytes by content address. ETag is the sha256; single byte ranges are honoured."""
+    if not svc.is_public(sha256):
+        raise HTTPException(404, f"no artifact {sha256[:80]!r} (addresses come from a manifest)")
+    etag = f'"{sha256}"'
+    headers = {"ETag": etag, "Accept-Ranges": "bytes", "Cache-Control": "public, max-age=31536000, immutable"}
+    if if_none_match is not None and etag in [t.strip() for t in if_none_match.split(",")] + ['"*"', "*"]:
+        return Response(status_code=304, headers=headers)
+    data = svc.artifact_bytes(sha256)
+    size = len(data)
+    try:
+        span = parse_range(range_, size) if if_range in (None, etag) else None
+    except Unsatisfiable:
+        return Response(status_code=416, headers={**headers, "Content-Range": f"bytes */{size}"})
+    if span is None:
+        return Response(data, media_type="application/octet-stream", headers=headers)
+    first, last = span
+    return Response(data[first:last + 1], status_code=206, media_type="application/octet-stream",
+                    headers={**headers, "Content-Range": f"bytes {first}-{last}/{size}"})
+
+
+# ----------------------------------------------------------------- methods
+@router.post("/v1/hypernetwork/generate", response_model=S.GenerateResponse, tags=["methods"],
+             responses={422: {"description": "wrong embedding dimension or non-finite values"},
+                        503: {"description": "no ODPFL-HN bundle yet"}})
+async def generate(body: S.GenerateRequest, _: Principal = Depends(require_client),
+                   svc: Service = Depends(service)) -> Response:
+    """ODPFL-HN: personalised weights w = f_theta(e) from the client's embedding e (nothing else is accepted)."""
+    if body.bundle_id is not None:
+        bundle = svc.bundle_by_id(body.bundle_id)
+        if bundle is None or "hn" not in bundle["server"]:
+            raise HTTPException(404, f"no ODPFL-HN bundle {body.bundle_id}")
+    else:
+        bundle = _bundle_or_503(svc, "ODPFL-HN")
+    dim = svc.hypernets.embed_dim(bundle)
+    if len(body.embedding) != dim:
+        raise HTTPException(422, f"embedding must have {dim} values (the bundle's encoder output), "
+                                 f"got {len(body.embedding)}")
+    body_bytes = await svc.generator.generate(bundle, np.asarray(body.embedding, dtype=np.float32))
+    return Response(body_bytes, media_type="application/json")
+
+
+def _dle_view(svc: Service, client_id: str) -> dict[str, Any]:
+    rows = svc.store.dles()
+    if not rows:
+        raise HTTPException(404, "no DLE has been uploaded yet")
+    freqs = [np.asarray(r["freqs"]) for r in rows]
+    weights = [r["num_samples"] for r in rows]
+    others = [i for i, r in enumerate(rows) if r["client_id"] != client_id]
+    g = btfl.average_dles(freqs, weights)
+    o = btfl.average_dles([freqs[i] for i in others], [weights[i] for i in others]) if others else None
+    return {"clients": len(rows), "dims": g.shape[0], "levels": g.shape[1], "global_dle": g.tolist(),
+            "others_dle": None if o is None else o.tolist()}
+
+
+@router.post("/v1/btfl/dle", response_model=S.DLEResponse, tags=["methods"],
+             responses={422: {"description": "not a [D, levels] frequency table, or shape differs from the others"}})
+def upload_dle(body: S.DLEUpload, who: Principal = Depends(require_client),
+               svc: Service = Depends(service)) -> dict[str, Any]:
+    """BTFL: a participating client uploads its local DLE (replacing its previous one); the global DLE is
+    re-aggregated as the sample-weighted average of every client's latest DLE (BTFL Sec. 4.1)."""
+    try:
+        freqs = btfl.average_dles([np.asarray(body.freqs, dtype=np.float64)])  # validates shape and rows
+    except ValueError as exc:
+        raise HTTPException(422, f"invalid DLE: {exc}") from None
+    if freqs.shape[1] > S.MAX_DLE_LEVELS:
+        raise HTTPException(422, f"a DLE has at most {S.MAX_DLE_LEVELS} levels, got {freqs.shape[1]}")
+    existing = svc.store.dles()
+    if existing and (existing[0]["dims"], existing[0]["levels"]) != freqs.shape:
+        raise HTTPException(422, f"DLE shape {list(freqs.shape)} differs from the aggregate's "
+                                 f"[{existing[0]['dims']}, {existing[0]['levels']}]")
+    assert who.client_id is not None
+    svc.store.put_dle(who.client_id, body.freqs, body.num_samples)
+    return _dle_view(svc, who.client_id)
+
+
+@router.get("/v1/btfl/dle", response_model=S.DLEResponse, tags=["methods"])
+def global_dle(who: Principal = Depends(require_client), svc: Service = Depends(service)) -> dict[str, Any]:
+    """The current global DLE."""
+    assert who.client_id is not None
+    return _dle_view(svc, who.client_id)
+
+
+# -------------------------------------------------------------------- jobs
+def _job_view(svc: Service, job: dict[str, Any], with_rounds: bool) -> dict[str, Any]:
+    rounds = svc.store.rounds(job["id"])
+    return {**job, "rounds_done": len(rounds), "rounds": rounds if with_rounds else None}
+
+
+@router.post("/v1/jobs", response_model=S.Job, status_code=201, tags=["jobs"])
+def create_job(body: S.JobRequest, _: Principal = Depends(require_admin), svc: Service = Depends(service)) -> dict:
+    """Start a training recipe on a data set and partition; it is exported and served when done."""
+    if body.partition == "dirichlet" and body.alpha is None:
+        raise HTTPException(422, "partition 'dirichlet' needs alpha")
+    job_id = svc.runner.submit(body.model_dump())
+    job = svc.store.job(job_id)
+    assert job is not None
+    return _job_view(svc, job, True)
+
+
+@router.get("/v1/jobs", response_model=list[S.Job], tags=["jobs"])
+def list_jobs(_: Principal = Depends(require_admin), svc: Service = Depends(service)) -> list[dict]:
+    return [_job_view(svc, j, False) for j in svc.store.jobs()]
+
+
+@router.get("/v1/jobs/{job_id}", response_model=S.Job, tags=["jobs"])
+def get_job(job_id: str, _: Principal = Depends(require_admin), svc: Service = Depends(service)) -> dict:
+    """One job with its round curve (validation / new-client accuracy per round)."""
+    job = svc.store.job(job_id[:64])
+    if job is None:
+        raise HTTPException(404, f"no job {job_id[:64]!r}")
+    return _job_view(svc, job, True)
+
+
+# ------------------------------------------------------------------ metrics
+@router.get("/metrics", response_class=PlainTextResponse, tags=["ops"])
+def metrics(svc: Service = Depends(service)) -> PlainTextResponse:
+    """Prometheus text format: request counters and latencies, clients, jobs by status, bundles, DLEs."""
+    counts = {s: 0 for s in JOB_STATES}
+    for j in svc.store.jobs():
+        counts[j["status"]] += 1
+    gauges = {
+        "fl_clients": ("Joined clients.", {(): float(svc.store.count("clients"))}),
+        "fl_bundles": ("Bundles served.", {(): float(svc.store.count("bundles"))}),
+        "fl_btfl_dles": ("Clients with an uploaded DLE.", {(): float(svc.store.count("dles"))}),
+        "fl_jobs": ("Training jobs by status.", {(("status", s),): float(n) for s, n in counts.items()}),
+    }
+    return PlainTextResponse(svc.metrics.render(gauges), media_type="text/plain; version=0.0.4")

@@ -1,0 +1,121 @@
+"""Request and response bodies of the coordinator API (pydantic; they are the OpenAPI documentation).
+Every number that comes in must be finite (``allow_inf_nan=False``) and every list is bounded."""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fl_server.service.config import DATASETS, PARTITIONS, SERVABLE_METHODS
+
+MAX_EMBED_DIM = 4096
+MAX_DLE_DIMS = 65536
+MAX_DLE_LEVELS = 16
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class JoinRequest(Strict):
+    method: str | None = Field(None, description="test-time method the device will run (default: the "
+                                                 "coordinator's default bundle); 'none' = plain inference")
+
+
+class ArtifactRef(BaseModel):
+    name: str
+    kind: str
+    file: str
+    sha256: str
+    size: int
+    url: str = Field(description="GET it here; supports Range and ETag/If-None-Match")
+    model_config = ConfigDict(extra="allow")
+
+
+class Manifest(BaseModel):
+    """The bundle's manifest.json (written by ``export``) plus where to fetch each artifact."""
+
+    bundle_id: str = Field(description="sha256 of manifest.json; GET /v1/artifacts/{bundle_id} returns it verbatim")
+    job_id: str
+    method: str
+    artifacts: list[ArtifactRef]
+    model_config = ConfigDict(extra="allow")
+
+
+class JoinResponse(BaseModel):
+    client_id: str
+    token: str = Field(description="bearer token for this client's calls; shown once, stored hashed")
+    methods: list[str] = Field(description="methods with a bundle ready now ('none' = plain inference)")
+    manifest: Manifest
+
+
+class GenerateRequest(Strict):
+    embedding: list[float] = Field(min_length=1, max_length=MAX_EMBED_DIM,
+                                   description="the client's set embedding e = g_gamma(D) (only e is accepted)")
+    bundle_id: str | None = Field(None, pattern=r"^[0-9a-f]{64}$",
+                                  description="ODPFL-HN bundle to use (default: the newest)")
+
+
+class Tensor(BaseModel):
+    shape: list[int]
+    dtype: Literal["float32"] = "float32"
+    data: str = Field(description="base64 of the little-endian float32 values in C order")
+
+
+class GenerateResponse(BaseModel):
+    bundle_id: str
+    params: dict[str, Tensor] = Field(description="personalised weights w = f_theta(e), keyed like psi.<name>")
+
+
+class DLEUpload(Strict):
+    freqs: list[list[float]] = Field(min_length=1, max_length=MAX_DLE_DIMS,
+                                     description="local DLE [D, levels]: per-dimension level frequencies "
+                                                 "(edge_sdk.btfl.fit_dle), rows sum to 1")
+    num_samples: int = Field(ge=1, le=10**9, description="samples the DLE was fitted on (aggregation weight)")
+
+
+class DLEResponse(BaseModel):
+    clients: int = Field(description="clients whose latest DLE is in the aggregate")
+    dims: int
+    levels: int
+    global_dle: list[list[float]] = Field(description="sample-weighted average of all clients' DLEs")
+    others_dle: list[list[float]] | None = Field(
+        None, description="the same average without the caller's own DLE (what BTFL's authors use); "
+                          "null while the caller is the only client")
+
+
+class JobRequest(Strict):
+    method: Literal[SERVABLE_METHODS] = "TENT"  # type: ignore[valid-type]
+    dataset: Literal[DATASETS] = "digits"  # type: ignore[valid-type]
+    partition: Literal[PARTITIONS] = "pathological"  # type: ignore[valid-type]
+    alpha: float | None = Field(None, gt=0, le=1000, description="Dirichlet concentration (partition=dirichlet)")
+    rounds: int = Field(30, ge=1, le=1000)
+    num_clients: int | None = Field(None, ge=2, le=1000, description="default: the data set's protocol")
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+
+
+class RoundRow(BaseModel):
+    round: int
+    val: float | None = None
+    test: float | None = None
+    wall_s: float | None = None
+
+
+class Job(BaseModel):
+    id: str
+    status: Literal["queued", "running", "done", "failed"]
+    spec: dict[str, Any]
+    is_default: bool
+    created: float
+    started: float | None = None
+    finished: float | None = None
+    error: str | None = None
+    bundle_id: str | None = None
+    rounds_done: int = 0
+    rounds: list[RoundRow] | None = None
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    bundles: int
+    jobs: dict[str, int]

@@ -1,0 +1,188 @@
+"""Coordinator state in SQLite: clients, hashed bearer tokens, jobs, rounds, bundles, BTFL DLE uploads.
+
+One connection guarded by a lock (SQLite serialises writers anyway); WAL journal so a reader never waits
+for a writer's fsync. Tokens are stored as their sha256 only: a copy of the database does not let anyone
+authenticate. Kept behind this small class so another backend can replace it (DESIGN.md, Persistence).
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import sqlite3
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS clients (id TEXT PRIMARY KEY, created REAL NOT NULL, method TEXT, bundle_id TEXT,
+                                    user_agent TEXT);
+CREATE TABLE IF NOT EXISTS tokens (hash TEXT PRIMARY KEY, scope TEXT NOT NULL, client_id TEXT, created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, spec TEXT NOT NULL, status TEXT NOT NULL, created REAL NOT NULL,
+                                 started REAL, finished REAL, error TEXT, bundle_id TEXT, is_default INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS rounds (job_id TEXT NOT NULL, round INTEGER NOT NULL, val REAL, test REAL, wall_s REAL,
+                                   PRIMARY KEY (job_id, round));
+CREATE TABLE IF NOT EXISTS bundles (id TEXT PRIMARY KEY, job_id TEXT NOT NULL, method TEXT NOT NULL,
+                                    dataset TEXT NOT NULL, manifest TEXT NOT NULL, server TEXT NOT NULL,
+                                    created REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS dles (client_id TEXT PRIMARY KEY, dims INTEGER NOT NULL, levels INTEGER NOT NULL,
+                                 num_samples INTEGER NOT NULL, freqs TEXT NOT NULL, updated REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+JOB_STATES = ("queued", "running", "done", "failed")
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class Store:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._lock = threading.Lock()
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(SCHEMA)
+
+    def _run(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # ---------------------------------------------------------------- tokens
+    def add_token(self, scope: str, client_id: str | None = None) -> str:
+        """A new random bearer token (256 bits); only its hash is stored."""
+        token = f"fl{scope[0]}_{secrets.token_urlsafe(32)}"
+        self._run("INSERT INTO tokens VALUES (?, ?, ?, ?)", (hash_token(token), scope, client_id, time.time()))
+        return token
+
+    def set_admin_token(self, token: str) -> None:
+        """Register an operator-chosen admin token (idempotent)."""
+        self._run("INSERT OR IGNORE INTO tokens VALUES (?, 'admin', NULL, ?)", (hash_token(token), time.time()))
+
+    def lookup_token(self, token: str) -> tuple[str, str | None] | None:
+        """(scope, client_id) of a presented token, or None. The row is found by the token's hash and the
+        hash is compared again in constant time."""
+        digest = hash_token(token)
+        rows = self._run("SELECT hash, scope, client_id FROM tokens WHERE hash = ?", (digest,))
+        if not rows or not hmac.compare_digest(rows[0]["hash"], digest):
+            return None
+        return rows[0]["scope"], rows[0]["client_id"]
+
+    # --------------------------------------------------------------- clients
+    def add_client(self, method: str, bundle_id: str, user_agent: str = "") -> tuple[str, str]:
+        client_id = uuid.uuid4().hex
+        with self._lock:
+            self._db.execute("BEGIN")
+            self._db.execute("INSERT INTO clients VALUES (?, ?, ?, ?, ?)",
+                             (client_id, time.time(), method, bundle_id, user_agent[:200]))
+            token = f"flc_{secrets.token_urlsafe(32)}"
+            self._db.execute("INSERT INTO tokens VALUES (?, 'client', ?, ?)", (hash_token(token), client_id, time.time()))
+            self._db.execute("COMMIT")
+        return client_id, token
+
+    def clients(self, limit: int = 100) -> list[dict[str, Any]]:
+        return [dict(r) for r in self._run("SELECT * FROM clients ORDER BY created DESC LIMIT ?", (limit,))]
+
+    def count(self, table: str) -> int:
+        assert table in ("clients", "jobs", "bundles", "dles", "rounds")
+        return int(self._run(f"SELECT COUNT(*) AS n FROM {table}")[0]["n"])
+
+    # ------------------------------------------------------------------ jobs
+    def add_job(self, spec: dict[str, Any], is_default: bool = False) -> str:
+        job_id = uuid.uuid4().hex[:12]
+        self._run("INSERT INTO jobs (id, spec, status, created, is_default) VALUES (?, ?, 'queued', ?, ?)",
+                  (job_id, json.dumps(spec), time.time(), int(is_default)))
+        return job_id
+
+    def set_job(self, job_id: str, **fields: Any) -> None:
+        allowed = {"status", "started", "finished", "error", "bundle_id"}
+        if not fields or set(fields) - allowed:
+            raise ValueError(f"bad job fields {sorted(fields)}")
+        cols = ", ".join(f"{k} = ?" for k in fields)
+        self._run(f"UPDATE jobs SET {cols} WHERE id = ?", (*fields.values(), job_id))
+
+    def claim_job(self) -> dict[str, Any] | None:
+        """Atomically move the oldest queued job to running and return it."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            row = self._db.execute("SELECT * FROM jobs WHERE status = 'queued' ORDER BY created LIMIT 1").fetchone()
+            if row is not None:
+                self._db.execute("UPDATE jobs SET status = 'running', started = COALESCE(started, ?) WHERE id = ?",
+                                 (time.time(), row["id"]))
+            self._db.execute("COMMIT")
+        return None if row is None else self._job_dict(row, status="running")
+
+    def requeue_interrupted(self) -> int:
+        """After a restart: jobs that were running go back to the queue (their run dirs resume)."""
+        with self._lock:
+            return self._db.execute("UPDATE jobs SET status = 'queued' WHERE status = 'running'").rowcount
+
+    @staticmethod
+    def _job_dict(row: sqlite3.Row, **override: Any) -> dict[str, Any]:
+        d = dict(row)
+        d["spec"] = json.loads(d["spec"])
+        d["is_default"] = bool(d["is_default"])
+        d.update(override)
+        return d
+
+    def job(self, job_id: str) -> dict[str, Any] | None:
+        rows = self._run("SELECT * FROM jobs WHERE id = ?", (job_id,))
+        return self._job_dict(rows[0]) if rows else None
+
+    def jobs(self) -> list[dict[str, Any]]:
+        return [self._job_dict(r) for r in self._run("SELECT * FROM jobs ORDER BY created")]
+
+    def put_rounds(self, job_id: str, rows: list[dict[str, Any]]) -> None:
+        with self._lock:
+            self._db.executemany("INSERT OR REPLACE INTO rounds VALUES (?, ?, ?, ?, ?)",
+                                 [(job_id, r["round"], r.get("val"), r.get("test"), r.get("wall_s")) for r in rows])
+
+    def rounds(self, job_id: str) -> list[dict[str, Any]]:
+        rows = self._run("SELECT round, val, test, wall_s FROM rounds WHERE job_id = ? ORDER BY round", (job_id,))
+        return [dict(r) for r in rows]
+
+    # --------------------------------------------------------------- bundles
+    def add_bundle(self, bundle_id: str, job_id: str, method: str, dataset: str, manifest: dict[str, Any],
+                   server: dict[str, str]) -> None:
+        self._run("INSERT OR REPLACE INTO bundles VALUES (?, ?, ?, ?, ?, ?, ?)",
+                  (bundle_id, job_id, method, dataset, json.dumps(manifest), json.dumps(server), time.time()))
+
+    @staticmethod
+    def _bundle_dict(row: sqlite3.Row) -> dict[str, Any]:
+        d = dict(row)
+        d["manifest"], d["server"] = json.loads(d["manifest"]), json.loads(d["server"])
+        return d
+
+    def bundles(self) -> list[dict[str, Any]]:
+        return [self._bundle_dict(r) for r in self._run("SELECT * FROM bundles ORDER BY created")]
+
+    def bundle(self, bundle_id: str) -> dict[str, Any] | None:
+        rows = self._run("SELECT * FROM bundles WHERE id = ?", (bundle_id,))
+        return self._bundle_dict(rows[0]) if rows else None
+
+    # ------------------------------------------------------------- BTFL DLEs
+    def put_dle(self, client_id: str, freqs: list[list[float]], num_samples: int) -> None:
+        self._run("INSERT OR REPLACE INTO dles VALUES (?, ?, ?, ?, ?, ?)",
+                  (client_id, len(freqs), len(freqs[0]), num_samples, json.dumps(freqs), time.time()))
+
+    def dles(self) -> list[dict[str, Any]]:
+        rows = self._run("SELECT * FROM dles ORDER BY updated")
+        return [{**dict(r), "freqs": json.loads(r["freqs"])} for r in rows]
+
+    # ------------------------------------------------------------------ meta
+    def get_meta(self, key: str) -> str | None:
+        rows = self._run("SELECT value FROM meta WHERE key = ?", (key,))
+        return rows[0]["value"] if rows else None
+
+    def set_meta(self, key: str, value: str) -> None:
+        self._run("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))

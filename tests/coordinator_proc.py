@@ -1,0 +1,75 @@
+"""Start a real coordinator (``python -m fl_server.cli serve``) in a subprocess on a free port, for the
+integration tests of the service and the SDK client."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+ADMIN = "test-admin-token-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Coordinator:
+    url: str
+    store: Path
+    proc: subprocess.Popen
+    log: Path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def wait_bundles(self, n: int, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            health = httpx.get(f"{self.url}/healthz", timeout=10).json()
+            if health["bundles"] >= n:
+                return
+            if health["jobs"]["failed"]:
+                raise RuntimeError(f"a training job failed; see {self.store}/jobs/*/log.txt")
+            time.sleep(1)
+        raise TimeoutError(f"{n} bundles not ready after {timeout}s; log {self.log.read_text()[-2000:]}")
+
+
+def start(store: Path, methods: str = "TENT,ODPFL-HN", rounds: int = 1, workers: int = 2) -> Coordinator:
+    port = free_port()
+    env = {**os.environ, "FL_SERVE_DEFAULT_METHODS": methods, "FL_SERVE_ROUNDS": str(rounds),
+           "FL_SERVE_WORKERS": str(workers), "FL_ADMIN_TOKEN": ADMIN, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "edge_sdk"), os.environ.get("PYTHONPATH", "")])}
+    log = store.with_name(store.name + f"-{port}.log")
+    store.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-m", "fl_server.cli", "serve", "--port", str(port), "--store",
+                             str(store), "--log-level", "warning"], env=env, cwd=REPO,
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"coordinator exited with {proc.returncode}: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+                return Coordinator(url, store, proc, log)
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise TimeoutError(f"coordinator did not answer /healthz; log {log.read_text()[-2000:]}")

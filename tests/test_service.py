@@ -1,0 +1,244 @@
+"""Integration tests of the coordinator: a real uvicorn process over HTTP (httpx), real training jobs on
+the embedded digits, real onnxruntime on the served artifacts."""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from pathlib import Path
+
+import httpx
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from coordinator_proc import ADMIN, Coordinator, start
+from edge_sdk import btfl
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    store = tmp_path_factory.mktemp("coord") / "store"
+    coord = start(store)
+    early = httpx.post(f"{coord.url}/v1/clients", json={}, timeout=10)  # nothing trained yet
+    coord.wait_bundles(2)
+    coord.early = early  # type: ignore[attr-defined]
+    yield coord
+    coord.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: Coordinator) -> dict:
+    r = httpx.post(f"{server.url}/v1/clients", json={"method": "ODPFL-HN"}, timeout=10)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_join_before_bundle_is_503_with_retry_after(server: Coordinator) -> None:
+    r = server.early  # type: ignore[attr-defined]
+    assert r.status_code == 503
+    assert int(r.headers["Retry-After"]) > 0
+    assert {j["method"] for j in r.json()["detail"]["jobs"]} == {"TENT", "ODPFL-HN"}
+
+
+def test_join_and_manifest(server: Coordinator, client: dict) -> None:
+    assert {"TENT", "ODPFL-HN", "none"} <= set(client["methods"])
+    assert client["token"].startswith("flc_") and len(client["client_id"]) == 32
+    m = client["manifest"]
+    assert m["method"] == "ODPFL-HN" and {"forward", "encoder", "params", "enc"} <= {a["name"] for a in m["artifacts"]}
+    default = httpx.get(f"{server.url}/v1/manifest", timeout=10)
+    assert default.status_code == 200 and default.json()["method"] == "TENT"
+    assert default.headers["ETag"] == f'"{default.json()["bundle_id"]}"'
+    same = httpx.get(f"{server.url}/v1/manifest", params={"method": "ODPFL-HN"}, timeout=10).json()
+    assert same == m
+    r = httpx.get(f"{server.url}/v1/manifest", params={"method": "NoSuchMethod"}, timeout=10)
+    assert r.status_code == 404 and "available" in r.json()["detail"]
+    r = httpx.post(f"{server.url}/v1/clients", json={"method": "TENT", "extra": 1}, timeout=10)
+    assert r.status_code == 422
+
+
+def test_artifact_download_range_and_etag(server: Coordinator) -> None:
+    m = httpx.get(f"{server.url}/v1/manifest", timeout=10).json()
+    a = next(a for a in m["artifacts"] if a["name"] == "params")
+    url = server.url + a["url"]
+    full = httpx.get(url, timeout=10)
+    assert full.status_code == 200 and len(full.content) == a["size"]
+    assert hashlib.sha256(full.content).hexdigest() == a["sha256"]
+    assert full.headers["ETag"] == f'"{a["sha256"]}"' and full.headers["Accept-Ranges"] == "bytes"
+    assert httpx.get(url, headers={"If-None-Match": full.headers["ETag"]}, timeout=10).status_code == 304
+    part = httpx.get(url, headers={"Range": "bytes=100-999"}, timeout=10)
+    assert part.status_code == 206 and part.content == full.content[100:1000]
+    assert part.headers["Content-Range"] == f"bytes 100-999/{a['size']}"
+    tail = httpx.get(url, headers={"Range": "bytes=-50"}, timeout=10)
+    assert tail.status_code == 206 and tail.content == full.content[-50:]
+    rest = httpx.get(url, headers={"Range": f"bytes={a['size'] - 7}-"}, timeout=10)
+    assert rest.content == full.content[-7:]
+    bad = httpx.get(url, headers={"Range": f"bytes={a['size']}-"}, timeout=10)
+    assert bad.status_code == 416 and bad.headers["Content-Range"] == f"bytes */{a['size']}"
+    # the manifest itself is content-addressed: its bytes hash to the bundle id
+    raw = httpx.get(f"{server.url}/v1/artifacts/{m['bundle_id']}", timeout=10).content
+    assert hashlib.sha256(raw).hexdigest() == m["bundle_id"] and json.loads(raw)["method"] == "TENT"
+    assert httpx.get(f"{server.url}/v1/artifacts/{'0' * 64}", timeout=10).status_code == 404
+    assert httpx.get(f"{server.url}/v1/artifacts/..%2Fcoordinator.sqlite3", timeout=10).status_code == 404
+
+
+def test_server_only_state_is_not_served(server: Coordinator) -> None:
+    """theta (the hypernetwork) is in the artifact store but never downloadable."""
+    objects = [p.name for p in (server.store / "objects").glob("*/*")]
+    public = set()
+    for method in ("TENT", "ODPFL-HN"):
+        m = httpx.get(f"{server.url}/v1/manifest", params={"method": method}, timeout=10).json()
+        public |= {m["bundle_id"], *(a["sha256"] for a in m["artifacts"])}
+    private = [o for o in objects if o not in public]
+    assert private, "the hypernetwork's theta should be stored"
+    for sha in private:
+        assert httpx.get(f"{server.url}/v1/artifacts/{sha}", timeout=10).status_code == 404
+
+
+def _embedding(server: Coordinator, manifest: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A new client's embedding computed on the device graph (encoder.onnx) from real digits."""
+    from fl_server.data import load_dataset
+
+    files = {a["name"]: httpx.get(server.url + a["url"], timeout=10).content for a in manifest["artifacts"]}
+    tmp = server.store.parent / "device"
+    tmp.mkdir(exist_ok=True)
+    (tmp / "enc.npz").write_bytes(files["enc"])
+    gamma = dict(np.load(tmp / "enc.npz", allow_pickle=False))
+    enc = ort.InferenceSession(files["encoder"], providers=["CPUExecutionProvider"])
+    ds = load_dataset("digits", split="all")
+    x, y = ds.x[:200].astype(np.float32), ds.y[:200]
+    (e,) = enc.run(["embedding"], {"x": x, **{f"gamma.{k}": v for k, v in gamma.items()}})
+    return e, x, y
+
+
+def test_generate(server: Coordinator, client: dict) -> None:
+    m = client["manifest"]
+    e, x, _ = _embedding(server, m)
+    url = f"{server.url}/v1/hypernetwork/generate"
+    assert httpx.post(url, json={"embedding": e.tolist()}, timeout=10).status_code == 401
+    assert httpx.post(url, json={"embedding": e.tolist()}, headers=auth(ADMIN), timeout=10).status_code == 403
+    r = httpx.post(url, json={"embedding": e.tolist()}, headers=auth(client["token"]), timeout=30)
+    assert r.status_code == 200, r.text
+    params = r.json()["params"]
+    forward = ort.InferenceSession(httpx.get(server.url + next(a["url"] for a in m["artifacts"]
+                                                               if a["name"] == "forward"), timeout=10).content)
+    feeds = {"x": x}
+    for inp in forward.get_inputs()[1:]:
+        t = params[inp.name]
+        arr = np.frombuffer(base64.b64decode(t["data"]), dtype="<f4").reshape(t["shape"])
+        assert list(arr.shape) == inp.shape
+        feeds[inp.name] = arr
+    (logits,) = forward.run(["logits"], feeds)
+    assert logits.shape == (len(x), 10) and np.isfinite(logits).all()
+    other = httpx.post(url, json={"embedding": (e + 1.0).tolist()}, headers=auth(client["token"]), timeout=30)
+    assert other.json()["params"] != params  # the weights depend on the embedding
+    for bad in ({"embedding": e.tolist()[:-1]}, {"embedding": []}, {"embedding": e.tolist(), "data": [1.0]}):
+        r = httpx.post(url, json=bad, headers=auth(client["token"]), timeout=10)
+        assert r.status_code == 422, bad
+    nan = '{"embedding": [NaN%s]}' % (", 0.0" * (len(e) - 1))
+    r = httpx.post(url, content=nan, headers={**auth(client["token"]), "Content-Type": "application/json"})
+    assert r.status_code == 422
+    big = httpx.post(url, content=b"{" + b" " * (2 << 20) + b"}",
+                     headers={**auth(client["token"]), "Content-Type": "application/json"}, timeout=30)
+    assert big.status_code == 413
+
+
+def test_concurrent_generates_are_batched_correctly(server: Coordinator, client: dict) -> None:
+    """Concurrent requests share one batched forward; each reply must still be its own embedding's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    e, _, _ = _embedding(server, client["manifest"])
+    embs = [(e * s).tolist() for s in np.linspace(-3, 3, 12)]
+    url, headers = f"{server.url}/v1/hypernetwork/generate", auth(client["token"])
+
+    def call(emb: list[float]) -> dict:
+        return httpx.post(url, json={"embedding": emb}, headers=headers, timeout=60).json()["params"]
+
+    with ThreadPoolExecutor(12) as pool:
+        together = list(pool.map(call, embs))
+    for emb, got in zip(embs, together):
+        alone = call(emb)
+        for name, t in alone.items():
+            a = np.frombuffer(base64.b64decode(t["data"]), dtype="<f4")
+            b = np.frombuffer(base64.b64decode(got[name]["data"]), dtype="<f4")
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert together[0] != together[-1]
+
+
+def test_btfl_dle_upload_and_reaggregation(server: Coordinator) -> None:
+    rng = np.random.default_rng(0)
+    a = httpx.post(f"{server.url}/v1/clients", json={}, timeout=10).json()
+    b = httpx.post(f"{server.url}/v1/clients", json={}, timeout=10).json()
+    dle_a = btfl.fit_dle(rng.exponential(size=(50, 16)))
+    dle_b = btfl.fit_dle(rng.exponential(0.2, size=(150, 16)))
+    url = f"{server.url}/v1/btfl/dle"
+    r = httpx.post(url, json={"freqs": dle_a.tolist(), "num_samples": 50}, headers=auth(a["token"]), timeout=10)
+    assert r.status_code == 200, r.text
+    assert r.json()["clients"] == 1 and r.json()["others_dle"] is None
+    np.testing.assert_allclose(r.json()["global_dle"], dle_a)
+    r = httpx.post(url, json={"freqs": dle_b.tolist(), "num_samples": 150}, headers=auth(b["token"]), timeout=10)
+    body = r.json()
+    assert body["clients"] == 2 and (body["dims"], body["levels"]) == (16, 2)
+    np.testing.assert_allclose(body["global_dle"], btfl.average_dles([dle_a, dle_b], [50, 150]), atol=1e-12)
+    np.testing.assert_allclose(body["others_dle"], dle_a)
+    bad_rows = np.full((16, 2), 0.7)
+    for bad in ({"freqs": bad_rows.tolist(), "num_samples": 5}, {"freqs": dle_a[:8].tolist(), "num_samples": 5},
+                {"freqs": dle_a.tolist(), "num_samples": 0}, {"freqs": [[0.5]], "num_samples": 1}):
+        assert httpx.post(url, json=bad, headers=auth(a["token"]), timeout=10).status_code == 422
+    assert httpx.post(url, json={"freqs": dle_a.tolist(), "num_samples": 5}, timeout=10).status_code == 401
+
+
+def test_jobs_need_admin(server: Coordinator, client: dict) -> None:
+    url = f"{server.url}/v1/jobs"
+    assert httpx.get(url, timeout=10).status_code == 401
+    assert httpx.get(url, headers=auth("flc_not-a-token"), timeout=10).status_code == 401
+    assert httpx.get(url, headers=auth(client["token"]), timeout=10).status_code == 403
+    jobs = httpx.get(url, headers=auth(ADMIN), timeout=10).json()
+    assert {j["spec"]["method"] for j in jobs} == {"TENT", "ODPFL-HN"}
+    assert all(j["status"] == "done" and j["rounds_done"] == 1 and j["is_default"] for j in jobs)
+    one = httpx.get(f"{url}/{jobs[0]['id']}", headers=auth(ADMIN), timeout=10).json()
+    assert len(one["rounds"]) == 1 and 0 <= one["rounds"][0]["val"] <= 1
+    assert httpx.get(f"{url}/nope", headers=auth(ADMIN), timeout=10).status_code == 404
+    bad = httpx.post(url, json={"method": "NoSuch"}, headers=auth(ADMIN), timeout=10)
+    assert bad.status_code == 422
+    assert httpx.post(url, json={"partition": "dirichlet"}, headers=auth(ADMIN), timeout=10).status_code == 422
+    new = httpx.post(url, json={"method": "FedAvg", "rounds": 1, "num_clients": 10}, headers=auth(ADMIN),
+                     timeout=10)
+    assert new.status_code == 201 and new.json()["status"] in ("queued", "running")
+
+
+def test_metrics_and_dashboard(server: Coordinator) -> None:
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert 'fl_http_requests_total{method="POST",route="/v1/clients",status="201"}' in text
+    assert "fl_clients " in text and 'fl_jobs{status="done"} 2' in text
+    page = httpx.get(f"{server.url}/", timeout=10)
+    assert page.status_code == 200 and "<svg" in page.text and "ODPFL-HN" in page.text
+    paths = httpx.get(f"{server.url}/openapi.json", timeout=10).json()["paths"]
+    assert {"/healthz", "/v1/clients", "/v1/manifest", "/v1/artifacts/{sha256}", "/v1/hypernetwork/generate",
+            "/v1/btfl/dle", "/v1/jobs", "/v1/jobs/{job_id}", "/metrics"} <= set(paths)
+
+
+def test_restart_keeps_state(server: Coordinator, client: dict, tmp_path: Path) -> None:
+    before = {p: httpx.get(f"{server.url}{p}", headers=auth(ADMIN), timeout=10).json()
+              for p in ("/v1/jobs", "/v1/manifest")}
+    dle = httpx.get(f"{server.url}/v1/btfl/dle", headers=auth(client["token"]), timeout=10).json()
+    server.stop()
+    again = start(server.store)
+    try:
+        after_jobs = httpx.get(f"{again.url}/v1/jobs", headers=auth(ADMIN), timeout=10).json()
+        done_before = {j["id"]: j for j in before["/v1/jobs"] if j["status"] == "done"}
+        done_after = {j["id"]: j for j in after_jobs if j["id"] in done_before}
+        assert done_after == done_before  # finished jobs and their bundles, untouched
+        assert {j["id"] for j in after_jobs} == {j["id"] for j in before["/v1/jobs"]}  # the queued one too
+        assert httpx.get(f"{again.url}/v1/manifest", timeout=10).json() == before["/v1/manifest"]
+        # the client's token still works, and the DLE aggregate survived
+        assert httpx.get(f"{again.url}/v1/btfl/dle", headers=auth(client["token"]), timeout=10).json() == dle
+        assert len(httpx.get(f"{again.url}/v1/jobs", headers=auth(ADMIN), timeout=10).json()) == 3
+    finally:
+        again.stop()
