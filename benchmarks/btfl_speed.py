@@ -15,8 +15,9 @@ Microseconds per sample, all measured in one run on the same seeded stream (D = 
   (np.trapz is gone in NumPy 2.4, so the trapezoid is written out; the Beta pdf via betaln, which is cheaper
   than the scipy.stats call a straightforward port would make).
 
-Rows are merged by (what, device) into docs/benchmarks/btfl-speed.json. Each row records the machine's load
-average at the start and end of the run: on a shared machine compare rows of one run (ratios), not runs.
+Rows are merged by (what, device) into docs/benchmarks/btfl-speed.json. ``value`` is wall time, ``cpu_us_per_sample``
+the process CPU time (what the work costs on a core of its own); each row records the machine's load average at
+the start and end of the run: on a shared machine compare rows of one run (ratios), not runs.
 
     python benchmarks/btfl_speed.py [--out docs/benchmarks/btfl-speed.json] [--repeats 5]
 """
@@ -31,7 +32,6 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUME
 import argparse
 import json
 import math
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -82,42 +82,54 @@ def new_stream(data: dict, **options: object) -> btfl.BTFLStream:
     return btfl.BTFLStream(data["local_dle"], data["global_dle"], data["h_local_bar"], data["h_global_bar"], **options)
 
 
-def time_predict(data: dict, batch: int, repeats: int, **options: object) -> float:
+def _now() -> np.ndarray:
+    """(wall, CPU) seconds: CPU time of this single-threaded process is what a sample costs on an idle core;
+    wall time also counts the waits for the CPU on a shared machine."""
+    return np.array([time.perf_counter(), time.process_time()])
+
+
+def _median_us(times: list[np.ndarray]) -> tuple[float, float]:
+    """Median over repeats (first pass = warm-up dropped) of (wall, CPU) microseconds per sample."""
+    arr = np.array(times[1:])
+    return float(np.median(arr[:, 0])), float(np.median(arr[:, 1]))
+
+
+def time_predict(data: dict, batch: int, repeats: int, **options: object) -> tuple[float, float]:
     """Median over repeats of (wall time of streaming all samples in chunks of ``batch``) / samples, in us."""
     n = len(data["features"])
     times = []
     for _ in range(repeats + 1):
         stream = new_stream(data, **options)
-        t0 = time.perf_counter()
+        t0 = _now()
         for s in range(0, n, batch):
             stream.predict(data["local"][s : s + batch], data["global"][s : s + batch], data["features"][s : s + batch])
-        times.append((time.perf_counter() - t0) / n * 1e6)
-    return statistics.median(times[1:])  # first pass = warm-up
+        times.append((_now() - t0) / n * 1e6)
+    return _median_us(times)
 
 
-def time_predict_one(data: dict, repeats: int) -> float:
+def time_predict_one(data: dict, repeats: int) -> tuple[float, float]:
     """Median over repeats of the per-sample wall time of ``predict_one`` over the whole stream, in us."""
     n = len(data["features"])
     rows = [(data["local"][i], data["global"][i], data["features"][i]) for i in range(n)]
     times = []
     for _ in range(repeats + 1):
         stream = new_stream(data)
-        t0 = time.perf_counter()
+        t0 = _now()
         for lo, gl, ft in rows:
             stream.predict_one(lo, gl, ft)
-        times.append((time.perf_counter() - t0) / n * 1e6)
-    return statistics.median(times[1:])
+        times.append((_now() - t0) / n * 1e6)
+    return _median_us(times)
 
 
-def time_weight_one(ab: np.ndarray, lt: np.ndarray, repeats: int) -> float:
+def time_weight_one(ab: np.ndarray, lt: np.ndarray, repeats: int) -> tuple[float, float]:
     triples = list(zip(ab[0].tolist(), ab[1].tolist(), lt.tolist()))
     times = []
     for _ in range(repeats + 1):
-        t0 = time.perf_counter()
+        t0 = _now()
         for a, b, t in triples:
             btfl._weight_one(a, b, t)
-        times.append((time.perf_counter() - t0) / len(triples) * 1e6)
-    return statistics.median(times[1:])
+        times.append((_now() - t0) / len(triples) * 1e6)
+    return _median_us(times)
 
 
 def stream_triples(data: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -128,7 +140,7 @@ def stream_triples(data: dict) -> tuple[np.ndarray, np.ndarray]:
     return ab, np.exp(np.minimum(stream.last_log_tau_hat, 709.0))
 
 
-def time_weight(ab: np.ndarray, tau: np.ndarray, batch: int, repeats: int, memo: bool = True) -> float:
+def time_weight(ab: np.ndarray, tau: np.ndarray, batch: int, repeats: int, memo: bool = True) -> tuple[float, float]:
     n = tau.shape[0]
     chunks = [(np.ascontiguousarray(ab[:, s : s + batch]), tau[s : s + batch]) for s in range(0, n, batch)]
     saved = btfl._MEMO_MAX_BATCH
@@ -136,13 +148,13 @@ def time_weight(ab: np.ndarray, tau: np.ndarray, batch: int, repeats: int, memo:
     try:
         times = []
         for _ in range(repeats + 1):
-            t0 = time.perf_counter()
+            t0 = _now()
             for a_b, t in chunks:
                 btfl._expected_weight(a_b, t)
-            times.append((time.perf_counter() - t0) / n * 1e6)
+            times.append((_now() - t0) / n * 1e6)
     finally:
         btfl._MEMO_MAX_BATCH = saved
-    return statistics.median(times[1:])
+    return _median_us(times)
 
 
 def quad_weight(a: float, b: float, t: float) -> float:
@@ -174,11 +186,12 @@ def authors_trapezoid_weight(a: float, b: float, t: float) -> float:
 
 def time_per_sample_loop(
     fn: Callable[[float, float, float], float], ab: np.ndarray, tau: np.ndarray
-) -> tuple[float, np.ndarray]:
+) -> tuple[tuple[float, float], np.ndarray]:
     triples = list(zip(ab[0].tolist(), ab[1].tolist(), tau.tolist()))
-    t0 = time.perf_counter()
+    t0 = _now()
     out = np.array([fn(a, b, t) for a, b, t in triples])
-    return (time.perf_counter() - t0) / len(triples) * 1e6, out
+    wall, cpu = (_now() - t0) / len(triples) * 1e6
+    return (float(wall), float(cpu)), out
 
 
 def main() -> int:
@@ -193,7 +206,7 @@ def main() -> int:
     ab, tau = stream_triples(data)
 
     load_start = os.getloadavg()[0]
-    results: list[tuple[str, float, dict]] = []
+    results: list[tuple[str, tuple[float, float], dict]] = []
     results.append(("BTFLStream.predict_one (batch-1 fast path, exact e)", time_predict_one(data, args.repeats),
                     {"batch": 1}))
     for batch in (1, 256):
@@ -239,12 +252,13 @@ def main() -> int:
 
     load = f"{load_start:.2f} -> {os.getloadavg()[0]:.2f}"
     rows = []
-    for what, value, extra in results:
+    for what, (value, cpu), extra in results:
         row = {
             "benchmark": "btfl-speed",
             "what": what,
             "metric": "us_per_sample",
             "value": round(value, 2),
+            "cpu_us_per_sample": round(cpu, 2),
             "device": DEVICE,
             "command": COMMAND,
             **extra,
@@ -254,7 +268,7 @@ def main() -> int:
             "load_avg_1min": load,
         }
         rows.append(row)
-        print(f"{what:<62s} {value:10.2f} us/sample  {json.dumps(extra)}")
+        print(f"{what:<62s} {value:10.2f} us/sample (CPU {cpu:8.2f})  {json.dumps(extra)}")
     merge_rows(Path(args.out), rows)
     print(f"wrote {len(rows)} rows to {args.out}")
     return 0
