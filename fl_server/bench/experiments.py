@@ -191,7 +191,7 @@ _SHIFT_PROTOCOL = Protocol("mnist", "mlp", rounds=30, partition="dirichlet", alp
                            note="MLP 2x200, 30 rounds x 20 steps (paper: CNN, 100 rounds x 5 epochs); CPU budget")
 
 EXPERIMENTS["map-incomplete"] = Experiment(
-    name="map-incomplete", methods=("FedAvg", "FedProx", "FedRS", "FedPHP", "MAP"),
+    name="map-incomplete", methods=("FedAvg", "FedProx", "FedRS", "FedPHP", "MAP", "FedAvg-2stage"),
     protocols={"fashion_mnist": _MAP_PROTOCOL, "fashion_mnist-lenet": replace(_MAP_PROTOCOL, model="lenet"),
                # the same at 3x the rounds: does the gap to FedAvg depend on the truncated budget?
                "fashion_mnist-t60": replace(_MAP_PROTOCOL, rounds=60, eval_every=60,

@@ -121,7 +121,7 @@ def aggregate(exp: Experiment, results_dir: Path, command: str = "") -> list[dic
                     "rounds": records[0]["rounds"],
                     "best_round": [r["best_round"] for r in records],
                     "note": records[0].get("protocol_note", ""),
-                    "command": records[0].get("command") or command,
+                    "command": records[-1].get("command") or command,  # the last seed's covers all
                 })
     out = results_dir / f"{exp.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
