@@ -10,11 +10,8 @@ docs/benchmarks/edge-sdk.json by (what, device).
 """
 from __future__ import annotations
 
-import argparse
 import json
-import shlex
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -23,11 +20,9 @@ import torch
 from edge_sdk.steps import load_session
 from export import export_spec, forward_spec
 from export.quantize import freeze_weights, quantize_int8
-from fl_server.bench.rows import merge_rows
-from fl_server.data import load_dataset
-from fl_server.data.federated import make_federated
 from fl_server.engine.simulation import load_state
 from fl_server.models import build_model
+from run_dirs import measure_runs, run_clients
 from timing import median_ms
 
 
@@ -46,16 +41,13 @@ def checkpoint_rounds(run_dir: Path) -> dict:
 
 
 def measure(run_dir: Path, data_dir: str | None, work: Path, command: str) -> dict:
-    run = json.loads((run_dir / "run.json").read_text())
-    proto = run["protocol"]
+    run, fed = run_clients(run_dir, data_dir)
+    ds = fed.dataset
     model = build_model(run["model"], tuple(run["input_shape"]), run["num_classes"], seed=run["seed"])
     params = {n: v.float() for n, v in load_state(run_dir / "best.npz")["params"].items()}
     graph = export_spec(forward_spec(model, params), work / f"{run_dir.name}.onnx")
     fp32 = freeze_weights(graph, {n: v.numpy() for n, v in params.items()}, work / f"{run_dir.name}.fp32.onnx")
     int8 = quantize_int8(fp32, work / f"{run_dir.name}.int8.onnx")
-    ds = load_dataset(run["dataset"], root=data_dir, split="all")
-    fed = make_federated(ds, proto["partition"], proto["num_clients"], proto["new_fraction"], proto["val_fraction"],
-                         seed=run["seed"], alpha=proto["alpha"])
     idx = np.concatenate(fed.new)
     local = [np.arange(s, s + len(c)) for s, c in zip(np.cumsum([0] + [len(c) for c in fed.new[:-1]]), fed.new)]
     sessions = {k: load_session(p, threads=1) for k, p in (("fp32", fp32), ("int8", int8))}
@@ -73,21 +65,11 @@ def measure(run_dir: Path, data_dir: str | None, work: Path, command: str) -> di
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+")
-    ap.add_argument("--data-dir", default=None)
-    ap.add_argument("--out", default="docs/benchmarks/edge-sdk.json")
-    args = ap.parse_args()
     torch.set_num_threads(1)
-    command = "python benchmarks/int8_frozen.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = [measure(Path(r), args.data_dir, Path(tmp), command) for r in args.runs]
-    merge_rows(args.out, rows)
-    for r in rows:
-        print(f"{r['what']}: {r['accuracy_fp32']:.2f}% -> {r['accuracy_int8']:.2f}% (int8), "
-              f"{r['bytes_fp32'] / 1e6:.2f} MB -> {r['bytes_int8'] / 1e6:.2f} MB, "
-              f"{r['ms_fp32_batch64']:.2f} -> {r['ms_int8_batch64']:.2f} ms per batch of 64")
-    return 0
+    return measure_runs(__doc__, "int8_frozen.py", measure, lambda r: (
+        f"{r['accuracy_fp32']:.2f}% -> {r['accuracy_int8']:.2f}% (int8), "
+        f"{r['bytes_fp32'] / 1e6:.2f} MB -> {r['bytes_int8'] / 1e6:.2f} MB, "
+        f"{r['ms_fp32_batch64']:.2f} -> {r['ms_int8_batch64']:.2f} ms per batch of 64"))
 
 
 if __name__ == "__main__":

@@ -11,11 +11,7 @@ docs/benchmarks/edge-sdk.json by (what, device).
 """
 from __future__ import annotations
 
-import argparse
-import json
-import shlex
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -25,23 +21,18 @@ from edge_sdk.bundle import load_bundle
 from edge_sdk.personalize import Personalizer
 from export.run import export_run
 from fl_server.algorithms import build_algorithm
-from fl_server.bench.rows import merge_rows
-from fl_server.data import load_dataset
-from fl_server.data.federated import make_federated
 from fl_server.engine.simulation import load_state
 from fl_server.models import build_model
+from run_dirs import measure_runs, run_clients
 
 
 def measure(run_dir: Path, data_dir: str | None, work: Path, command: str) -> dict:
-    run = json.loads((run_dir / "run.json").read_text())
-    proto = run["protocol"]
+    run, fed = run_clients(run_dir, data_dir)
+    ds = fed.dataset
     model = build_model(run["model"], tuple(run["input_shape"]), run["num_classes"], seed=run["seed"])
     algorithm = build_algorithm(run["method"], model, 1, seed=run["seed"], **run["hyper"])
     state = {k: {n: v.float() for n, v in d.items()} for k, d in load_state(run_dir / "best.npz").items()}
     device = Personalizer(load_bundle(export_run(run_dir, work / run_dir.name)))
-    ds = load_dataset(run["dataset"], root=data_dir, split="all")
-    fed = make_federated(ds, proto["partition"], proto["num_clients"], proto["new_fraction"], proto["val_fraction"],
-                         seed=run["seed"], alpha=proto["alpha"])
     acc_torch, acc_sdk, agree = [], [], []
     for idx in fed.new:
         x, y = ds.x[idx], ds.y[idx]
@@ -64,19 +55,9 @@ def measure(run_dir: Path, data_dir: str | None, work: Path, command: str) -> di
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("runs", nargs="+")
-    ap.add_argument("--data-dir", default=None)
-    ap.add_argument("--out", default="docs/benchmarks/edge-sdk.json")
-    args = ap.parse_args()
-    command = "python benchmarks/sdk_table1_parity.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = [measure(Path(r), args.data_dir, Path(tmp), command) for r in args.runs]
-    merge_rows(args.out, rows)
-    for r in rows:
-        print(f"{r['what']}: torch {r['accuracy_torch']:.2f}%  sdk {r['accuracy_sdk']:.2f}%  "
-              f"diff {r['value']:+.3f}  agreement {r['prediction_agreement']:.2f}%")
-    return 0
+    return measure_runs(__doc__, "sdk_table1_parity.py", measure, lambda r: (
+        f"torch {r['accuracy_torch']:.2f}%  sdk {r['accuracy_sdk']:.2f}%  diff {r['value']:+.3f}  "
+        f"agreement {r['prediction_agreement']:.2f}%"))
 
 
 if __name__ == "__main__":
