@@ -1,0 +1,134 @@
+"""BTFL on the device path, end to end, against the harness (issue 7): parity and per-sample latency.
+
+Takes a finished ``fl-server bench btgfl`` training run (its last-round checkpoint, as the benchmark evaluates),
+rebuilds the seed's clients and test streams exactly as :mod:`fl_server.bench.btgfl` does, and for every client
+exports its BTFL bundle (:func:`export.btfl.export_btfl_client`: the ``features`` graph + the global model's
+weights + the client's BTFL state), loads it torch-free (:func:`edge_sdk.bundle.load_bundle`) and streams each of
+the five test columns one sample at a time, as a phone would:
+
+    onnxruntime features + global logits (batch 1)  ->  local head (numpy)  ->  BTFLStream.predict_one
+
+The device accuracy (mean over clients, per column and the average) is compared with the harness's torch path
+(features in torch, ``BTFLStream.predict`` at batch 1): target |diff| <= 0.1 point. Latency per sample of the
+whole device pipeline is recorded (p50, p99 over every streamed sample) on one core. Rows merged into
+docs/benchmarks/edge-sdk.json by (what, device).
+
+    python benchmarks/btfl_sdk_e2e.py --dataset fashion_mnist --seed 0 --run-dir runs/bench/btgfl/fashion_mnist/seed0
+"""
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_var] = "1"  # one core: before numpy / torch are imported
+
+import argparse
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from edge_sdk.btfl import BTFLStream
+from edge_sdk.bundle import load_bundle
+from export.btfl import export_btfl_client
+from fl_server.algorithms.btfl import BTFL
+from fl_server.bench import btgfl
+from fl_server.bench.experiments import get_experiment
+from fl_server.bench.rows import merge_rows
+from fl_server.data import load_dataset
+from fl_server.engine.simulation import load_state
+from fl_server.models import build_model
+
+
+def device_stream(bundle_dir: Path, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Stream ``x`` one sample at a time through the bundle: (predicted classes [N], seconds per sample [N])."""
+    bundle = load_bundle(bundle_dir)
+    sess = bundle.session("features", threads=1)
+    state = bundle.weights("btfl")
+    local_head = state["local_head"]
+    feeds = {f"psi.{n}": v for n, v in bundle.weights("psi").items()}
+    stream = BTFLStream.from_arrays(state)
+    pred = np.empty(len(x), dtype=np.int64)
+    secs = np.empty(len(x))
+    for i in range(len(x)):
+        t0 = time.perf_counter()
+        z, g = sess.run(["features", "global_logits"], {"x": x[i:i + 1], **feeds})
+        z64 = z[0].astype(np.float64)
+        probs = stream.predict_one(local_head @ z64, g[0].astype(np.float64), z64)
+        pred[i] = int(np.argmax(probs))
+        secs[i] = time.perf_counter() - t0
+    return pred, secs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dataset", default="fashion_mnist")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--run-dir", required=True, help="a btgfl training run (checkpoint.npz of the last round)")
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--out", default="docs/benchmarks/edge-sdk.json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    command = "python benchmarks/btfl_sdk_e2e.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    protocol = get_experiment("btgfl").protocols[args.dataset]
+    dataset = load_dataset(protocol.dataset, root=args.data_dir, split="all")
+    data = btgfl.build_data(dataset, protocol, args.seed, btgfl.StreamConfig())
+    model = build_model(protocol.model, dataset.x.shape[1:], dataset.num_classes, seed=args.seed)
+    hyper = {**protocol.method_hp.get("BTFL", {}),
+             "body_iterations": btgfl._body_iterations(protocol.local_iterations)}
+    algorithm = BTFL(model, seed=args.seed, **hyper)
+    state = load_state(Path(args.run_dir) / "checkpoint.npz")
+    state = {k: {n: v.float() for n, v in d.items()} if isinstance(d, dict) else d.float() for k, d in state.items()}
+    x_all = torch.from_numpy(dataset.x)
+    arts = algorithm.client_artifacts(state, x_all, data.fed.train)
+    with torch.no_grad():  # the harness's torch path
+        xt = torch.from_numpy(data.x_test)
+        z_t = torch.cat([algorithm.features(state["params"], xt[s:s + 4096]) for s in range(0, len(xt), 4096)])
+        g_all = algorithm.global_head(state["params"], z_t).double().numpy()
+    z_all = z_t.double().numpy()
+    acc_torch = {c: [] for c in btgfl.COLUMNS}
+    acc_sdk = {c: [] for c in btgfl.COLUMNS}
+    agree, secs = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k, (art, streams) in enumerate(zip(arts, data.streams)):
+            bundle_dir = export_btfl_client(algorithm, state["params"], art, Path(tmp) / f"client{k}")
+            for col, idx in streams.items():
+                y = data.y_test[idx]
+                ref, _ = btgfl._btfl_probs(art, g_all[idx], z_all[idx] @ art.local_head.T, z_all[idx], 1)
+                pred, s = device_stream(bundle_dir, data.x_test[idx])
+                acc_torch[col].append(float((ref.argmax(1) == y).mean()))
+                acc_sdk[col].append(float((pred == y).mean()))
+                agree.append(float((pred == ref.argmax(1)).mean()))
+                secs.append(s)
+            print(f"client {k}: done", flush=True)
+    cols_t = {c: 100 * float(np.mean(v)) for c, v in acc_torch.items()}
+    cols_s = {c: 100 * float(np.mean(v)) for c, v in acc_sdk.items()}
+    avg_t, avg_s = float(np.mean(list(cols_t.values()))), float(np.mean(list(cols_s.values())))
+    us = 1e6 * np.concatenate(secs)
+    device = f"cpu:1 thread, {platform.machine()}, load {os.getloadavg()[0]:.1f}"
+    base = {"benchmark": "edge-sdk", "device": device, "command": command, "dataset": args.dataset,
+            "seed": args.seed, "clients": len(arts), "samples": int(len(us))}
+    rows = [
+        {**base, "what": f"BTFL parity SDK vs torch, btgfl {args.dataset} seed {args.seed}",
+         "metric": "accuracy_diff_points_sdk_minus_torch", "value": round(avg_s - avg_t, 3),
+         "accuracy_torch": round(avg_t, 3), "accuracy_sdk": round(avg_s, 3),
+         "columns_torch": {c: round(v, 3) for c, v in cols_t.items()},
+         "columns_sdk": {c: round(v, 3) for c, v in cols_s.items()},
+         "prediction_agreement_pct": round(100 * float(np.mean(agree)), 3)},
+        {**base, "what": f"BTFL end-to-end latency per sample, batch 1, btfl_cnn {args.dataset}",
+         "metric": "p50_us", "value": round(float(np.percentile(us, 50)), 1),
+         "p99_us": round(float(np.percentile(us, 99)), 1), "mean_us": round(float(us.mean()), 1),
+         "pipeline": "onnxruntime features+global head, numpy local head, BTFLStream.predict_one"},
+    ]
+    merge_rows(args.out, rows, key=("what", "device"))
+    print(f"torch {avg_t:.2f}%  sdk {avg_s:.2f}%  diff {avg_s - avg_t:+.3f}  agreement {rows[0]['prediction_agreement_pct']}%")
+    print(f"latency per sample: p50 {rows[1]['value']} us  p99 {rows[1]['p99_us']} us  ({len(us)} samples)")
+
+
+if __name__ == "__main__":
+    main()
