@@ -242,3 +242,37 @@ def test_restart_keeps_state(server: Coordinator, client: dict, tmp_path: Path) 
         assert len(httpx.get(f"{again.url}/v1/jobs", headers=auth(ADMIN), timeout=10).json()) == 3
     finally:
         again.stop()
+
+
+def test_new_client_request_carries_only_the_embedding(server: Coordinator, tmp_path: Path) -> None:
+    """A new ODPFL-HN client personalises on its device through edge_sdk; every byte it sends is recorded on the
+    wire. The only body with data is the generate request, and it holds exactly the embedding e = g_gamma(D):
+    no samples, no labels, nothing of size |D|."""
+    from edge_sdk import EdgeClient
+    from edge_sdk.personalize import personalize
+    from fl_server.data import load_dataset
+
+    sent: list[tuple[str, str, bytes]] = []
+
+    class RecordingTransport(httpx.HTTPTransport):  # real HTTP; only records what leaves the device
+        def handle_request(self, request: httpx.Request) -> httpx.Response:
+            sent.append((request.method, request.url.path, request.read()))
+            return super().handle_request(request)
+
+    ds = load_dataset("digits", split="all")
+    x, y = ds.x[:300].astype(np.float32), ds.y[:300]
+    with EdgeClient(server.url, cache_dir=tmp_path, transport=RecordingTransport()) as device:
+        info = device.join("ODPFL-HN")
+        bundle = device.download(info.manifest)
+        model = personalize(bundle, x, generate=device.generate)
+        embedding = model.personalizer.embed(x)
+    assert (model.logits(x).argmax(1) == y).mean() > 0.2  # a working model came back
+    bodies = [(m, p, b) for m, p, b in sent if b]
+    assert [(m, p) for m, p, _ in bodies] == [("POST", "/v1/clients"), ("POST", "/v1/hypernetwork/generate")]
+    assert json.loads(bodies[0][2]) == {"method": "ODPFL-HN"}
+    gen = json.loads(bodies[1][2])
+    assert set(gen) <= {"embedding", "bundle_id"} and gen.get("bundle_id") is None
+    assert len(gen["embedding"]) == len(embedding) == 32  # E floats, whatever |D| is (here 300 x 64 pixels)
+    np.testing.assert_allclose(gen["embedding"], embedding, rtol=1e-6)
+    assert len(bodies[1][2]) < 2_000 < x.nbytes
+    assert all(m == "GET" for m, _, b in sent if not b)
