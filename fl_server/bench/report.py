@@ -36,6 +36,8 @@ def experiment_section(name: str, rows: list[dict[str, Any]]) -> str:
             split = f"{split}: {r['column']}"
         if "shift" in r:  # fedicon-shift: one row per shift
             split = f"{split} {r['shift']}"
+        if "setting" in r:  # e.g. odpfl-dp: one row per (|D|, eps)
+            split = f"{split}: {r['setting']}"
         lines.append(f"| {r['dataset']} | {r['method']} | {split} | {_fmt(r)} | {paper} | {r['seeds']} | "
                      f"{r.get('rounds', '-')} ({best}) | {r['device']} | {r.get('wall_s', '-')} | "
                      f"`{r.get('command', '')}` | {r.get('note', '')} |")
@@ -64,6 +66,11 @@ def write_report(docs: Path = Path("docs")) -> Path:
         # seed-aggregated experiment tables; other result files (probes, sweeps) as generic rows
         section = experiment_section if all("mean" in r for r in rows) else benchmark_section
         parts.append(section(path.stem, rows))
+        exp = EXPERIMENTS.get(path.stem)
+        if exp is not None and exp.plot is not None and rows:  # figures next to the tables
+            png = exp.plot(rows, docs / "results" / f"{path.stem}.png")
+            if png is not None:
+                parts.append(f"![{path.stem}](results/{png.name})\n")
     for path in sorted((docs / "benchmarks").glob("*.json")):
         data = json.loads(path.read_text())
         parts.append(benchmark_section(path.stem, data if isinstance(data, list) else [data]))
