@@ -51,6 +51,7 @@ def device_stream(bundle_dir: Path, x: np.ndarray) -> tuple[np.ndarray, np.ndarr
     sess = bundle.session("features", threads=1)
     state = bundle.weights("btfl")
     local_head = state["local_head"]
+    local_bias = state.get("local_bias", 0.0)  # present when the local head is MAP's (fl_server.algorithms.compose)
     feeds = {f"psi.{n}": v for n, v in bundle.weights("psi").items()}
     stream = BTFLStream.from_arrays(state)
     pred = np.empty(len(x), dtype=np.int64)
@@ -59,7 +60,7 @@ def device_stream(bundle_dir: Path, x: np.ndarray) -> tuple[np.ndarray, np.ndarr
         t0 = time.perf_counter()
         z, g = sess.run(["features", "global_logits"], {"x": x[i:i + 1], **feeds})
         z64 = z[0].astype(np.float64)
-        probs = stream.predict_one(local_head @ z64, g[0].astype(np.float64), z64)
+        probs = stream.predict_one(local_head @ z64 + local_bias, g[0].astype(np.float64), z64)
         pred[i] = int(np.argmax(probs))
         secs[i] = time.perf_counter() - t0
     return pred, secs

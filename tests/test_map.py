@@ -136,3 +136,44 @@ def test_head_only_stage2_gives_heads_on_the_global_features(fashion_all) -> Non
     out = run_local_steps(algo.local_step, states, sim.server_state, sim.x, sim.y, batches, "vmap")
     assert torch.equal(out["params"]["features.1.weight"], out["agg"]["features.1.weight"])
     assert not torch.allclose(out["params"]["head.weight"], out["agg"]["head.weight"])
+
+
+def test_map_composes_with_btfl(fashion_all) -> None:  # type: ignore[no-untyped-def]
+    """MAP -> BTFL: the local head BTFL interpolates is MAP's personalised model (HPM classifier on the global
+    features), and the stream trusts it more on the client's own data than on another client's."""
+    from edge_sdk.btfl import BTFLStream
+    from fl_server.algorithms.btfl import BTFL
+    from fl_server.algorithms.compose import map_btfl_artifacts
+
+    algo, fed = _algo(fashion_all, local_iterations=8, head_only_stage2=True)
+    sim = Simulation(algo, fed, RunConfig(rounds=4, local_iterations=8, progress=False, seed=0))
+    sim.run()
+    state = sim.server_state
+    arts = map_btfl_artifacts(algo, state, sim.x, fed.train)
+    assert len(arts) == fed.num_train_clients and all(a.local_bias is not None for a in arts)
+    heads = algo.local_heads(state)
+    k, other = 0, 1
+    xk = sim.x[torch.from_numpy(fed.val[k])]
+    personalised = {**state["params"], "head.weight": heads["weight"][k], "head.bias": heads["bias"][k]}
+    btfl = BTFL(algo.model)  # only its feature / global-head functions
+    with torch.no_grad():
+        expect = algo.forward(personalised, xk).double().numpy()
+        zk = btfl.features(state["params"], xk).double().numpy()
+    np.testing.assert_allclose(arts[k].local_logits(zk), expect, atol=1e-4)
+    assert "local_bias" in arts[k].arrays()
+
+    def mean_e(idx: np.ndarray) -> float:
+        x = sim.x[torch.from_numpy(idx)]
+        with torch.no_grad():
+            z_ = btfl.features(state["params"], x)
+            g_ = btfl.global_head(state["params"], z_).double().numpy()
+        z_ = z_.double().numpy()
+        a = arts[k]
+        stream = BTFLStream(a.local_dle, a.global_dle, a.h_local_bar, a.h_global_bar)
+        stream.predict(a.local_logits(z_), g_, z_)
+        return float(stream.last_weights.mean())
+
+    with pytest.raises(ValueError, match="head_only_stage2"):
+        map_btfl_artifacts(_algo(fashion_all)[0], state, sim.x, fed.train)
+    ind, exd = mean_e(np.concatenate([fed.train[k], fed.val[k]])), mean_e(np.concatenate([fed.train[other], fed.val[other]]))
+    assert ind < exd, (ind, exd)  # e = weight of the global head: low on the client's own distribution

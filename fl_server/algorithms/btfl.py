@@ -47,19 +47,26 @@ class BTFLConfig(Hyper):
 class ClientArtifacts:
     """What client k's device needs besides phi and the global head (all numpy, no pickle)."""
 
-    local_head: np.ndarray  # [C, D] (bias-free)
+    local_head: np.ndarray  # [C, D] (BTFL's own heads are bias-free)
     local_dle: np.ndarray  # [D, L] level frequencies on the client's training features
     global_dle: np.ndarray  # [D, L] average of the other clients' local DLEs
     h_local_bar: float  # mean entropy of the local head on the training set (nats)
     h_global_bar: float  # mean entropy of the global head on the training set
     mu_local: np.ndarray  # [D] mean training feature (FedTHE)
     mu_global: np.ndarray  # [D] mean of all clients' mu_local (FedTHE)
+    local_bias: np.ndarray | None = None  # [C], when the local head comes with a bias (MAP's HPM classifier)
+
+    def local_logits(self, z: np.ndarray) -> np.ndarray:
+        """The local head on features z [N, D] -> [N, C]."""
+        out = z @ self.local_head.T
+        return out if self.local_bias is None else out + self.local_bias
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Flat float arrays for an ``.npz`` weight file."""
-        return {"local_head": self.local_head, "local_dle": self.local_dle, "global_dle": self.global_dle,
-                "h_bar": np.array([self.h_local_bar, self.h_global_bar]), "mu_local": self.mu_local,
-                "mu_global": self.mu_global}
+        out = {"local_head": self.local_head, "local_dle": self.local_dle, "global_dle": self.global_dle,
+               "h_bar": np.array([self.h_local_bar, self.h_global_bar]), "mu_local": self.mu_local,
+               "mu_global": self.mu_global}
+        return out if self.local_bias is None else {**out, "local_bias": self.local_bias}
 
 
 class BTFL(Algorithm):
@@ -131,15 +138,19 @@ class BTFL(Algorithm):
     # ---------------------------------------------------------------- artifacts
     @torch.no_grad()
     def client_artifacts(self, server_state: State, x: torch.Tensor, train: list[np.ndarray],
-                         chunk: int = 4096) -> list[ClientArtifacts]:
+                         chunk: int = 4096, local_heads: State | None = None) -> list[ClientArtifacts]:
         """Per training client: DLEs, mean head entropies and prototypes from its training set (``train[k]``
-        indexes ``x``), with the final global features. Global DLE of client k = mean of the other clients'."""
-        params, heads = server_state["params"], server_state["local_heads"]
+        indexes ``x``), with the final global features. Global DLE of client k = mean of the other clients'.
+        ``local_heads`` {"weight": [K, C, D], "bias": [K, C]} replaces BTFL's own bias-free heads (e.g. MAP's
+        HPM classifiers, :func:`fl_server.algorithms.compose.map_btfl_artifacts`)."""
+        params = server_state["params"]
+        heads = server_state["local_heads"] if local_heads is None else local_heads["weight"]
+        biases = None if local_heads is None else local_heads["bias"]
         local = []
         for k, idx in enumerate(train):  # one pass per client over its own data (K small)
             ids = torch.from_numpy(idx).to(x.device)
             z = torch.cat([self.features(params, x[ids[s:s + chunk]]) for s in range(0, len(ids), chunk)])
-            h_l = entropy_from_logits(z @ heads[k].T).mean()
+            h_l = entropy_from_logits(z @ heads[k].T + (0 if biases is None else biases[k])).mean()
             h_g = entropy_from_logits(self.global_head(params, z)).mean()
             z_np = z.double().cpu().numpy()
             local.append((btfl_math.fit_dle(z_np, self.hp.dle_levels), float(h_l), float(h_g), z_np.mean(0)))
@@ -149,5 +160,6 @@ class BTFL(Algorithm):
         out = []
         for k, (dle, h_l, h_g, mu) in enumerate(local):
             others = (dles.sum(0) - dle) / (k_all - 1) if k_all > 1 else dle  # leave-one-out average
-            out.append(ClientArtifacts(heads[k].double().cpu().numpy(), dle, others, h_l, h_g, mu, mus.mean(0)))
+            bias = None if biases is None else biases[k].double().cpu().numpy()
+            out.append(ClientArtifacts(heads[k].double().cpu().numpy(), dle, others, h_l, h_g, mu, mus.mean(0), bias))
         return out
