@@ -13,7 +13,7 @@ import onnxruntime as ort
 import pytest
 
 from coordinator_proc import ADMIN, Coordinator, start
-from edge_sdk import btfl
+from edge_sdk import btfl, tensors
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -136,6 +136,13 @@ def test_generate(server: Coordinator, client: dict) -> None:
         feeds[inp.name] = arr
     (logits,) = forward.run(["logits"], feeds)
     assert logits.shape == (len(x), 10) and np.isfinite(logits).all()
+    binary = httpx.post(url, json={"embedding": e.tolist()}, timeout=30,
+                        headers={**auth(client["token"]), "Accept": tensors.MEDIA_TYPE})
+    assert binary.headers["content-type"] == tensors.MEDIA_TYPE and len(binary.content) < len(r.content)
+    arrays, meta = tensors.decode(binary.content)
+    assert meta == {"bundle_id": m["bundle_id"]} and set(arrays) == set(params)
+    for name, arr in arrays.items():  # the same weights as the JSON reply, bit for bit
+        assert arr.tobytes() == base64.b64decode(params[name]["data"])
     other = httpx.post(url, json={"embedding": (e + 1.0).tolist()}, headers=auth(client["token"]), timeout=30)
     assert other.json()["params"] != params  # the weights depend on the embedding
     for bad in ({"embedding": e.tolist()[:-1]}, {"embedding": []}, {"embedding": e.tolist(), "data": [1.0]}):
