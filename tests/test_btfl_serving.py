@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from coordinator_proc import REPO, Coordinator, start
+from coordinator_proc import REPO, Coordinator, bearer, join, start
 from edge_sdk import btfl
 
 pytestmark = pytest.mark.timeout(600)
@@ -28,13 +28,11 @@ def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped
 
 
 def _join(server: Coordinator) -> dict:
-    r = httpx.post(f"{server.url}/v1/clients", json={"method": "BTFL"}, timeout=10)
-    assert r.status_code == 201, r.text
-    return r.json()
+    return join(server.url, "BTFL")
 
 
 def _auth(client: dict) -> dict[str, str]:
-    return {"Authorization": f"Bearer {client['token']}"}
+    return bearer(client["token"])
 
 
 def _bundle_dle(server: Coordinator, manifest: dict) -> tuple[np.ndarray, int]:

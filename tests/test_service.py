@@ -12,7 +12,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from coordinator_proc import ADMIN, Coordinator, start
+from coordinator_proc import ADMIN, Coordinator, join, start
+from coordinator_proc import bearer as auth
 from edge_sdk import btfl, tensors
 
 pytestmark = pytest.mark.timeout(600)
@@ -31,13 +32,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped
 
 @pytest.fixture(scope="module")
 def client(server: Coordinator) -> dict:
-    r = httpx.post(f"{server.url}/v1/clients", json={"method": "ODPFL-HN"}, timeout=10)
-    assert r.status_code == 201, r.text
-    return r.json()
-
-
-def auth(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
+    return join(server.url, "ODPFL-HN")
 
 
 def test_join_before_bundle_is_503_with_retry_after(server: Coordinator) -> None:
