@@ -2,13 +2,14 @@
 join -> manifest -> download every artifact of its bundle -> ODPFL-HN generate, all released at once.
 
     python benchmarks/coordinator_load.py [--devices 200] [--server URL --server-pid PID | --store DIR]
-        [--pin split|none] [--out docs/benchmarks/coordinator-load.json]
+        [--pin none|split] [--client httpx|raw] [--preconnect] [--out docs/benchmarks/coordinator-load.json]
 
 Without --server it starts `fl-server serve` on --store (training TENT and ODPFL-HN on the embedded digits
 first if that store is empty; only serving is timed). Each device's embedding is computed beforehand on
 real digits with the bundle's encoder graph (onnxruntime), as a device would; the timed part is HTTP only.
-The generator is its own process; with ``--pin split`` (default) the server gets CPU 0 and the generator
-CPU 1, so neither steals the other's core. Writes rows in the DESIGN.md benchmark schema: client-observed
+The generator is its own process; by default both share the cores (``--pin split``: server on CPU 0,
+generator on CPU 1). ``--client raw`` and ``--preconnect`` are diagnostics that take the generator's own
+cost and the TCP connect storm out of the picture (see docs/coordinator.md, "Load test"). Writes rows in the DESIGN.md benchmark schema: client-observed
 p50/p99 latency per endpoint, the server's own latency histograms (/metrics), throughput, errors, CPU seconds
 of each side and the 1-minute load average before and after.
 """
@@ -139,16 +140,18 @@ async def _deadline(run: Coroutine[Any, Any, None], errors: list[str]) -> None:
         errors.append(f"device: not done after {DEVICE_DEADLINE_S:.0f} s")
 
 
-async def load(url: str, embs: list[list[float]], client: str) -> tuple[dict[str, list[float]], list[str], float]:
+async def load(url: str, embs: list[list[float]], client: str,
+               preconnect: bool = False) -> tuple[dict[str, list[float]], list[str], float]:
     """All devices at once; each has its own connection (as on real devices; a single shared pool of hundreds
-    of connections costs the load generator O(n) per request)."""
+    of connections costs the load generator O(n) per request). The TCP connect is part of each device's join
+    unless ``preconnect`` (diagnostic: every connection opened, with a /healthz, before the clock starts)."""
     lat: dict[str, list[float]] = {k: [] for k in ENDPOINTS}
     errors: list[str] = []
     tls = ssl.create_default_context()  # built once, not per connection
     conns: list[Connection] = [HttpxConnection(url, tls) if client == "httpx" else RawConnection(url) for _ in embs]
     bodies = [json.dumps({"embedding": e}).encode() for e in embs]
     try:
-        await conns[0].request("GET", "/healthz")
+        await asyncio.gather(*(c.request("GET", "/healthz") for c in (conns if preconnect else conns[:1])))
         t0 = time.perf_counter()
         await asyncio.gather(*(_deadline(device(c, b, lat, errors), errors) for c, b in zip(conns, bodies)))
         wall = time.perf_counter() - t0
@@ -219,11 +222,16 @@ def main() -> int:
                                                    "for its CPU time and pinning)")
     ap.add_argument("--server-pid", type=int, default=None)
     ap.add_argument("--store", default="runs/load-store", help="store of the coordinator started here")
-    ap.add_argument("--pin", choices=("split", "none"), default="split",
-                    help="split: server on CPU 0, this generator on CPU 1 (one core each); none: both float")
+    ap.add_argument("--pin", choices=("none", "split"), default="none",
+                    help="none (default): server and generator share both cores; split: server on CPU 0, this "
+                         "generator on CPU 1 (worse on a machine shared with other jobs: neither can use the "
+                         "core the other leaves idle)")
     ap.add_argument("--client", choices=("httpx", "raw"), default="httpx",
                     help="httpx (default, a real client) or raw: benchmarks/raw_http.py, ~10x cheaper per request, "
                          "to see the server's capacity when the generator is not the limit (diagnostic)")
+    ap.add_argument("--preconnect", action="store_true",
+                    help="open every device's connection before the clock starts (diagnostic: the join's latency "
+                         "without a storm of 200 simultaneous TCP connects)")
     ap.add_argument("--out", default="docs/benchmarks/coordinator-load.json")
     args = ap.parse_args()
     from coordinator_proc import start
@@ -245,7 +253,7 @@ def main() -> int:
         load_before = os.getloadavg()
         server_cpu0 = _cpu_seconds(server_pid) if server_pid else None
         client_cpu0 = time.process_time()
-        lat, errors, wall = _run(load(url, embs, args.client))
+        lat, errors, wall = _run(load(url, embs, args.client, args.preconnect))
         client_cpu = time.process_time() - client_cpu0
         server_cpu = _cpu_seconds(server_pid) - server_cpu0 if server_pid else None
         load_after = os.getloadavg()
@@ -261,7 +269,7 @@ def main() -> int:
               "server": "one uvicorn process (fl-server serve: uvloop, httptools, no access log); load generator "
                         f"in a separate process (asyncio + {'httpx transports' if args.client == 'httpx' else 'raw_http.py'}"
                         ", one connection per device)",
-              "cores": cores, "pin": args.pin, "client": args.client,
+              "cores": cores, "pin": args.pin, "client": args.client, "preconnect": args.preconnect,
               "cpu_s_server": None if server_cpu is None else round(server_cpu, 2),
               "cpu_s_client": round(client_cpu, 2),
               "loadavg_1m_before_after": [round(load_before[0], 2), round(load_after[0], 2)],
