@@ -4,7 +4,10 @@
 
 1. joins the coordinator (edge_sdk.EdgeClient; bundle downloaded with resume, every sha256 verified),
 2. personalises the bundle on a warm-up window of the device's *unlabeled* data (edge_sdk.personalize;
-   ODPFL-HN sends only its embedding and receives weights),
+   ODPFL-HN sends only its embedding and receives weights); BTFL instead does a participant's part
+   (edge_sdk.btfl_device): trains its local head on the *labeled* warm-up window over the frozen global
+   features, fits its local DLE, uploads it (POST /v1/btfl/dle) and streams with the returned global DLE,
+   interpolating the local and global heads with BTFL's weight e (plotted with the accuracy),
 3. processes a stream one sample at a time with two shifts: in-distribution (the device's own held-out
    samples) -> corrupted (the same distribution under an image corruption) -> external classes (classes
    the device never had), printing rolling accuracy and per-sample latency; a final summary and a PNG.
@@ -23,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from edge_sdk import EdgeClient, EdgeClientError
+from edge_sdk.btfl_device import BTFLDevice
 from edge_sdk.personalize import personalize
 from fl_server.data import load_dataset
 from fl_server.data.corruptions import CORRUPTIONS, corrupt
@@ -33,9 +37,10 @@ PHASES = ("in-distribution", "corrupted", "external classes")
 
 
 def build_stream(manifest: dict, client: int, warmup: int, per_phase: int, corruption: str, severity: int,
-                 seed: int, data_dir: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(warm-up x, stream x, stream y, stream phase id) for held-out new client ``client`` of the bundle's
-    protocol. Phases: the client's unseen samples; its samples corrupted; samples of classes it lacks."""
+                 seed: int, data_dir: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(warm-up x, warm-up y, stream x, stream y, stream phase id) for held-out new client ``client`` of the
+    bundle's protocol. Phases: the client's unseen samples; its samples corrupted; samples of classes it lacks.
+    Warm-up labels are used by BTFL only (a participant trains its local head); the others ignore them."""
     p = manifest["protocol"]
     fed = make_federated(load_dataset(manifest["dataset"], root=data_dir), p["partition"], p["num_clients"],
                          p["new_fraction"], p["val_fraction"], seed=manifest["seed"], alpha=p["alpha"])
@@ -54,7 +59,7 @@ def build_stream(manifest: dict, client: int, warmup: int, per_phase: int, corru
     ext = rng.choice(pool, size=n, replace=False)
     xs = np.concatenate([x[ind], corrupt(x[shifted], corruption, severity, seed), x[ext]]).astype(np.float32)
     ys = np.concatenate([y[ind], y[shifted], y[ext]])
-    return x[own[:warmup]].astype(np.float32), xs, ys, np.repeat(np.arange(3), n)
+    return x[own[:warmup]].astype(np.float32), y[own[:warmup]], xs, ys, np.repeat(np.arange(3), n)
 
 
 def rolling(correct: np.ndarray, window: int) -> np.ndarray:
@@ -65,7 +70,7 @@ def rolling(correct: np.ndarray, window: int) -> np.ndarray:
     return (c[t] - c[lo]) / (t - lo)
 
 
-def save_plot(path: Path, acc: np.ndarray, phase: np.ndarray, title: str) -> bool:
+def save_plot(path: Path, acc: np.ndarray, phase: np.ndarray, title: str, e: np.ndarray | None = None) -> bool:
     try:
         import matplotlib
 
@@ -81,7 +86,14 @@ def save_plot(path: Path, acc: np.ndarray, phase: np.ndarray, title: str) -> boo
         ax.axvspan(idx[0] - 0.5, idx[-1] + 0.5, color=("#e8f5e9", "#fff8e1", "#fdecea")[k], zorder=0)
         ax.text(idx[0] + 1, 4, name, fontsize=8, color="#555")
     ax.set(xlabel="stream sample", ylabel="accuracy (%)", ylim=(0, 102), title=title)
-    ax.legend(loc="upper right", fontsize=8)
+    handles = ax.get_legend_handles_labels()
+    if e is not None:  # BTFL: the weight of the global head per sample
+        ax2 = ax.twinx()
+        ax2.plot(np.arange(len(e)), e, color="#d1242f", lw=0.9, alpha=0.8, label="BTFL e (global-head weight)")
+        ax2.set(ylabel="e", ylim=(0, 1.02))
+        h2 = ax2.get_legend_handles_labels()
+        handles = (handles[0] + h2[0], handles[1] + h2[1])
+    ax.legend(*handles, loc="upper right", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -115,8 +127,9 @@ def main() -> int:
             info = client.join(None if method == "none" else method)
         except EdgeClientError as exc:
             if exc.status == 404 and method == "BTFL":
-                print(f"error: this coordinator does not serve BTFL yet (its BTFL bundle has not landed); "
-                      f"try --method fedtta++, odpfl-hn, tent or none. ({exc})", file=sys.stderr)
+                print(f"error: this coordinator has no BTFL bundle and no BTFL job (start one with the admin "
+                      f"token: POST /v1/jobs {{\"method\": \"BTFL\"}}, or FL_SERVE_DEFAULT_METHODS=...,BTFL); "
+                      f"or try --method fedtta++, odpfl-hn, tent or none. ({exc})", file=sys.stderr)
                 return 3
             print(f"error: {exc}", file=sys.stderr)
             return 2
@@ -126,25 +139,42 @@ def main() -> int:
         print(f"joined {args.server} as {info.client_id[:12]} (methods served: {', '.join(info.methods)}); "
               f"{bundle.method} bundle {info.manifest['bundle_id'][:12]} verified, "
               f"{len(bundle.manifest['artifacts'])} artifacts, {1e3 * t_download:.0f} ms")
-        warm, xs, ys, phase = build_stream(bundle.manifest, args.client, args.warmup, args.per_phase,
-                                           args.corruption, args.severity, args.seed, args.data_dir)
+        warm, warm_y, xs, ys, phase = build_stream(bundle.manifest, args.client, args.warmup, args.per_phase,
+                                                   args.corruption, args.severity, args.seed, args.data_dir)
         t0 = time.perf_counter()
-        model = personalize(bundle, warm, method, generate=client.generate)
+        btfl_info: dict | None = None
+        if method == "BTFL":
+            device = BTFLDevice(bundle)
+            fit = device.fit(warm, warm_y)
+            reply = client.upload_dle(fit.local_dle, fit.samples)
+            device.start(reply["others_dle"] if reply["others_dle"] is not None else reply["global_dle"])
+            predict, base_predict, steps = device.logits, device.global_logits, 1
+            btfl_info = {"local_head_train_accuracy": round(100 * fit.train_accuracy, 2),
+                         "dle_clients": reply["clients"], "dle_base": reply.get("base")}
+            what = (f"trained its local head on {len(warm)} labeled samples (train acc "
+                    f"{100 * fit.train_accuracy:.1f}%), uploaded its DLE ({reply['clients']} client DLE(s) + "
+                    f"{'the bundle' if reply.get('base') else 'no'} training-time DLE in the aggregate)")
+        else:
+            dm = personalize(bundle, warm, method, generate=client.generate)
+            baseline = personalize(bundle, warm, "none")
+            predict, base_predict, steps = dm.logits, baseline.logits, dm.steps
+            what = f"personalised with {args.method} on {len(warm)} unlabeled samples"
         t_personalize = time.perf_counter() - t0
-    baseline = personalize(bundle, warm, "none")
-    print(f"personalised with {args.method} on {len(warm)} unlabeled samples in {1e3 * t_personalize:.1f} ms "
-          f"({model.steps} step(s)); streaming {len(xs)} samples: {' -> '.join(PHASES)} "
-          f"({args.corruption}, severity {args.severity})")
+    print(f"{what} in {1e3 * t_personalize:.1f} ms ({steps} step(s)); streaming {len(xs)} samples: "
+          f"{' -> '.join(PHASES)} ({args.corruption}, severity {args.severity})")
 
     correct = np.zeros(len(xs))
     base_correct = np.zeros(len(xs))
     latency = np.zeros(len(xs))
+    e = np.full(len(xs), np.nan)  # BTFL's weight of the global head per sample
     for t in range(len(xs)):  # one sample at a time, as a device sees them
         s = time.perf_counter()
-        pred = int(model.logits(xs[t:t + 1]).argmax())
+        pred = int(predict(xs[t:t + 1]).argmax())
         latency[t] = 1e3 * (time.perf_counter() - s)
+        if btfl_info is not None:
+            e[t] = device.stream.last_weight  # type: ignore[union-attr]
         correct[t] = pred == ys[t]
-        base_correct[t] = int(baseline.logits(xs[t:t + 1]).argmax()) == ys[t]
+        base_correct[t] = int(base_predict(xs[t:t + 1]).argmax()) == ys[t]
         if (t + 1) % args.print_every == 0 or t == len(xs) - 1:
             acc = rolling(correct[:t + 1], args.window)[-1]
             print(f"  [{t + 1:>4}] {PHASES[phase[t]]:<16} rolling acc {100 * acc:5.1f}%   "
@@ -160,12 +190,18 @@ def main() -> int:
                "accuracy_received_model": {name: round(100 * float(base_correct[phase == k].mean()), 2)
                                            for k, name in enumerate(PHASES)},
                "torch_imported": "torch" in sys.modules}
+    if btfl_info is not None:
+        summary["btfl"] = {**btfl_info, "mean_e": {name: round(float(e[phase == k].mean()), 4)
+                                                   for k, name in enumerate(PHASES)}}
+        print("BTFL mean e (weight of the global head): "
+              + ", ".join(f"{k} {v:.3f}" for k, v in summary["btfl"]["mean_e"].items()))
     print("summary: " + ", ".join(f"{k} {v:.1f}%" for k, v in summary["accuracy"].items())
           + f" (received model: " + ", ".join(f"{v:.1f}%" for v in summary["accuracy_received_model"].values())
           + f"); latency p50 {summary['latency_ms_p50']:.3f} ms, p99 {summary['latency_ms_p99']:.3f} ms per sample")
     png = Path(args.png or f"runs/stream-{args.method}.png")
     if save_plot(png, rolling(correct, args.window), phase,
-                 f"{bundle.method} on {bundle.manifest['dataset']}: rolling accuracy (window {args.window})"):
+                 f"{bundle.method} on {bundle.manifest['dataset']}: rolling accuracy (window {args.window})",
+                 e if btfl_info is not None else None):
         print(f"plot: {png}")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))

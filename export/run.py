@@ -7,10 +7,12 @@ from pathlib import Path
 
 import torch
 
+from export.btfl import export_btfl_run
 from export.bundle import export_specs, write_bundle
 from export.quantize import freeze_weights, quantize_int8
 from export.steps import StepSpec, encoder_spec, fedtta_step_spec, forward_spec, tent_step_spec
 from fl_server.algorithms import build_algorithm
+from fl_server.algorithms.btfl import BTFL
 from fl_server.algorithms.fedtta import FedTTA
 from fl_server.algorithms.odpfl_hn import ODPFLHN
 from fl_server.algorithms.tent import Tent
@@ -18,9 +20,10 @@ from fl_server.engine.simulation import load_state
 from fl_server.models import build_model
 
 
-def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False) -> Path:
+def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_root: str | None = None) -> Path:
     """Build the method's device graphs around the best-validation weights of ``run_dir``; write a bundle.
-    ``int8``: also ship ``forward_int8``, the received model frozen and dynamically quantized (plain inference)."""
+    ``int8``: also ship ``forward_int8``, the received model frozen and dynamically quantized (plain inference).
+    ``data_root``: where the run's data set lives (BTFL re-reads the training clients' data for their DLEs)."""
     run_dir = Path(run_dir)
     for needed in ("run.json", "best.npz"):
         if not (run_dir / needed).is_file():
@@ -28,6 +31,12 @@ def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False) -> Pat
     run = json.loads((run_dir / "run.json").read_text())
     model = build_model(run["model"], tuple(run["input_shape"]), run["num_classes"], seed=run["seed"])
     algorithm = build_algorithm(run["method"], model, 1, seed=run["seed"], **run["hyper"])
+    extra = {"model": run["model"], "dataset": run["dataset"], "seed": run["seed"], "protocol": run["protocol"],
+             "input_shape": run["input_shape"], "num_classes": run["num_classes"]}
+    if isinstance(algorithm, BTFL):
+        if int8:
+            raise ValueError("--int8 is not available for BTFL bundles")
+        return export_btfl_run(algorithm, load_state(run_dir / "best.npz"), run, dest, extra, data_root)
     state = {k: {n: v.float() for n, v in d.items()} for k, d in load_state(run_dir / "best.npz").items()
              if k in ("params", "phi", "enc")}
     specs: dict[str, StepSpec] = {"forward": forward_spec(model, state["params"])}
@@ -43,7 +52,4 @@ def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False) -> Pat
         if int8:
             frozen = freeze_weights(graphs["forward"], weights["params"], Path(tmp) / "forward_frozen.onnx")
             graphs["forward_int8"] = quantize_int8(frozen, Path(tmp) / "forward_int8.onnx")
-        return write_bundle(dest, graphs, weights, run["method"], run["hyper"],
-                            extra={"model": run["model"], "dataset": run["dataset"], "seed": run["seed"],
-                                   "protocol": run["protocol"],
-                                   "input_shape": run["input_shape"], "num_classes": run["num_classes"]})
+        return write_bundle(dest, graphs, weights, run["method"], run["hyper"], extra=extra)

@@ -101,13 +101,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from fl_server.service import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
+    import importlib.util
+
     import torch
 
-    torch.set_num_threads(1)  # the API answers many requests in threads; training runs in subprocesses
+    # hypernetwork forwards run on one worker thread with one intra-op thread: a burst of generates must not
+    # take every core from the event loop (training runs in subprocesses with their own thread budget)
+    torch.set_num_threads(1)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:  # already set in this process (the CLI called twice, e.g. from a test)
+        pass
     overrides = {k: v for k, v in {"default_rounds": args.rounds, "workers": args.workers}.items() if v is not None}
     app = create_app(args.store, **overrides)
     print(f"coordinator on http://{args.host}:{args.port} (store {args.store}; dashboard at /, API docs at /docs)")
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
+    fast = {"loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
+            "http": "httptools" if importlib.util.find_spec("httptools") else "h11"}
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                backlog=args.backlog, **fast)
     return 0
 
 
@@ -160,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=None, help="rounds of the default jobs (default: $FL_SERVE_ROUNDS or 30)")
     p.add_argument("--workers", type=int, default=None, help="concurrent training jobs (default: $FL_SERVE_WORKERS or 1)")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--backlog", type=int, default=4096, help="listen backlog (a burst of device connections)")
     p.set_defaults(func=cmd_serve)
     return parser
 

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# `make run`: bring the coordinator up on the embedded default (it trains TENT, FedTTA++ and ODPFL-HN on the
-# 8x8 digits in the background and serves their bundles), then run the streaming device example against it
+# `make run`: bring the coordinator up on the embedded default (it trains TENT, FedTTA++, ODPFL-HN and BTFL on
+# the 8x8 digits in the background and serves their bundles), then run the streaming device example against it
 # for each method, then stop the coordinator. State persists in $STORE: a second run reuses the bundles.
 set -euo pipefail
 BIN=${BIN:-.venv/bin}
 PORT=${PORT:-8000}
 STORE=${STORE:-runs/store}
 export FL_SERVE_WORKERS=${FL_SERVE_WORKERS:-2}  # two training jobs at a time
-METHODS=${METHODS:-"tent fedtta++ odpfl-hn none"}
+METHODS=${METHODS:-"tent fedtta++ odpfl-hn btfl none"}
 URL="http://127.0.0.1:${PORT}"
 mkdir -p runs
 "$BIN/fl-server" serve --port "$PORT" --store "$STORE" --log-level warning > runs/coordinator.log 2>&1 &

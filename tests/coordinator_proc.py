@@ -73,3 +73,14 @@ def start(store: Path, methods: str = "TENT,ODPFL-HN", rounds: int = 1, workers:
         time.sleep(0.2)
     proc.kill()
     raise TimeoutError(f"coordinator did not answer /healthz; log {log.read_text()[-2000:]}")
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def join(url: str, method: str | None = None) -> dict:
+    """POST /v1/clients on a coordinator; the 201 body (client id, token, methods, manifest)."""
+    r = httpx.post(f"{url}/v1/clients", json={"method": method}, timeout=10)
+    assert r.status_code == 201, r.text
+    return r.json()

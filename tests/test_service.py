@@ -12,8 +12,9 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from coordinator_proc import ADMIN, Coordinator, start
-from edge_sdk import btfl
+from coordinator_proc import ADMIN, Coordinator, join, start
+from coordinator_proc import bearer as auth
+from edge_sdk import btfl, tensors
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -31,13 +32,7 @@ def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped
 
 @pytest.fixture(scope="module")
 def client(server: Coordinator) -> dict:
-    r = httpx.post(f"{server.url}/v1/clients", json={"method": "ODPFL-HN"}, timeout=10)
-    assert r.status_code == 201, r.text
-    return r.json()
-
-
-def auth(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
+    return join(server.url, "ODPFL-HN")
 
 
 def test_join_before_bundle_is_503_with_retry_after(server: Coordinator) -> None:
@@ -136,6 +131,13 @@ def test_generate(server: Coordinator, client: dict) -> None:
         feeds[inp.name] = arr
     (logits,) = forward.run(["logits"], feeds)
     assert logits.shape == (len(x), 10) and np.isfinite(logits).all()
+    binary = httpx.post(url, json={"embedding": e.tolist()}, timeout=30,
+                        headers={**auth(client["token"]), "Accept": tensors.MEDIA_TYPE})
+    assert binary.headers["content-type"] == tensors.MEDIA_TYPE and len(binary.content) < len(r.content)
+    arrays, meta = tensors.decode(binary.content)
+    assert meta == {"bundle_id": m["bundle_id"]} and set(arrays) == set(params)
+    for name, arr in arrays.items():  # the same weights as the JSON reply, bit for bit
+        assert arr.tobytes() == base64.b64decode(params[name]["data"])
     other = httpx.post(url, json={"embedding": (e + 1.0).tolist()}, headers=auth(client["token"]), timeout=30)
     assert other.json()["params"] != params  # the weights depend on the embedding
     for bad in ({"embedding": e.tolist()[:-1]}, {"embedding": []}, {"embedding": e.tolist(), "data": [1.0]}):

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import httpx
 import numpy as np
 
+from edge_sdk import tensors
 from edge_sdk.bundle import MANIFEST, Bundle, load_bundle, sha256_file
 
 _SHA = re.compile(r"^[0-9a-f]{64}$")
@@ -198,12 +199,23 @@ class EdgeClient:
                               f"{part.stat().st_size if part.exists() else 0} bytes kept for resuming)")
 
     def generate(self, embedding: np.ndarray, bundle_id: str | None = None) -> dict[str, np.ndarray]:
-        """ODPFL-HN: send only the embedding e, receive the personalised weights {psi.<name>: array}."""
+        """ODPFL-HN: send only the embedding e, receive the personalised weights {psi.<name>: array}. Asks for
+        the binary reply (:mod:`edge_sdk.tensors`) and still reads the JSON one of an older coordinator."""
         e = np.asarray(embedding, dtype=np.float64).reshape(-1)
         if not np.isfinite(e).all():
             raise ValueError("embedding contains NaN or inf")
-        body = self._json("POST", "/v1/hypernetwork/generate", headers=self._auth(),
+        r = self._request("POST", "/v1/hypernetwork/generate",
+                          headers={**self._auth(), "Accept": f"{tensors.MEDIA_TYPE}, application/json;q=0.5"},
                           json={"embedding": e.tolist(), "bundle_id": bundle_id})
+        if r.status_code >= 400:
+            raise EdgeClientError(f"POST /v1/hypernetwork/generate: HTTP {r.status_code}: {_detail(r)}",
+                                  r.status_code)
+        if r.headers.get("content-type", "").split(";")[0].strip() == tensors.MEDIA_TYPE:
+            try:
+                return tensors.decode(r.content)[0]
+            except ValueError as exc:
+                raise EdgeClientError(f"generate: malformed weights reply ({exc})") from None
+        body = r.json()
         return {k: np.frombuffer(base64.b64decode(t["data"]), dtype="<f4").reshape(t["shape"]).astype(np.float32)
                 for k, t in body["params"].items()}
 

@@ -96,6 +96,7 @@ def _upfl_hp(dataset: str) -> dict[str, dict[str, Any]]:
     lr = _UPFL_LR[dataset]
     return {"FedAvg": {"lr": lr}, "TENT": {"lr": lr}, "FedProx": {"lr": 0.3, "mu": 0.001},
             "FedAvg+FT": {"lr": lr}, "Local": {"lr": lr},
+            "BTFL": {"lr": lr},  # the coordinator's BTFL jobs (not a UPFL Table 1 row)
             **FEDTTA_HP.get(dataset, FEDTTA_HP["mnist"]), **ODPFL_HP.get(dataset, ODPFL_HP["mnist"])}
 
 

@@ -3,34 +3,74 @@ inference). theta never leaves the server; the client sends only e (optionally D
 
 The hypernetwork's output heads are wide (one row of weights per target parameter), so one embedding at a
 time is a memory-bound matrix-vector product; concurrent requests are therefore micro-batched: while one
-batch [K, E] runs, the next requests queue up and go together (:class:`GenerateBatcher`)."""
+batch [K, E] runs, the next requests queue up and go together (:class:`GenerateBatcher`). There is no
+batching window: a lone request runs at once. Forwards run on one worker thread with torch's intra-op threads
+bounded by ``fl-server serve`` (1), so they never block the event loop nor take every core."""
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import threading
+from collections.abc import Hashable
 from typing import Any
 
 import numpy as np
 import torch
 
+from edge_sdk import tensors
 from fl_server.service.artifacts import ArtifactStore
+from fl_server.service.batching import MicroBatcher
+
+
+class FusedHypernet:
+    """f_theta of one ODPFL-HN bundle with its output heads fused: the heads' [out_i, width] matrices are
+    concatenated once into W [P, width], so a batch is the body (a few small layers) plus ONE matmul producing
+    every target parameter as a row of [K, P], in the bundle's parameter order. Each torch call releases the GIL
+    and must take it back; with the event loop holding it under load, one call instead of one per head keeps the
+    worker thread from queueing behind the loop (the interpreter's switch interval) once per head."""
+
+    def __init__(self, algorithm: Any, theta: dict[str, torch.Tensor]) -> None:
+        net = algorithm.hypernet
+        self.body = net.body
+        self.body_theta = {k[len("body."):]: v for k, v in theta.items() if k.startswith("body.")}
+        self.names = [f"psi.{n}" for n in net.names]
+        self.shapes = [tuple(s) for s in net.shapes]
+        self.weight = torch.cat([theta[f"heads.{i}.weight"] for i in range(len(net.names))]).contiguous()
+        self.bias = torch.cat([theta[f"heads.{i}.bias"] for i in range(len(net.names))])
+
+    def __call__(self, embeddings: np.ndarray) -> np.ndarray:
+        """[K, E] -> [K, P] float32: row k holds every parameter of client k, flattened, back to back."""
+        with torch.inference_mode():
+            h = torch.func.functional_call(self.body, self.body_theta, (torch.from_numpy(embeddings),))
+            return torch.addmm(self.bias, h, self.weight.T).numpy()
+
+    def split(self, row: np.ndarray) -> dict[str, np.ndarray]:
+        """One row of [K, P] -> {psi.<name>: array of its shape} (views)."""
+        out, start = {}, 0
+        for name, shape in zip(self.names, self.shapes):
+            size = int(np.prod(shape, dtype=np.int64))
+            out[name] = row[start:start + size].reshape(shape)
+            start += size
+        return out
 
 
 class HypernetCache:
-    """One loaded hypernetwork per bundle id (built from the bundle's manifest and theta's artifact)."""
+    """One loaded (fused) hypernetwork per bundle id, built from the bundle's manifest and theta's artifact."""
 
     def __init__(self, artifacts: ArtifactStore) -> None:
         self.artifacts = artifacts
-        self._loaded: dict[str, tuple[Any, dict[str, torch.Tensor]]] = {}
+        self._loaded: dict[str, FusedHypernet] = {}
         self._lock = threading.Lock()
 
     @staticmethod
     def embed_dim(bundle: dict[str, Any]) -> int:
         return int(bundle["manifest"]["hyperparameters"]["embed_dim"])
 
-    def _load(self, bundle: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
+    def preload(self, bundle: dict[str, Any]) -> None:
+        """Load in the background (a daemon thread), so the first generate does not pay for it."""
+        threading.Thread(target=self.get, args=(bundle,), name="hypernet-preload", daemon=True).start()
+
+    def get(self, bundle: dict[str, Any]) -> FusedHypernet:
         with self._lock:
             if bundle["id"] not in self._loaded:
                 from fl_server.algorithms import build_algorithm
@@ -41,64 +81,44 @@ class HypernetCache:
                 algorithm = build_algorithm(m["method"], model, 1, seed=m["seed"], **m["hyperparameters"])
                 with np.load(self.artifacts.path(bundle["server"]["hn"]), allow_pickle=False) as arrays:
                     theta = {k: torch.from_numpy(arrays[k]).float() for k in arrays.files}
-                self._loaded[bundle["id"]] = (algorithm, theta)
+                self._loaded[bundle["id"]] = FusedHypernet(algorithm, theta)
             return self._loaded[bundle["id"]]
 
-    def generate(self, bundle: dict[str, Any], embeddings: np.ndarray) -> dict[str, np.ndarray]:
-        """embeddings [K, E] -> {param name: float32 [K, *shape]} (one batched forward)."""
-        algorithm, theta = self._load(bundle)
-        with torch.inference_mode():
-            w = algorithm.generate(theta, torch.from_numpy(np.asarray(embeddings, dtype=np.float32)))
-        return {k: v.numpy() for k, v in w.items()}
 
-
-def encode_response(bundle_id: str, weights: dict[str, np.ndarray]) -> bytes:
-    """The generate response body (schemas.GenerateResponse) assembled directly as bytes: base64 output
+def encode_json(bundle_id: str, weights: dict[str, np.ndarray]) -> bytes:
+    """The JSON generate body (schemas.GenerateResponse) assembled directly as bytes: base64 output
     needs no JSON escaping, and skipping json.dumps over ~100s of kB per reply matters under load."""
     parts = []
     for name, v in weights.items():
         data = base64.b64encode(np.ascontiguousarray(v, dtype="<f4").tobytes())
         parts.append(b'%s: {"shape": %s, "dtype": "float32", "data": "%s"}'
-                     % (json.dumps(f"psi.{name}").encode(), json.dumps(list(v.shape)).encode(), data))
+                     % (json.dumps(name).encode(), json.dumps(list(v.shape)).encode(), data))
     return b'{"bundle_id": "%s", "params": {%s}}' % (bundle_id.encode(), b", ".join(parts))
 
 
 class GenerateBatcher:
-    """Coalesces concurrent generate calls per bundle into batched forwards run off the event loop."""
+    """Coalesces concurrent generate calls per bundle into batched forwards (:class:`MicroBatcher`: one
+    worker thread, never the event loop); each reply is encoded on that thread too, as JSON or as the
+    binary format of :mod:`edge_sdk.tensors` (then a row of the [K, P] output is the whole payload)."""
 
     def __init__(self, cache: HypernetCache, max_batch: int = 64) -> None:
-        self.cache, self.max_batch = cache, max_batch
-        self._queues: dict[str, list[tuple[np.ndarray, asyncio.Future]]] = {}
-        self._busy: set[str] = set()
+        self.cache = cache
+        self._bundles: dict[str, dict[str, Any]] = {}
+        self.batcher: MicroBatcher[tuple[np.ndarray, bool], bytes] = MicroBatcher(self._run, max_batch, "generate")
 
-    async def generate(self, bundle: dict[str, Any], embedding: np.ndarray) -> bytes:
-        """The encoded response for one embedding [E]."""
-        fut: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._queues.setdefault(bundle["id"], []).append((embedding, fut))
-        if bundle["id"] not in self._busy:
-            self._busy.add(bundle["id"])
-            asyncio.get_running_loop().create_task(self._drain(bundle))
-        return await fut
+    async def generate(self, bundle: dict[str, Any], embedding: np.ndarray, binary: bool = False) -> bytes:
+        """The encoded response for one embedding [E]: ``binary`` -> application/vnd.fl-edge.weights."""
+        self._bundles.setdefault(bundle["id"], bundle)
+        return await self.batcher.submit(bundle["id"], (embedding, binary))
 
-    def _run(self, bundle: dict[str, Any], embeddings: np.ndarray) -> list[bytes]:
-        w = self.cache.generate(bundle, embeddings)
-        return [encode_response(bundle["id"], {k: v[i] for k, v in w.items()}) for i in range(len(embeddings))]
+    def _run(self, bundle_id: Hashable, items: list[tuple[np.ndarray, bool]]) -> list[bytes]:
+        bundle = self._bundles[str(bundle_id)]
+        hn = self.cache.get(bundle)
+        out = hn(np.stack([e for e, _ in items]).astype(np.float32))
+        head = tensors.encode_header(dict(zip(hn.names, hn.shapes)), {"bundle_id": bundle["id"]})
+        little = out.astype("<f4", copy=False)
+        return [head + little[i].tobytes() if binary else encode_json(bundle["id"], hn.split(out[i]))
+                for i, (_, binary) in enumerate(items)]
 
-    async def _drain(self, bundle: dict[str, Any]) -> None:
-        queue = self._queues[bundle["id"]]
-        try:
-            while queue:
-                batch = queue[:self.max_batch]
-                del queue[:self.max_batch]
-                try:
-                    bodies = await asyncio.to_thread(self._run, bundle, np.stack([e for e, _ in batch]))
-                except Exception as exc:  # surfaced to every waiting request
-                    for _, fut in batch:
-                        if not fut.done():
-                            fut.set_exception(exc)
-                    continue
-                for (_, fut), body in zip(batch, bodies):
-                    if not fut.done():
-                        fut.set_result(body)
-        finally:
-            self._busy.discard(bundle["id"])
+    def close(self) -> None:
+        self.batcher.close()

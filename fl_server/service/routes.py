@@ -8,7 +8,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response
 from fastapi.responses import PlainTextResponse
 
-from edge_sdk import btfl
+from edge_sdk import btfl, tensors
 from fl_server.service import schemas as S
 from fl_server.service.auth import Principal, require_admin, require_client
 from fl_server.service.ranges import Unsatisfiable, parse_range
@@ -98,11 +98,17 @@ async def artifact(sha256: str, range_: str | None = Header(None, alias="range")
 
 # ----------------------------------------------------------------- methods
 @router.post("/v1/hypernetwork/generate", response_model=S.GenerateResponse, tags=["methods"],
-             responses={422: {"description": "wrong embedding dimension or non-finite values"},
+             responses={200: {"description": "the weights: JSON (default) or, when the request's Accept names "
+                                             f"{tensors.MEDIA_TYPE}, that binary format (safetensors layout: u64 "
+                                             "LE header length, JSON header, raw little-endian float32; "
+                                             "edge_sdk.tensors)",
+                              "content": {tensors.MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}},
+                        422: {"description": "wrong embedding dimension or non-finite values"},
                         503: {"description": "no ODPFL-HN bundle yet"}})
-async def generate(body: S.GenerateRequest, _: Principal = Depends(require_client),
+async def generate(body: S.GenerateRequest, request: Request, _: Principal = Depends(require_client),
                    svc: Service = Depends(service)) -> Response:
-    """ODPFL-HN: personalised weights w = f_theta(e) from the client's embedding e (nothing else is accepted)."""
+    """ODPFL-HN: personalised weights w = f_theta(e) from the client's embedding e (nothing else is accepted).
+    ``Accept: application/vnd.fl-edge.weights`` selects the binary reply (what edge_sdk asks for)."""
     if body.bundle_id is not None:
         bundle = svc.bundle_by_id(body.bundle_id)
         if bundle is None or "hn" not in bundle["server"]:
@@ -113,21 +119,30 @@ async def generate(body: S.GenerateRequest, _: Principal = Depends(require_clien
     if len(body.embedding) != dim:
         raise HTTPException(422, f"embedding must have {dim} values (the bundle's encoder output), "
                                  f"got {len(body.embedding)}")
-    body_bytes = await svc.generator.generate(bundle, np.asarray(body.embedding, dtype=np.float32))
-    return Response(body_bytes, media_type="application/json")
+    binary = tensors.MEDIA_TYPE in request.headers.get("accept", "")
+    body_bytes = await svc.generator.generate(bundle, np.asarray(body.embedding, dtype=np.float32), binary)
+    return Response(body_bytes, media_type=tensors.MEDIA_TYPE if binary else "application/json",
+                    headers={"Vary": "Accept"})
 
 
 def _dle_view(svc: Service, client_id: str) -> dict[str, Any]:
+    """Global DLE = sample-weighted average of the BTFL bundle's training-time DLE (when a BTFL bundle is
+    served) and every client's latest upload; ``others_dle`` leaves the caller's own upload out."""
     rows = svc.store.dles()
-    if not rows:
-        raise HTTPException(404, "no DLE has been uploaded yet")
+    base = svc.btfl_base()
     freqs = [np.asarray(r["freqs"]) for r in rows]
     weights = [r["num_samples"] for r in rows]
-    others = [i for i, r in enumerate(rows) if r["client_id"] != client_id]
+    own = [r["client_id"] == client_id for r in rows]
+    if base is not None:
+        freqs, weights, own = [base[1], *freqs], [base[2], *weights], [False, *own]
+    if not freqs:
+        raise HTTPException(404, "no DLE yet: no BTFL bundle is served and no client has uploaded one")
+    others = [i for i, mine in enumerate(own) if not mine]
     g = btfl.average_dles(freqs, weights)
     o = btfl.average_dles([freqs[i] for i in others], [weights[i] for i in others]) if others else None
     return {"clients": len(rows), "dims": g.shape[0], "levels": g.shape[1], "global_dle": g.tolist(),
-            "others_dle": None if o is None else o.tolist()}
+            "others_dle": None if o is None else o.tolist(),
+            "base": None if base is None else {"bundle_id": base[0], "num_samples": base[2]}}
 
 
 @router.post("/v1/btfl/dle", response_model=S.DLEResponse, tags=["methods"],
@@ -135,17 +150,19 @@ def _dle_view(svc: Service, client_id: str) -> dict[str, Any]:
 def upload_dle(body: S.DLEUpload, who: Principal = Depends(require_client),
                svc: Service = Depends(service)) -> dict[str, Any]:
     """BTFL: a participating client uploads its local DLE (replacing its previous one); the global DLE is
-    re-aggregated as the sample-weighted average of every client's latest DLE (BTFL Sec. 4.1)."""
+    re-aggregated as the sample-weighted average of every client's latest DLE and, when a BTFL bundle is
+    served, its training clients' DLE (BTFL Sec. 4.1)."""
     try:
         freqs = btfl.average_dles([np.asarray(body.freqs, dtype=np.float64)])  # validates shape and rows
     except ValueError as exc:
         raise HTTPException(422, f"invalid DLE: {exc}") from None
     if freqs.shape[1] > S.MAX_DLE_LEVELS:
         raise HTTPException(422, f"a DLE has at most {S.MAX_DLE_LEVELS} levels, got {freqs.shape[1]}")
-    existing = svc.store.dles()
-    if existing and (existing[0]["dims"], existing[0]["levels"]) != freqs.shape:
-        raise HTTPException(422, f"DLE shape {list(freqs.shape)} differs from the aggregate's "
-                                 f"[{existing[0]['dims']}, {existing[0]['levels']}]")
+    existing, base = svc.store.dles(), svc.btfl_base()
+    shape = base[1].shape if base is not None else (
+        (existing[0]["dims"], existing[0]["levels"]) if existing else freqs.shape)
+    if tuple(shape) != freqs.shape:
+        raise HTTPException(422, f"DLE shape {list(freqs.shape)} differs from the aggregate's {list(shape)}")
     assert who.client_id is not None
     svc.store.put_dle(who.client_id, body.freqs, body.num_samples)
     return _dle_view(svc, who.client_id)

@@ -74,14 +74,20 @@ class DLEUpload(Strict):
     num_samples: int = Field(ge=1, le=10**9, description="samples the DLE was fitted on (aggregation weight)")
 
 
+class DLEBase(BaseModel):
+    bundle_id: str = Field(description="the served BTFL bundle whose training clients' DLE is in the aggregate")
+    num_samples: int = Field(description="training samples behind that DLE (its weight)")
+
+
 class DLEResponse(BaseModel):
-    clients: int = Field(description="clients whose latest DLE is in the aggregate")
+    clients: int = Field(description="clients whose latest uploaded DLE is in the aggregate")
     dims: int
     levels: int
     global_dle: list[list[float]] = Field(description="sample-weighted average of all clients' DLEs")
     others_dle: list[list[float]] | None = Field(
         None, description="the same average without the caller's own DLE (what BTFL's authors use); "
-                          "null while the caller is the only client")
+                          "null while the caller's is the only one")
+    base: DLEBase | None = Field(None, description="the BTFL bundle's training-time DLE, when one is served")
 
 
 class JobRequest(Strict):

@@ -8,6 +8,8 @@ import os
 import threading
 from typing import Any
 
+import numpy as np
+
 from fl_server.service.artifacts import ArtifactStore
 from fl_server.service.config import DEFAULT_METHODS, ServiceConfig
 from fl_server.service.hypernet import GenerateBatcher, HypernetCache
@@ -31,17 +33,20 @@ class Service:
         self.generator = GenerateBatcher(self.hypernets)
         self.metrics = Metrics()
         self._public: set[str] = set()
-        self._bundle_count = -1
+        self._bundle_version = -1
         self._by_method: dict[str, dict[str, Any]] = {}
+        self._by_id: dict[str, dict[str, Any]] = {}
         self._manifest_json: dict[str, bytes] = {}
         self._blobs: dict[str, bytes] = {}  # small artifacts kept in memory (they never change)
         self._blob_bytes = 0
+        self._btfl_base: dict[str, tuple[str, np.ndarray, int]] = {}
         self._lock = threading.Lock()
         self.admin_token_file = cfg.store_dir / "admin_token"
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
         self._ensure_admin_token()
+        self._refresh()  # bundles of a previous run: tables, and hypernetworks loaded in the background
         if self.store.count("jobs") == 0:  # empty store: train the embedded default
             for method in self.cfg.default_methods:
                 self.runner.submit({"method": method, "dataset": "digits", "partition": "pathological",
@@ -50,6 +55,7 @@ class Service:
 
     def stop(self) -> None:
         self.runner.stop()
+        self.generator.close()
         self.store.close()
 
     def _ensure_admin_token(self) -> None:
@@ -66,15 +72,20 @@ class Service:
 
     # -------------------------------------------------------------- bundles
     def _refresh(self) -> None:
-        n = self.store.count("bundles")
-        if n == self._bundle_count:
+        """Reload the bundle tables when the store recorded a new bundle (no SQL on the request path)."""
+        version = self.store.bundles_version
+        if version == self._bundle_version:
             return
         with self._lock:
             bundles = self.store.bundles()  # oldest first: the newest bundle of a method wins
             self._by_method = {b["method"]: b for b in bundles}
+            self._by_id = {b["id"]: b for b in bundles}
             self._public = {b["id"] for b in bundles} | {a["sha256"] for b in bundles
                                                          for a in b["manifest"]["artifacts"]}
-            self._bundle_count = n
+            self._bundle_version = version
+        for b in bundles:  # the served hypernetworks are loaded before the first generate needs them
+            if "hn" in b["server"] and self._by_method.get(b["method"]) is b:
+                self.hypernets.preload(b)
 
     def methods(self) -> list[str]:
         self._refresh()
@@ -91,7 +102,8 @@ class Service:
         return None
 
     def bundle_by_id(self, bundle_id: str) -> dict[str, Any] | None:
-        return self.store.bundle(bundle_id)
+        self._refresh()
+        return self._by_id.get(bundle_id)
 
     def is_public(self, sha256: str) -> bool:
         """Only bundle manifests and their artifacts are served (server-only state such as theta is not)."""
@@ -109,6 +121,21 @@ class Service:
         cached = self._manifest_json.get(bundle["id"])
         if cached is None:
             cached = self._manifest_json[bundle["id"]] = json.dumps(self.manifest_view(bundle)).encode()
+        return cached
+
+    def btfl_base(self) -> tuple[str, np.ndarray, int] | None:
+        """(bundle id, global DLE [D, L], samples) of the newest BTFL bundle: the training clients' DLE that
+        every device's upload is averaged with (POST /v1/btfl/dle); None without a BTFL bundle."""
+        bundle = self.bundle_for("BTFL")
+        if bundle is None:
+            return None
+        cached = self._btfl_base.get(bundle["id"])
+        if cached is None:
+            sha = next(a["sha256"] for a in bundle["manifest"]["artifacts"] if a["name"] == "btfl")
+            with np.load(self.artifacts.path(sha), allow_pickle=False) as arrays:
+                cached = (bundle["id"], np.asarray(arrays["global_dle"], dtype=np.float64),
+                          int(arrays["dle_samples"].reshape(-1)[0]))
+            self._btfl_base[bundle["id"]] = cached
         return cached
 
     def artifact_bytes(self, sha256: str) -> bytes:

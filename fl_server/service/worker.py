@@ -31,7 +31,7 @@ def run_job(job_dir: Path) -> None:
     run_dir = job_dir / "run"
     run_seed(protocol, spec["method"], int(spec.get("seed", 0)), run_dir, device=spec.get("device", "auto"),
              progress=False, data_root=spec.get("data_dir"), test_at_best_only=True)
-    export_run(run_dir, job_dir / "bundle")
+    export_run(run_dir, job_dir / "bundle", data_root=spec.get("data_dir"))
     with np.load(run_dir / "best.npz", allow_pickle=False) as arrays:
         hn = {k[len("hn/"):]: arrays[k] for k in arrays.files if k.startswith("hn/")}
     if hn:

@@ -1,0 +1,115 @@
+"""A BTFL participant on the device (numpy + onnxruntime, no torch): the coordinator's BTFL bundle gives the
+frozen feature extractor + global head (graph ``features``, weights ``params``) and the training clients' global
+DLE (weights ``btfl``); the device then does its own part of BTFL (Sec. 4, "personalization phase"):
+
+1. trains its bias-free local head ``[C, D]`` on *frozen* features of its labeled local data
+   (:func:`fit_local_head`: full-batch gradient descent on cross-entropy with weight decay),
+2. fits its local DLE and the mean entropies H_l_bar, H_g_bar of both heads on the same data,
+3. uploads the DLE (``POST /v1/btfl/dle``) and uses the reply's ``others_dle`` -- the average of everyone
+   else's, training clients included -- as its global DLE (as BTFL's authors do),
+4. streams: ``predict_one(x)`` interpolates the two heads with BTFL's weight e (:class:`edge_sdk.btfl.BTFLStream`).
+
+    device = BTFLDevice(bundle)
+    fit = device.fit(x_labeled, y_labeled)                  # local head, local DLE, H bars
+    reply = client.upload_dle(fit.local_dle, fit.samples)   # EdgeClient
+    device.start(reply["others_dle"] if reply["others_dle"] is not None else reply["global_dle"])
+    probs = device.predict_one(x[0:1]); device.stream.last_weight   # e of that sample
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from edge_sdk.btfl import BTFLStream, fit_dle
+from edge_sdk.bundle import Bundle, BundleError
+from edge_sdk.numerics import entropy, log_softmax, softmax
+from edge_sdk.steps import check_batch
+
+
+def fit_local_head(features: np.ndarray, labels: np.ndarray, num_classes: int, epochs: int = 200,
+                   lr: float = 0.5, weight_decay: float = 5e-4, seed: int = 0) -> np.ndarray:
+    """Bias-free softmax regression ``logits = z @ W.T`` on frozen features z [N, D] -> W [C, D] (float64).
+    Full-batch gradient descent on mean cross-entropy + ``weight_decay`` / 2 ||W||^2 (BTFL's local head,
+    trained on detached features); W starts like ``nn.Linear``'s init (uniform +-1/sqrt(D))."""
+    z = np.asarray(features, dtype=np.float64)
+    y = np.asarray(labels)
+    if z.ndim != 2 or y.shape != (len(z),) or len(z) == 0:
+        raise ValueError(f"need features [N, D] and labels [N] with N >= 1, got {z.shape} and {y.shape}")
+    if not np.isfinite(z).all():
+        raise ValueError("features must be finite")
+    if y.min() < 0 or y.max() >= num_classes:
+        raise ValueError(f"labels must be in [0, {num_classes})")
+    d = z.shape[1]
+    w = np.random.default_rng(seed).uniform(-1, 1, size=(num_classes, d)) / np.sqrt(d)
+    onehot = np.eye(num_classes)[y]
+    for _ in range(epochs):
+        grad = (softmax(z @ w.T) - onehot).T @ z / len(z) + weight_decay * w
+        w -= lr * grad
+    return w
+
+
+@dataclass
+class BTFLFit:
+    local_head: np.ndarray  # [C, D]
+    local_dle: np.ndarray  # [D, L]
+    h_local_bar: float
+    h_global_bar: float
+    samples: int
+    train_accuracy: float  # of the local head on the data it was fitted on
+
+
+class BTFLDevice:
+    def __init__(self, bundle: Bundle, threads: int | None = 1) -> None:
+        if bundle.method != "BTFL":
+            raise BundleError(f"a {bundle.method} bundle is not a BTFL bundle")
+        self.bundle = bundle
+        self.session = bundle.session("features", threads)
+        self.psi = {f"psi.{k}": v for k, v in bundle.weights("params").items()}
+        served = bundle.weights("btfl")
+        self.training_dle = np.asarray(served["global_dle"], dtype=np.float64)
+        self.levels = int(bundle.hyperparameters.get("dle_levels", self.training_dle.shape[1]))
+        self.num_classes = int(bundle.manifest["num_classes"])
+        self.fit_result: BTFLFit | None = None
+        self.stream: BTFLStream | None = None
+
+    def features(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """x [N, ...] float32 -> (features z [N, D] >= 0, global-head logits [N, C])."""
+        z, g = self.session.run(["features", "global_logits"], {"x": check_batch(x, self.session), **self.psi})
+        return np.maximum(z, 0.0), g
+
+    def fit(self, x: np.ndarray, y: np.ndarray, **head_options: float) -> BTFLFit:
+        """The device's personalization phase on its labeled data (x, y): local head, local DLE, H bars."""
+        z, g = self.features(x)
+        head = fit_local_head(z, y, self.num_classes, **head_options)  # type: ignore[arg-type]
+        local_logits = z @ head.T
+        self.fit_result = BTFLFit(head, fit_dle(z, self.levels), float(entropy(local_logits).mean()),
+                                  float(entropy(g).mean()), len(z),
+                                  float((local_logits.argmax(1) == np.asarray(y)).mean()))
+        return self.fit_result
+
+    def start(self, global_dle: np.ndarray | None = None, **options: object) -> BTFLStream:
+        """Begin a stream with ``global_dle`` (default: the bundle's training-time DLE); ``options`` go to
+        :class:`BTFLStream` (defaults = the paper)."""
+        if self.fit_result is None:
+            raise BundleError("call fit() on the device's labeled data first (BTFL needs a local head)")
+        glob = self.training_dle if global_dle is None else np.asarray(global_dle, dtype=np.float64)
+        f = self.fit_result
+        self.stream = BTFLStream(f.local_dle, glob, max(f.h_local_bar, 1e-6), max(f.h_global_bar, 1e-6),
+                                 **options)  # type: ignore[arg-type]
+        return self.stream
+
+    def predict_one(self, x: np.ndarray) -> np.ndarray:
+        """One sample x [1, ...] -> class probabilities [C]; ``self.stream.last_weight`` is its e."""
+        if self.stream is None or self.fit_result is None:
+            raise BundleError("call fit() and start() first")
+        z, g = self.features(x)
+        return self.stream.predict_one(z[0] @ self.fit_result.local_head.T, g[0], z[0])
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """Log-probabilities [N, C] of the interpolated prediction, one sample at a time (stream order)."""
+        return np.stack([np.log(np.maximum(self.predict_one(x[i:i + 1]), 1e-300)) for i in range(len(x))])
+
+    def global_logits(self, x: np.ndarray) -> np.ndarray:
+        """The received global model alone (phi + global head), for comparison."""
+        return log_softmax(self.features(x)[1])

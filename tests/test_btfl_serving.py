@@ -1,0 +1,98 @@
+"""BTFL served end to end: a real coordinator process (uvicorn) trains BTFL on the embedded digits, serves its
+bundle, aggregates DLE uploads with the bundle's training-time DLE, and the streaming example runs BTFL on a
+device (onnxruntime + numpy, no torch) against it."""
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from coordinator_proc import REPO, Coordinator, bearer, join, start
+from edge_sdk import btfl
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    coord = start(tmp_path_factory.mktemp("btfl") / "store", methods="BTFL", rounds=3, workers=1)
+    coord.wait_bundles(1)
+    yield coord
+    coord.stop()
+
+
+def _join(server: Coordinator) -> dict:
+    return join(server.url, "BTFL")
+
+
+def _auth(client: dict) -> dict[str, str]:
+    return bearer(client["token"])
+
+
+def _bundle_dle(server: Coordinator, manifest: dict) -> tuple[np.ndarray, int]:
+    url = next(a["url"] for a in manifest["artifacts"] if a["name"] == "btfl")
+    with np.load(io.BytesIO(httpx.get(server.url + url, timeout=10).content)) as arrays:
+        return arrays["global_dle"], int(arrays["dle_samples"][0])
+
+
+def test_btfl_bundle_and_training_dle(server: Coordinator) -> None:
+    c = _join(server)
+    m = c["manifest"]
+    assert m["method"] == "BTFL" and "BTFL" in c["methods"]
+    assert {"features", "forward", "params", "btfl"} <= {a["name"] for a in m["artifacts"]}
+    dle, samples = _bundle_dle(server, m)
+    assert dle.ndim == 2 and dle.shape[1] == m["hyperparameters"]["dle_levels"] and samples > 0
+    np.testing.assert_allclose(dle.sum(1), 1.0, atol=1e-12)  # rows are level frequencies
+    view = httpx.get(f"{server.url}/v1/btfl/dle", headers=_auth(c), timeout=10).json()
+    assert view["base"] == {"bundle_id": m["bundle_id"], "num_samples": samples}
+
+
+def test_dle_upload_changes_the_served_global_dle(server: Coordinator) -> None:
+    a, b = _join(server), _join(server)
+    base, n_base = _bundle_dle(server, a["manifest"])
+    url = f"{server.url}/v1/btfl/dle"
+    before = httpx.get(url, headers=_auth(b), timeout=10).json()
+    assert before["clients"] == 0  # nothing uploaded yet: the served global DLE is the training clients'
+    np.testing.assert_allclose(before["global_dle"], base, atol=1e-12)
+    rng = np.random.default_rng(1)
+    dle_a = btfl.fit_dle(rng.exponential(2.0, size=(40, base.shape[0])))
+    dle_b = btfl.fit_dle(rng.exponential(0.3, size=(60, base.shape[0])))
+    r = httpx.post(url, json={"freqs": dle_a.tolist(), "num_samples": 40}, headers=_auth(a), timeout=10)
+    assert r.status_code == 200, r.text
+    np.testing.assert_allclose(r.json()["global_dle"], btfl.average_dles([base, dle_a], [n_base, 40]), atol=1e-12)
+    np.testing.assert_allclose(r.json()["others_dle"], base, atol=1e-12)  # a's global DLE: everyone else's
+    r = httpx.post(url, json={"freqs": dle_b.tolist(), "num_samples": 60}, headers=_auth(b), timeout=10)
+    assert r.json()["clients"] == 2
+    np.testing.assert_allclose(r.json()["global_dle"], btfl.average_dles([base, dle_a, dle_b], [n_base, 40, 60]),
+                               atol=1e-12)
+    seen_by_a = httpx.get(url, headers=_auth(a), timeout=10).json()  # b's upload reached a's global DLE
+    np.testing.assert_allclose(seen_by_a["others_dle"], btfl.average_dles([base, dle_b], [n_base, 60]), atol=1e-12)
+    wrong = np.full((base.shape[0] + 1, base.shape[1]), 1.0 / base.shape[1])
+    bad = httpx.post(url, json={"freqs": wrong.tolist(), "num_samples": 5}, headers=_auth(a), timeout=10)
+    assert bad.status_code == 422  # must match the bundle's [D, levels]
+
+
+def test_stream_example_runs_btfl(server: Coordinator, tmp_path: Path) -> None:
+    summary, png = tmp_path / "summary.json", tmp_path / "btfl.png"
+    r = subprocess.run([sys.executable, str(REPO / "examples" / "stream_inference.py"), "--server", server.url,
+                        "--method", "btfl", "--cache", str(tmp_path / "device"), "--json", str(summary),
+                        "--png", str(png), "--per-phase", "60"], capture_output=True, text=True, timeout=300,
+                       cwd=REPO)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    s = json.loads(summary.read_text())
+    assert s["bundle_method"] == "BTFL" and s["torch_imported"] is False
+    info = s["btfl"]
+    assert info["dle_base"] is not None and info["dle_clients"] >= 1
+    e = info["mean_e"]
+    assert all(0.0 <= v <= 1.0 for v in e.values())
+    # BTFL's point: classes the device never had (EXD) shift weight to the global head
+    assert e["external classes"] > e["in-distribution"]
+    # the local head, trained on the device's own classes, beats the received global model on them
+    assert s["accuracy"]["in-distribution"] > s["accuracy_received_model"]["in-distribution"]
+    assert png.stat().st_size > 0
