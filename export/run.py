@@ -16,11 +16,13 @@ from fl_server.algorithms.odpfl_hn import ODPFLHN
 from fl_server.algorithms.tent import Tent
 from fl_server.engine.simulation import load_state
 from fl_server.models import build_model
+from fl_server.signing import ManifestSigner
 
 
-def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False) -> Path:
+def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, signer: ManifestSigner | None = None) -> Path:
     """Build the method's device graphs around the best-validation weights of ``run_dir``; write a bundle.
-    ``int8``: also ship ``forward_int8``, the received model frozen and dynamically quantized (plain inference)."""
+    ``int8``: also ship ``forward_int8``, the received model frozen and dynamically quantized (plain inference).
+    ``signer``: sign the manifest (``manifest.sig``)."""
     run_dir = Path(run_dir)
     for needed in ("run.json", "best.npz"):
         if not (run_dir / needed).is_file():
@@ -46,4 +48,5 @@ def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False) -> Pat
         return write_bundle(dest, graphs, weights, run["method"], run["hyper"],
                             extra={"model": run["model"], "dataset": run["dataset"], "seed": run["seed"],
                                    "protocol": run["protocol"],
-                                   "input_shape": run["input_shape"], "num_classes": run["num_classes"]})
+                                   "input_shape": run["input_shape"], "num_classes": run["num_classes"]},
+                            signer=signer)
