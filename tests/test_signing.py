@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import random
 import stat
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +14,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from edge_sdk.ed25519 import L, SignatureError, is_valid, verify
 from fl_server.signing import KEY_FILE, ManifestSigner
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "edge_sdk" / "tests"))
-from test_ed25519 import VECTORS  # noqa: E402
+from test_ed25519 import VECTORS  # edge_sdk/tests (on the path via conftest.py)
 
 SECRETS = {  # RFC 8032 section 7.1 secret keys of the vectors in edge_sdk/tests/test_ed25519.py
     "TEST 1": "9d61b19deffd5a60ba844af492ec2cc44449c5697b326919703bac031cae7f60",

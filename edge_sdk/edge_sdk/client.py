@@ -128,7 +128,7 @@ class EdgeClient:
         end = time.monotonic() + self.deadline
         with self.http.stream(method, path, **kwargs) as r:
             body = bytearray()
-            for chunk in r.iter_bytes(1 << 16):  # decoded: the limit bounds what lands in memory
+            for chunk in r.iter_bytes():  # as received (decoded): the limit bounds what lands in memory
                 body += chunk
                 if len(body) > limit:
                     raise EdgeClientError(f"{method} {self.url}{path}: reply larger than {limit} bytes; refusing it")
@@ -195,7 +195,12 @@ class EdgeClient:
         known = json.loads(store.read_text()) if store.is_file() else {}
         if self.url in known:
             return parse_public_key(known[self.url])
-        body = self._json("GET", "/v1/signing-key")
+        try:
+            body = self._json("GET", "/v1/signing-key")
+        except EdgeClientError as exc:
+            raise EdgeClientError(f"no public key pinned and none trusted yet for {self.url}, and its signing key "
+                                  f"cannot be fetched: {exc}; pass public_key= to verify bundles offline",
+                                  exc.status) from None
         try:
             key = parse_public_key(body["public_key"])
         except (KeyError, TypeError, BundleSignatureError) as exc:
@@ -286,7 +291,7 @@ class EdgeClient:
                         raise httpx.TransportError(f"HTTP {r.status_code}")
                     written = have if r.status_code == 206 else 0
                     with open(part, "ab" if r.status_code == 206 else "wb") as fh:
-                        for chunk in r.iter_bytes(1 << 16):
+                        for chunk in r.iter_bytes():  # as received: a cut keeps every byte that arrived
                             written += len(chunk)
                             if written > limit:
                                 raise EdgeClientError(f"GET {self.url}{url}: the server sent more than the "
@@ -393,6 +398,8 @@ def _safe_key(name: str) -> str:
 
 def _link(src: Path, dst: Path) -> None:
     """``dst`` becomes the verified cache object ``src`` (hard link, else copy), replacing what was there."""
+    if dst.exists() and os.path.samefile(src, dst):
+        return  # already the same file (renaming a hard link onto its twin would do nothing and leave tmp)
     tmp = dst.with_name(dst.name + ".tmp")
     tmp.unlink(missing_ok=True)
     try:
