@@ -226,7 +226,12 @@ def test_trust_on_first_use(server: Coordinator, tmp_path: Path) -> None:
     with EdgeClient(server.url, cache_dir=tmp_path) as c:
         with pytest.raises(BundleSignatureError, match="not by the trusted key 3d4017c3.*trusted on first use"):
             c.download()
+    store.write_text("{not json")
+    with EdgeClient(server.url, cache_dir=tmp_path) as c:
+        with pytest.raises(EdgeClientError, match="trusted_keys.json is corrupt"):
+            c.download()
     record("signature", "coordinator key differs from the one trusted on first use", "refused, with the trust file named")
+    record("cache", "device cache: trust file (trusted_keys.json) garbled", "clear EdgeClientError naming the file")
 
 
 # ------------------------------------------------------------------ cut and stalled downloads

@@ -179,7 +179,10 @@ class EdgeClient:
         except EdgeClientError as exc:
             cached = self._manifest_path(method)
             if cached.is_file() and exc.status is None:  # offline, not refused
-                return json.loads(cached.read_text())
+                try:
+                    return json.loads(cached.read_text())
+                except ValueError:
+                    raise exc from None  # the cached copy is damaged too: report the network error
             raise
         if not isinstance(m, dict):
             raise EdgeClientError(f"GET {self.url}/v1/manifest: unexpected reply (a JSON {type(m).__name__})")
@@ -192,9 +195,13 @@ class EdgeClient:
         if self.pinned is not None:
             return self.pinned
         store = self._trust_path()
-        known = json.loads(store.read_text()) if store.is_file() else {}
-        if self.url in known:
-            return parse_public_key(known[self.url])
+        try:
+            known = json.loads(store.read_text()) if store.is_file() else {}
+            if self.url in known:
+                return parse_public_key(known[self.url])
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise EdgeClientError(f"{store} is corrupt ({exc}); delete it to trust the coordinator's key again, "
+                                  "or pass public_key=") from None
         try:
             body = self._json("GET", "/v1/signing-key")
         except EdgeClientError as exc:
