@@ -84,8 +84,9 @@ class Personalizer:
             return check_logits(self.frozen_int8.run(["logits"], {"x": x})[0], x)
         x = check_batch(x, self.forward)
         w = self.base if weights is None else weights
-        if w is not self.base and w is not self._checked:
-            w = self._checked = check_weights(w, self.forward)
+        if w is not self.base and w is not self._checked:  # checked once per weight set
+            check_weights(w, self.forward)
+            self._checked = w
         feeds = {"x": x, **{n: w[n[len("psi."):]] for n in self._psi_inputs}}
         return check_logits(self.forward.run(["logits"], feeds)[0], x)
 
