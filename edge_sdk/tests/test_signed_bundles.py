@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from edge_sdk.bundle import BundleError, BundleSignatureError, load_bundle
+from reliability_log import record
 
 OTHER_KEY = "d75a980182b10ab7d54bfed3c964073a0ee172f3daa62325af021a68f707511a"  # RFC 8032 TEST 1's
 
@@ -81,13 +82,15 @@ CASES = {
 def test_broken_chain_is_refused(bundle: Path, key: str, case: str) -> None:
     damage, error, message = CASES[case]
     damage(bundle)
-    with pytest.raises(error, match=message):
+    with pytest.raises(error, match=message) as info:
         load_bundle(bundle, public_key=key)
+    record("signature", f"bundle on disk: {case}", f"refused on load ({type(info.value).__name__}: {message})")
 
 
 def test_wrong_key_is_refused(bundle: Path) -> None:
     with pytest.raises(BundleSignatureError, match=r"signed by key [0-9a-f]{16}\.\.\., not by the trusted key d75a980182b10ab7"):
         load_bundle(bundle, public_key=OTHER_KEY)
+    record("signature", "bundle on disk, pinned key is another key", "refused on load (BundleSignatureError)")
 
 
 @pytest.mark.parametrize("bad, message", [("xyz", "64 hex characters"), ("00" * 32, "small order"),
@@ -105,3 +108,4 @@ def test_refused_before_onnxruntime_is_loaded(bundle: Path, key: str) -> None:
             "    print('refused:', e)\nprint('onnxruntime loaded:', 'onnxruntime' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "refused:" in out and "onnxruntime loaded: False" in out, out
+    record("signature", "tampered manifest loaded in a fresh interpreter", "refused; onnxruntime never imported")
