@@ -97,6 +97,8 @@ def render_json(data: Any) -> list[str]:
         return ["```json", json.dumps(data, indent=1)[:5000], "```"]
     out: list[str] = []
     for key, value in data.items():
+        if isinstance(value, (dict, list)) and out and out[-1] != "":
+            out.append("")  # a paragraph break before a block
         if isinstance(value, dict):
             out += [f"**{key}**", ""] + [f"- {k}: {_cell(v)}" for k, v in value.items()] + [""]
         elif isinstance(value, list) and value and all(isinstance(r, dict) for r in value):
@@ -107,7 +109,7 @@ def render_json(data: Any) -> list[str]:
 
 
 def _demote(md: str) -> list[str]:
-    return [("#" + line) if line.startswith("#") else line for line in md.splitlines()]
+    return [("##" + line) if line.startswith("#") else line for line in md.splitlines()]
 
 
 def render(out_dir: Path = OUT, target: Path | None = None) -> Path:

@@ -12,7 +12,7 @@ def record(category: str, case: str, outcome: str, injected: int = 1, **extra: A
     path = os.environ.get("FL_RELIABILITY_LOG")
     if not path:
         return
-    test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0]  # "nodeid (call)"
     row = {"category": category, "case": case, "outcome": outcome, "injected": injected, "test": test, **extra}
     with open(path, "a") as fh:
         fh.write(json.dumps(row) + "\n")
