@@ -118,10 +118,12 @@ def main() -> int:
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--png", default=None, help="plot path (default runs/stream-<method>.png)")
     ap.add_argument("--json", default=None, help="also write the summary here")
+    ap.add_argument("--public-key", default=None, help="the coordinator's manifest signing key (hex, printed by "
+                    "fl-server serve); default: trusted on first use")
     args = ap.parse_args()
     method = METHODS[args.method]
 
-    with EdgeClient(args.server, cache_dir=args.cache) as client:
+    with EdgeClient(args.server, cache_dir=args.cache, public_key=args.public_key) as client:
         try:
             client.wait_ready(None if method == "none" else method, timeout=args.wait)
             info = client.join(None if method == "none" else method)

@@ -25,6 +25,7 @@ import numpy as np
 
 from edge_sdk import btfl as btfl_math
 from export.bundle import export_specs, write_bundle
+from fl_server.signing import ManifestSigner
 from export.steps import StepSpec, _example_x, forward_spec
 from fl_server.algorithms.btfl import BTFL, ClientArtifacts
 from fl_server.data import load_dataset
@@ -70,7 +71,8 @@ def training_global_dle(algorithm: BTFL, server_state: State, run: dict[str, Any
 
 
 def export_btfl_run(algorithm: BTFL, server_state: State, run: dict[str, Any], dest: str | os.PathLike,
-                    extra: dict[str, Any], data_root: str | None = None) -> Path:
+                    extra: dict[str, Any], data_root: str | None = None,
+                    signer: ManifestSigner | None = None) -> Path:
     """The served BTFL bundle: graphs ``features`` and ``forward``, weights ``params`` and ``btfl``."""
     params = {n: v.detach().float().cpu() for n, v in server_state["params"].items()}
     state = {"params": params, "local_heads": server_state["local_heads"].float()}
@@ -80,4 +82,4 @@ def export_btfl_run(algorithm: BTFL, server_state: State, run: dict[str, Any], d
                                "forward": forward_spec(algorithm.model, params)}, Path(tmp))
         weights = {"params": {n: v.numpy() for n, v in params.items()},
                    "btfl": {"global_dle": global_dle, "dle_samples": np.array([samples], dtype=np.int64)}}
-        return write_bundle(dest, graphs, weights, algorithm.name, asdict(algorithm.hp), extra=extra)
+        return write_bundle(dest, graphs, weights, algorithm.name, asdict(algorithm.hp), extra=extra, signer=signer)

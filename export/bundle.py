@@ -1,6 +1,8 @@
 """Artifact bundles: ONNX graphs and ``.npz`` weights plus ``manifest.json`` (sha256, size, opset, I/O
-signatures, method and hyperparameters, versions). Written atomically: files go to a temporary sibling
-directory that is renamed into place only when complete, so a reader never sees half a bundle."""
+signatures, method and hyperparameters, versions), and ``manifest.sig`` (Ed25519 over the manifest's bytes)
+when a signer is given. Written atomically: files go to a temporary sibling directory, are fsynced, and the
+directory is renamed into place only when complete, so a reader sees either no bundle or a whole one
+(``tests/test_faults.py`` kills a writer at every step to check)."""
 from __future__ import annotations
 
 import json
@@ -8,7 +10,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx
@@ -17,6 +19,9 @@ import fl_server
 from edge_sdk.bundle import MANIFEST, sha256_file
 from export.graphs import OPSET
 from export.steps import StepSpec
+
+if TYPE_CHECKING:
+    from fl_server.signing import ManifestSigner
 
 FORMAT_VERSION = 1
 _ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.DOUBLE: "float64",
@@ -32,14 +37,53 @@ def _signature(values: Any) -> list[dict[str, Any]]:
     return out
 
 
-def write_bundle(dest: str | os.PathLike, graphs: dict[str, Path], weights: dict[str, dict[str, np.ndarray]],
-                 method: str, hyperparameters: dict[str, Any], extra: dict[str, Any] | None = None) -> Path:
-    """Assemble a bundle at ``dest`` from exported graphs (name -> .onnx path) and weight sets
-    (name -> {param: array}, saved as ``<name>.npz``). Replaces an existing bundle atomically."""
+def _fsync_tree(root: Path) -> None:
+    """Flush every file of ``root`` and the directory itself, so the rename publishes durable bytes."""
+    for path in root.iterdir():
+        with open(path, "rb") as fh:
+            os.fsync(fh.fileno())
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def recover_bundle(dest: str | os.PathLike) -> None:
+    """Clean up after a writer that was killed: drop its staging directory, and if it died between its two
+    renames (no bundle at ``dest``), put the previous bundle back. Writers that are still alive are left alone."""
     dest = Path(dest)
+    for leftover in sorted(dest.parent.glob(f".{dest.name}.*-*")):
+        kind, _, pid = leftover.name[len(dest.name) + 2:].rpartition("-")
+        if kind not in ("staging", "old") or not pid.isdigit() or (int(pid) != os.getpid() and _alive(int(pid))):
+            continue
+        if kind == "old" and not dest.exists():
+            os.replace(leftover, dest)
+        else:
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def write_bundle(dest: str | os.PathLike, graphs: dict[str, Path], weights: dict[str, dict[str, np.ndarray]],
+                 method: str, hyperparameters: dict[str, Any], extra: dict[str, Any] | None = None,
+                 signer: ManifestSigner | None = None) -> Path:
+    """Assemble a bundle at ``dest`` from exported graphs (name -> .onnx path) and weight sets
+    (name -> {param: array}, saved as ``<name>.npz``); ``signer`` adds ``manifest.sig``. Replaces an
+    existing bundle atomically."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    recover_bundle(dest)
     staging = dest.with_name(f".{dest.name}.staging-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
+    staging.mkdir()
     artifacts = []
     for name, src in graphs.items():
         target = staging / f"{name}.onnx"
@@ -60,6 +104,9 @@ def write_bundle(dest: str | os.PathLike, graphs: dict[str, Path], weights: dict
                 "versions": {"fl_server": fl_server.__version__, "onnx_opset": OPSET}, "artifacts": artifacts,
                 **(extra or {})}
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
+    if signer is not None:
+        signer.sign_bundle(staging)
+    _fsync_tree(staging)
     old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
     if dest.exists():
         os.replace(dest, old)

@@ -18,12 +18,15 @@ from fl_server.algorithms.odpfl_hn import ODPFLHN
 from fl_server.algorithms.tent import Tent
 from fl_server.engine.simulation import load_state
 from fl_server.models import build_model
+from fl_server.signing import ManifestSigner
 
 
-def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_root: str | None = None) -> Path:
+def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_root: str | None = None,
+               signer: ManifestSigner | None = None) -> Path:
     """Build the method's device graphs around the best-validation weights of ``run_dir``; write a bundle.
     ``int8``: also ship ``forward_int8``, the received model frozen and dynamically quantized (plain inference).
-    ``data_root``: where the run's data set lives (BTFL re-reads the training clients' data for their DLEs)."""
+    ``data_root``: where the run's data set lives (BTFL re-reads the training clients' data for their DLEs).
+    ``signer``: sign the manifest (``manifest.sig``)."""
     run_dir = Path(run_dir)
     for needed in ("run.json", "best.npz"):
         if not (run_dir / needed).is_file():
@@ -36,7 +39,7 @@ def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_r
     if isinstance(algorithm, BTFL):
         if int8:
             raise ValueError("--int8 is not available for BTFL bundles")
-        return export_btfl_run(algorithm, load_state(run_dir / "best.npz"), run, dest, extra, data_root)
+        return export_btfl_run(algorithm, load_state(run_dir / "best.npz"), run, dest, extra, data_root, signer)
     state = {k: {n: v.float() for n, v in d.items()} for k, d in load_state(run_dir / "best.npz").items()
              if k in ("params", "phi", "enc")}
     specs: dict[str, StepSpec] = {"forward": forward_spec(model, state["params"])}
@@ -52,4 +55,4 @@ def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_r
         if int8:
             frozen = freeze_weights(graphs["forward"], weights["params"], Path(tmp) / "forward_frozen.onnx")
             graphs["forward_int8"] = quantize_int8(frozen, Path(tmp) / "forward_int8.onnx")
-        return write_bundle(dest, graphs, weights, run["method"], run["hyper"], extra=extra)
+        return write_bundle(dest, graphs, weights, run["method"], run["hyper"], extra=extra, signer=signer)

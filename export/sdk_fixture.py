@@ -2,11 +2,13 @@
 
     python -m export.sdk_fixture OUT_DIR [--data-dir DIR]
 
-Writes ``OUT_DIR/fedtta_pp`` and ``OUT_DIR/tent`` (bundles of a briefly meta-trained FedTTA++ and a
-FedAvg-initialised TENT MLP on real MNIST; the embedded digits when MNIST is absent) and
-``OUT_DIR/reference.npz``: a batch of real images and what torch computes for it (received-model logits,
-personalised logits, FedTTA++'s chosen iterate and entropy curve). ``edge_sdk/tests`` checks the SDK against
-it. No pickle: weights and references are plain ``.npz`` read with ``allow_pickle=False``.
+Writes ``OUT_DIR/fedtta_pp``, ``OUT_DIR/tent`` and ``OUT_DIR/odpfl_hn`` (bundles of a briefly meta-trained
+FedTTA++, a FedAvg-initialised TENT MLP and an initial ODPFL-HN encoder on real MNIST; the embedded digits
+when MNIST is absent), each signed (``manifest.sig``) with a fresh Ed25519 key whose public half is
+``OUT_DIR/signing_key.pub`` (hex), and ``OUT_DIR/reference.npz``: a batch of real images and what torch
+computes for it (received-model logits, personalised logits, FedTTA++'s chosen iterate and entropy curve,
+the ODPFL-HN embedding). ``edge_sdk/tests`` checks the SDK against it. No pickle: weights and references are
+plain ``.npz`` read with ``allow_pickle=False``.
 """
 from __future__ import annotations
 
@@ -20,12 +22,13 @@ import torch
 
 from export.bundle import export_specs, write_bundle
 from export.quantize import freeze_weights, quantize_int8
-from export.steps import fedtta_step_spec, forward_spec, tent_step_spec
+from export.steps import encoder_spec, fedtta_step_spec, forward_spec, tent_step_spec
 from fl_server.algorithms import build_algorithm
 from fl_server.algorithms.fedtta import FEDTTA_HP
 from fl_server.data import load_dataset
 from fl_server.data.errors import DataFileError
 from fl_server.models import build_model
+from fl_server.signing import ManifestSigner
 
 FEDTTA_PP_HP = {**FEDTTA_HP["mnist"]["FedTTA++"], "patience": 2, "max_steps": 8}
 
@@ -66,6 +69,13 @@ def make_sdk_fixture(out: str | Path, data_root: str | None = None, n: int = 256
     with torch.no_grad():
         ref["tent_logits"] = tent.forward(tuned, x).numpy()
 
+    hn = build_algorithm("ODPFL-HN", build_model("mlp", shape, 10, seed=2), 4, seed=2)
+    hstate = hn.init_state(torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        ref["odpfl_embedding"] = hn.encode(hstate["enc"], x).numpy()
+
+    signer = ManifestSigner.generate()
+    (out / "signing_key.pub").write_text(signer.public_hex + "\n")
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         graphs = export_specs({"forward": forward_spec(fedtta.model, state["params"]),
                                "fedtta_step": fedtta_step_spec(fedtta, state["params"], state["phi"])}, Path(tmp) / "f")
@@ -73,11 +83,16 @@ def make_sdk_fixture(out: str | Path, data_root: str | None = None, n: int = 256
                                 Path(tmp) / "frozen.onnx")
         graphs["forward_int8"] = quantize_int8(frozen, Path(tmp) / "forward_int8.onnx")
         write_bundle(out / "fedtta_pp", graphs, {k: {p: v.numpy() for p, v in state[k].items()} for k in state},
-                     "FedTTA++", FEDTTA_PP_HP, extra={"dataset": name})
+                     "FedTTA++", FEDTTA_PP_HP, extra={"dataset": name}, signer=signer)
         graphs = export_specs({"forward": forward_spec(tent.model, tstate["params"]),
                                "tent_step": tent_step_spec(tent, tstate["params"])}, Path(tmp) / "t")
         write_bundle(out / "tent", graphs, {"params": {p: v.numpy() for p, v in tstate["params"].items()}},
-                     "TENT", dataclasses.asdict(tent.hp), extra={"dataset": name})
+                     "TENT", dataclasses.asdict(tent.hp), extra={"dataset": name}, signer=signer)
+        graphs = export_specs({"forward": forward_spec(hn.model, hstate["params"]),
+                               "encoder": encoder_spec(hn, hstate["enc"])}, Path(tmp) / "h")
+        write_bundle(out / "odpfl_hn", graphs, {k: {p: v.numpy() for p, v in hstate[k].items()}
+                                                for k in ("params", "enc")},
+                     "ODPFL-HN", dataclasses.asdict(hn.hp), extra={"dataset": name}, signer=signer)
     np.savez(out / "reference.npz", **ref)
     return out
 

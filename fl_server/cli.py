@@ -65,10 +65,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from export.run import export_run
+    from pathlib import Path
 
-    path = export_run(args.run_dir, args.out, int8=args.int8)
-    print(f"bundle written to {path} (verify and use it on a device with edge_sdk.bundle.load_bundle)")
+    from export.run import export_run
+    from fl_server.signing import ManifestSigner
+
+    signer = ManifestSigner.from_pem(Path(args.signing_key)) if args.signing_key else None
+    path = export_run(args.run_dir, args.out, int8=args.int8, signer=signer)
+    how = f"load_bundle(dir, public_key='{signer.public_hex}')" if signer else "load_bundle (unsigned: hashes only)"
+    print(f"bundle written to {path} (verify and use it on a device with edge_sdk.bundle.{how})")
     return 0
 
 
@@ -115,6 +120,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in {"default_rounds": args.rounds, "workers": args.workers}.items() if v is not None}
     app = create_app(args.store, **overrides)
     print(f"coordinator on http://{args.host}:{args.port} (store {args.store}; dashboard at /, API docs at /docs)")
+    signer = app.state.service.signer
+    print(f"manifest signing key (Ed25519; pin it on devices: EdgeClient(url, public_key=...)): {signer.public_hex}"
+          f" (from {signer.source})", flush=True)
     fast = {"loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
             "http": "httptools" if importlib.util.find_spec("httptools") else "h11"}
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
@@ -152,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="run directory of `fl-server train --out` (holds run.json and best.npz)")
     p.add_argument("--out", required=True, help="bundle directory to write (replaced atomically)")
     p.add_argument("--int8", action="store_true", help="also ship forward_int8 (frozen, int8-quantized received model)")
+    p.add_argument("--signing-key", default=None,
+                   help="Ed25519 private key (PEM, e.g. a coordinator store's signing_key.pem): write manifest.sig")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("report", help="regenerate docs/RESULTS.md")

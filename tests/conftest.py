@@ -1,11 +1,13 @@
 """Shared fixtures: the real data in ../shared/data (skip with a clear reason where it is absent)."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+sys.path.append(str(Path(__file__).resolve().parents[1] / "edge_sdk" / "tests"))  # reliability_log, RFC vectors
 
 
 def _have(sub: str) -> bool:

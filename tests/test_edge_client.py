@@ -1,9 +1,14 @@
 """edge_sdk.EdgeClient against a real coordinator process: join, manifest, resumable verified downloads,
-cache corruption, offline mode, timeouts."""
+signatures (pinned key, trust on first use), cut and stalled connections, cache corruption, offline mode,
+servers that answer garbage or hang."""
 from __future__ import annotations
 
+import json
 import socket
+import stat
 import threading
+import time
+import warnings
 from pathlib import Path
 
 import httpx
@@ -12,7 +17,10 @@ import pytest
 
 from coordinator_proc import Coordinator, free_port, start
 from edge_sdk import EdgeClient, EdgeClientError
-from edge_sdk.bundle import BundleError, load_bundle
+from edge_sdk.bundle import BundleError, BundleSignatureError, load_bundle
+from edge_sdk.client import TrustOnFirstUseWarning
+from faultnet import Cut, CuttingProxy, http_reply, serve
+from reliability_log import record
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -74,14 +82,18 @@ def test_corrupt_cache_is_refetched(server: Coordinator, tmp_path: Path) -> None
 
 
 def test_offline_uses_cache(server: Coordinator, tmp_path: Path) -> None:
-    with EdgeClient(server.url, cache_dir=tmp_path) as c:
+    key = httpx.get(f"{server.url}/v1/signing-key", timeout=10).json()["public_key"]
+    with EdgeClient(server.url, cache_dir=tmp_path, public_key=key) as c:
         online = c.download()
     dead = f"http://127.0.0.1:{free_port()}"
-    with EdgeClient(dead, cache_dir=tmp_path, retries=1, backoff=0.01, timeout=1) as c:
+    with EdgeClient(dead, cache_dir=tmp_path, retries=1, backoff=0.01, timeout=1, public_key=key) as c:
         m = c.manifest()
         assert m["bundle_id"] == online.root.name
         offline = c.download(m)
-        assert offline.root == online.root and offline.method == "TENT"
+        assert offline.root == online.root and offline.method == "TENT" and offline.signed_by == bytes.fromhex(key)
+    with EdgeClient(dead, cache_dir=tmp_path, retries=1, backoff=0.01, timeout=1) as c:  # no key, none trusted
+        with pytest.raises(EdgeClientError, match="no public key pinned and none trusted yet .* pass public_key="):
+            c.download(m)
     with EdgeClient(dead, cache_dir=tmp_path / "empty", retries=1, backoff=0.01, timeout=1) as c:
         with pytest.raises(EdgeClientError, match="unreachable"):
             c.manifest()
@@ -144,3 +156,178 @@ def test_stream_example_runs(server: Coordinator, tmp_path: Path) -> None:
     assert summary["torch_imported"] is False and (tmp_path / "s.png").stat().st_size > 1000
     btfl = subprocess.run([*cmd, "--method", "btfl"], env=env, capture_output=True, text=True, timeout=300)
     assert btfl.returncode == 3 and "has no BTFL bundle and no BTFL job" in btfl.stderr  # this server trains none
+
+
+# ------------------------------------------------------------------ signatures
+OTHER_KEY = "3d4017c3e843895a92b70aa74d1b7ebc9c982ccf2ec4968cc0cd55f12af4660c"  # RFC 8032 TEST 2's public key
+
+
+def _key(server: Coordinator) -> str:
+    key = httpx.get(f"{server.url}/v1/signing-key", timeout=10).json()["public_key"]
+    assert httpx.get(f"{server.url}/healthz", timeout=10).json()["signing_key"] == key
+    return key
+
+
+def test_pinned_key_verifies_downloads(server: Coordinator, tmp_path: Path) -> None:
+    key = _key(server)
+    assert stat.S_IMODE((server.store / "signing_key.pem").stat().st_mode) == 0o600
+    assert f"manifest signing key (Ed25519; pin it on devices: EdgeClient(url, public_key=...)): {key}" in \
+        server.log.read_text()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a pinned key never falls back to trust on first use
+        with EdgeClient(server.url, cache_dir=tmp_path, public_key=key) as c:
+            bundle = c.download()
+            signature = c.manifest()["signature"]
+    assert bundle.signed_by == bytes.fromhex(key)
+    assert json.loads((bundle.root / "manifest.sig").read_text())["public_key"] == key
+    assert load_bundle(bundle.root, public_key=key).method == "TENT"
+    head = httpx.get(f"{server.url}/v1/artifacts/{bundle.root.name}", timeout=10).headers
+    assert json.loads(head["X-Manifest-Signature"]) == signature
+
+
+def test_wrong_pinned_key_is_refused_before_any_artifact(server: Coordinator, tmp_path: Path) -> None:
+    urls: list[str] = []
+    hooks = {"request": [lambda req: urls.append(req.url.path)]}
+    with EdgeClient(server.url, cache_dir=tmp_path, public_key=OTHER_KEY, event_hooks=hooks) as c:
+        m = c.manifest()
+        with pytest.raises(BundleSignatureError, match=r"signed by key [0-9a-f]{16}\.\.\., not by the trusted key 3d4017c3"):
+            c.download(m)
+    fetched = {u.rsplit("/", 1)[1] for u in urls if u.startswith("/v1/artifacts/")}
+    assert fetched == {m["bundle_id"]}  # only the manifest itself: no artifact of an untrusted bundle
+    record("signature", "bundle signed by another key than the pinned one", "refused before any artifact download")
+
+
+def test_missing_or_replayed_signature_is_refused(server: Coordinator, tmp_path: Path) -> None:
+    key = _key(server)
+    with EdgeClient(server.url, cache_dir=tmp_path, public_key=key) as c:
+        m = c.manifest()
+        with pytest.raises(BundleSignatureError, match="not signed"):
+            c.download({k: v for k, v in m.items() if k != "signature"})
+        replay = dict(m["signature"])
+        replay["signature"] = replay["signature"][::-1]  # a signature, but not of these bytes
+        with pytest.raises(BundleSignatureError, match="does not match its signature"):
+            c.download({**m, "signature": replay})
+    record("signature", "manifest view without its signature (key pinned)", "refused")
+    record("signature", "signature that is not of this manifest's bytes", "refused")
+
+
+def test_trust_on_first_use(server: Coordinator, tmp_path: Path) -> None:
+    key = _key(server)
+    with pytest.warns(TrustOnFirstUseWarning, match="trusting .* on first use"):
+        with EdgeClient(server.url, cache_dir=tmp_path) as c:
+            assert c.download().signed_by == bytes.fromhex(key)
+    store = tmp_path / "trusted_keys.json"
+    assert json.loads(store.read_text()) == {server.url: key} and stat.S_IMODE(store.stat().st_mode) == 0o600
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # known now: no second warning
+        with EdgeClient(server.url, cache_dir=tmp_path) as c:
+            c.download()
+    store.write_text(json.dumps({server.url: OTHER_KEY}))  # the coordinator now presents another key
+    with EdgeClient(server.url, cache_dir=tmp_path) as c:
+        with pytest.raises(BundleSignatureError, match="not by the trusted key 3d4017c3.*trusted on first use"):
+            c.download()
+    store.write_text("{not json")
+    with EdgeClient(server.url, cache_dir=tmp_path) as c:
+        with pytest.raises(EdgeClientError, match="trusted_keys.json is corrupt"):
+            c.download()
+    record("signature", "coordinator key differs from the one trusted on first use", "refused, with the trust file named")
+    record("cache", "device cache: trust file (trusted_keys.json) garbled", "clear EdgeClientError naming the file")
+
+
+# ------------------------------------------------------------------ cut and stalled downloads
+def _params_artifact(server: Coordinator) -> dict:
+    m = httpx.get(f"{server.url}/v1/manifest", timeout=10).json()
+    return next(a for a in m["artifacts"] if a["name"] == "params")
+
+
+@pytest.mark.parametrize("mode", ["cut", "stall"])
+def test_interrupted_download_resumes_with_range(server: Coordinator, tmp_path: Path, mode: str) -> None:
+    """A proxy in front of the real coordinator cuts (or stalls until the client times out) the artifact's
+    body twice; the client resumes each time with Range from the bytes it kept, and the sha256 verifies."""
+    a = _params_artifact(server)
+    first, second = a["size"] // 4, a["size"] // 3
+    cut = Cut(prefix=f"/v1/artifacts/{a['sha256']}", after=[first, second], mode=mode, stall_s=4.0)
+    with CuttingProxy(server.url, cut) as proxy:
+        with EdgeClient(proxy.url, cache_dir=tmp_path, timeout=1.0, retries=1, backoff=0.05) as c:
+            path = c.fetch(a["sha256"], a["size"])
+    assert path.read_bytes() == httpx.get(server.url + a["url"], timeout=10).content
+    assert cut.requests == [(cut.prefix, None), (cut.prefix, f"bytes={first}-"), (cut.prefix, f"bytes={first + second}-")]
+    record("download", f"artifact body {'cut' if mode == 'cut' else 'stalled past the read timeout'} twice "
+           f"({a['size']} bytes, at {first} and {first + second})", "resumed with Range; sha256 verified",
+           injected=2)
+
+
+# ------------------------------------------------------------------ cache corruption
+def _flip(p: Path) -> None:
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    p.write_bytes(bytes(data))
+
+
+CORRUPTIONS = {
+    "artifact byte flipped": (lambda b: _flip(b.path("forward")), BundleError, "sha256 does not match"),
+    "artifact truncated": (lambda b: b.path("params").write_bytes(b.path("params").read_bytes()[:100]), BundleError,
+                           "size 100 does not match"),
+    "artifact deleted": (lambda b: b.path("params").unlink(), BundleError, "listed in the manifest but missing"),
+    "manifest edited": (lambda b: _flip(b.root / "manifest.json"), BundleSignatureError, "does not match its signature"),
+    "signature deleted": (lambda b: (b.root / "manifest.sig").unlink(), BundleSignatureError, "not signed"),
+    "signature garbled": (lambda b: (b.root / "manifest.sig").write_text("garbage"), BundleSignatureError,
+                          "malformed signature record"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CORRUPTIONS))
+def test_corrupt_cache_is_detected_and_refetched(server: Coordinator, tmp_path: Path, kind: str) -> None:
+    key = _key(server)
+    damage, error, message = CORRUPTIONS[kind]
+    with EdgeClient(server.url, cache_dir=tmp_path, public_key=key) as c:
+        bundle = c.download()
+        good = {p.name: p.read_bytes() for p in bundle.root.iterdir()}
+        damage(bundle)
+        with pytest.raises(error, match=message):
+            load_bundle(bundle.root, public_key=key)
+        again = c.download()
+    assert {p.name: p.read_bytes() for p in again.root.iterdir()} == good
+    record("cache", f"device cache: {kind}", "detected on load; re-fetched and verified")
+
+
+# ------------------------------------------------------------------ servers that misbehave
+def _trickle(conn: socket.socket, head: bytes) -> None:
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n")
+    for _ in range(100):
+        conn.sendall(b" ")
+        time.sleep(0.1)
+
+
+def _endless(conn: socket.socket, head: bytes) -> None:
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n\r\n")  # no length: until close
+    while True:
+        conn.sendall(b"\0" * 65536)
+
+
+GARBAGE = {
+    "not HTTP": (lambda conn, head: conn.sendall(b"\x00\x17garbage, not http\r\n\r\n"), "join",
+                 "sent an invalid HTTP response"),
+    "not JSON": (lambda conn, head: conn.sendall(http_reply(b"<html>hello</html>")), "join", "the reply is not JSON"),
+    "JSON of another API": (lambda conn, head: conn.sendall(http_reply(b'{"hello": "world"}')), "join",
+                            "unexpected reply .*is .* an fl-edge coordinator"),
+    "endless JSON body": (_endless, "join", "reply larger than 1048576 bytes"),
+    "body trickled past the deadline": (_trickle, "join", r"timed out \(reply not complete after 1s\)"),
+    "artifact longer than its manifest size": (_endless, "fetch", "sent more than the 1000 bytes the manifest lists"),
+    "accepts, never answers": (lambda conn, head: time.sleep(3), "join", r"timed out \(ReadTimeout\)"),
+}
+
+
+@pytest.mark.parametrize("kind", list(GARBAGE))
+def test_misbehaving_server_gives_a_clear_error(tmp_path: Path, kind: str) -> None:
+    respond, call, message = GARBAGE[kind]
+    with serve(respond) as bad:
+        with EdgeClient(bad.url, cache_dir=tmp_path, timeout=0.5, retries=1, backoff=0.01, deadline=1.0,
+                        max_response_bytes=1 << 20) as c:
+            t0 = time.monotonic()
+            with pytest.raises(EdgeClientError, match=message):
+                c.join() if call == "join" else c.fetch("ab" * 32, size=1000)
+            assert time.monotonic() - t0 < 10
+    if call == "fetch":
+        assert not (tmp_path / "objects" / ("ab" * 32)).exists()
+    record("server", f"server: {kind}", "clear EdgeClientError within the deadline")

@@ -80,6 +80,29 @@ def test_resume_repeats_the_uninterrupted_run(small_fed, tmp_path: Path) -> None
     assert (tmp_path / "b" / "best.npz").exists()
 
 
+def test_kill_between_state_and_json_does_not_repeat_a_round(small_fed, tmp_path: Path) -> None:
+    """A kill after checkpoint.npz (round 2) was renamed into place but before checkpoint.json followed (it
+    still says round 1) and with a half-written metrics line: the resumed run starts at round 2 (the round is
+    stored inside the state file) and ends equal to the uninterrupted run."""
+    straight = _sim(small_fed, "FedAvg", "vmap", rounds=3, out=tmp_path / "a")
+    straight.run()
+    first = _sim(small_fed, "FedAvg", "vmap", rounds=3, out=tmp_path / "b")
+    first.cfg.rounds = 1
+    first.fingerprint = straight.fingerprint
+    first.run()
+    stale_json = (tmp_path / "b" / "checkpoint.json").read_text()  # rounds_done = 1
+    first.cfg.rounds = 2
+    first.run()
+    (tmp_path / "b" / "checkpoint.json").write_text(stale_json)
+    with open(tmp_path / "b" / "metrics.jsonl", "a") as fh:
+        fh.write('{"round": 2, "va')  # the killed process was writing the next row
+    resumed = _sim(small_fed, "FedAvg", "vmap", rounds=3, out=tmp_path / "b")
+    resumed.run()
+    assert _max_diff(straight.server_state["params"], resumed.server_state["params"]) == 0.0
+    rows = [json.loads(x)["round"] for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [0, 1, 2]
+
+
 def test_resume_refuses_a_different_config(small_fed, tmp_path: Path) -> None:
     _sim(small_fed, "FedAvg", "vmap", rounds=1, out=tmp_path).run()
     with pytest.raises(ValueError, match="different run"):

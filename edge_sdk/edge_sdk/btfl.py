@@ -735,9 +735,9 @@ class BTFLStream:
         order). Sets ``last_weight`` and ``last_event`` (scalars); the batch ``last_*`` arrays are cleared.
         Falls back to ``predict`` for more than 2 fsq levels or unsmoothed DLEs.
         """
-        lo = np.asarray(local_logits, dtype=np.float64)
-        gl = np.asarray(global_logits, dtype=np.float64)
-        ft = np.asarray(features, dtype=np.float64)
+        lo = _float_array("local_logits", local_logits)
+        gl = _float_array("global_logits", global_logits)
+        ft = _float_array("features", features)
         if lo.ndim != 1 or gl.shape != lo.shape or ft.shape != (self.dim,) or lo.shape[0] < 2:
             raise ValueError(f"predict_one needs local_logits [C], global_logits [C] (C >= 2) and features "
                              f"[{self.dim}]; got {lo.shape}, {gl.shape}, {ft.shape}")
@@ -789,6 +789,8 @@ class BTFLStream:
         _require_2d("local_logits", lo)
         _require_2d("global_logits", gl, cols=lo.shape[1], rows=lo.shape[0])
         _require_2d("features", ft, cols=self.dim, rows=lo.shape[0])
+        if lo.shape[0] == 0:
+            raise ValueError("empty batch: local_logits, global_logits and features have 0 rows")
         if lo.shape[1] < 2:
             raise ValueError(f"need at least 2 classes, got local_logits shape {lo.shape}")
         _require_finite("local_logits", lo)

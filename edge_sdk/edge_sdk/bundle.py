@@ -1,5 +1,10 @@
-"""Load an artifact bundle on the device: parse ``manifest.json``, verify every file's sha256 and size
-before use, load weights without pickle, open ONNX sessions. Nothing unverified is ever executed."""
+"""Load an artifact bundle on the device: check the manifest's Ed25519 signature against a pinned key
+(:mod:`edge_sdk.signing`), verify every file's sha256 and size before use, load weights without pickle,
+open ONNX sessions. Nothing unverified is ever executed.
+
+Without a pinned key (``public_key=None``) only the sha256 hashes are checked: that catches corruption, not
+an attacker who rewrites the manifest too. ``EdgeClient`` always passes a key (pinned, or trusted on first
+use)."""
 from __future__ import annotations
 
 import hashlib
@@ -11,11 +16,11 @@ from typing import Any
 
 import numpy as np
 
+from edge_sdk.errors import BundleError, BundleSignatureError
+from edge_sdk.signing import SIGNATURE_FILE, PublicKey, parse_public_key, verify_manifest
+
+__all__ = ["MANIFEST", "Bundle", "BundleError", "BundleSignatureError", "load_bundle", "sha256_file"]
 MANIFEST = "manifest.json"
-
-
-class BundleError(ValueError):
-    """A bundle is missing, malformed, or does not match its manifest."""
 
 
 def sha256_file(path: Path) -> str:
@@ -31,6 +36,7 @@ def sha256_file(path: Path) -> str:
 class Bundle:
     root: Path
     manifest: dict[str, Any]
+    signed_by: bytes | None = None  # the pinned key the manifest was verified with (None: hashes only)
 
     @property
     def method(self) -> str:
@@ -62,17 +68,27 @@ class Bundle:
         return load_session(self.path(name), threads)
 
 
-def load_bundle(root: str | os.PathLike) -> Bundle:
-    """Read and fully verify a bundle directory; raises :class:`BundleError` with one clear line."""
+def load_bundle(root: str | os.PathLike, public_key: PublicKey | None = None) -> Bundle:
+    """Read and fully verify a bundle directory; raises :class:`BundleError` with one clear line.
+    ``public_key`` (32 bytes or hex): the manifest's bytes must carry a valid signature by this key
+    (``manifest.sig``), checked before anything else is read."""
     root = Path(root)
     manifest_path = root / MANIFEST
     if not manifest_path.is_file():
         raise BundleError(f"{manifest_path}: not found (is {root} a bundle directory?)")
+    raw = manifest_path.read_bytes()  # read once: the bytes verified are the bytes parsed
+    trusted = None
+    if public_key is not None:
+        trusted = parse_public_key(public_key)
+        sig_path = root / SIGNATURE_FILE
+        verify_manifest(raw, sig_path.read_bytes() if sig_path.is_file() else None, trusted, str(root))
     try:
-        manifest = json.loads(manifest_path.read_text())
+        manifest = json.loads(raw)
         artifacts = manifest["artifacts"]
         manifest["method"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        if not isinstance(artifacts, list) or not all(isinstance(a, dict) for a in artifacts):
+            raise TypeError("'artifacts' must be a list of objects")
+    except (ValueError, KeyError, TypeError) as exc:  # JSON and UTF-8 decoding errors are ValueErrors
         raise BundleError(f"{manifest_path}: malformed manifest ({exc})") from None
     for a in artifacts:
         file = a.get("file", "")
@@ -85,4 +101,4 @@ def load_bundle(root: str | os.PathLike) -> Bundle:
             raise BundleError(f"{path}: size {path.stat().st_size} does not match the manifest ({a.get('size')})")
         if sha256_file(path) != a.get("sha256"):
             raise BundleError(f"{path}: sha256 does not match the manifest; refusing to use it")
-    return Bundle(root, manifest)
+    return Bundle(root, manifest, trusted)

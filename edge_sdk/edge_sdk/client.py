@@ -9,6 +9,21 @@ and 503 (honouring Retry-After, capped). Downloads resume from a partial file wi
 on the artifact's ETag) and every file is checked against its sha256 before it enters the cache; a cached
 file that no longer matches is detected and fetched again. With the coordinator unreachable, ``manifest``
 and ``download`` fall back to the last cached manifest and its verified files (offline mode).
+
+Authenticity: every manifest is signed by the coordinator's Ed25519 key and ``download`` checks the signature
+(:mod:`edge_sdk.signing`) before it fetches any artifact, and again (with every sha256) when it loads the
+bundle, so nothing unsigned reaches onnxruntime.
+* ``EdgeClient(url, public_key="<hex>")``: the key is pinned (get it from the operator, ``fl-server serve``'s
+  startup line or ``GET /v1/signing-key`` over a channel you trust); a bundle signed by any other key, or
+  not signed, is refused.
+* no ``public_key``: trust on first use. The first contact with ``url`` fetches ``/v1/signing-key``, stores it
+  in ``<cache>/trusted_keys.json`` (mode 0600) and warns (:class:`TrustOnFirstUseWarning`); from then on that
+  key is required, and a coordinator that presents another key is refused until the entry is deleted or a
+  key is pinned. This protects against later tampering, not against an attacker present at first contact.
+
+Replies are bounded: a JSON reply larger than ``max_response_bytes``, an artifact larger than its manifest
+size, a reply that is not HTTP or not JSON each give a clear :class:`EdgeClientError`; every read has the
+``timeout`` and every attempt a total ``deadline`` (a server that trickles bytes cannot hold the device).
 """
 from __future__ import annotations
 
@@ -18,6 +33,7 @@ import json
 import os
 import re
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -27,6 +43,8 @@ import numpy as np
 
 from edge_sdk import tensors
 from edge_sdk.bundle import MANIFEST, Bundle, load_bundle, sha256_file
+from edge_sdk.errors import BundleSignatureError
+from edge_sdk.signing import PublicKey, parse_public_key, verify_manifest, write_signature
 
 _SHA = re.compile(r"^[0-9a-f]{64}$")
 _SAFE = re.compile(r"^[A-Za-z0-9._+-]{1,64}$")
@@ -41,6 +59,14 @@ class EdgeClientError(RuntimeError):
         self.status = status
 
 
+class TrustOnFirstUseWarning(UserWarning):
+    """No public key was pinned: the coordinator's key was trusted on first use and stored in the cache."""
+
+
+class _Deadline(Exception):
+    pass
+
+
 @dataclass
 class JoinInfo:
     client_id: str
@@ -53,10 +79,15 @@ class EdgeClient:
     def __init__(self, url: str, cache_dir: str | os.PathLike | None = None, timeout: float = 10.0,
                  retries: int = 4, backoff: float = 0.5, max_backoff: float = 10.0,
                  token: str | None = None, transport: httpx.BaseTransport | None = None,
-                 event_hooks: dict[str, list[Callable]] | None = None) -> None:
+                 event_hooks: dict[str, list[Callable]] | None = None, public_key: PublicKey | None = None,
+                 deadline: float = 300.0, max_response_bytes: int = 64 << 20) -> None:
+        """``public_key``: the coordinator's Ed25519 key (hex or 32 bytes) to pin; None = trust on first use.
+        ``timeout``: per read/connect; ``deadline``: per attempt, in all; ``max_response_bytes``: JSON replies."""
         self.url = url.rstrip("/")
         self.cache = Path(cache_dir or Path.home() / ".cache" / "fl-edge").expanduser()
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
+        self.pinned = parse_public_key(public_key) if public_key is not None else None
+        self.deadline, self.max_response_bytes = deadline, max_response_bytes
         self.token = token
         self.client_id: str | None = None
         self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout), transport=transport,
@@ -74,15 +105,14 @@ class EdgeClient:
 
     # --------------------------------------------------------------- requests
     def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        """One request with retries; returns the response of the last attempt or raises EdgeClientError."""
+        """One request with retries; returns the response of the last attempt (body read, at most
+        ``max_response_bytes``) or raises EdgeClientError."""
         last = ""
         for attempt in range(self.retries + 1):
             try:
-                r = self.http.request(method, path, **kwargs)
-            except httpx.TimeoutException as exc:
-                last = f"timed out ({type(exc).__name__})"
-            except httpx.TransportError as exc:
-                last = f"unreachable ({type(exc).__name__}: {exc})"
+                r = self._read(method, path, self.max_response_bytes, **kwargs)
+            except (httpx.TransportError, httpx.DecodingError, _Deadline) as exc:
+                last = _transport_problem(exc)
             else:
                 if r.status_code < 500:
                     return r
@@ -94,11 +124,30 @@ class EdgeClient:
                 time.sleep(min(self.max_backoff, self.backoff * 2 ** attempt))
         raise EdgeClientError(f"{method} {self.url}{path}: {last} (after {self.retries + 1} attempts)")
 
+    def _read(self, method: str, path: str, limit: int, **kwargs: Any) -> httpx.Response:
+        """A response with its body read under ``limit`` bytes and the per-attempt ``deadline``."""
+        end = time.monotonic() + self.deadline
+        with self.http.stream(method, path, **kwargs) as r:
+            body = bytearray()
+            for chunk in r.iter_bytes():  # as received (decoded): the limit bounds what lands in memory
+                body += chunk
+                if len(body) > limit:
+                    raise EdgeClientError(f"{method} {self.url}{path}: reply larger than {limit} bytes; refusing it")
+                if time.monotonic() > end:
+                    raise _Deadline(f"reply not complete after {self.deadline:g}s")
+        headers = [(k, v) for k, v in r.headers.items() if k.lower() not in ("content-encoding", "content-length")]
+        return httpx.Response(r.status_code, headers=headers, content=bytes(body), request=r.request)
+
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         r = self._request(method, path, **kwargs)
         if r.status_code >= 400:
             raise EdgeClientError(f"{method} {path}: HTTP {r.status_code}: {_detail(r)}", r.status_code)
-        return r.json()
+        try:
+            return r.json()
+        except ValueError:
+            raise EdgeClientError(f"{method} {self.url}{path}: the reply is not JSON (HTTP {r.status_code}, "
+                                  f"{r.headers.get('content-type', 'no content type')}, starts {r.content[:40]!r})",
+                                  r.status_code) from None
 
     def _auth(self) -> dict[str, str]:
         if not self.token:
@@ -112,7 +161,11 @@ class EdgeClient:
     def join(self, method: str | None = None) -> JoinInfo:
         """Join as a new client; the token is kept for later calls (and in the cache, mode 0600)."""
         body = self._json("POST", "/v1/clients", json={"method": method})
-        info = JoinInfo(body["client_id"], body["token"], body["methods"], body["manifest"])
+        try:
+            info = JoinInfo(str(body["client_id"]), str(body["token"]), list(body["methods"]), dict(body["manifest"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EdgeClientError(f"POST {self.url}/v1/clients: unexpected reply (no {exc}); is {self.url} "
+                                  "an fl-edge coordinator?") from None
         self.token, self.client_id = info.token, info.client_id
         self._save_manifest(info.manifest, method)
         fd = os.open(self.cache / "identity.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -127,30 +180,82 @@ class EdgeClient:
         except EdgeClientError as exc:
             cached = self._manifest_path(method)
             if cached.is_file() and exc.status is None:  # offline, not refused
-                return json.loads(cached.read_text())
+                try:
+                    return json.loads(cached.read_text())
+                except ValueError:
+                    raise exc from None  # the cached copy is damaged too: report the network error
             raise
+        if not isinstance(m, dict):
+            raise EdgeClientError(f"GET {self.url}/v1/manifest: unexpected reply (a JSON {type(m).__name__})")
         self._save_manifest(m, method)
         return m
 
+    # ------------------------------------------------------------ trust
+    def trusted_key(self) -> bytes:
+        """The key manifests must be signed with: the pinned one, else the one trusted on first use."""
+        if self.pinned is not None:
+            return self.pinned
+        store = self._trust_path()
+        try:
+            known = json.loads(store.read_text()) if store.is_file() else {}
+            if self.url in known:
+                return parse_public_key(known[self.url])
+        except (ValueError, TypeError, AttributeError) as exc:
+            raise EdgeClientError(f"{store} is corrupt ({exc}); delete it to trust the coordinator's key again, "
+                                  "or pass public_key=") from None
+        try:
+            body = self._json("GET", "/v1/signing-key")
+        except EdgeClientError as exc:
+            raise EdgeClientError(f"no public key pinned and none trusted yet for {self.url}, and its signing key "
+                                  f"cannot be fetched: {exc}; pass public_key= to verify bundles offline",
+                                  exc.status) from None
+        try:
+            key = parse_public_key(body["public_key"])
+        except (KeyError, TypeError, BundleSignatureError) as exc:
+            raise EdgeClientError(f"GET {self.url}/v1/signing-key: no usable public key ({exc})") from None
+        known[self.url] = key.hex()
+        _write_private(store, json.dumps(known, indent=1))
+        warnings.warn(TrustOnFirstUseWarning(
+            f"no public key pinned: trusting {self.url}'s signing key {key.hex()} on first use (stored in {store}); "
+            f"pin it with EdgeClient(url, public_key='{key.hex()}')"), stacklevel=3)
+        return key
+
+    def _trust_path(self) -> Path:
+        return self.cache / "trusted_keys.json"
+
+    # ------------------------------------------------------------ bundles
     def download(self, manifest: dict[str, Any] | None = None, method: str | None = None) -> Bundle:
-        """Fetch (or reuse from the cache) every artifact of ``manifest``, verify each sha256, and return the
-        bundle as a verified :class:`edge_sdk.bundle.Bundle` directory in the cache."""
+        """Fetch (or reuse from the cache) every artifact of ``manifest``, verify the manifest's signature
+        and each sha256, and return the bundle as a verified :class:`edge_sdk.bundle.Bundle` in the cache."""
         m = manifest if manifest is not None else self.manifest(method)
         bundle_id = str(m.get("bundle_id", ""))
         if not _SHA.match(bundle_id):
             raise EdgeClientError(f"manifest has no valid bundle_id: {bundle_id[:80]!r}")
+        key = self.trusted_key()
         root = self.cache / "bundles" / bundle_id
         root.mkdir(parents=True, exist_ok=True)
         manifest_file = self.fetch(bundle_id)  # the manifest.json bytes; their sha256 is the bundle id
-        raw = json.loads(manifest_file.read_text())
-        if [a["sha256"] for a in raw["artifacts"]] != [a["sha256"] for a in m["artifacts"]]:
+        raw = manifest_file.read_bytes()
+        try:  # authenticity first: nothing else is fetched for a manifest that is not signed by the key
+            verify_manifest(raw, m.get("signature"), key, f"bundle {bundle_id}")
+        except BundleSignatureError as exc:
+            hint = "" if self.pinned is not None else (f" (key trusted on first use, from {self._trust_path()}: "
+                                                       "delete the entry there if the key was rotated on purpose)")
+            raise BundleSignatureError(f"{exc}{hint}") from None
+        try:
+            listed = json.loads(raw)
+            same = [a["sha256"] for a in listed["artifacts"]] == [a["sha256"] for a in m["artifacts"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise EdgeClientError(f"bundle {bundle_id}: malformed manifest ({exc})") from None
+        if not same:
             raise EdgeClientError(f"bundle {bundle_id}: the served manifest does not match its signed bytes")
-        for a in raw["artifacts"]:
+        for a in listed["artifacts"]:
             if not _SAFE.match(str(a.get("file", ""))):
                 raise EdgeClientError(f"bundle {bundle_id}: invalid artifact file name {a.get('file')!r}")
             _link(self.fetch(a["sha256"], a.get("size")), root / a["file"])
+        write_signature(root, m["signature"])
         _link(manifest_file, root / MANIFEST)
-        return load_bundle(root)
+        return load_bundle(root, public_key=key)
 
     def fetch(self, sha256: str, size: int | None = None) -> Path:
         """One artifact by content address into ``cache/objects`` (resuming a partial download), verified."""
@@ -162,20 +267,27 @@ class EdgeClient:
                 return path
             path.unlink()  # corrupted cache entry: fetch again
         part = path.with_suffix(".part")
+        limit = int(size) if isinstance(size, int) and size >= 0 else self.max_response_bytes
         for _ in range(2):  # a second, clean attempt if a resumed file fails its hash
-            self._download_to(sha256, part)
+            self._download_to(sha256, part, limit)
             if sha256_file(part) == sha256:
                 os.replace(part, path)
                 return path
             part.unlink()
         raise EdgeClientError(f"artifact {sha256}: downloaded bytes do not match their sha256; refusing them")
 
-    def _download_to(self, sha256: str, part: Path) -> None:
+    def _download_to(self, sha256: str, part: Path, limit: int) -> None:
+        """Download into ``part``, resuming with Range; at most ``limit`` bytes in all. An attempt that adds
+        bytes does not use up a retry (the file is finite), so a flaky link still completes."""
         url = f"/v1/artifacts/{sha256}"
-        last = ""
-        for attempt in range(self.retries + 1):
+        last, failures = "", 0
+        while True:
             have = part.stat().st_size if part.exists() else 0
+            if have > limit:
+                part.unlink()
+                have = 0
             headers = {"Range": f"bytes={have}-", "If-Range": f'"{sha256}"'} if have else {}
+            end = time.monotonic() + self.deadline
             try:
                 with self.http.stream("GET", url, headers=headers) as r:
                     if r.status_code == 416:  # the partial file is already complete (or bogus)
@@ -185,17 +297,25 @@ class EdgeClient:
                         if r.status_code < 500:
                             raise EdgeClientError(f"GET {url}: HTTP {r.status_code}: {_detail(r)}", r.status_code)
                         raise httpx.TransportError(f"HTTP {r.status_code}")
+                    written = have if r.status_code == 206 else 0
                     with open(part, "ab" if r.status_code == 206 else "wb") as fh:
-                        for chunk in r.iter_bytes(1 << 16):
+                        for chunk in r.iter_bytes():  # as received: a cut keeps every byte that arrived
+                            written += len(chunk)
+                            if written > limit:
+                                raise EdgeClientError(f"GET {self.url}{url}: the server sent more than the "
+                                                      f"{limit} bytes the manifest lists; refusing it")
                             fh.write(chunk)
+                            if time.monotonic() > end:
+                                raise _Deadline(f"download not complete after {self.deadline:g}s")
                 return
-            except httpx.TimeoutException as exc:
-                last = f"timed out ({type(exc).__name__})"
-            except httpx.TransportError as exc:
-                last = f"interrupted ({exc})"
-            if attempt < self.retries:
-                time.sleep(min(self.max_backoff, self.backoff * 2 ** attempt))
-        raise EdgeClientError(f"GET {self.url}{url}: {last} (after {self.retries + 1} attempts; "
+            except (httpx.TransportError, httpx.DecodingError, _Deadline) as exc:
+                last = _transport_problem(exc)
+            if (part.stat().st_size if part.exists() else 0) <= have:  # no progress: that costs a retry
+                failures += 1
+                if failures > self.retries:
+                    break
+                time.sleep(min(self.max_backoff, self.backoff * 2 ** (failures - 1)))
+        raise EdgeClientError(f"GET {self.url}{url}: {last} (after {self.retries + 1} attempts without progress; "
                               f"{part.stat().st_size if part.exists() else 0} bytes kept for resuming)")
 
     def generate(self, embedding: np.ndarray, bundle_id: str | None = None) -> dict[str, np.ndarray]:
@@ -257,6 +377,26 @@ class EdgeClient:
         os.replace(tmp, path)
 
 
+def _transport_problem(exc: Exception) -> str:
+    """One line for a failed attempt: timed out, not HTTP, or unreachable."""
+    if isinstance(exc, _Deadline):
+        return f"timed out ({exc})"
+    if isinstance(exc, httpx.TimeoutException):
+        return f"timed out ({type(exc).__name__})"
+    if isinstance(exc, (httpx.ProtocolError, httpx.DecodingError)):
+        return f"sent an invalid HTTP response ({type(exc).__name__}: {exc})"
+    return f"unreachable ({type(exc).__name__}: {exc})"
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` atomically to a file only this user can read (0600)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
 def _retry_after(r: httpx.Response, default: float) -> float:
     try:
         return max(0.0, float(r.headers.get("Retry-After", default)))
@@ -277,6 +417,8 @@ def _safe_key(name: str) -> str:
 
 def _link(src: Path, dst: Path) -> None:
     """``dst`` becomes the verified cache object ``src`` (hard link, else copy), replacing what was there."""
+    if dst.exists() and os.path.samefile(src, dst):
+        return  # already the same file (renaming a hard link onto its twin would do nothing and leave tmp)
     tmp = dst.with_name(dst.name + ".tmp")
     tmp.unlink(missing_ok=True)
     try:

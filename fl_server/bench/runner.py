@@ -30,7 +30,8 @@ def build_federated(protocol: Protocol, seed: int, data_root: str | None = None)
 
 def run_seed(protocol: Protocol, method: str, seed: int, run_dir: Path | None, device: str = "auto",
              mode: str = "auto", progress: bool = True, data_root: str | None = None,
-             fed: FederatedData | None = None, test_at_best_only: bool = True) -> dict[str, Any]:
+             fed: FederatedData | None = None, test_at_best_only: bool = True,
+             checkpoint_every: int = 10) -> dict[str, Any]:
     """Train and evaluate one method on one seed; returns the raw result record."""
     fed = fed if fed is not None else build_federated(protocol, seed, data_root)
     shape = fed.dataset.x.shape[1:]
@@ -41,7 +42,7 @@ def run_seed(protocol: Protocol, method: str, seed: int, run_dir: Path | None, d
                     batch_size=protocol.batch_size, client_fraction=protocol.client_fraction,
                     eval_every=protocol.eval_every_for(method), seed=seed, mode=mode, device=device,
                     out_dir=str(run_dir) if run_dir else None, progress=progress,
-                    test_at_best_only=test_at_best_only)
+                    test_at_best_only=test_at_best_only, checkpoint_every=checkpoint_every)
     sim = Simulation(algorithm, fed, cfg)
     if run_dir is not None:  # what `fl-server export` needs to rebuild the model around best.npz
         run_dir.mkdir(parents=True, exist_ok=True)

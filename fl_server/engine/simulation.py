@@ -116,15 +116,37 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def _save_state(path: Path, state: State) -> None:
+META_KEY = "__checkpoint__"  # a checkpoint's metadata (JSON bytes) inside its own .npz
+
+
+def _complete_rows(text: str) -> list[dict[str, Any]]:
+    """The JSON rows of a metrics file up to the first incomplete one (a process killed mid-write)."""
+    rows = []
+    for line in text.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+def _save_state(path: Path, state: State, meta: dict[str, Any] | None = None) -> None:
+    arrays = to_numpy_flat(state)
+    if meta is not None:
+        arrays[META_KEY] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, **to_numpy_flat(state))
+    np.savez(tmp, **arrays)
     os.replace(tmp, path)
 
 
 def load_state(path: Path, device: torch.device | None = None) -> State:
     with np.load(path, allow_pickle=False) as arrays:
-        return from_numpy_flat({k: arrays[k] for k in arrays.files}, device)
+        return from_numpy_flat({k: arrays[k] for k in arrays.files if k != META_KEY}, device)
+
+
+def _checkpoint_meta(path: Path) -> dict[str, Any] | None:
+    with np.load(path, allow_pickle=False) as arrays:
+        return json.loads(arrays[META_KEY].tobytes()) if META_KEY in arrays.files else None
 
 
 class Simulation:
@@ -228,30 +250,34 @@ class Simulation:
     def _checkpoint(self, round_: int, result: RunResult) -> None:
         if self.out_dir is None:
             return
-        _save_state(self.out_dir / "checkpoint.npz", self.server_state)
         meta = {"fingerprint": self.fingerprint, "rounds_done": round_ + 1, "best_round": result.best_round,
                 "best_val": result.best_val, "test_at_best": result.test_at_best, "wall_s": result.wall_s}
+        # the state and the round it belongs to land in one rename (the .npz): a kill between this and the
+        # json below cannot make a resumed run apply a round twice; checkpoint.json is a readable mirror
+        _save_state(self.out_dir / "checkpoint.npz", self.server_state, meta)
         _atomic_write(self.out_dir / "checkpoint.json", json.dumps(meta).encode())
 
     def _resume(self, result: RunResult) -> int:
         if self.out_dir is None:
             return 0
-        if not (self.out_dir / "checkpoint.json").exists():
+        ckpt, legacy = self.out_dir / "checkpoint.npz", self.out_dir / "checkpoint.json"
+        meta = _checkpoint_meta(ckpt) if ckpt.exists() else None
+        if meta is None and ckpt.exists() and legacy.exists():  # a checkpoint written before the meta moved in
+            meta = json.loads(legacy.read_text())
+        if meta is None:
             (self.out_dir / "metrics.jsonl").unlink(missing_ok=True)  # rows of an aborted, uncheckpointed run
             return 0
-        meta = json.loads((self.out_dir / "checkpoint.json").read_text())
         if meta.get("fingerprint") != self.fingerprint:
             raise ValueError(f"{self.out_dir} holds a checkpoint of a different run (config changed); "
                              "use another --out directory or delete it")
-        self.server_state = load_state(self.out_dir / "checkpoint.npz", self.device)
+        self.server_state = load_state(ckpt, self.device)
         if (self.out_dir / "best.npz").exists():
             self.best_state = load_state(self.out_dir / "best.npz", self.device)
         result.best_round, result.best_val = meta["best_round"], meta["best_val"]
         result.test_at_best, result.wall_s = meta["test_at_best"], meta["wall_s"]
         metrics = self.out_dir / "metrics.jsonl"
         if metrics.exists():  # drop rows past the checkpoint (they will be recomputed identically)
-            rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-            rows = [r for r in rows if r["round"] < meta["rounds_done"]]
+            rows = [r for r in _complete_rows(metrics.read_text()) if r["round"] < meta["rounds_done"]]
             _atomic_write(metrics, "".join(json.dumps(r) + "\n" for r in rows).encode())
             result.history = rows
         return int(meta["rounds_done"])

@@ -110,7 +110,8 @@ class JobRunner:
         job_dir.mkdir(parents=True, exist_ok=True)
         spec = {**job["spec"], "data_dir": self.cfg.data_dir, "threads": self.cfg.worker_threads}
         (job_dir / "spec.json").write_text(json.dumps(spec, indent=1))
-        env = {**os.environ, "OMP_NUM_THREADS": str(self.cfg.worker_threads), "PYTHONPATH": _import_path()}
+        env = {**os.environ, "OMP_NUM_THREADS": str(self.cfg.worker_threads), "PYTHONPATH": _import_path(),
+               "FL_COORDINATOR_PID": str(os.getpid())}
         with open(job_dir / "log.txt", "ab") as logf:
             proc = subprocess.Popen([sys.executable, "-m", "fl_server.service.worker", str(job_dir)],
                                     stdout=logf, stderr=subprocess.STDOUT, env=env)

@@ -45,7 +45,15 @@ async def healthz(svc: Service = Depends(service)) -> dict[str, Any]:
     counts = {s: 0 for s in JOB_STATES}
     for j in svc.store.jobs():
         counts[j["status"]] += 1
-    return {"status": "ok", "bundles": svc.store.count("bundles"), "jobs": counts}
+    return {"status": "ok", "bundles": svc.store.count("bundles"), "jobs": counts,
+            "signing_key": svc.signer.public_hex}
+
+
+@router.get("/v1/signing-key", response_model=S.SigningKey, tags=["devices"])
+async def signing_key(svc: Service = Depends(service)) -> dict[str, str]:
+    """The public key that signs every bundle manifest (Ed25519). Pin it on the device out of band
+    (``EdgeClient(url, public_key=...)``); fetching it over the same connection is trust on first use."""
+    return {"alg": "Ed25519", "public_key": svc.signer.public_hex}
 
 
 @router.post("/v1/clients", response_model=S.JoinResponse, status_code=201, tags=["devices"],
@@ -81,6 +89,8 @@ async def artifact(sha256: str, range_: str | None = Header(None, alias="range")
         raise HTTPException(404, f"no artifact {sha256[:80]!r} (addresses come from a manifest)")
     etag = f'"{sha256}"'
     headers = {"ETag": etag, "Accept-Ranges": "bytes", "Cache-Control": "public, max-age=31536000, immutable"}
+    if svc.is_bundle(sha256):  # a manifest: its detached signature travels in a header too
+        headers["X-Manifest-Signature"] = json.dumps(svc.signature(sha256), separators=(",", ":"))
     if if_none_match is not None and etag in [t.strip() for t in if_none_match.split(",")] + ['"*"', "*"]:
         return Response(status_code=304, headers=headers)
     data = svc.artifact_bytes(sha256)

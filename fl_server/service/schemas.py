@@ -32,6 +32,12 @@ class ArtifactRef(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class ManifestSignature(BaseModel):
+    alg: Literal["Ed25519"] = "Ed25519"
+    public_key: str = Field(description="the signer's key (informational: devices verify with the key they pin)")
+    signature: str = Field(description="64-byte Ed25519 signature (hex) of GET /v1/artifacts/{bundle_id}'s bytes")
+
+
 class Manifest(BaseModel):
     """The bundle's manifest.json (written by ``export``) plus where to fetch each artifact."""
 
@@ -39,6 +45,7 @@ class Manifest(BaseModel):
     job_id: str
     method: str
     artifacts: list[ArtifactRef]
+    signature: ManifestSignature = Field(description="what the device stores as manifest.sig next to manifest.json")
     model_config = ConfigDict(extra="allow")
 
 
@@ -125,3 +132,10 @@ class Health(BaseModel):
     status: Literal["ok"] = "ok"
     bundles: int
     jobs: dict[str, int]
+    signing_key: str = Field(description="Ed25519 public key (hex) that signs every manifest; pin it on devices")
+
+
+class SigningKey(BaseModel):
+    alg: Literal["Ed25519"] = "Ed25519"
+    public_key: str = Field(description="32-byte Ed25519 public key, hex; signs the exact bytes of manifest.json")
+

@@ -16,6 +16,7 @@ from fl_server.service.hypernet import GenerateBatcher, HypernetCache
 from fl_server.service.jobs import JobRunner
 from fl_server.service.metrics import Metrics
 from fl_server.service.store import Store
+from fl_server.signing import ManifestSigner
 
 log = logging.getLogger("fl_server.service")
 NONE_METHOD = "none"  # plain inference with any bundle's forward graph and weights
@@ -34,6 +35,7 @@ class Service:
         self.metrics = Metrics()
         self._public: set[str] = set()
         self._bundle_version = -1
+        self._bundle_ids: set[str] = set()
         self._by_method: dict[str, dict[str, Any]] = {}
         self._by_id: dict[str, dict[str, Any]] = {}
         self._manifest_json: dict[str, bytes] = {}
@@ -42,11 +44,15 @@ class Service:
         self._btfl_base: dict[str, tuple[str, np.ndarray, int]] = {}
         self._lock = threading.Lock()
         self.admin_token_file = cfg.store_dir / "admin_token"
+        self.signer = ManifestSigner.load_or_create(cfg.store_dir)
+        self._signatures: dict[str, dict[str, str]] = {}
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
         self._ensure_admin_token()
         self._refresh()  # bundles of a previous run: tables, and hypernetworks loaded in the background
+        log.info("manifest signing key (Ed25519, pin it on devices): %s (from %s)", self.signer.public_hex,
+                 self.signer.source)
         if self.store.count("jobs") == 0:  # empty store: train the embedded default
             for method in self.cfg.default_methods:
                 self.runner.submit({"method": method, "dataset": "digits", "partition": "pathological",
@@ -80,7 +86,8 @@ class Service:
             bundles = self.store.bundles()  # oldest first: the newest bundle of a method wins
             self._by_method = {b["method"]: b for b in bundles}
             self._by_id = {b["id"]: b for b in bundles}
-            self._public = {b["id"] for b in bundles} | {a["sha256"] for b in bundles
+            self._bundle_ids = set(self._by_id)
+            self._public = self._bundle_ids | {a["sha256"] for b in bundles
                                                          for a in b["manifest"]["artifacts"]}
             self._bundle_version = version
         for b in bundles:  # the served hypernetworks are loaded before the first generate needs them
@@ -110,11 +117,24 @@ class Service:
         self._refresh()
         return sha256 in self._public
 
-    @staticmethod
-    def manifest_view(bundle: dict[str, Any]) -> dict[str, Any]:
+    def is_bundle(self, sha256: str) -> bool:
+        """Whether ``sha256`` names a bundle (its manifest.json)."""
+        self._refresh()
+        return sha256 in self._bundle_ids
+
+    def signature(self, bundle_id: str) -> dict[str, str]:
+        """The ``manifest.sig`` record of a bundle: Ed25519 over the exact bytes of its manifest.json
+        (deterministic, so computed once per bundle and key)."""
+        record = self._signatures.get(bundle_id)
+        if record is None:
+            record = self._signatures[bundle_id] = self.signer.record(self.artifact_bytes(bundle_id))
+        return record
+
+    def manifest_view(self, bundle: dict[str, Any]) -> dict[str, Any]:
         m = bundle["manifest"]
         arts = [{**a, "url": f"/v1/artifacts/{a['sha256']}"} for a in m["artifacts"]]
-        return {**m, "bundle_id": bundle["id"], "job_id": bundle["job_id"], "artifacts": arts}
+        return {**m, "bundle_id": bundle["id"], "job_id": bundle["job_id"], "artifacts": arts,
+                "signature": self.signature(bundle["id"])}
 
     def manifest_json(self, bundle: dict[str, Any]) -> bytes:
         """The manifest view serialised once per bundle (the hot path of joins and manifest requests)."""

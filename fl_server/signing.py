@@ -1,0 +1,90 @@
+"""The coordinator's Ed25519 signing key (``cryptography``): it signs every bundle manifest's exact bytes;
+devices verify with :mod:`edge_sdk.signing` against the public key they pin.
+
+Where the private key comes from, first match wins:
+1. ``$FL_SIGNING_KEY``: the 32-byte private seed as 64 hex characters;
+2. ``$FL_SIGNING_KEY_FILE``: a PEM (PKCS#8) private key file;
+3. ``<store>/signing_key.pem``: generated on first start (mode 0600) and reused after.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Mapping
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from edge_sdk.signing import signature_record, write_signature
+
+log = logging.getLogger("fl_server.service")
+KEY_FILE = "signing_key.pem"
+
+
+class ManifestSigner:
+    def __init__(self, private_key: Ed25519PrivateKey, source: str) -> None:
+        self._key = private_key
+        self.source = source
+        self.public_key: bytes = private_key.public_key().public_bytes_raw()
+
+    @property
+    def public_hex(self) -> str:
+        return self.public_key.hex()
+
+    def sign(self, data: bytes) -> bytes:
+        return self._key.sign(data)
+
+    def record(self, manifest: bytes) -> dict[str, str]:
+        """The ``manifest.sig`` record for these exact manifest bytes (Ed25519 is deterministic)."""
+        return signature_record(self.public_key, self.sign(manifest))
+
+    def sign_bundle(self, root: Path) -> Path:
+        """Write ``root/manifest.sig`` for ``root/manifest.json``."""
+        return write_signature(root, self.record((root / "manifest.json").read_bytes()))
+
+    @classmethod
+    def generate(cls) -> ManifestSigner:
+        return cls(Ed25519PrivateKey.generate(), "generated")
+
+    @classmethod
+    def from_pem(cls, path: Path) -> ManifestSigner:
+        try:
+            key = serialization.load_pem_private_key(path.read_bytes(), password=None)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{path}: not an unencrypted PEM private key ({exc})") from None
+        if not isinstance(key, Ed25519PrivateKey):
+            raise ValueError(f"{path}: holds a {type(key).__name__}, not an Ed25519 private key")
+        return cls(key, str(path))
+
+    @classmethod
+    def load_or_create(cls, store_dir: Path, env: Mapping[str, str] = os.environ) -> ManifestSigner:
+        """The key per the precedence in the module docstring; generates ``<store>/signing_key.pem``."""
+        if env.get("FL_SIGNING_KEY"):
+            try:
+                seed = bytes.fromhex(env["FL_SIGNING_KEY"].strip())
+                if len(seed) != 32:
+                    raise ValueError(f"{len(seed)} bytes")
+            except ValueError as exc:
+                raise ValueError(f"FL_SIGNING_KEY must be a 32-byte seed as 64 hex characters ({exc})") from None
+            return cls(Ed25519PrivateKey.from_private_bytes(seed), "$FL_SIGNING_KEY")
+        if env.get("FL_SIGNING_KEY_FILE"):
+            return cls.from_pem(Path(env["FL_SIGNING_KEY_FILE"]))
+        path = Path(store_dir) / KEY_FILE
+        if path.is_file():
+            if path.stat().st_mode & 0o077:
+                log.warning("%s is readable by others; chmod 600 it", path)
+            return cls.from_pem(path)
+        signer = cls.generate()
+        pem = signer._key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                        serialization.NoEncryption())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{KEY_FILE}.tmp-{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(pem)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        signer.source = str(path)
+        return signer
