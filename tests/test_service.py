@@ -226,26 +226,6 @@ def test_metrics_and_dashboard(server: Coordinator) -> None:
             "/v1/btfl/dle", "/v1/jobs", "/v1/jobs/{job_id}", "/metrics"} <= set(paths)
 
 
-def test_restart_keeps_state(server: Coordinator, client: dict, tmp_path: Path) -> None:
-    before = {p: httpx.get(f"{server.url}{p}", headers=auth(ADMIN), timeout=10).json()
-              for p in ("/v1/jobs", "/v1/manifest")}
-    dle = httpx.get(f"{server.url}/v1/btfl/dle", headers=auth(client["token"]), timeout=10).json()
-    server.stop()
-    again = start(server.store)
-    try:
-        after_jobs = httpx.get(f"{again.url}/v1/jobs", headers=auth(ADMIN), timeout=10).json()
-        done_before = {j["id"]: j for j in before["/v1/jobs"] if j["status"] == "done"}
-        done_after = {j["id"]: j for j in after_jobs if j["id"] in done_before}
-        assert done_after == done_before  # finished jobs and their bundles, untouched
-        assert {j["id"] for j in after_jobs} == {j["id"] for j in before["/v1/jobs"]}  # the queued one too
-        assert httpx.get(f"{again.url}/v1/manifest", timeout=10).json() == before["/v1/manifest"]
-        # the client's token still works, and the DLE aggregate survived
-        assert httpx.get(f"{again.url}/v1/btfl/dle", headers=auth(client["token"]), timeout=10).json() == dle
-        assert len(httpx.get(f"{again.url}/v1/jobs", headers=auth(ADMIN), timeout=10).json()) == 3
-    finally:
-        again.stop()
-
-
 def test_new_client_request_carries_only_the_embedding(server: Coordinator, tmp_path: Path) -> None:
     """A new ODPFL-HN client personalises on its device through edge_sdk; every byte it sends is recorded on the
     wire. The only body with data is the generate request, and it holds exactly the embedding e = g_gamma(D):
@@ -278,3 +258,24 @@ def test_new_client_request_carries_only_the_embedding(server: Coordinator, tmp_
     np.testing.assert_allclose(gen["embedding"], embedding, rtol=1e-6)
     assert len(bodies[1][2]) < 2_000 < x.nbytes
     assert all(m == "GET" for m, _, b in sent if not b)
+
+
+def test_restart_keeps_state(server: Coordinator, client: dict, tmp_path: Path) -> None:
+    before = {p: httpx.get(f"{server.url}{p}", headers=auth(ADMIN), timeout=10).json()
+              for p in ("/v1/jobs", "/v1/manifest")}
+    dle = httpx.get(f"{server.url}/v1/btfl/dle", headers=auth(client["token"]), timeout=10).json()
+    server.stop()
+    again = start(server.store)
+    try:
+        after_jobs = httpx.get(f"{again.url}/v1/jobs", headers=auth(ADMIN), timeout=10).json()
+        done_before = {j["id"]: j for j in before["/v1/jobs"] if j["status"] == "done"}
+        done_after = {j["id"]: j for j in after_jobs if j["id"] in done_before}
+        assert done_after == done_before  # finished jobs and their bundles, untouched
+        assert {j["id"] for j in after_jobs} == {j["id"] for j in before["/v1/jobs"]}  # the queued one too
+        assert httpx.get(f"{again.url}/v1/manifest", timeout=10).json() == before["/v1/manifest"]
+        # the client's token still works, and the DLE aggregate survived
+        assert httpx.get(f"{again.url}/v1/btfl/dle", headers=auth(client["token"]), timeout=10).json() == dle
+        assert len(httpx.get(f"{again.url}/v1/jobs", headers=auth(ADMIN), timeout=10).json()) == 3
+    finally:
+        again.stop()
+
