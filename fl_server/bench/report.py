@@ -54,7 +54,7 @@ def benchmark_section(name: str, rows: list[dict[str, Any]]) -> str:
         what = r.get("what") or r.get("method", "")
         details = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
                             for k, v in r.items() if k not in _BENCH_SKIP)
-        cells = [what, r["metric"], r["value"], details, r.get("device", "-"), f"`{r.get('command', '')}`"]
+        cells = [what, r.get("metric", "-"), r.get("value", "-"), details, r.get("device", "-"), f"`{r.get('command', '')}`"]
         lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
