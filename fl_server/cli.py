@@ -44,7 +44,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from fl_server.bench.experiments import get_experiment
-    from fl_server.bench.report import write_report
+    from fl_server.bench.report import split_label, write_report
     from fl_server.bench.runner import run_experiment
 
     exp = get_experiment(args.experiment)
@@ -56,8 +56,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                           args.device, args.mode, not args.no_progress, args.data_dir, command)
     for r in rows:
         paper = "" if r["paper"] is None else f" (paper {r['paper']:.2f})"
-        split = f"{r['split']} {r['shift']}" if "shift" in r else r["split"]
-        print(f"{r['dataset']:>14} {r['method']:>10} {split:>4}: {r['mean']:.2f} +- {r['std']:.2f} "
+        print(f"{r['dataset']:>14} {r['method']:>10} {split_label(r):>4}: {r['mean']:.2f} +- {r['std']:.2f} "
               f"over {r['seeds']} seed(s){paper}")
     if results == Path("docs/results"):
         print(f"wrote {write_report(Path('docs'))}")

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from edge_sdk import EntropyEarlyStopping
 from fl_server.algorithms.base import Algorithm, Hyper
-from fl_server.algorithms.losses import entropy_from_logits
+from fl_server.algorithms.losses import entropy_from_logits, kl_from_logits
 from fl_server.functional import State, broadcast, clip_by_global_norm, get_params, make_forward, sgd, weighted_mean
 from fl_server.models import AdaptationMLP, Classifier
 
@@ -74,19 +74,22 @@ class FedTTA(Algorithm):
 
     def meta_loss(self, psi: State, phi: State, psi_server: State, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = F.cross_entropy(self.forward(self.adapt_step(psi, phi, x), x), y)
-        if self.hp.mu:
-            log_p = F.log_softmax(self.forward(psi, x), -1)
-            log_q = F.log_softmax(self.forward(psi_server, x), -1).detach()
-            loss = loss + self.hp.mu * (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+        if self.hp.mu:  # Eq. 13
+            kl = kl_from_logits(self.forward(psi, x), self.forward(psi_server, x).detach())
+            loss = loss + self.hp.mu * kl.mean()
         return loss
 
     def local_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> State:
         g_psi, g_phi = torch.func.grad(self.meta_loss, argnums=(0, 1))(
             client_state["params"], client_state["phi"], server_state["params"], x, y)
+        return self.apply_gradients(client_state, g_psi, g_phi)
+
+    def apply_gradients(self, state: State, g_psi: State, g_phi: State) -> State:
+        """Eqs. 8-9: psi <- psi - eta_outer g_psi, phi <- phi - eta_adapt g_phi (after the optional clip)."""
         if self.hp.clip_norm is not None:
             g_psi, g_phi = clip_by_global_norm((g_psi, g_phi), self.hp.clip_norm)
-        return {"params": sgd(client_state["params"], g_psi, self.hp.lr, self.hp.weight_decay),
-                "phi": sgd(client_state["phi"], g_phi, self.hp.adapt_lr)}
+        return {"params": sgd(state["params"], g_psi, self.hp.lr, self.hp.weight_decay),
+                "phi": sgd(state["phi"], g_phi, self.hp.adapt_lr)}
 
     def aggregate(self, server_state: State, ids: np.ndarray, client_states: State, weights: torch.Tensor) -> State:
         return {**server_state, **{k: weighted_mean(client_states[k], weights) for k in ("params", "phi")}}

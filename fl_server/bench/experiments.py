@@ -3,13 +3,14 @@ hyperparameters, and the papers' reference numbers (SPEC.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Callable
 
 from fl_server.algorithms.fedtta import FEDTTA_HP
 from fl_server.algorithms.odpfl_hn import ODPFL_HP
+from fl_server.bench.data_size import FRACTIONS, run_data_size_seed
+from fl_server.bench.hetero import HETERO_METHODS, run_hetero_seed
 from fl_server.bench.map_incomplete import run_map_seed
-from fl_server.bench.odpfl import DP_DELTA, plot_dp, run_dp_seed
+from fl_server.bench.odpfl import DP_DELTA, run_dp_seed
 from fl_server.bench.shift import run_shift_seed
 from fl_server.engine import RunConfig
 
@@ -54,10 +55,12 @@ class Protocol:
                          device=device, out_dir=out_dir, progress=progress)
 
     def quick(self) -> "Protocol":
-        """A CI-sized version: about a minute per row on 2 CPU cores."""
-        return replace(self, num_clients=20, rounds=max(3, self.rounds // 40), local_iterations=10,
-                       eval_every=1, method_eval_every={}, note="--quick (smoke test, not a result)",
-                       options={**self.options, **self.options.get("quick", {})})
+        """A CI-sized version: about a minute per row on 2 CPU cores. ``options["quick"]`` overrides options,
+        ``options["quick_protocol"]`` fields of the quick protocol itself."""
+        small = replace(self, num_clients=20, rounds=max(3, self.rounds // 40), local_iterations=10,
+                        eval_every=1, method_eval_every={}, note="--quick (smoke test, not a result)",
+                        options={**self.options, **self.options.get("quick", {})})
+        return replace(small, **self.options.get("quick_protocol", {}))
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,6 @@ class Experiment:
     description: str = ""
     runner: str | None = None  # "module:function" with run_experiment's signature, for non-UPFL protocols
     run_fn: Callable[..., dict[str, Any]] | None = None  # replaces runner.run_seed (same signature)
-    plot: Callable[[list[dict], Path], Path | None] | None = None  # aggregated rows -> PNG (by fl-server report)
 
 
 # UPFL Table 1 (new-client "test" and training-client "val" accuracy, mean of 3 seeds).
@@ -243,11 +245,72 @@ EXPERIMENTS["odpfl-dp"] = Experiment(
         options={"pool": 3000, "eval_size": 300,
                  "quick": {"pool": 1000, "eval_size": 100, "set_sizes": (100, 1000), "epsilons": (1.0, float("inf"))}},
         note="LeNet target; DP encoder (unit sphere, mean pooling); 500 steps x 10% of 90 training clients")},
-    paper={}, run_fn=run_dp_seed, plot=plot_dp,
+    paper={}, run_fn=run_dp_seed,
     description=f"ODPFL-HN Sec. 7 on Fashion-MNIST: 10 new clients with 2 classes each and 3,000 + 300 samples; "
                 f"the embedding of the first |D| samples gets Gaussian noise for (eps, delta = {DP_DELTA}) with the "
                 f"client's own |D| (Lemma 2: sensitivity 2 L B / |D|); accuracy on the 300 held-out samples. 90 "
                 f"pathological training clients share the rest. See fl_server/bench/odpfl.py.",
+)
+# UPFL App. F (Table 2): 1,000 MNIST samples, 50 IID clients of 20; 25 training clients rotated by 0/30/60
+# degrees, 25 new clients by 15/45. The paper reports this experiment as a bar chart only (Fig. 4).
+EXPERIMENTS["upfl-concept-shift"] = Experiment(
+    name="upfl-concept-shift", methods=("FedAvg", "TENT", "FedTTA", "FedTTA++"),
+    protocols={"mnist": Protocol(
+        "mnist", "mlp", rounds=200, partition="rotation", num_clients=50, method_hp=_upfl_hp("mnist"),
+        options={"n_samples": 1000, "quick_protocol": {"num_clients": 50}},
+        note="App. F layout (25 + 25 clients of 20 samples; Sec. 4.5's text says 50 + 50); training clients "
+             "split 17/3 train/val; MNIST Table 4 hyperparameters; no paper numbers (Fig. 4 only)")},
+    paper={},
+    description="UPFL concept shift (Sec. 4.5, App. F): 1,000 random MNIST samples (train and test united), 50 "
+                "IID clients of 20; 25 training clients each rotated counter-clockwise by a fixed angle from "
+                "{0, 30, 60}, 25 new clients by one from {15, 45}; MLP 2x200, 200 rounds, tau=20, B=64; test "
+                "at the round of best validation accuracy.",
+)
+
+# UPFL Sec. 4.4 / Fig. 3 is on CIFAR-10 (not available here): Fashion-MNIST with the Table 1 protocol instead.
+_FMNIST_TABLE1 = EXPERIMENTS["upfl-table1"].protocols["fashion_mnist"]
+EXPERIMENTS["upfl-data-size"] = Experiment(
+    name="upfl-data-size", methods=("FedAvg", "TENT", "FedTTA", "FedTTA-Prox", "FedTTA++", "ODPFL-HN"),
+    protocols={"fashion_mnist": replace(
+        _FMNIST_TABLE1, options={"fractions": FRACTIONS, "train_runs": "upfl-table1",
+                                 # CPU smoke size (FedTTA++'s 50 adaptation steps dominate on a CPU)
+                                 "quick_protocol": {"split": "test", "rounds": 3, "method_hp": {
+                                     **_FMNIST_TABLE1.method_hp,
+                                     "FedTTA++": {**_FMNIST_TABLE1.method_hp["FedTTA++"], "max_steps": 5}}}},
+        note=_FMNIST_TABLE1.note + "; Fashion-MNIST instead of the paper's CIFAR-10; training runs shared "
+             "with upfl-table1 (same protocol); no paper numbers (Fig. 3 only)")},
+    paper={}, run_fn=run_data_size_seed,
+    description="UPFL data size (Sec. 4.4, Fig. 3): the upfl-table1 Fashion-MNIST training, then every new "
+                "client keeps a fraction a of its data (nested random subsets of round(a n) samples) to adapt "
+                "on and be tested on; test at the round of best validation accuracy. Plot: "
+                "docs/upfl-data-size.png.",
+)
+
+# UPFL Sec. 4.6 runs HeteroFedTTA on CIFAR-10 (lambda 0..1, eta_inner 0.5, eta_outer 0.1, eta_adapt 0.005, one
+# adaptation step). Here: Fashion-MNIST with its Table 4 FedTTA++ rates and early stopping (patience 5).
+# --quick: three ConvNets with second-order steps are slow on a shared 2-core CPU (a 10-step round of the
+# big group took 80-125 s there; personalizing the big ConvNet on 5,000 new-client samples dominated a first
+# smoke profile), so the smoke profile is 12 clients sharing 2,400 samples of the test split, 2 rounds of 3
+# steps of B = 32, at most 3 adaptation steps.
+_HETERO_HP = FEDTTA_HP["fashion_mnist"]["FedTTA++"]
+EXPERIMENTS["upfl-hetero"] = Experiment(
+    name="upfl-hetero", methods=tuple(HETERO_METHODS),
+    protocols={"fashion_mnist": Protocol(
+        "fashion_mnist", "convnet", rounds=300, eval_every=5, method_hp={"HeteroFedTTA": _HETERO_HP},
+        options={"public_size": 1024, "public_batch": 64, "digest_epochs": 1,
+                 "quick": {"public_size": 128, "public_batch": 32, "max_samples": 2400},
+                 "quick_protocol": {"split": "test", "num_clients": 12, "rounds": 2, "local_iterations": 3,
+                                    "batch_size": 32,
+                                    "method_hp": {"HeteroFedTTA": {**_HETERO_HP, "max_steps": 3}}}},
+        note="Fashion-MNIST with its FedTTA++ rates (paper: CIFAR-10, FedTTA); public set = 1,024 samples held "
+             "out of the united data; psi and phi averaged within each size group; validation every 5 rounds")},
+    paper={}, run_fn=run_hetero_seed,
+    description="UPFL HeteroFedTTA (Sec. 3.4 / 4.6, Algorithm 2): Table 1 clients (100, pathological, 50% new), "
+                "each training and new client a small / medium / big ConvNet with equal probability (App. G); "
+                "per round: digest (Eq. 14 KD on the public set toward the consensus logits, lambda on the base "
+                "term) -> revisit (FedTTA on own data) -> logits on the public set -> consensus; a new client "
+                "digests, then personalizes (FedTTA++). Rows per size group and over all clients; 'no KD' = the "
+                "three groups trained independently.",
 )
 
 

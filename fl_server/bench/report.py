@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from fl_server.bench.experiments import EXPERIMENTS
+from fl_server.bench.plots import PLOTS
 
 HEADER = """# Results
 
@@ -21,6 +22,22 @@ def _fmt(row: dict[str, Any]) -> str:
     return f"{row['mean']:.2f} +- {row['std']:.2f}"
 
 
+def split_label(row: dict[str, Any]) -> str:
+    """The row's split with the experiment-specific field that tells its rows apart."""
+    split = row["split"]
+    if "column" in row:  # btgfl: one row per test-stream column
+        split = f"{split}: {row['column']}"
+    if "shift" in row:  # fedicon-shift: one row per shift
+        split = f"{split} {row['shift']}"
+    if "fraction" in row:  # upfl-data-size: one row per fraction of the new clients' data
+        split = f"{split} a={row['fraction']}"
+    if "group" in row:  # upfl-hetero: one row per model-size group
+        split = f"{split} {row['group']}"
+    if "setting" in row:  # odpfl-dp: one row per (|D|, eps)
+        split = f"{split}: {row['setting']}"
+    return split
+
+
 def experiment_section(name: str, rows: list[dict[str, Any]]) -> str:
     exp = EXPERIMENTS.get(name)
     lines = [f"## {name}", ""]
@@ -31,13 +48,7 @@ def experiment_section(name: str, rows: list[dict[str, Any]]) -> str:
     for r in rows:
         paper = "-" if r.get("paper") is None else f"{r['paper']:.2f}"
         best = ",".join(str(b) for b in r.get("best_round", []))
-        split = r["split"]
-        if "column" in r:  # btgfl: one row per test-stream column
-            split = f"{split}: {r['column']}"
-        if "shift" in r:  # fedicon-shift: one row per shift
-            split = f"{split} {r['shift']}"
-        if "setting" in r:  # e.g. odpfl-dp: one row per (|D|, eps)
-            split = f"{split}: {r['setting']}"
+        split = split_label(r)
         lines.append(f"| {r['dataset']} | {r['method']} | {split} | {_fmt(r)} | {paper} | {r['seeds']} | "
                      f"{r.get('rounds', '-')} ({best}) | {r['device']} | {r.get('wall_s', '-')} | "
                      f"`{r.get('command', '')}` | {r.get('note', '')} |")
@@ -66,11 +77,8 @@ def write_report(docs: Path = Path("docs")) -> Path:
         # seed-aggregated experiment tables; other result files (probes, sweeps) as generic rows
         section = experiment_section if all("mean" in r for r in rows) else benchmark_section
         parts.append(section(path.stem, rows))
-        exp = EXPERIMENTS.get(path.stem)
-        if exp is not None and exp.plot is not None and rows:  # figures next to the tables
-            png = exp.plot(rows, docs / "results" / f"{path.stem}.png")
-            if png is not None:
-                parts.append(f"![{path.stem}](results/{png.name})\n")
+        if path.stem in PLOTS and (png := PLOTS[path.stem](rows, docs / f"{path.stem}.png")) is not None:
+            parts.append(f"![{path.stem}]({png.name})\n")
     for path in sorted((docs / "benchmarks").glob("*.json")):
         data = json.loads(path.read_text())
         parts.append(benchmark_section(path.stem, data if isinstance(data, list) else [data]))

@@ -16,23 +16,32 @@ import numpy as np
 from fl_server.algorithms import build_algorithm
 from fl_server.bench.experiments import Experiment, Protocol
 from fl_server.data import load_dataset
-from fl_server.data.federated import FederatedData, make_federated
+from fl_server.data.federated import FederatedData, make_federated, rotation_concept_shift
 from fl_server.device import describe
-from fl_server.engine import RunConfig, Simulation
+from fl_server.engine import RunConfig, RunResult, Simulation
 from fl_server.models import build_model
 
 
 def build_federated(protocol: Protocol, seed: int, data_root: str | None = None) -> FederatedData:
+    """The protocol's clients: ``partition="rotation"`` is UPFL App. F's concept shift (``options["n_samples"]``
+    samples, rotated per client); ``options["public_size"]`` holds a public set out of every client;
+    ``options["max_samples"]`` first keeps that many random samples of the split (smoke profiles)."""
     dataset = load_dataset(protocol.dataset, root=data_root, split=protocol.split)
+    if (keep := protocol.options.get("max_samples")) and keep < len(dataset):
+        dataset = dataset.subset(np.sort(np.random.default_rng([seed, 0x5A3]).choice(len(dataset), keep, False)))
+    if protocol.partition == "rotation":
+        return rotation_concept_shift(dataset, seed, n_samples=protocol.options.get("n_samples", 1000),
+                                      num_clients=protocol.num_clients, val_fraction=protocol.val_fraction)
     return make_federated(dataset, protocol.partition, protocol.num_clients, protocol.new_fraction,
-                          protocol.val_fraction, seed=seed, alpha=protocol.alpha)
+                          protocol.val_fraction, seed=seed, alpha=protocol.alpha,
+                          public_size=protocol.options.get("public_size", 0))
 
 
-def run_seed(protocol: Protocol, method: str, seed: int, run_dir: Path | None, device: str = "auto",
-             mode: str = "auto", progress: bool = True, data_root: str | None = None,
-             fed: FederatedData | None = None, test_at_best_only: bool = True,
-             checkpoint_every: int = 10) -> dict[str, Any]:
-    """Train and evaluate one method on one seed; returns the raw result record."""
+def build_simulation(protocol: Protocol, method: str, seed: int, run_dir: Path | None, device: str = "auto",
+                     mode: str = "auto", progress: bool = True, data_root: str | None = None,
+                     fed: FederatedData | None = None, test_at_best_only: bool = True,
+                     checkpoint_every: int = 10) -> Simulation:
+    """The engine run of one method and seed under ``protocol`` (writes ``run.json`` into ``run_dir``)."""
     fed = fed if fed is not None else build_federated(protocol, seed, data_root)
     shape = fed.dataset.x.shape[1:]
     model = build_model(protocol.model, shape, fed.dataset.num_classes, seed=seed)
@@ -50,18 +59,32 @@ def run_seed(protocol: Protocol, method: str, seed: int, run_dir: Path | None, d
                         "dataset": protocol.dataset, "input_shape": list(shape),
                         "num_classes": fed.dataset.num_classes, "seed": seed, "protocol": dataclasses.asdict(protocol)}
         (run_dir / "run.json").write_text(json.dumps(describe_run, indent=1, default=str))
-    result = sim.run()
+    return sim
+
+
+def seed_record(protocol: Protocol, method: str, seed: int, sim: Simulation, result: RunResult) -> dict[str, Any]:
+    """The raw result record of a finished engine run."""
     return {
         "dataset": protocol.dataset, "method": method, "seed": seed, "model": protocol.model,
         "rounds": protocol.rounds, "best_round": result.best_round,
         "val": 100 * result.best_val,
         "test": None if result.test_at_best is None else 100 * result.test_at_best,
         "wall_s": round(result.wall_s, 2), "device": describe(sim.device), "mode": sim.mode,
-        "hyper": algorithm.hp.__dict__, "protocol_note": protocol.note_for(method),
+        "hyper": sim.algorithm.hp.__dict__, "protocol_note": protocol.note_for(method),
         "eval_every": protocol.eval_every_for(method), "host": platform.node(),
         "curve": [{"round": r["round"], "val": r.get("val"), "test": r.get("test")}
                   for r in result.history if "val" in r],
     }
+
+
+def run_seed(protocol: Protocol, method: str, seed: int, run_dir: Path | None, device: str = "auto",
+             mode: str = "auto", progress: bool = True, data_root: str | None = None,
+             fed: FederatedData | None = None, test_at_best_only: bool = True,
+             checkpoint_every: int = 10) -> dict[str, Any]:
+    """Train and evaluate one method on one seed; returns the raw result record."""
+    sim = build_simulation(protocol, method, seed, run_dir, device, mode, progress, data_root, fed,
+                           test_at_best_only, checkpoint_every)
+    return seed_record(protocol, method, seed, sim, sim.run())
 
 
 def safe_name(method: str) -> str:

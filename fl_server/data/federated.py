@@ -16,13 +16,15 @@ PARTITIONS = ("pathological", "dirichlet", "iid", "incomplete")
 @dataclass
 class FederatedData:
     """Index lists into ``dataset``: ``train[k]`` / ``val[k]`` belong to training client k,
-    ``new[j]`` is new client j's whole (unlabeled at adaptation time) data set."""
+    ``new[j]`` is new client j's whole (unlabeled at adaptation time) data set; ``public`` are samples held
+    out from every client (HeteroFedTTA's public unlabeled set D_p; empty unless asked for)."""
 
     dataset: ArrayDataset
     train: list[np.ndarray]
     val: list[np.ndarray]
     new: list[np.ndarray]
     info: dict[str, Any] = field(default_factory=dict)
+    public: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     @property
     def num_train_clients(self) -> int:
@@ -54,11 +56,19 @@ def partition_labels(labels: np.ndarray, partition: str, num_clients: int, rng: 
 def make_federated(
     dataset: ArrayDataset, partition: str = "pathological", num_clients: int = 100, new_fraction: float = 0.5,
     val_fraction: float = 0.15, seed: int = 0, alpha: float | None = None, new_client_fraction_kept: float = 1.0,
+    public_size: int = 0,
 ) -> FederatedData:
     """UPFL protocol by default: 100 pathological clients, 50% new clients, 85/15 train/val.
-    ``new_client_fraction_kept`` < 1 subsamples each new client's data (UPFL Fig. 3)."""
+    ``new_client_fraction_kept`` < 1 subsamples each new client's data (UPFL Fig. 3).
+    ``public_size`` > 0 first sets that many random samples aside as the public set (no client holds any);
+    the clients partition the rest. With 0 the draws are those of the plain protocol."""
     rng = np.random.default_rng(seed)
-    clients = partition_labels(dataset.y, partition, num_clients, rng, alpha)
+    public = np.zeros(0, np.int64)
+    if public_size > 0:
+        rest, public = partitions.hold_out(len(dataset), public_size, rng)
+        clients = [rest[c] for c in partition_labels(dataset.y[rest], partition, num_clients, rng, alpha)]
+    else:
+        clients = partition_labels(dataset.y, partition, num_clients, rng, alpha)
     train_ids, new_ids = partitions.split_new_clients(num_clients, new_fraction, rng)
     train, val = zip(*(partitions.train_val_split(clients[k], val_fraction, rng) for k in train_ids))
     new = [clients[k] for k in new_ids]
@@ -67,7 +77,9 @@ def make_federated(
     info = {"partition": partition, "num_clients": num_clients, "new_fraction": new_fraction,
             "val_fraction": val_fraction, "seed": seed, "alpha": alpha,
             "new_client_fraction_kept": new_client_fraction_kept}
-    return FederatedData(dataset, list(train), list(val), new, info)
+    if public_size > 0:  # only then: ``info`` enters run fingerprints, existing runs must keep theirs
+        info["public_size"] = public_size
+    return FederatedData(dataset, list(train), list(val), new, info, public)
 
 
 def rotation_concept_shift(
@@ -93,5 +105,6 @@ def rotation_concept_shift(
     rotated = ArrayDataset(f"{dataset.name}-rotated", x, base.y, dataset.num_classes)
     train, val = zip(*(partitions.train_val_split(clients[k], val_fraction, rng) for k in train_ids))
     info = {"partition": "rotation", "num_clients": num_clients, "seed": seed,
-            "train_angles": angles[train_ids].tolist(), "new_angles": angles[new_ids].tolist()}
+            "train_angles": angles[train_ids].tolist(), "new_angles": angles[new_ids].tolist(),
+            "source_index": pick.tolist()}  # rotated sample i is dataset[source_index[i]] rotated
     return FederatedData(rotated, list(train), list(val), [clients[k] for k in new_ids], info)

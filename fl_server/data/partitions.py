@@ -113,8 +113,19 @@ def train_val_split(
 
 
 def subsample(indices: np.ndarray, fraction: float, rng: np.random.Generator) -> np.ndarray:
-    """Keep a random ``fraction`` (at least one sample) of a client's indices (UPFL Fig. 3 data-size sweep)."""
+    """Keep ``round(fraction * n)`` (at least one) of a client's n indices (UPFL Sec. 4.4 data-size sweep):
+    the first ones of a random permutation, so generators in the same state give *nested* subsets (a smaller
+    fraction is a subset of a bigger one) and the rng advances by the same amount whatever the fraction."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
     keep = max(1, int(round(fraction * len(indices))))
-    return np.sort(rng.choice(indices, size=keep, replace=False))
+    return np.sort(rng.permutation(indices)[:keep])
+
+
+def hold_out(n: int, size: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """Random ``size`` of ``n`` sample indices set aside (e.g. HeteroFedTTA's public unlabeled set D_p).
+    Returns (kept, held out), both sorted and disjoint."""
+    if not 0 <= size < n:
+        raise ValueError(f"cannot hold out {size} of {n} samples")
+    perm = rng.permutation(n)
+    return np.sort(perm[size:]), np.sort(perm[:size])

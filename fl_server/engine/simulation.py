@@ -189,12 +189,15 @@ class Simulation:
         return run_local_steps(step_fn, states, server_state, self.x, self.y,
                                torch.from_numpy(batches).to(self.device), self.mode, self.cfg.chunk_size)
 
-    def run_round(self, round_: int) -> None:
+    def run_round(self, round_: int) -> tuple[np.ndarray, State]:
+        """One round; returns the selected client ids and their local states before aggregation (for methods
+        that also communicate something else, e.g. HeteroFedTTA's logits on the public set)."""
         ids = self.select_clients(round_)
         states = self.algorithm.client_start(self.server_state, ids)
         states = self.local_train(self.algorithm.local_step, states, self.server_state, ids,
                                   self.cfg.local_iterations, self._rng(round_, _BATCHES))
         self.server_state = self.algorithm.aggregate(self.server_state, ids, states, self.train_sizes[ids])
+        return ids, states
 
     # -------------------------------------------------------------- evaluation
     def _logits(self, params: State, idx: np.ndarray) -> torch.Tensor:
@@ -211,13 +214,16 @@ class Simulation:
         name, p = next(iter(self.algorithm.model.named_parameters()))
         return params[name].ndim == p.ndim + 1
 
+    def personalized_accuracies(self, clients: list[np.ndarray], state: State | None = None) -> list[float]:
+        """Per client (index array into the data set): accuracy after ``personalize`` of ``state`` (default:
+        the current server state) on the client's own unlabeled data."""
+        state = self.server_state if state is None else state
+        return [self._accuracy(self.algorithm.personalize(state, self.x[torch.from_numpy(idx)]), idx)
+                for idx in clients]
+
     def _personalized_accuracy(self, clients: list[np.ndarray]) -> float:
         """Mean over clients of the accuracy after ``personalize`` on the client's own unlabeled data."""
-        accs = []
-        for idx in clients:
-            params = self.algorithm.personalize(self.server_state, self.x[torch.from_numpy(idx)])
-            accs.append(self._accuracy(params, idx))
-        return float(np.mean(accs))
+        return float(np.mean(self.personalized_accuracies(clients)))
 
     def evaluate_val(self, round_: int) -> float:
         """Mean over training clients of the accuracy on their validation split."""
