@@ -13,6 +13,7 @@ from fl_server.service.config import DEFAULT_METHODS, ServiceConfig
 from fl_server.service.hypernet import GenerateBatcher, HypernetCache
 from fl_server.service.jobs import JobRunner
 from fl_server.service.metrics import Metrics
+from fl_server.service.ratelimit import Buckets, Limit
 from fl_server.service.store import Store
 
 log = logging.getLogger("fl_server.service")
@@ -30,6 +31,8 @@ class Service:
         self.hypernets = HypernetCache(self.artifacts)
         self.generator = GenerateBatcher(self.hypernets)
         self.metrics = Metrics()
+        self.token_limits = Buckets(Limit(cfg.token_rate, cfg.token_burst))
+        self.join_limits = Buckets(Limit(cfg.join_rate, cfg.join_burst))
         self._public: set[str] = set()
         self._bundle_count = -1
         self._by_method: dict[str, dict[str, Any]] = {}
@@ -37,6 +40,7 @@ class Service:
         self._blobs: dict[str, bytes] = {}  # small artifacts kept in memory (they never change)
         self._blob_bytes = 0
         self._lock = threading.Lock()
+        self.dle_lock = threading.Lock()  # BTFL DLE uploads: shape check and write are one step
         self.admin_token_file = cfg.store_dir / "admin_token"
 
     # ------------------------------------------------------------ lifecycle
