@@ -79,6 +79,17 @@ def start(store: Path, methods: str = "TENT,ODPFL-HN", rounds: int = 1, workers:
     raise TimeoutError(f"coordinator did not answer /healthz; log {log.read_text()[-2000:]}")
 
 
+def auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def join(url: str, method: str | None = None) -> dict:
+    """Join the coordinator at ``url`` as a new client: client_id, token, methods, manifest."""
+    r = httpx.post(f"{url}/v1/clients", json={"method": method}, timeout=30)
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
 def train_store(store: Path) -> Path:
     """A store whose default TENT and ODPFL-HN bundles (1 round on digits) are trained; the server stops."""
     coord = start(store)

@@ -12,10 +12,10 @@ import httpx
 import numpy as np
 import pytest
 
-from coordinator_proc import ADMIN, Coordinator, start_copy
+from coordinator_proc import ADMIN, Coordinator, auth, join, start_copy
 from fl_server.service.store import Store
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)  # the first test of a session trains the shared store
 
 
 @pytest.fixture(scope="module")
@@ -25,18 +25,8 @@ def server(trained_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     coord.stop()
 
 
-def join(server: Coordinator) -> dict:
-    r = httpx.post(f"{server.url}/v1/clients", json={}, timeout=30)
-    assert r.status_code == 201, r.text
-    return r.json()
-
-
-def auth(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
-
-
 def test_tokens_are_stored_hashed(server: Coordinator) -> None:
-    c = join(server)
+    c = join(server.url)
     db = server.store / "coordinator.sqlite3"
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as con:
         rows = con.execute("SELECT hash, scope, client_id FROM tokens").fetchall()
@@ -71,7 +61,7 @@ def test_token_lookup_compares_in_constant_time(tmp_path: Path, monkeypatch: pyt
 
 
 def test_scopes(server: Coordinator) -> None:
-    c = join(server)
+    c = join(server.url)
     client_only = [("POST", "/v1/hypernetwork/generate", {"embedding": [0.0]}), ("GET", "/v1/btfl/dle", None),
                    ("POST", "/v1/btfl/dle", {"freqs": [[0.5, 0.5]], "num_samples": 1})]
     admin_only = [("GET", "/v1/jobs", None), ("GET", "/v1/jobs/x", None), ("POST", "/v1/jobs", {"rounds": 1})]
@@ -99,7 +89,7 @@ def test_a_client_cannot_touch_another_clients_dle(server: Coordinator) -> None:
     """DLE uploads are keyed by the token's client: a client id in the body is rejected, and a client's
     upload replaces only its own DLE."""
     url = f"{server.url}/v1/btfl/dle"
-    a, b = join(server), join(server)
+    a, b = join(server.url), join(server.url)
     dle_a, dle_b = np.tile([0.25, 0.75], (8, 1)), np.tile([0.5, 0.5], (8, 1))
     r = httpx.post(url, json={"freqs": dle_a.tolist(), "num_samples": 10, "client_id": b["client_id"]},
                    headers=auth(a["token"]), timeout=30)

@@ -25,6 +25,8 @@ def server(trained_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 def test_fuzz_ci_profile(server: Coordinator) -> None:
     report = fuzz_coordinator(server.url, ADMIN, max_examples=EXAMPLES, seed=0)
+    print(f"fuzz CI profile: {sum(report.cases.values())} cases, {len(report.failures)} failures, "
+          f"{report.seconds:.1f} s")
     assert not report.failures, "\n\n".join(report.failures)
     paths = httpx.get(f"{server.url}/openapi.json", timeout=30).json()["paths"]
     assert set(report.cases) == {f"{m.upper()} {p}" for p, ops in paths.items() for m in ops}  # all exercised

@@ -10,9 +10,9 @@ import httpx
 import numpy as np
 import pytest
 
-from coordinator_proc import ADMIN, Coordinator, start_copy
+from coordinator_proc import ADMIN, Coordinator, auth, join, start_copy
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)  # the first test of a session trains the shared store
 LIMIT = 1 << 20
 
 
@@ -25,38 +25,11 @@ def server(trained_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 @pytest.fixture(scope="module")
 def client(server: Coordinator) -> dict:
-    r = httpx.post(f"{server.url}/v1/clients", json={"method": "ODPFL-HN"}, timeout=30)
-    assert r.status_code == 201, r.text
-    return r.json()
-
-
-def auth(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
+    return join(server.url, "ODPFL-HN")
 
 
 def field_error(loc: list, msg: str, type_: str) -> dict:
     return {"detail": [{"loc": loc, "msg": msg, "type": type_}]}
-
-
-def test_concurrent_first_dles_of_different_shapes(server: Coordinator) -> None:
-    """The first DLEs fix the shape, also when they arrive together (the shape check and the write used to
-    be separate steps: two first uploads could both pass, and a mixed table fails every aggregation).
-    Runs first in this module: the DLE table is empty."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    tokens = [httpx.post(f"{server.url}/v1/clients", json={}, timeout=30).json()["token"] for _ in range(16)]
-    assert httpx.get(f"{server.url}/v1/btfl/dle", headers=auth(tokens[0]), timeout=30).status_code == 404
-
-    def upload(i: int) -> int:
-        dle = np.full((4 if i % 2 else 8, 2), 0.5).tolist()
-        return httpx.post(f"{server.url}/v1/btfl/dle", json={"freqs": dle, "num_samples": 1},
-                          headers=auth(tokens[i]), timeout=60).status_code
-
-    with ThreadPoolExecutor(16) as pool:
-        codes = list(pool.map(upload, range(16)))
-    assert sorted(set(codes)) == [200, 422] and codes.count(200) == 8  # one shape won, the other was refused
-    r = httpx.get(f"{server.url}/v1/btfl/dle", headers=auth(tokens[0]), timeout=30)
-    assert r.status_code == 200 and r.json()["clients"] == 8
 
 
 def test_body_over_1_mib_is_413_by_length_and_when_streamed(server: Coordinator, client: dict) -> None:
@@ -153,7 +126,7 @@ def test_dle_shape_is_fixed_by_the_other_clients(server: Coordinator, client: di
     dle = np.full((4, 2), 0.5).tolist()
     r = httpx.post(url, json={"freqs": dle, "num_samples": 3}, headers=a, timeout=30)
     assert r.status_code == 200 and (r.json()["clients"], r.json()["dims"]) == (1, 4)
-    other = httpx.post(f"{server.url}/v1/clients", json={}, timeout=30).json()["token"]
+    other = join(server.url)["token"]
     r = httpx.post(url, json={"freqs": [[0.5, 0.5]], "num_samples": 1}, headers=auth(other), timeout=30)
     assert (r.status_code, r.json()) == (422, {"detail": "DLE shape [1, 2] differs from the other clients' [4, 2]"})
 
@@ -224,3 +197,28 @@ def test_openapi_documents_every_error(server: Coordinator) -> None:
             assert ref.endswith("/NotReady" if code == "503" else "/Error")
         if "429" in codes:
             assert "Retry-After" in responses["429"]["headers"]
+
+
+def test_concurrent_first_dles_of_different_shapes(trained_store: Path, tmp_path: Path) -> None:
+    """The first DLEs fix the shape, also when they arrive together (the shape check and the write used to
+    be separate steps: two first uploads could both pass, and a mixed table fails every aggregation).
+    Its own server: the DLE table must be empty."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = start_copy(trained_store, tmp_path / "store")
+    try:
+        tokens = [join(server.url)["token"] for _ in range(16)]
+        assert httpx.get(f"{server.url}/v1/btfl/dle", headers=auth(tokens[0]), timeout=30).status_code == 404
+
+        def upload(i: int) -> int:
+            dle = np.full((4 if i % 2 else 8, 2), 0.5).tolist()
+            return httpx.post(f"{server.url}/v1/btfl/dle", json={"freqs": dle, "num_samples": 1},
+                              headers=auth(tokens[i]), timeout=60).status_code
+
+        with ThreadPoolExecutor(16) as pool:
+            codes = list(pool.map(upload, range(16)))
+        assert sorted(set(codes)) == [200, 422] and codes.count(200) == 8  # one shape won, the other refused
+        r = httpx.get(f"{server.url}/v1/btfl/dle", headers=auth(tokens[0]), timeout=30)
+        assert r.status_code == 200 and r.json()["clients"] == 8
+    finally:
+        server.stop()

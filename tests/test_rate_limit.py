@@ -10,11 +10,11 @@ import httpx
 import pytest
 from fastapi import HTTPException
 
-from coordinator_proc import ADMIN, Coordinator, start_copy
+from coordinator_proc import ADMIN, Coordinator, auth, join, start_copy
 from fl_server.service.config import ServiceConfig
 from fl_server.service.ratelimit import Buckets, Limit
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(600)  # the first test of a session trains the shared store
 
 
 class Clock:
@@ -78,33 +78,33 @@ def until_limited(send: Callable[[], httpx.Response], tries: int = 20) -> httpx.
 
 
 def test_join_is_limited_per_ip_then_recovers(server: Coordinator) -> None:
-    def join() -> httpx.Response:
+    def attempt() -> httpx.Response:
         return httpx.post(f"{server.url}/v1/clients", json={}, timeout=30)
 
-    r = until_limited(join)
+    r = until_limited(attempt)
     retry = int(r.headers["Retry-After"])
     assert r.json() == {"detail": f"rate limit exceeded for joins from this IP (1 requests/s, burst 3); "
                                   f"retry after {retry} s"}
     assert 1 <= retry <= 2
     time.sleep(retry)
-    assert join().status_code == 201
+    assert attempt().status_code == 201
 
 
 def test_token_is_limited_per_token_then_recovers(server: Coordinator) -> None:
     time.sleep(3)  # the joins of the previous test refill
-    a, b = (httpx.post(f"{server.url}/v1/clients", json={}, timeout=30).json()["token"] for _ in range(2))
+    a, b = join(server.url)["token"], join(server.url)["token"]
     url = f"{server.url}/v1/btfl/dle"
     body = {"freqs": [[0.5, 0.5]], "num_samples": 1}
-    httpx.post(url, json=body, headers={"Authorization": f"Bearer {a}"}, timeout=30)
-    r = until_limited(lambda: httpx.get(url, headers={"Authorization": f"Bearer {a}"}, timeout=30))
+    httpx.post(url, json=body, headers=auth(a), timeout=30)
+    r = until_limited(lambda: httpx.get(url, headers=auth(a), timeout=30))
     retry = int(r.headers["Retry-After"])
     assert r.json()["detail"].startswith("rate limit exceeded for this token (1 requests/s, burst 4)")
     # another token is not affected, neither is the admin's
-    assert httpx.get(url, headers={"Authorization": f"Bearer {b}"}, timeout=30).status_code == 200
-    admin = httpx.get(f"{server.url}/v1/jobs", headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30)
+    assert httpx.get(url, headers=auth(b), timeout=30).status_code == 200
+    admin = httpx.get(f"{server.url}/v1/jobs", headers=auth(ADMIN), timeout=30)
     assert admin.status_code == 200
     time.sleep(retry)
-    assert httpx.get(url, headers={"Authorization": f"Bearer {a}"}, timeout=30).status_code == 200
+    assert httpx.get(url, headers=auth(a), timeout=30).status_code == 200
     metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
     assert 'route="/v1/btfl/dle",status="429"' in metrics
 
