@@ -1,4 +1,5 @@
-"""Shared fixtures: the real data in ../shared/data (skip with a clear reason where it is absent)."""
+"""Shared fixtures: the real data in ../shared/data (skip with a clear reason where it is absent), and a
+coordinator store with trained bundles for the API tests (trained once per session)."""
 from __future__ import annotations
 
 import sys
@@ -35,3 +36,11 @@ def fashion_all(data_root: Path):  # type: ignore[no-untyped-def]
     if not _have("fashion-mnist"):
         pytest.skip(f"real Fashion-MNIST not found in {SHARED_DATA}")
     return load_dataset("fashion_mnist", root=data_root, split="all")
+
+
+@pytest.fixture(scope="session")
+def trained_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A coordinator store with TENT and ODPFL-HN bundles; copy it (coordinator_proc.start_copy) to serve."""
+    from coordinator_proc import train_store
+
+    return train_store(tmp_path_factory.mktemp("trained") / "store")

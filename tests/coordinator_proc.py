@@ -3,6 +3,7 @@ integration tests of the service and the SDK client."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -50,18 +51,21 @@ class Coordinator:
         raise TimeoutError(f"{n} bundles not ready after {timeout}s; log {self.log.read_text()[-2000:]}")
 
 
-def start(store: Path, methods: str = "TENT,ODPFL-HN", rounds: int = 1, workers: int = 2) -> Coordinator:
+def start(store: Path, methods: str = "TENT,ODPFL-HN", rounds: int = 1, workers: int = 2,
+          env: dict[str, str] | None = None) -> Coordinator:
+    """``env`` adds to the server's environment (e.g. ``FL_SERVE_TOKEN_RATE``)."""
     port = free_port()
     env = {**os.environ, "FL_SERVE_DEFAULT_METHODS": methods, "FL_SERVE_ROUNDS": str(rounds),
            "FL_SERVE_WORKERS": str(workers), "FL_ADMIN_TOKEN": ADMIN, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "edge_sdk"), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "edge_sdk"), os.environ.get("PYTHONPATH", "")]),
+           **(env or {})}
     log = store.with_name(store.name + f"-{port}.log")
     store.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen([sys.executable, "-m", "fl_server.cli", "serve", "--port", str(port), "--store",
                              str(store), "--log-level", "warning"], env=env, cwd=REPO,
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"coordinator exited with {proc.returncode}: {log.read_text()[-2000:]}")
@@ -75,12 +79,29 @@ def start(store: Path, methods: str = "TENT,ODPFL-HN", rounds: int = 1, workers:
     raise TimeoutError(f"coordinator did not answer /healthz; log {log.read_text()[-2000:]}")
 
 
-def bearer(token: str) -> dict[str, str]:
+def auth(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
 def join(url: str, method: str | None = None) -> dict:
-    """POST /v1/clients on a coordinator; the 201 body (client id, token, methods, manifest)."""
-    r = httpx.post(f"{url}/v1/clients", json={"method": method}, timeout=10)
+    """Join the coordinator at ``url`` as a new client: client_id, token, methods, manifest."""
+    r = httpx.post(f"{url}/v1/clients", json={"method": method}, timeout=30)
     assert r.status_code == 201, r.text
     return r.json()
+
+
+def train_store(store: Path) -> Path:
+    """A store whose default TENT and ODPFL-HN bundles (1 round on digits) are trained; the server stops."""
+    coord = start(store)
+    try:
+        coord.wait_bundles(2)
+    finally:
+        coord.stop()
+    return store
+
+
+def start_copy(trained: Path, store: Path, env: dict[str, str] | None = None) -> Coordinator:
+    """A server on a copy of a trained store: its bundles are served at once, nothing is trained (the
+    finished jobs' run directories are not needed to serve and are left out)."""
+    shutil.copytree(trained, store, ignore=lambda d, names: ["jobs"] if Path(d) == trained else [])
+    return start(store, env=env)

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from coordinator_proc import REPO, Coordinator, bearer, join, start
+from coordinator_proc import REPO, Coordinator, auth, join, start
 from edge_sdk import btfl
 
 pytestmark = pytest.mark.timeout(600)
@@ -32,7 +32,7 @@ def _join(server: Coordinator) -> dict:
 
 
 def _auth(client: dict) -> dict[str, str]:
-    return bearer(client["token"])
+    return auth(client["token"])
 
 
 def _bundle_dle(server: Coordinator, manifest: dict) -> tuple[np.ndarray, int]:

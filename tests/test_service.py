@@ -12,8 +12,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from coordinator_proc import ADMIN, Coordinator, join, start
-from coordinator_proc import bearer as auth
+from coordinator_proc import ADMIN, Coordinator, auth, join, start
 from edge_sdk import btfl, tensors
 
 pytestmark = pytest.mark.timeout(600)

@@ -7,12 +7,13 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fl_server.service import dashboard, routes
+from fl_server.service.errors import http_error, server_error, validation_error
 from fl_server.service.config import ServiceConfig
 from fl_server.service.metrics import Metrics
 from fl_server.service.state import Service
@@ -20,7 +21,10 @@ from fl_server.service.state import Service
 
 class GuardMiddleware:
     """Pure ASGI middleware: rejects bodies over ``max_body`` bytes with 413 (by Content-Length, and by
-    counting a streamed body) and records every request in :class:`Metrics`."""
+    counting a streamed body) and records every request in :class:`Metrics`.
+
+    A streamed body that grows too large makes ``receive`` raise; FastAPI turns any error while reading a
+    body into its own 400, so once the limit is crossed the app's response is replaced by the 413."""
 
     def __init__(self, app: ASGIApp, metrics: Metrics, max_body: int) -> None:
         self.app, self.metrics, self.max_body = app, metrics, max_body
@@ -34,16 +38,24 @@ class GuardMiddleware:
             await _reject(send, f"request body over {self.max_body} bytes")
             self.metrics.observe(scope["method"], scope["path"], 413, time.perf_counter() - start)
             return
-        seen = [0]
+        seen, over, rejected = [0], [False], [False]
+
+        async def reject() -> None:
+            if not rejected[0]:
+                rejected[0], status[0] = True, 413
+                await _reject(send, f"request body over {self.max_body} bytes")
 
         async def counted() -> Message:
             msg = await receive()
             seen[0] += len(msg.get("body", b""))
             if seen[0] > self.max_body:
+                over[0] = True
                 raise _TooLarge
             return msg
 
         async def tap(msg: Message) -> None:
+            if over[0]:  # whatever the app answers to a cut-off body
+                return await reject()
             if msg["type"] == "http.response.start":
                 status[0] = msg["status"]
             await send(msg)
@@ -51,8 +63,7 @@ class GuardMiddleware:
         try:
             await self.app(scope, counted, tap)
         except _TooLarge:
-            status[0] = 413
-            await _reject(send, f"request body over {self.max_body} bytes")
+            await reject()
         finally:
             self.metrics.observe(scope["method"], scope["path"], status[0], time.perf_counter() - start)
 
@@ -66,14 +77,6 @@ async def _reject(send: Send, message: str) -> None:
     await send({"type": "http.response.start", "status": 413,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
-
-
-async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    """422 with location and message per error, without echoing the input (which may be NaN, not JSON,
-    or large)."""
-    errors = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
-              for e in exc.errors()[:20]]
-    return JSONResponse({"detail": errors}, status_code=422)
 
 
 def create_app(store_dir: str | Path, **overrides: Any) -> FastAPI:
@@ -95,6 +98,8 @@ def create_app(store_dir: str | Path, **overrides: Any) -> FastAPI:
                               "ODPFL-HN weight generation, BTFL DLE aggregation, training jobs.")
     app.state.service = svc
     app.add_exception_handler(RequestValidationError, validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, server_error)
     app.include_router(routes.router)
     app.include_router(dashboard.router)
     app.add_middleware(GuardMiddleware, metrics=svc.metrics, max_body=svc.cfg.max_body_bytes)

@@ -1,4 +1,5 @@
-"""Bearer-token scopes: ``client`` tokens come from joining, the ``admin`` token from the operator."""
+"""Bearer-token scopes: ``client`` tokens come from joining, the ``admin`` token from the operator.
+Every authenticated request also takes one request from its token's rate-limit bucket (429 when empty)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,7 +7,10 @@ from dataclasses import dataclass
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from fl_server.service.store import hash_token
+
 _bearer = HTTPBearer(auto_error=False, description="token from POST /v1/clients (client) or the operator (admin)")
+MAX_TOKEN_CHARS = 512  # issued tokens are 47 characters
 
 
 @dataclass(frozen=True)
@@ -15,25 +19,26 @@ class Principal:
     client_id: str | None
 
 
-def _principal(request: Request, creds: HTTPAuthorizationCredentials | None) -> Principal:
+def _principal(request: Request, creds: HTTPAuthorizationCredentials | None, scope: str, hint: str) -> Principal:
     if creds is None or creds.scheme.lower() != "bearer" or not creds.credentials:
         raise HTTPException(401, "missing bearer token (Authorization: Bearer <token>)",
                             headers={"WWW-Authenticate": "Bearer"})
-    found = request.app.state.service.store.lookup_token(creds.credentials[:512])
+    if len(creds.credentials) > MAX_TOKEN_CHARS:
+        raise HTTPException(401, f"unknown bearer token (over {MAX_TOKEN_CHARS} characters)",
+                            headers={"WWW-Authenticate": "Bearer"})
+    svc = request.app.state.service
+    found = svc.store.lookup_token(creds.credentials)
     if found is None:
         raise HTTPException(401, "unknown bearer token", headers={"WWW-Authenticate": "Bearer"})
+    if found[0] != scope:
+        raise HTTPException(403, hint)
+    svc.token_limits.check(hash_token(creds.credentials), "this token")
     return Principal(*found)
 
 
 async def require_client(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> Principal:
-    p = _principal(request, creds)
-    if p.scope != "client":
-        raise HTTPException(403, "this endpoint needs a client token (join with POST /v1/clients)")
-    return p
+    return _principal(request, creds, "client", "this endpoint needs a client token (join with POST /v1/clients)")
 
 
 async def require_admin(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> Principal:
-    p = _principal(request, creds)
-    if p.scope != "admin":
-        raise HTTPException(403, "this endpoint needs the admin token")
-    return p
+    return _principal(request, creds, "admin", "this endpoint needs the admin token")

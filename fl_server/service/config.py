@@ -31,6 +31,12 @@ class ServiceConfig:
     retry_after_s: int = 5
     max_body_bytes: int = 1 << 20  # 1 MiB: an embedding or a DLE is far smaller
     poll_s: float = 0.5  # job runner: how often progress is read from the run directory
+    # rate limits (token buckets): requests/s sustained and burst, per bearer token and per IP for joining;
+    # a rate of 0 disables. Generous: 200 devices joining at once from one IP are not throttled.
+    token_rate: float = field(default_factory=lambda: float(os.environ.get("FL_SERVE_TOKEN_RATE", "20")))
+    token_burst: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_TOKEN_BURST", "200")))
+    join_rate: float = field(default_factory=lambda: float(os.environ.get("FL_SERVE_JOIN_RATE", "20")))
+    join_burst: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_JOIN_BURST", "500")))
 
     def __post_init__(self) -> None:
         self.store_dir = Path(self.store_dir)
@@ -39,3 +45,7 @@ class ServiceConfig:
             raise ValueError(f"cannot serve {unknown}; servable methods: {', '.join(SERVABLE_METHODS)}")
         if self.default_rounds < 1 or self.workers < 1:
             raise ValueError("FL_SERVE_ROUNDS and FL_SERVE_WORKERS must be >= 1")
+        if self.admin_token and len(self.admin_token) > 512:
+            raise ValueError("FL_ADMIN_TOKEN must have at most 512 characters")
+        if min(self.token_rate, self.token_burst, self.join_rate, self.join_burst) < 0:
+            raise ValueError("FL_SERVE_{TOKEN,JOIN}_{RATE,BURST} must be >= 0 (a rate of 0 disables the limit)")

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import re
 
-_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+# at most 18 digits: int() of a longer string may exceed Python's digit limit (a 500), and no artifact is
+# anywhere near 10**18 bytes; a longer number makes the header malformed, which is ignored
+_RANGE = re.compile(r"^bytes=([0-9]{0,18})-([0-9]{0,18})$")
 
 
 class Unsatisfiable(Exception):

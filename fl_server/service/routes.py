@@ -6,11 +6,13 @@ from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from edge_sdk import btfl, tensors
 from fl_server.service import schemas as S
 from fl_server.service.auth import Principal, require_admin, require_client
+from fl_server.service.errors import AUTH, BODY, documented
+from fl_server.service.ratelimit import limit_join
 from fl_server.service.ranges import Unsatisfiable, parse_range
 from fl_server.service.state import NONE_METHOD, Service
 from fl_server.service.store import JOB_STATES
@@ -57,7 +59,8 @@ async def signing_key(svc: Service = Depends(service)) -> dict[str, str]:
 
 
 @router.post("/v1/clients", response_model=S.JoinResponse, status_code=201, tags=["devices"],
-             responses={503: {"description": "no bundle yet (Retry-After)"}, 404: {"description": "unknown method"}})
+             responses=documented(*BODY, 404, 429, 503, e404="no bundle and no job for this method"),
+             dependencies=[Depends(limit_join)])
 async def join(body: S.JoinRequest, request: Request, svc: Service = Depends(service)) -> Response:
     """Join as a new client: a client id, a bearer token, the methods served now and the bundle's manifest."""
     bundle = _bundle_or_503(svc, body.method)
@@ -69,8 +72,9 @@ async def join(body: S.JoinRequest, request: Request, svc: Service = Depends(ser
 
 
 @router.get("/v1/manifest", response_model=S.Manifest, tags=["devices"],
-            responses={503: {"description": "no bundle yet (Retry-After)"}, 404: {"description": "unknown method"}})
-async def manifest(method: str | None = Query(None, max_length=64), svc: Service = Depends(service)) -> Response:
+            responses=documented(404, 422, 503, e404="no bundle and no job for this method"))
+async def manifest(method: str | None = Query(None, max_length=S.MAX_METHOD_CHARS),
+                   svc: Service = Depends(service)) -> Response:
     """The newest bundle's manifest for ``method`` (default: the default bundle)."""
     bundle = _bundle_or_503(svc, method)
     return Response(svc.manifest_json(bundle), media_type="application/json",
@@ -78,9 +82,10 @@ async def manifest(method: str | None = Query(None, max_length=64), svc: Service
 
 
 @router.get("/v1/artifacts/{sha256}", tags=["devices"], response_class=Response,
-            responses={200: {"content": {"application/octet-stream": {}}}, 206: {"description": "partial content"},
-                       304: {"description": "If-None-Match matched"}, 404: {"description": "unknown artifact"},
-                       416: {"description": "range not satisfiable"}})
+            responses={200: {"content": {"application/octet-stream": {}}},
+                       206: {"description": "partial content", "content": {"application/octet-stream": {}}},
+                       304: {"description": "If-None-Match matched"},
+                       **documented(404, 416, 422, e404="no such artifact (addresses come from a manifest)")})
 async def artifact(sha256: str, range_: str | None = Header(None, alias="range"),
              if_none_match: str | None = Header(None), if_range: str | None = Header(None),
              svc: Service = Depends(service)) -> Response:
@@ -98,7 +103,8 @@ async def artifact(sha256: str, range_: str | None = Header(None, alias="range")
     try:
         span = parse_range(range_, size) if if_range in (None, etag) else None
     except Unsatisfiable:
-        return Response(status_code=416, headers={**headers, "Content-Range": f"bytes */{size}"})
+        return JSONResponse({"detail": f"range {range_[:80]!r} is outside the artifact's {size} bytes"},
+                            status_code=416, headers={**headers, "Content-Range": f"bytes */{size}"})
     if span is None:
         return Response(data, media_type="application/octet-stream", headers=headers)
     first, last = span
@@ -108,13 +114,13 @@ async def artifact(sha256: str, range_: str | None = Header(None, alias="range")
 
 # ----------------------------------------------------------------- methods
 @router.post("/v1/hypernetwork/generate", response_model=S.GenerateResponse, tags=["methods"],
-             responses={200: {"description": "the weights: JSON (default) or, when the request's Accept names "
+             responses={**documented(*AUTH, *BODY, 404, 503, e404="no ODPFL-HN bundle with this bundle_id",
+                                     e422="wrong embedding dimension, values outside [-1e6, 1e6] or not finite"),
+                        200: {"description": "the weights: JSON (default) or, when the request's Accept names "
                                              f"{tensors.MEDIA_TYPE}, that binary format (safetensors layout: u64 "
                                              "LE header length, JSON header, raw little-endian float32; "
                                              "edge_sdk.tensors)",
-                              "content": {tensors.MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}},
-                        422: {"description": "wrong embedding dimension or non-finite values"},
-                        503: {"description": "no ODPFL-HN bundle yet"}})
+                              "content": {tensors.MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}})
 async def generate(body: S.GenerateRequest, request: Request, _: Principal = Depends(require_client),
                    svc: Service = Depends(service)) -> Response:
     """ODPFL-HN: personalised weights w = f_theta(e) from the client's embedding e (nothing else is accepted).
@@ -156,29 +162,37 @@ def _dle_view(svc: Service, client_id: str) -> dict[str, Any]:
 
 
 @router.post("/v1/btfl/dle", response_model=S.DLEResponse, tags=["methods"],
-             responses={422: {"description": "not a [D, levels] frequency table, or shape differs from the others"}})
+             responses=documented(*AUTH, *BODY, e422="not a [D, levels] frequency table, or its shape differs "
+                                                     "from the other clients' DLEs"))
 def upload_dle(body: S.DLEUpload, who: Principal = Depends(require_client),
                svc: Service = Depends(service)) -> dict[str, Any]:
     """BTFL: a participating client uploads its local DLE (replacing its previous one); the global DLE is
     re-aggregated as the sample-weighted average of every client's latest DLE and, when a BTFL bundle is
     served, its training clients' DLE (BTFL Sec. 4.1)."""
+    assert who.client_id is not None
+    if len({len(row) for row in body.freqs}) != 1:
+        raise HTTPException(422, "invalid DLE: every row of freqs must have the same number of levels")
     try:
-        freqs = btfl.average_dles([np.asarray(body.freqs, dtype=np.float64)])  # validates shape and rows
+        freqs = btfl.average_dles([np.asarray(body.freqs, dtype=np.float64)])  # validates the rows
     except ValueError as exc:
         raise HTTPException(422, f"invalid DLE: {exc}") from None
     if freqs.shape[1] > S.MAX_DLE_LEVELS:
         raise HTTPException(422, f"a DLE has at most {S.MAX_DLE_LEVELS} levels, got {freqs.shape[1]}")
-    existing, base = svc.store.dles(), svc.btfl_base()
-    shape = base[1].shape if base is not None else (
-        (existing[0]["dims"], existing[0]["levels"]) if existing else freqs.shape)
-    if tuple(shape) != freqs.shape:
-        raise HTTPException(422, f"DLE shape {list(freqs.shape)} differs from the aggregate's {list(shape)}")
-    assert who.client_id is not None
-    svc.store.put_dle(who.client_id, body.freqs, body.num_samples)
+    with svc.dle_lock:  # check and write together: concurrent first uploads must not mix shapes
+        # a served BTFL bundle fixes the shape; else the other clients' DLEs do (the caller's own previous
+        # DLE is replaced, so it does not)
+        base = svc.btfl_base()
+        others = [r for r in svc.store.dles() if r["client_id"] != who.client_id]
+        shape = tuple(base[1].shape) if base is not None else (
+            (others[0]["dims"], others[0]["levels"]) if others else freqs.shape)
+        if shape != freqs.shape:
+            raise HTTPException(422, f"DLE shape {list(freqs.shape)} differs from the aggregate's {list(shape)}")
+        svc.store.put_dle(who.client_id, body.freqs, body.num_samples)
     return _dle_view(svc, who.client_id)
 
 
-@router.get("/v1/btfl/dle", response_model=S.DLEResponse, tags=["methods"])
+@router.get("/v1/btfl/dle", response_model=S.DLEResponse, tags=["methods"],
+            responses=documented(*AUTH, 404, e404="no DLE has been uploaded yet"))
 def global_dle(who: Principal = Depends(require_client), svc: Service = Depends(service)) -> dict[str, Any]:
     """The current global DLE."""
     assert who.client_id is not None
@@ -191,7 +205,7 @@ def _job_view(svc: Service, job: dict[str, Any], with_rounds: bool) -> dict[str,
     return {**job, "rounds_done": len(rounds), "rounds": rounds if with_rounds else None}
 
 
-@router.post("/v1/jobs", response_model=S.Job, status_code=201, tags=["jobs"])
+@router.post("/v1/jobs", response_model=S.Job, status_code=201, tags=["jobs"], responses=documented(*AUTH, *BODY))
 def create_job(body: S.JobRequest, _: Principal = Depends(require_admin), svc: Service = Depends(service)) -> dict:
     """Start a training recipe on a data set and partition; it is exported and served when done."""
     if body.partition == "dirichlet" and body.alpha is None:
@@ -202,12 +216,13 @@ def create_job(body: S.JobRequest, _: Principal = Depends(require_admin), svc: S
     return _job_view(svc, job, True)
 
 
-@router.get("/v1/jobs", response_model=list[S.Job], tags=["jobs"])
+@router.get("/v1/jobs", response_model=list[S.Job], tags=["jobs"], responses=documented(*AUTH))
 def list_jobs(_: Principal = Depends(require_admin), svc: Service = Depends(service)) -> list[dict]:
     return [_job_view(svc, j, False) for j in svc.store.jobs()]
 
 
-@router.get("/v1/jobs/{job_id}", response_model=S.Job, tags=["jobs"])
+@router.get("/v1/jobs/{job_id}", response_model=S.Job, tags=["jobs"],
+            responses=documented(*AUTH, 404, 422, e404="no such job"))
 def get_job(job_id: str, _: Principal = Depends(require_admin), svc: Service = Depends(service)) -> dict:
     """One job with its round curve (validation / new-client accuracy per round)."""
     job = svc.store.job(job_id[:64])

@@ -2,7 +2,7 @@
 Every number that comes in must be finite (``allow_inf_nan=False``) and every list is bounded."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -11,6 +11,11 @@ from fl_server.service.config import DATASETS, PARTITIONS, SERVABLE_METHODS
 MAX_EMBED_DIM = 4096
 MAX_DLE_DIMS = 65536
 MAX_DLE_LEVELS = 16
+MAX_EMBED_ABS = 1e6  # far beyond any encoder output (DP noise included), far below float32 overflow
+MAX_METHOD_CHARS = 64
+EmbedValue = Annotated[float, Field(ge=-MAX_EMBED_ABS, le=MAX_EMBED_ABS)]
+Frequency = Annotated[float, Field(ge=0, le=1)]
+DLERow = Annotated[list[Frequency], Field(min_length=2, max_length=MAX_DLE_LEVELS)]
 
 
 class Strict(BaseModel):
@@ -18,8 +23,9 @@ class Strict(BaseModel):
 
 
 class JoinRequest(Strict):
-    method: str | None = Field(None, description="test-time method the device will run (default: the "
-                                                 "coordinator's default bundle); 'none' = plain inference")
+    method: str | None = Field(None, max_length=MAX_METHOD_CHARS,
+                               description="test-time method the device will run (default: the "
+                                           "coordinator's default bundle); 'none' = plain inference")
 
 
 class ArtifactRef(BaseModel):
@@ -57,8 +63,10 @@ class JoinResponse(BaseModel):
 
 
 class GenerateRequest(Strict):
-    embedding: list[float] = Field(min_length=1, max_length=MAX_EMBED_DIM,
-                                   description="the client's set embedding e = g_gamma(D) (only e is accepted)")
+    embedding: list[EmbedValue] = Field(min_length=1, max_length=MAX_EMBED_DIM,
+                                        description="the client's set embedding e = g_gamma(D) (only e is "
+                                                    "accepted); its length must be the bundle's "
+                                                    "hyperparameters.embed_dim")
     bundle_id: str | None = Field(None, pattern=r"^[0-9a-f]{64}$",
                                   description="ODPFL-HN bundle to use (default: the newest)")
 
@@ -75,9 +83,10 @@ class GenerateResponse(BaseModel):
 
 
 class DLEUpload(Strict):
-    freqs: list[list[float]] = Field(min_length=1, max_length=MAX_DLE_DIMS,
-                                     description="local DLE [D, levels]: per-dimension level frequencies "
-                                                 "(edge_sdk.btfl.fit_dle), rows sum to 1")
+    freqs: list[DLERow] = Field(min_length=1, max_length=MAX_DLE_DIMS,
+                                description="local DLE [D, levels]: per-dimension level frequencies "
+                                            "(edge_sdk.btfl.fit_dle); every row has the same length and "
+                                            "sums to 1; D and levels must match the other clients' DLEs")
     num_samples: int = Field(ge=1, le=10**9, description="samples the DLE was fitted on (aggregation weight)")
 
 

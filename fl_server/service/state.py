@@ -15,6 +15,7 @@ from fl_server.service.config import DEFAULT_METHODS, ServiceConfig
 from fl_server.service.hypernet import GenerateBatcher, HypernetCache
 from fl_server.service.jobs import JobRunner
 from fl_server.service.metrics import Metrics
+from fl_server.service.ratelimit import Buckets, Limit
 from fl_server.service.store import Store
 from fl_server.signing import ManifestSigner
 
@@ -33,6 +34,8 @@ class Service:
         self.hypernets = HypernetCache(self.artifacts)
         self.generator = GenerateBatcher(self.hypernets)
         self.metrics = Metrics()
+        self.token_limits = Buckets(Limit(cfg.token_rate, cfg.token_burst))
+        self.join_limits = Buckets(Limit(cfg.join_rate, cfg.join_burst))
         self._public: set[str] = set()
         self._bundle_version = -1
         self._bundle_ids: set[str] = set()
@@ -43,6 +46,7 @@ class Service:
         self._blob_bytes = 0
         self._btfl_base: dict[str, tuple[str, np.ndarray, int]] = {}
         self._lock = threading.Lock()
+        self.dle_lock = threading.Lock()  # BTFL DLE uploads: shape check and write are one step
         self.admin_token_file = cfg.store_dir / "admin_token"
         self.signer = ManifestSigner.load_or_create(cfg.store_dir)
         self._signatures: dict[str, dict[str, str]] = {}

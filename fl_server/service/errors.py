@@ -1,0 +1,108 @@
+"""Error bodies of the coordinator API: their OpenAPI documentation (:func:`documented`) and the exception
+handlers that produce them. Every error is JSON ``{"detail": ...}`` with a message that says what is wrong
+and what to do, and never echoes the request's input."""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException
+from starlette.routing import Match
+
+_FASTAPI_BODY_ERROR = "There was an error parsing the body"  # FastAPI's 400 for a body that is not UTF-8 JSON
+
+
+class FieldError(BaseModel):
+    loc: list[str | int] = Field(description="where: body/query/header/path, then the field")
+    msg: str
+    type: str
+
+
+class Error(BaseModel):
+    detail: str | list[FieldError] = Field(description="what is wrong and what to do (validation errors: "
+                                                       "one entry per field, at most 20)")
+
+
+class PendingJob(BaseModel):
+    id: str
+    method: str
+    status: str
+    rounds_done: int
+    rounds: int
+
+
+class NotReadyDetail(BaseModel):
+    message: str
+    jobs: list[PendingJob] = Field(description="the training that will produce the bundle")
+
+
+class NotReady(BaseModel):
+    detail: NotReadyDetail
+
+
+_DESCRIPTIONS = {
+    400: "the body is not UTF-8 JSON",
+    401: "missing or unknown bearer token",
+    403: "the token's scope does not allow this endpoint",
+    404: "not found",
+    413: "request body over the size limit (1 MiB)",
+    416: "range not satisfiable",
+    422: "invalid input: schema violations (one entry per field) or a semantic check (one message)",
+    429: "rate limit of this token (or, for joining, this IP) exceeded; retry after Retry-After seconds",
+    503: "no bundle yet: the coordinator is still training it (Retry-After, training progress)",
+}
+_RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
+_HEADERS = {401: {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}},
+            429: _RETRY_AFTER, 503: _RETRY_AFTER}
+
+
+def documented(*codes: int, **descriptions: str) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` of a route: each status code with its model, description and headers;
+    ``descriptions`` (keyed ``e404`` etc.) replace the generic description of a code."""
+    out: dict[int | str, dict[str, Any]] = {}
+    for code in codes:
+        entry: dict[str, Any] = {"model": NotReady if code == 503 else Error,
+                                 "description": descriptions.get(f"e{code}", _DESCRIPTIONS[code])}
+        if code in _HEADERS:
+            entry["headers"] = _HEADERS[code]
+        out[code] = entry
+    return out
+
+
+# every authenticated route can answer these; routes with a JSON body also 400, 413 and 422
+AUTH = (401, 403, 429)
+BODY = (400, 413, 422)
+
+
+async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """422 with location and message per error, without echoing the input (which may be NaN, not JSON,
+    or large)."""
+    errors = [{"loc": list(e.get("loc", ())), "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))}
+              for e in exc.errors()[:20]]
+    return JSONResponse({"detail": errors}, status_code=422)
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """The methods some route answers at the request's path (each method tried against every route)."""
+    return [m for m in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+            if any(r.matches({**request.scope, "method": m})[0] == Match.FULL for r in request.app.router.routes)]
+
+
+async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """HTTPException as JSON (FastAPI's default), with a clearer message for a body that is not UTF-8 JSON,
+    and a 405's ``Allow`` listing every method of the path (Starlette names only the first route's)."""
+    detail, headers = exc.detail, dict(exc.headers or {})
+    if exc.status_code == 400 and detail == _FASTAPI_BODY_ERROR:
+        detail = "request body is not valid UTF-8 JSON"
+    if exc.status_code == 405:
+        headers["Allow"] = ", ".join(_allowed_methods(request))
+        detail = f"method {request.method} is not allowed here; allowed: {headers['Allow']}"
+    return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=headers)
+
+
+async def server_error(request: Request, exc: Exception) -> JSONResponse:
+    """A bug: JSON 500 instead of a text page (Starlette re-raises it, so the server logs the traceback)."""
+    return JSONResponse({"detail": "internal error; the coordinator's log has the details"}, status_code=500)

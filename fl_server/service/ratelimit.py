@@ -1,0 +1,62 @@
+"""In-process rate limiting: one token bucket per key (a bearer token, or a client IP for joining).
+
+A bucket holds up to ``burst`` requests and refills at ``rate`` per second; a request takes one. An empty
+bucket answers 429 with ``Retry-After`` (whole seconds until the next request is allowed). The key table
+is bounded (least recently used keys are dropped, which only refills their bucket)."""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fastapi import HTTPException, Request
+
+
+@dataclass(frozen=True)
+class Limit:
+    rate: float  # requests per second, sustained; <= 0 disables the limit
+    burst: int  # requests allowed at once
+
+    @property
+    def enabled(self) -> bool:
+        return self.rate > 0 and self.burst > 0
+
+
+class Buckets:
+    def __init__(self, limit: Limit, max_keys: int = 100_000, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limit, self.max_keys, self.clock = limit, max_keys, clock
+        self._state: OrderedDict[str, tuple[float, float]] = OrderedDict()  # key -> (tokens, last time)
+        self._lock = threading.Lock()
+
+    def take(self, key: str) -> float:
+        """Take one request from ``key``'s bucket: 0.0 if allowed, else the seconds until one is."""
+        if not self.limit.enabled:
+            return 0.0
+        rate, burst = self.limit.rate, float(self.limit.burst)
+        with self._lock:
+            now = self.clock()
+            tokens, last = self._state.pop(key, (burst, now))
+            tokens = min(burst, tokens + (now - last) * rate)
+            wait = 0.0 if tokens >= 1 else (1 - tokens) / rate
+            self._state[key] = (tokens - 1 if wait == 0.0 else tokens, now)
+            if len(self._state) > self.max_keys:
+                self._state.popitem(last=False)
+        return wait
+
+    def check(self, key: str, what: str) -> None:
+        """Raise 429 (with Retry-After) when ``key`` is over its limit; ``what`` names it in the message."""
+        wait = self.take(key)
+        if wait > 0:
+            retry = max(1, math.ceil(wait))
+            raise HTTPException(429, f"rate limit exceeded for {what} ({self.limit.rate:g} requests/s, burst "
+                                     f"{self.limit.burst}); retry after {retry} s",
+                                headers={"Retry-After": str(retry)})
+
+
+async def limit_join(request: Request) -> None:
+    """Dependency of the unauthenticated join: one bucket per client IP."""
+    host = request.client.host if request.client else "unknown"
+    request.app.state.service.join_limits.check(f"ip:{host}", "joins from this IP")

@@ -1,0 +1,122 @@
+"""Rate limiting: the token bucket itself (with an explicit clock), the defaults against the load benchmark,
+and a real server driven past its limits (429 with Retry-After, then recovery)."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi import HTTPException
+
+from coordinator_proc import ADMIN, Coordinator, auth, join, start_copy
+from fl_server.service.config import ServiceConfig
+from fl_server.service.ratelimit import Buckets, Limit
+
+pytestmark = pytest.mark.timeout(600)  # the first test of a session trains the shared store
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_bucket_burst_refill_and_retry_after() -> None:
+    clock = Clock()
+    b = Buckets(Limit(rate=2.0, burst=3), clock=clock)
+    assert [b.take("k") for _ in range(3)] == [0.0, 0.0, 0.0]
+    assert b.take("k") == pytest.approx(0.5)  # empty: one request refills in 1/rate s
+    assert b.take("other") == 0.0  # buckets are per key
+    clock.t += 0.5
+    assert b.take("k") == 0.0 and b.take("k") == pytest.approx(0.5)
+    clock.t += 60  # refills to the burst, not beyond
+    assert [b.take("k") for _ in range(4)][-1] > 0
+    with pytest.raises(HTTPException) as exc:
+        b.check("k", "this token")
+    assert (exc.value.status_code, exc.value.headers, exc.value.detail) == (
+        429, {"Retry-After": "1"}, "rate limit exceeded for this token (2 requests/s, burst 3); retry after 1 s")
+
+
+def test_bucket_disabled_and_bounded() -> None:
+    clock = Clock()
+    assert all(Buckets(Limit(0, 5), clock=clock).take("k") == 0.0 for _ in range(100))
+    b = Buckets(Limit(1.0, 1), max_keys=2, clock=clock)
+    b.take("a"), b.take("b"), b.take("c")  # "a" (least recently used) is dropped: its bucket is full again
+    assert b.take("a") == 0.0 and b.take("c") > 0
+
+
+def test_defaults_do_not_throttle_the_load_benchmark(tmp_path: Path) -> None:
+    """benchmarks/coordinator_load.py: 200 devices join at once from one IP, each then uses its own token."""
+    cfg = ServiceConfig(store_dir=tmp_path, default_methods=())
+    clock = Clock()
+    joins = Buckets(Limit(cfg.join_rate, cfg.join_burst), clock=clock)
+    assert all(joins.take("ip:127.0.0.1") == 0.0 for _ in range(200))
+    tokens = Buckets(Limit(cfg.token_rate, cfg.token_burst), clock=clock)
+    assert all(tokens.take(f"device-{i}") == 0.0 for i in range(200) for _ in range(5))
+
+
+@pytest.fixture(scope="module")
+def server(trained_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]:
+    env = {"FL_SERVE_TOKEN_RATE": "1", "FL_SERVE_TOKEN_BURST": "4", "FL_SERVE_JOIN_RATE": "1",
+           "FL_SERVE_JOIN_BURST": "3"}
+    coord = start_copy(trained_store, tmp_path_factory.mktemp("rate") / "store", env=env)
+    yield coord
+    coord.stop()
+
+
+def until_limited(send: Callable[[], httpx.Response], tries: int = 20) -> httpx.Response:
+    for _ in range(tries):
+        r = send()
+        if r.status_code == 429:
+            return r
+        assert r.status_code < 300, r.text
+    raise AssertionError(f"no 429 after {tries} requests")
+
+
+def test_join_is_limited_per_ip_then_recovers(server: Coordinator) -> None:
+    def attempt() -> httpx.Response:
+        return httpx.post(f"{server.url}/v1/clients", json={}, timeout=30)
+
+    r = until_limited(attempt)
+    retry = int(r.headers["Retry-After"])
+    assert r.json() == {"detail": f"rate limit exceeded for joins from this IP (1 requests/s, burst 3); "
+                                  f"retry after {retry} s"}
+    assert 1 <= retry <= 2
+    time.sleep(retry)
+    assert attempt().status_code == 201
+
+
+def test_token_is_limited_per_token_then_recovers(server: Coordinator) -> None:
+    time.sleep(3)  # the joins of the previous test refill
+    a, b = join(server.url)["token"], join(server.url)["token"]
+    url = f"{server.url}/v1/btfl/dle"
+    body = {"freqs": [[0.5, 0.5]], "num_samples": 1}
+    httpx.post(url, json=body, headers=auth(a), timeout=30)
+    r = until_limited(lambda: httpx.get(url, headers=auth(a), timeout=30))
+    retry = int(r.headers["Retry-After"])
+    assert r.json()["detail"].startswith("rate limit exceeded for this token (1 requests/s, burst 4)")
+    # another token is not affected, neither is the admin's
+    assert httpx.get(url, headers=auth(b), timeout=30).status_code == 200
+    admin = httpx.get(f"{server.url}/v1/jobs", headers=auth(ADMIN), timeout=30)
+    assert admin.status_code == 200
+    time.sleep(retry)
+    assert httpx.get(url, headers=auth(a), timeout=30).status_code == 200
+    metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+    assert 'route="/v1/btfl/dle",status="429"' in metrics
+
+
+def test_edge_client_waits_out_a_429(server: Coordinator, tmp_path: Path) -> None:
+    """The device SDK retries a 429 after its Retry-After, as it does a 503."""
+    from edge_sdk import EdgeClient
+
+    time.sleep(4)  # refill the join bucket
+    until_limited(lambda: httpx.post(f"{server.url}/v1/clients", json={}, timeout=30))
+    seen: list[int] = []
+    with EdgeClient(server.url, cache_dir=tmp_path, retries=3, backoff=0.1,
+                    event_hooks={"response": [lambda r: seen.append(r.status_code)]}) as c:
+        info = c.join()
+    assert seen[0] == 429 and seen[-1] == 201 and info.token.startswith("flc_")
