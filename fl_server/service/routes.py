@@ -183,10 +183,13 @@ def upload_dle(body: S.DLEUpload, who: Principal = Depends(require_client),
         # DLE is replaced, so it does not)
         base = svc.btfl_base()
         others = [r for r in svc.store.dles() if r["client_id"] != who.client_id]
-        shape = tuple(base[1].shape) if base is not None else (
-            (others[0]["dims"], others[0]["levels"]) if others else freqs.shape)
+        if base is not None:
+            shape, whose = tuple(base[1].shape), "the served BTFL bundle's"
+        else:
+            shape = (others[0]["dims"], others[0]["levels"]) if others else freqs.shape
+            whose = "the other clients'"
         if shape != freqs.shape:
-            raise HTTPException(422, f"DLE shape {list(freqs.shape)} differs from the aggregate's {list(shape)}")
+            raise HTTPException(422, f"DLE shape {list(freqs.shape)} differs from {whose} {list(shape)}")
         svc.store.put_dle(who.client_id, body.freqs, body.num_samples)
     return _dle_view(svc, who.client_id)
 
