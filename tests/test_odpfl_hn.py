@@ -198,7 +198,8 @@ def test_dp_run_scores_every_setting(fashion_all, tmp_path) -> None:  # type: ig
     from dataclasses import replace
 
     from fl_server.bench.experiments import get_experiment
-    from fl_server.bench.odpfl import plot_dp, run_dp_seed
+    from fl_server.bench.odpfl import run_dp_seed
+    from fl_server.bench.plots import plot_odpfl_dp
 
     proto = get_experiment("odpfl-dp").protocols["fashion_mnist"]
     proto = replace(proto, rounds=2, num_clients=10, local_iterations=5, eval_every=2,
@@ -213,5 +214,5 @@ def test_dp_run_scores_every_setting(fashion_all, tmp_path) -> None:  # type: ig
     rows = [{"method": "ODPFL-HN", "split": "test", "set_size": n, "epsilon": e, "mean": 50.0 + n / 100, "std": 1.0,
              "seeds": 1, "dataset": "fashion_mnist"} for n, e in settings]
     rows.append({"method": "FedAvg", "split": "test", "mean": 40.0, "std": 0.0, "seeds": 1, "dataset": "fashion_mnist"})
-    png = plot_dp(rows, tmp_path / "odpfl-dp.png")
+    png = plot_odpfl_dp(rows, tmp_path / "odpfl-dp.png")
     assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

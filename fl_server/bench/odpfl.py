@@ -120,35 +120,3 @@ def run_dp_seed(protocol: Any, method: str, seed: int, run_dir: Path | None, dev
             "mode": sim.mode, "hyper": dataclasses.asdict(algorithm.hp), "protocol_note": protocol.note,
             "host": platform.node(), "split": split.fed.info}
 
-
-def plot_dp(rows: list[dict[str, Any]], path: Path) -> Path | None:
-    """Accuracy vs |D| (log axis), one line per eps, the FedAvg reference dashed; error bars = std over seeds."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    dp_rows = [r for r in rows if r["method"] == "ODPFL-HN" and r["split"] == "test" and "set_size" in r]
-    if not dp_rows:
-        return None
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for eps in sorted({r["epsilon"] for r in dp_rows}):
-        pts = sorted((r["set_size"], r["mean"], r["std"]) for r in dp_rows if r["epsilon"] == eps)
-        n, m, s = zip(*pts)
-        ax.errorbar(n, m, yerr=s, marker="o", capsize=3, label=f"ODPFL-HN eps={eps:g}" if math.isfinite(eps)
-                    else "ODPFL-HN no noise")
-    for r in rows:
-        if r["method"] == "FedAvg" and r["split"] == "test":
-            ax.axhline(r["mean"], ls="--", color="gray", label="FedAvg (global)")
-    ax.set_xscale("log")
-    ax.set_xlabel("|D| (samples in the new client's embedding set)")
-    ax.set_ylabel("new-client accuracy (%)")
-    seeds = max(r["seeds"] for r in dp_rows)
-    ax.set_title(f"odpfl-dp, {dp_rows[0]['dataset']}, delta={DP_DELTA}, {seeds} seed(s)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

@@ -1,6 +1,7 @@
 """PNG figures of result tables (matplotlib, headless), written next to docs/RESULTS.md by ``fl-server report``."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +16,7 @@ def plot_data_size(rows: list[dict[str, Any]], out: Path) -> Path | None:
                               else r["method"], []).append((float(r["fraction"]), r["mean"], r["std"]))
     if not curves:
         return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, points in sorted(curves.items()):
         a, mean, std = zip(*sorted(points))
@@ -28,19 +25,49 @@ def plot_data_size(rows: list[dict[str, Any]], out: Path) -> Path | None:
     ax.set(xlabel="fraction a of each new client's data kept", ylabel="new-client test accuracy (%)",
            title=f"{rows[0]['experiment']} ({', '.join(sorted({r['dataset'] for r in rows}))}; "
                  f"seeds {'/'.join(map(str, seeds))})")
+    return _save(fig, ax, out)
+
+
+def plot_odpfl_dp(rows: list[dict[str, Any]], out: Path) -> Path | None:
+    """ODPFL-HN Sec. 7: new-client accuracy vs |D| (log axis), one line per epsilon, FedAvg's global model
+    dashed; error bars = std over seeds. None when the rows hold no (|D|, eps) results."""
+    from fl_server.bench.odpfl import DP_DELTA
+
+    dp_rows = [r for r in rows if r["method"] == "ODPFL-HN" and r["split"] == "test" and "set_size" in r]
+    if not dp_rows:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for eps in sorted({r["epsilon"] for r in dp_rows}):
+        n, mean, std = zip(*sorted((r["set_size"], r["mean"], r["std"]) for r in dp_rows if r["epsilon"] == eps))
+        ax.errorbar(n, mean, yerr=std, marker="o", capsize=3,
+                    label=f"ODPFL-HN eps={eps:g}" if math.isfinite(eps) else "ODPFL-HN no noise")
+    for r in rows:
+        if r["method"] == "FedAvg" and r["split"] == "test":
+            ax.axhline(r["mean"], ls="--", color="gray", label="FedAvg (global model)")
+    ax.set_xscale("log")
+    ax.set(xlabel="|D| (samples in the new client's embedding set)", ylabel="new-client accuracy (%)",
+           title=f"odpfl-dp ({dp_rows[0]['dataset']}, delta={DP_DELTA}; seeds {max(r['seeds'] for r in dp_rows)})")
+    return _save(fig, ax, out)
+
+
+def _pyplot():  # type: ignore[no-untyped-def]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, ax, out: Path) -> Path:  # type: ignore[no-untyped-def]
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
-    plt.close(fig)
+    _pyplot().close(fig)
     return out
-
-
-def plot_odpfl_dp(rows: list[dict[str, Any]], out: Path) -> Path | None:
-    from fl_server.bench.odpfl import plot_dp
-
-    return plot_dp(rows, out)
 
 
 # experiment name -> figure (written to docs/<experiment>.png)
