@@ -111,9 +111,9 @@ def main() -> None:
     cols_s = {c: 100 * float(np.mean(v)) for c, v in acc_sdk.items()}
     avg_t, avg_s = float(np.mean(list(cols_t.values()))), float(np.mean(list(cols_s.values())))
     us = 1e6 * np.concatenate(secs)
-    device = f"cpu:1 thread, {platform.machine()}, load {os.getloadavg()[0]:.1f}"
-    base = {"benchmark": "edge-sdk", "device": device, "command": command, "dataset": args.dataset,
-            "seed": args.seed, "clients": len(arts), "samples": int(len(us))}
+    base = {"benchmark": "edge-sdk", "device": f"cpu:1 thread, {platform.machine()}", "command": command,
+            "load_average_1min": round(os.getloadavg()[0], 2), "dataset": args.dataset, "seed": args.seed,
+            "clients": len(arts), "samples": int(len(us))}
     rows = [
         {**base, "what": f"BTFL parity SDK vs torch, btgfl {args.dataset} seed {args.seed}",
          "metric": "accuracy_diff_points_sdk_minus_torch", "value": round(avg_s - avg_t, 3),
