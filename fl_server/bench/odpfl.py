@@ -109,9 +109,8 @@ def run_dp_seed(protocol: Any, method: str, seed: int, run_dir: Path | None, dev
                         for pool, ev in zip(split.embed_pools, split.eval_sets)]
                 results.append({"split": "test", "setting": f"|D|={n}, eps={eps:g}", "set_size": n,
                                 "epsilon": eps, "value": 100 * float(np.mean(accs))})
-    else:  # a shared global model: the same at every (|D|, eps)
-        params = algorithm.personalize(state, x[torch.from_numpy(split.embed_pools[0][:1])])
-        accs = [accuracy(params, ev) for ev in split.eval_sets]
+    else:  # FedAvg: the shared global model, the same at every (|D|, eps)
+        accs = [accuracy(state["params"], ev) for ev in split.eval_sets]
         results.append({"split": "test", "setting": "global model (ignores D)", "value": 100 * float(np.mean(accs))})
     results.append({"split": "val", "setting": "training clients", "value": 100 * result.best_val})
     return {"dataset": protocol.dataset, "method": method, "seed": seed, "model": protocol.model,

@@ -38,7 +38,6 @@ class Service:
         self.join_limits = Buckets(Limit(cfg.join_rate, cfg.join_burst))
         self._public: set[str] = set()
         self._bundle_version = -1
-        self._bundle_ids: set[str] = set()
         self._by_method: dict[str, dict[str, Any]] = {}
         self._by_id: dict[str, dict[str, Any]] = {}
         self._manifest_json: dict[str, bytes] = {}
@@ -90,8 +89,7 @@ class Service:
             bundles = self.store.bundles()  # oldest first: the newest bundle of a method wins
             self._by_method = {b["method"]: b for b in bundles}
             self._by_id = {b["id"]: b for b in bundles}
-            self._bundle_ids = set(self._by_id)
-            self._public = self._bundle_ids | {a["sha256"] for b in bundles
+            self._public = set(self._by_id) | {a["sha256"] for b in bundles
                                                          for a in b["manifest"]["artifacts"]}
             self._bundle_version = version
         for b in bundles:  # the served hypernetworks are loaded before the first generate needs them
@@ -124,7 +122,7 @@ class Service:
     def is_bundle(self, sha256: str) -> bool:
         """Whether ``sha256`` names a bundle (its manifest.json)."""
         self._refresh()
-        return sha256 in self._bundle_ids
+        return sha256 in self._by_id
 
     def signature(self, bundle_id: str) -> dict[str, str]:
         """The ``manifest.sig`` record of a bundle: Ed25519 over the exact bytes of its manifest.json
