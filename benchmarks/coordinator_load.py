@@ -1,15 +1,19 @@
-"""Load test of one coordinator process: N concurrent simulated devices (asyncio + httpx), each doing
+"""Load test of one coordinator process: N concurrent simulated devices, each on its own connection, doing
 join -> manifest -> download every artifact of its bundle -> ODPFL-HN generate, all released at once.
 
     python benchmarks/coordinator_load.py [--devices 200] [--server URL --server-pid PID | --store DIR]
-        [--pin none|split] [--client httpx|raw] [--preconnect] [--out docs/benchmarks/coordinator-load.json]
+        [--pin none|split] [--client raw|httpx] [--preconnect] [--out docs/benchmarks/coordinator-load.json]
 
 Without --server it starts `fl-server serve` on --store (training TENT and ODPFL-HN on the embedded digits
 first if that store is empty; only serving is timed). Each device's embedding is computed beforehand on
 real digits with the bundle's encoder graph (onnxruntime), as a device would; the timed part is HTTP only.
 The generator is its own process; by default both share the cores (``--pin split``: server on CPU 0,
-generator on CPU 1). ``--client raw`` and ``--preconnect`` are diagnostics that take the generator's own
-cost and the TCP connect storm out of the picture (see docs/coordinator.md, "Load test"). Writes rows in the DESIGN.md benchmark schema: client-observed
+generator on CPU 1). The devices speak HTTP/1.1 through ``raw_http.py`` by default, a minimal keep-alive
+client (like wrk or vegeta) that costs ~0.25 ms of CPU per request: real devices bring their own CPUs, but on
+the 2-core measurement box the load generator shares the server's cores. ``--client httpx`` uses the device
+SDK's HTTP stack instead (~1 ms per request: the generator then needs 3x the server's CPU, and the server waits
+for a core); ``--preconnect`` opens every connection before the clock starts (diagnostic). See
+docs/coordinator.md, "Load test". Writes rows in the DESIGN.md benchmark schema: client-observed
 p50/p99 latency per endpoint, the server's own latency histograms (/metrics), throughput, errors, CPU seconds
 of each side and the 1-minute load average before and after.
 """
@@ -226,9 +230,10 @@ def main() -> int:
                     help="none (default): server and generator share both cores; split: server on CPU 0, this "
                          "generator on CPU 1 (worse on a machine shared with other jobs: neither can use the "
                          "core the other leaves idle)")
-    ap.add_argument("--client", choices=("httpx", "raw"), default="httpx",
-                    help="httpx (default, a real client) or raw: benchmarks/raw_http.py, ~10x cheaper per request, "
-                         "to see the server's capacity when the generator is not the limit (diagnostic)")
+    ap.add_argument("--client", choices=("raw", "httpx"), default="raw",
+                    help="raw (default): benchmarks/raw_http.py, a minimal HTTP/1.1 client, ~4x cheaper per request "
+                         "than httpx, so the generator sharing the 2 cores takes less from the server; httpx: the "
+                         "device SDK's HTTP stack (its CPU then dominates a 2-core run)")
     ap.add_argument("--preconnect", action="store_true",
                     help="open every device's connection before the clock starts (diagnostic: the join's latency "
                          "without a storm of 200 simultaneous TCP connects)")

@@ -1,7 +1,7 @@
-"""A minimal HTTP/1.1 keep-alive client on asyncio streams, for the load generator's diagnostic mode only
+"""A minimal HTTP/1.1 keep-alive client on asyncio streams, the load generator's default device
 (``coordinator_load.py --client raw``): one connection, one request at a time, Content-Length bodies only
-(what the coordinator sends). It costs ~10x less CPU per request than httpx, so with it the load generator
-stops being what limits a 2-core measurement and the server's own capacity shows. Not a general client."""
+(what the coordinator sends). It costs ~4x less CPU per request than httpx, so on a 2-core box the load
+generator stops being what limits the measurement and the server's own capacity shows. Not a general client."""
 from __future__ import annotations
 
 import asyncio

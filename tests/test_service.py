@@ -82,6 +82,24 @@ def test_artifact_download_range_and_etag(server: Coordinator) -> None:
     assert httpx.get(f"{server.url}/v1/artifacts/..%2Fcoordinator.sqlite3", timeout=10).status_code == 404
 
 
+def test_artifact_fast_path_answers_like_the_route(server: Coordinator) -> None:
+    """A plain GET is answered by fastpath.ArtifactFastPath, the same GET with an If-Range that matches by the
+    documented route (a full 200 as well): same status, bytes and headers, for an artifact and a manifest."""
+    m = httpx.get(f"{server.url}/v1/manifest", timeout=10).json()
+    for sha in (m["bundle_id"], *(a["sha256"] for a in m["artifacts"])):
+        url = f"{server.url}/v1/artifacts/{sha}"
+        fast = httpx.get(url, timeout=10)
+        routed = httpx.get(url, headers={"If-Range": f'"{sha}"'}, timeout=10)
+        assert fast.status_code == routed.status_code == 200 and fast.content == routed.content
+        drop = {"date", "server"}
+        assert ({k: v for k, v in fast.headers.items() if k not in drop}
+                == {k: v for k, v in routed.headers.items() if k not in drop})
+    assert "x-manifest-signature" in httpx.get(f"{server.url}/v1/artifacts/{m['bundle_id']}", timeout=10).headers
+    upper = httpx.get(f"{server.url}/v1/artifacts/{m['bundle_id'].upper()}", timeout=10)
+    assert upper.status_code == 404  # not a published address: the route's documented 404
+    assert httpx.head(f"{server.url}/v1/artifacts/{m['bundle_id']}", timeout=10).status_code == 405
+
+
 def test_server_only_state_is_not_served(server: Coordinator) -> None:
     """theta (the hypernetwork) is in the artifact store but never downloadable."""
     objects = [p.name for p in (server.store / "objects").glob("*/*")]

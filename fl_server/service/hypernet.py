@@ -31,18 +31,26 @@ class FusedHypernet:
 
     def __init__(self, algorithm: Any, theta: dict[str, torch.Tensor]) -> None:
         net = algorithm.hypernet
-        self.body = net.body
-        self.body_theta = {k[len("body."):]: v for k, v in theta.items() if k.startswith("body.")}
+        # The body is Linear/ReLU pairs (odpfl_hn.HyperNetwork): kept as plain (W^T, b) so a batch is a few
+        # addmm calls, without functional_call's per-call parameter swapping (Python work that needs the GIL
+        # the event loop holds under load).
+        kinds = [type(m) for m in net.body]
+        if kinds != [torch.nn.Linear, torch.nn.ReLU] * (len(kinds) // 2):
+            raise ValueError(f"the hypernetwork body must be (Linear, ReLU) pairs, got {kinds}")
+        self.layers = [(theta[f"body.{i}.weight"].T.contiguous(), theta[f"body.{i}.bias"])
+                       for i, m in enumerate(net.body) if isinstance(m, torch.nn.Linear)]
         self.names = [f"psi.{n}" for n in net.names]
         self.shapes = [tuple(s) for s in net.shapes]
-        self.weight = torch.cat([theta[f"heads.{i}.weight"] for i in range(len(net.names))]).contiguous()
+        self.weight_t = torch.cat([theta[f"heads.{i}.weight"] for i in range(len(net.names))]).T
         self.bias = torch.cat([theta[f"heads.{i}.bias"] for i in range(len(net.names))])
 
     def __call__(self, embeddings: np.ndarray) -> np.ndarray:
         """[K, E] -> [K, P] float32: row k holds every parameter of client k, flattened, back to back."""
         with torch.inference_mode():
-            h = torch.func.functional_call(self.body, self.body_theta, (torch.from_numpy(embeddings),))
-            return torch.addmm(self.bias, h, self.weight.T).numpy()
+            h = torch.from_numpy(embeddings)
+            for w_t, b in self.layers:
+                h = torch.addmm(b, h, w_t).relu_()
+            return torch.addmm(self.bias, h, self.weight_t).numpy()
 
     def split(self, row: np.ndarray) -> dict[str, np.ndarray]:
         """One row of [K, P] -> {psi.<name>: array of its shape} (views)."""

@@ -12,6 +12,7 @@ from edge_sdk import btfl, tensors
 from fl_server.service import schemas as S
 from fl_server.service.auth import Principal, require_admin, require_client
 from fl_server.service.errors import AUTH, BODY, documented
+from fl_server.service.fastpath import artifact_headers
 from fl_server.service.ratelimit import limit_join
 from fl_server.service.ranges import Unsatisfiable, parse_range
 from fl_server.service.state import NONE_METHOD, Service
@@ -93,9 +94,7 @@ async def artifact(sha256: str, range_: str | None = Header(None, alias="range")
     if not svc.is_public(sha256):
         raise HTTPException(404, f"no artifact {sha256[:80]!r} (addresses come from a manifest)")
     etag = f'"{sha256}"'
-    headers = {"ETag": etag, "Accept-Ranges": "bytes", "Cache-Control": "public, max-age=31536000, immutable"}
-    if svc.is_bundle(sha256):  # a manifest: its detached signature travels in a header too
-        headers["X-Manifest-Signature"] = json.dumps(svc.signature(sha256), separators=(",", ":"))
+    headers = artifact_headers(svc, sha256)  # plain GETs are answered by fastpath.ArtifactFastPath
     if if_none_match is not None and etag in [t.strip() for t in if_none_match.split(",")] + ['"*"', "*"]:
         return Response(status_code=304, headers=headers)
     data = svc.artifact_bytes(sha256)

@@ -53,7 +53,9 @@ class Service:
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
         self._ensure_admin_token()
-        self._refresh()  # bundles of a previous run: tables, and hypernetworks loaded in the background
+        # bundles of a previous run: tables and hypernetworks loaded before the first request is answered (a
+        # background load holds the GIL for ~0.1-0.5 s: a burst of devices right after a restart waited on it)
+        self._refresh(background=False)
         log.info("manifest signing key (Ed25519, pin it on devices): %s (from %s)", self.signer.public_hex,
                  self.signer.source)
         if self.store.count("jobs") == 0:  # empty store: train the embedded default
@@ -80,8 +82,9 @@ class Service:
         log.info("admin token: %s", self.admin_token_file)
 
     # -------------------------------------------------------------- bundles
-    def _refresh(self) -> None:
-        """Reload the bundle tables when the store recorded a new bundle (no SQL on the request path)."""
+    def _refresh(self, background: bool = True) -> None:
+        """Reload the bundle tables when the store recorded a new bundle (no SQL on the request path); the
+        served hypernetworks are loaded on a background thread, or here when not ``background``."""
         version = self.store.bundles_version
         if version == self._bundle_version:
             return
@@ -94,7 +97,10 @@ class Service:
             self._bundle_version = version
         for b in bundles:  # the served hypernetworks are loaded before the first generate needs them
             if "hn" in b["server"] and self._by_method.get(b["method"]) is b:
-                self.hypernets.preload(b)
+                if background:
+                    self.hypernets.preload(b)
+                else:
+                    self.hypernets.get(b)
 
     def methods(self) -> list[str]:
         self._refresh()

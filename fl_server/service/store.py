@@ -2,8 +2,11 @@
 
 One connection guarded by a lock (SQLite serialises writers anyway); WAL journal with synchronous=NORMAL: a
 commit appends to the WAL without an fsync (a power cut may lose the last commits, never corrupt the database),
-so a join's commit on the event loop costs ~0.1 ms here, and a reader never waits for a writer's fsync. Tokens are stored as their sha256 only: a copy of the database does not let anyone
-authenticate. Kept behind this small class so another backend can replace it (DESIGN.md, Persistence).
+so a join's commit on the event loop costs ~0.1 ms here, and a reader never waits for a writer's fsync.
+Checkpoints (WAL -> database file, with an fsync) never run inside a request's commit: SQLite's automatic
+checkpoint is off and a daemon thread checkpoints every ``checkpoint_s`` seconds on its own connection (PASSIVE:
+it never blocks readers or writers). Tokens are stored as their sha256 only: a copy of the database does not
+let anyone authenticate. Kept behind this small class so another backend can replace it (DESIGN.md, Persistence).
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ def hash_token(token: str) -> str:
 
 
 class Store:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, checkpoint_s: float = 2.0) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
@@ -50,13 +53,31 @@ class Store:
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA wal_autocheckpoint=0")  # checkpoints: _checkpoint_loop, off the request path
             self._db.executescript(SCHEMA)
+        self._closed = threading.Event()
+        self._checkpointer = threading.Thread(target=self._checkpoint_loop, args=(path, checkpoint_s),
+                                              name="sqlite-checkpoint", daemon=True)
+        self._checkpointer.start()
+
+    def _checkpoint_loop(self, path: Path, every_s: float) -> None:
+        db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        try:
+            while not self._closed.wait(every_s):
+                try:
+                    db.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                except sqlite3.Error:  # e.g. busy: the next pass catches up
+                    pass
+        finally:
+            db.close()
 
     def _run(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
         with self._lock:
             return self._db.execute(sql, args).fetchall()
 
     def close(self) -> None:
+        self._closed.set()
+        self._checkpointer.join()
         with self._lock:
             self._db.close()
 
