@@ -1,0 +1,156 @@
+"""Diagnostic for issue 5: why is BTFL below FedTHE on the btgfl benchmark? No training, no tuning.
+
+Loads a finished btgfl run (``<runs>/bench/btgfl/<dataset>/seed<k>/checkpoint.npz``; the simulation resumes it
+and trains nothing), rebuilds the streams exactly as ``fl_server.bench.btgfl`` does and prints, per test column:
+* accuracy of FedAvg / FedAvg+FT / FedTHE / BTFL, of BTFL with the oracle weight (e = 0 on IND, 1 on EXD
+  samples, Eq. 21) and of FedTHE without its feature history (z~ = z: shows what the stream EMA buys);
+* BTFL's mean e on the IND / EXD samples of each column, and FedTHE's mean w_g;
+* AUROC (orig EXD vs orig IND, mean over clients) of the raw DLE log tau (Eq. 9, geometric mean), of log
+  tau_hat (Eq. 15) and of FedTHE's d_l - d_g.
+Test numbers here are diagnostics only; nothing is selected on them. ``--val`` adds the same methods on
+validation streams built from the held-out TRAIN split (per client: its own val samples = IND, as many of the
+other clients' val samples = EXD, and a half/half shuffled mix), the only place an option may be chosen.
+
+    python scripts/probe_btgfl.py fashion_mnist 0 --runs runs --val
+"""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+from edge_sdk.btfl import BTFLStream
+from edge_sdk.fedthe import fedthe_predict
+from edge_sdk.numerics import log_softmax
+from scipy.stats import rankdata
+
+from fl_server.algorithms.btfl import BTFL, ClientArtifacts
+from fl_server.bench.btgfl import COLUMNS, StreamConfig, _body_iterations, build_data
+from fl_server.bench.experiments import EXPERIMENTS
+from fl_server.data import load_dataset
+from fl_server.engine import RunConfig, Simulation
+from fl_server.models import build_model
+
+
+def auroc(pos: np.ndarray, neg: np.ndarray) -> float:
+    """P(score of a positive > score of a negative), ties counted 1/2."""
+    r = rankdata(np.concatenate([pos, neg]))
+    return float((r[:len(pos)].sum() - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg)))
+
+
+def btfl_stream(art: ClientArtifacts, g: np.ndarray, l_: np.ndarray, z: np.ndarray, bs: int = 32
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """-> (probabilities [N, C], e [N], log tau_hat [N]) over one fresh stream."""
+    st = BTFLStream(art.local_dle, art.global_dle, art.h_local_bar, art.h_global_bar)
+    out, e, lt = [], [], []
+    for s in range(0, len(z), bs):
+        out.append(st.predict(l_[s:s + bs], g[s:s + bs], z[s:s + bs]))
+        e.append(st.last_weights)
+        lt.append(st.last_log_tau_hat)
+    return np.concatenate(out), np.concatenate(e), np.concatenate(lt)
+
+
+def raw_log_tau(art: ClientArtifacts, z: np.ndarray) -> np.ndarray:
+    """log q_l - log q_g (Eq. 9 with the geometric mean of Sec. 4.4), before the entropy rectification."""
+    st = BTFLStream(art.local_dle, art.global_dle, art.h_local_bar, art.h_global_bar)
+    lq = st._log_tables[:, np.arange(z.shape[1]), (np.tanh(z) > 0.5).astype(int)].mean(-1)
+    return lq[0] - lq[1]
+
+
+def column_report(arts: list[ClientArtifacts], streams: list[dict[str, np.ndarray]], z_all: np.ndarray,
+                  g_all: np.ndarray, y_all: np.ndarray, is_ind: np.ndarray) -> dict[str, dict[str, float]]:
+    """Method / statistic -> column -> mean over clients. ``is_ind`` [N]: the sample is the client's own
+    (IND), per client as a function of the column's indices (see main)."""
+    acc: dict[str, dict[str, list[float]]] = {}
+
+    def add(key: str, col: str, v: float) -> None:
+        acc.setdefault(key, {}).setdefault(col, []).append(float(v))
+
+    for k, (art, s) in enumerate(zip(arts, streams)):
+        for col, idx in s.items():
+            z, g, y = z_all[idx], g_all[idx], y_all[idx]
+            l_ = z @ art.local_head.T
+            ind = is_ind[k][idx]
+            pg, pl = np.exp(log_softmax(g)), np.exp(log_softmax(l_))
+            out, e, _ = btfl_stream(art, g, l_, z)
+            o_the, w = fedthe_predict(g, l_, z, art.mu_local, art.mu_global, 32)
+            o_nh, _ = fedthe_predict(g, l_, z, art.mu_local, art.mu_global, 32, history_decay=0.0, feature_mix=1.0)
+            oracle = np.where(ind[:, None], pl, pg)  # Eq. 21 with e = 1[sample is EXD]
+            for name, pred in (("FedAvg", g), ("FedAvg+FT", l_), ("FedTHE", o_the), ("FedTHE no history", o_nh),
+                               ("BTFL", out), ("BTFL oracle e", oracle)):
+                add(name, col, 100 * (pred.argmax(1) == y).mean())
+            for part, m in (("IND", ind), ("EXD", ~ind)):
+                if m.any():
+                    add(f"BTFL e on {part}", col, e[m].mean())
+                    add(f"FedTHE w_g on {part}", col, w[m, 0].mean())
+        a, c = s.get("orig_ind", s.get("ind")), s.get("orig_exd", s.get("exd"))
+        la, lc = (z_all[a] @ art.local_head.T, z_all[c] @ art.local_head.T)
+        d = [np.linalg.norm(z_all[i] - art.mu_local, axis=1) - np.linalg.norm(z_all[i] - art.mu_global, axis=1)
+             for i in (a, c)]
+        add("AUROC raw log tau (Eq. 9)", "orig", auroc(-raw_log_tau(art, z_all[c]), -raw_log_tau(art, z_all[a])))
+        add("AUROC log tau_hat (Eq. 15)", "orig", auroc(-btfl_stream(art, g_all[c], lc, z_all[c])[2],
+                                                        -btfl_stream(art, g_all[a], la, z_all[a])[2]))
+        add("AUROC FedTHE d_l - d_g", "orig", auroc(d[1], d[0]))
+    return {key: {col: float(np.mean(v)) for col, v in cols.items()} for key, cols in acc.items()}
+
+
+def print_report(title: str, rep: dict[str, dict[str, float]]) -> None:
+    print(title)
+    for key, cols in rep.items():
+        avg = f"  avg {np.mean(list(cols.values())):6.2f}" if len(cols) == len(COLUMNS) else ""
+        print(f"  {key:28s}" + " ".join(f"{c}={v:6.2f}" for c, v in cols.items()) + avg)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("dataset")
+    ap.add_argument("seed", type=int)
+    ap.add_argument("--runs", default="runs")
+    ap.add_argument("--val", action="store_true", help="also report the validation streams")
+    a = ap.parse_args()
+    protocol = EXPERIMENTS["btgfl"].protocols[a.dataset]
+    dataset = load_dataset(protocol.dataset, split="all")
+    data = build_data(dataset, protocol, a.seed, StreamConfig())
+    model = build_model(protocol.model, dataset.x.shape[1:], dataset.num_classes, seed=a.seed)
+    hyper = {**protocol.method_hp.get("BTFL", {}), "body_iterations": _body_iterations(protocol.local_iterations)}
+    alg = BTFL(model, seed=a.seed, **hyper)
+    run = RunConfig(rounds=protocol.rounds, local_iterations=protocol.local_iterations,
+                    batch_size=protocol.batch_size, eval_every=protocol.eval_every, seed=a.seed, device="cpu",
+                    out_dir=f"{a.runs}/bench/btgfl/{a.dataset}/seed{a.seed}", progress=False, checkpoint_every=5)
+    sim = Simulation(alg, data.fed, run)
+    if sim.run().rounds_done != protocol.rounds:
+        raise SystemExit("the run is not finished")
+    params = sim.server_state["params"]
+    arts = alg.client_artifacts(sim.server_state, sim.x, data.fed.train)
+
+    def feats(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        with torch.no_grad():
+            z = torch.cat([alg.features(params, x[s:s + 4096]) for s in range(0, len(x), 4096)])
+            return z.double().numpy(), alg.global_head(params, z).double().numpy()
+
+    z, g = feats(torch.from_numpy(data.x_test).to(sim.x.dtype))
+    p = len(data.y_test) // 2
+    is_ind = []
+    for s in data.streams:
+        own = np.zeros(len(data.y_test), dtype=bool)
+        own[s["orig_ind"]] = own[s["orig_ind"] + p] = True
+        is_ind.append(own)
+    print_report(f"== {a.dataset} seed {a.seed}: TEST columns (diagnostic only)",
+                 column_report(arts, data.streams, z, g, data.y_test, is_ind))
+    if a.val:
+        val_idx = np.concatenate(data.fed.val)
+        owner = np.repeat(np.arange(len(data.fed.val)), [len(v) for v in data.fed.val])
+        zv, gv = feats(sim.x[torch.from_numpy(val_idx)])
+        rng = np.random.default_rng([a.seed, 99])
+        vstreams = []
+        for k in range(len(data.fed.val)):
+            ind = rng.permutation(np.flatnonzero(owner == k))
+            exd = rng.choice(np.flatnonzero(owner != k), size=len(ind), replace=False)
+            h = len(ind) // 2
+            vstreams.append({"ind": ind, "exd": exd, "mix": rng.permutation(np.concatenate([ind[:h], exd[:h]]))})
+        print_report("VALIDATION streams (held-out train split)",
+                     column_report(arts, vstreams, zv, gv, dataset.y[val_idx], [owner == k for k in range(len(vstreams))]))
+
+
+if __name__ == "__main__":
+    main()
