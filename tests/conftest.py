@@ -2,6 +2,7 @@
 coordinator store with trained bundles for the API tests (trained once per session)."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -9,6 +10,10 @@ import pytest
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 sys.path.append(str(Path(__file__).resolve().parents[1] / "edge_sdk" / "tests"))  # reliability_log, RFC vectors
+if SHARED_DATA.is_dir() and not os.environ.get("FL_DATA_DIR"):
+    # code under test that resolves data by itself (harness runs, subprocesses) sees the same files as the
+    # fixtures, also when `make test` runs without FL_DATA_DIR (.ci/run sets it)
+    os.environ["FL_DATA_DIR"] = str(SHARED_DATA)
 
 
 def _have(sub: str) -> bool:
