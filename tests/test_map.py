@@ -23,6 +23,15 @@ def _algo(fashion, name="MAP", n_clients=6, **hp):  # type: ignore[no-untyped-de
     return algo, fed
 
 
+def _one_procedure(fashion, name="MAP", **hp):  # type: ignore[no-untyped-def]
+    """4 local steps of every client from the initial global model: (client states before, after)."""
+    algo, fed = _algo(fashion, name=name, local_iterations=4, **hp)
+    sim = Simulation(algo, fed, RunConfig(rounds=1, local_iterations=4, progress=False))
+    states = algo.client_start(sim.server_state, np.arange(fed.num_train_clients))
+    batches = torch.from_numpy(np.stack([np.resize(t, (4, 32)) for t in fed.train]))
+    return states, run_local_steps(algo.local_step, states, sim.server_state, sim.x, sim.y, batches, "vmap")
+
+
 def test_restricted_softmax_alpha_one_is_softmax() -> None:
     logits = torch.randn(5, 10, dtype=torch.float64)
     observed = torch.tensor([1, 0, 1, 1, 0, 0, 1, 0, 0, 1], dtype=torch.float64)
@@ -128,12 +137,7 @@ def test_map_incomplete_quick_experiment(tmp_path, data_root) -> None:  # type: 
 def test_head_only_stage2_gives_heads_on_the_global_features(fashion_all) -> None:  # type: ignore[no-untyped-def]
     """The BTFL composition: stage 2 moves only the classifier, so the personalised model = uploaded
     features + a personal head."""
-    algo, fed = _algo(fashion_all, local_iterations=4, head_only_stage2=True)
-    sim = Simulation(algo, fed, RunConfig(rounds=1, local_iterations=4, progress=False))
-    ids = np.arange(fed.num_train_clients)
-    states = algo.client_start(sim.server_state, ids)
-    batches = torch.from_numpy(np.stack([np.resize(t, (4, 32)) for t in fed.train]))
-    out = run_local_steps(algo.local_step, states, sim.server_state, sim.x, sim.y, batches, "vmap")
+    _, out = _one_procedure(fashion_all, head_only_stage2=True)
     assert torch.equal(out["params"]["features.1.weight"], out["agg"]["features.1.weight"])
     assert not torch.allclose(out["params"]["head.weight"], out["agg"]["head.weight"])
 
@@ -177,3 +181,38 @@ def test_map_composes_with_btfl(fashion_all) -> None:  # type: ignore[no-untyped
         map_btfl_artifacts(_algo(fashion_all)[0], state, sim.x, fed.train)
     ind, exd = mean_e(np.concatenate([fed.train[k], fed.val[k]])), mean_e(np.concatenate([fed.train[other], fed.val[other]]))
     assert ind < exd, (ind, exd)  # e = weight of the global head: low on the client's own distribution
+
+
+def test_personalised_model_is_the_updated_hpm(fashion_all) -> None:  # type: ignore[no-untyped-def]
+    """Definition 2 / Algorithm 1 (psi^k <- psi_p,T+1^k): with an HPM the scored model is the HPM after one
+    more client procedure, (1 - mu_k) psi_hat + mu_k psi_p, not the stage-2 model psi_hat."""
+    algo, fed = _algo(fashion_all, local_iterations=4, expected_selections=4.0)
+    sim = Simulation(algo, fed, RunConfig(rounds=1, local_iterations=4, progress=False))
+    ids = np.arange(fed.num_train_clients)
+    # clients 0, 1, 2 selected 0, 2 and 5 times so far: mu = 0 (no HPM), 0.9 * 3 / 4 and min(1, 0.9 * 6 / 4)
+    count = torch.zeros(len(ids), dtype=sim.dtype)
+    count[1], count[2] = 2.0, 5.0
+    server = {**sim.server_state, "count": count,
+              "hpm": {k: v + 0.5 for k, v in sim.server_state["hpm"].items()}}
+
+    def trainer(step, states, srv, sel, iters):  # type: ignore[no-untyped-def]
+        return sim.local_train(step, states, srv, sel, iters, np.random.default_rng(0))
+
+    psi_hat = trainer(algo.local_step, algo.client_start(server, ids), server, ids, 4)["params"]["head.bias"]
+    got = algo.val_params(server, ids, trainer)["head.bias"]
+    hpm = server["hpm"]["head.bias"]
+    assert torch.allclose(got[0], psi_hat[0], atol=1e-6)
+    assert torch.allclose(got[1], 0.325 * psi_hat[1] + 0.675 * hpm[1], atol=1e-6)
+    assert torch.allclose(got[2], hpm[2], atol=1e-6)
+    assert float(server["count"][1]) == 2.0  # evaluation leaves the server state alone
+    # without an HPM the personalised model is psi_hat itself
+    algo.hp.hpm = False
+    plain = trainer(algo.local_step, algo.client_start(server, ids), server, ids, 4)["params"]["head.bias"]
+    assert torch.allclose(algo.val_params(server, ids, trainer)["head.bias"], plain)
+
+
+def test_fedphp_uploads_the_personalised_model(fashion_all) -> None:  # type: ignore[no-untyped-def]
+    """FedPHP = FedAvg + HPM (Sec. 4.2): one stage on Eq. 13, psi_hat uploaded; only MAP splits E in two."""
+    states, out = _one_procedure(fashion_all, name="FedPHP")
+    assert torch.equal(out["agg"]["head.weight"], out["params"]["head.weight"])
+    assert not torch.allclose(out["params"]["head.weight"], states["params"]["head.weight"])

@@ -14,13 +14,14 @@ uses 1/|S_t|; the two coincide for equal-size clients).
 Implemented as one pure, vmappable step: the stage is a per-client step counter and both stages'
 losses are blended by a 0/1 weight (the KD teacher's forward is the only extra work in stage 1).
 
-Personalisation accuracy (Definition 2): the personalised model psi_hat after one client procedure from
-the current global model, on the client's local test set (``val_params``). Aggregation accuracy
+Personalisation accuracy (Definition 2): each client's personalised model after one client procedure from
+the current global model, on its local test set (``val_params``): psi_hat without an HPM, the HPM updated
+by that procedure with one (Algorithm 1 returns psi_p,T+1 as the client's model). Aggregation accuracy
 (Definition 1): the global model on the global test set (computed by the experiment runner).
 
 Ablations in the same family: FedRS = RS for all local steps (alpha = 0.9, no stage 2, no HPM); FedPHP =
-the two stages with alpha = 1 (softmax) and the HPM; FedAvg / FedProx under the same optimiser = alpha 1,
-one stage, no HPM (+ the proximal term ``prox_mu``).
+FedAvg + HPM (one stage with the KD loss, psi_hat uploaded); FedAvg / FedProx under the same optimiser =
+alpha 1, one stage, no HPM (+ the proximal term ``prox_mu``).
 BTFL composition: with ``head_only_stage2`` the second stage trains only the classifier on the frozen
 global features, so the HPM heads (:meth:`MAP.local_heads`) are linear heads on the global feature
 extractor -- what BTFL uses as its local head.
@@ -54,6 +55,7 @@ class MAPConfig(Hyper):
     expected_selections: float = 30.0  # Q * T (0.2 * 150)
     prox_mu: float = 0.0
     head_only_stage2: bool = False  # BTFL composition: personalise only the classifier
+    upload_final: bool = False  # upload psi_hat (after every step) instead of the end of stage 1 (FedPHP)
 
 
 def restricted_softmax_logits(logits: torch.Tensor, observed: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -128,7 +130,8 @@ class MAP(Algorithm):
         # head_only_stage2 (BTFL composition): stage 2 moves the classifier only
         moves = {k: stage1 if self.hp.head_only_stage2 and not k.startswith("head.") else 1.0 for k in params}
         new = {k: params[k] - lr * moves[k] * mom[k] for k in params}
-        agg = {k: stage1 * new[k] + (1 - stage1) * client_state["agg"][k] for k in params}  # end of stage 1
+        up = 1.0 if self.hp.upload_final else stage1  # the uploaded model: end of stage 1 (or psi_hat)
+        agg = {k: up * new[k] + (1 - up) * client_state["agg"][k] for k in params}
         return {**client_state, "params": new, "mom": mom, "agg": agg, "step": client_state["step"] + 1}
 
     # ------------------------------------------------------------- the server
@@ -136,26 +139,40 @@ class MAP(Algorithm):
         out = {**server_state, "params": weighted_mean(client_states["agg"], weights)}
         if not self.hp.hpm:
             return out
-        ids_t = torch.as_tensor(ids, dtype=torch.long, device=weights.device)
+        hpm, count = self._update_hpm(server_state, ids, client_states["params"])
+        return {**out, "hpm": hpm, "count": count}
+
+    def _update_hpm(self, server_state: State, ids: np.ndarray,
+                    personal: State) -> tuple[State, torch.Tensor]:
+        """Eq. 10 for the clients ``ids``: psi_p <- (1 - mu_k) psi_hat + mu_k psi_p with z_k += 1 and
+        mu_k = min(1, mu * z_k / (Q T)) (mu_k = 0 at the first selection: no HPM yet)."""
         count = server_state["count"].clone()
+        ids_t = torch.as_tensor(ids, dtype=torch.long, device=count.device)
         first = count[ids_t] == 0
         count[ids_t] += 1
         mu = torch.clamp(self.hp.mu_macro * count[ids_t] / self.hp.expected_selections, 0.0, 1.0)
-        mu = torch.where(first, torch.zeros_like(mu), mu)  # Eq. 10 with no previous HPM
+        mu = torch.where(first, torch.zeros_like(mu), mu)
 
-        def update(hpm: torch.Tensor, personal: torch.Tensor) -> torch.Tensor:
-            w = mu.reshape(-1, *([1] * (personal.ndim - 1))).to(personal.dtype)
-            new = hpm.clone()
-            new[ids_t] = (1 - w) * personal + w * hpm[ids_t]
-            return new
+        def update(hpm: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+            w = mu.reshape(-1, *([1] * (new.ndim - 1))).to(new.dtype)
+            out = hpm.clone()
+            out[ids_t] = (1 - w) * new + w * hpm[ids_t]
+            return out
 
-        return {**out, "hpm": tree_map(update, server_state["hpm"], client_states["params"]), "count": count}
+        return tree_map(update, server_state["hpm"], personal), count
 
     # ---------------------------------------------------------- evaluation
     def val_params(self, server_state: State, ids: np.ndarray, trainer: LocalTrainer) -> State:
-        """Personalised models psi_hat: one client procedure from the current global model (stacked)."""
+        """Each client's personalised model after one client procedure from the current global model
+        (Definition 2: "the performance of the personalized model on the local test set"). Without an HPM
+        that is psi_hat; with one it is the HPM updated by that procedure (Eq. 10), which Algorithm 1
+        returns as the client's model: "psi^k <- psi_p,T+1^k ... the personalization model for each local
+        client" (the authors' FedPHP / MAP code scores the HPM as well)."""
         states = self.client_start(server_state, ids)
-        return trainer(self.local_step, states, server_state, ids, self.hp.local_iterations)["params"]
+        personal = trainer(self.local_step, states, server_state, ids, self.hp.local_iterations)["params"]
+        if not self.hp.hpm:
+            return personal
+        return index(self._update_hpm(server_state, ids, personal)[0], ids)
 
     def local_heads(self, server_state: State) -> State:
         """The clients' HPM classifiers ``{"weight": [K, C, D], "bias": [K, C]}`` (BTFL's local heads when
@@ -173,9 +190,12 @@ class FedRS(MAP):
 
 
 class FedPHP(MAP):
-    """HPM only: MAP's two stages with softmax (alpha = 1) in the first."""
+    """FedAvg + HPM (Sec. 4.2): every local step on (1 - lambda) CE + lambda L_kd (Eq. 13) and psi_hat is
+    uploaded -- the two stages are MAP's addition ("Different from FedAvg, we take two stages", Sec. 4.3).
+    (The authors' fedphp.py does the same.)"""
 
     name = "FedPHP"
 
     def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0, **overrides: Any) -> None:
-        super().__init__(model, config, seed, **{"alpha": 1.0, **overrides})
+        super().__init__(model, config, seed,
+                         **{"alpha": 1.0, "stage1_fraction": 0.0, "upload_final": True, **overrides})

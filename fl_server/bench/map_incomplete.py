@@ -3,11 +3,13 @@
 
 All five methods run in the MAP family (:mod:`fl_server.algorithms.map`) so they share the paper's
 optimiser (SGD momentum 0.9, lr 0.03, wd 1e-5) and the same personalisation procedure:
-FedAvg = alpha 1, one stage, no HPM; FedProx = FedAvg + mu/2 ||psi - psi_server||^2; FedRS; FedPHP; MAP;
-and FedAvg-2stage (MAP's schedule with neither RS nor HPM: isolates what the HPM adds).
+FedAvg = alpha 1, one stage, no HPM; FedProx = FedAvg + mu/2 ||psi - psi_server||^2; FedRS; FedPHP (FedAvg
++ HPM); MAP; and FedAvg-2stage (MAP's schedule with neither RS nor HPM: what the upload after E/2 costs).
 Reported (final round, as the paper): ``personalization`` = mean over all clients of the local-test
 accuracy of the personalised model after one client procedure from the final global model (the engine's
-``val``); ``aggregation`` = accuracy of the final global model on the official test split.
+``val``): psi_hat for the methods without an HPM, the HPM updated by that procedure for FedPHP / MAP
+(Algorithm 1's client model, see ``MAP.val_params``); ``aggregation`` = accuracy of the final global model
+on the official test split.
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ MAP_METHODS: dict[str, dict[str, Any]] = {
     "FedAvg": {"alpha": 1.0, "stage1_fraction": 1.0, "hpm": False},
     "FedProx": {"alpha": 1.0, "stage1_fraction": 1.0, "hpm": False, "prox_mu": 0.001},
     "FedRS": {"alpha": 0.9, "stage1_fraction": 1.0, "hpm": False},
-    "FedPHP": {"alpha": 1.0, "stage1_fraction": 0.5, "hpm": True},
+    # FedPHP [27] = FedAvg + HPM: KD on every step, psi_hat uploaded (MAP Sec. 4.2; the authors' fedphp.py)
+    "FedPHP": {"alpha": 1.0, "stage1_fraction": 0.0, "hpm": True, "upload_final": True},
     "MAP": {"alpha": 0.9, "stage1_fraction": 0.5, "hpm": True},
     # control for FedPHP / MAP: their two-stage schedule (upload after E/2) without RS and without HPM
     "FedAvg-2stage": {"alpha": 1.0, "stage1_fraction": 0.5, "hpm": False},
