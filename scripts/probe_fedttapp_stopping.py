@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
+sys.path[:0] = [str(REPO), str(REPO / "edge_sdk"), str(REPO / "benchmarks")]
+from edge_sdk import EntropyEarlyStopping  # noqa: E402
 from fl_server.algorithms import build_algorithm  # noqa: E402
 from fl_server.algorithms.losses import entropy_from_logits  # noqa: E402
 from fl_server.engine.simulation import load_state  # noqa: E402
@@ -56,18 +57,13 @@ def trajectories(run_dir: Path, split: str, max_steps: int, data_dir: str | None
 
 
 def stop_step(entropy: np.ndarray, patience: int, first: int = 0) -> int:
-    """FedTTA++'s rule (fedtta.EntropyEarlyStopping): the lowest-entropy iterate seen before ``patience``
-    consecutive steps without a new minimum, among iterates ``first`` .. S (``first`` = 1: the one-step model
-    FedTTA's meta-training targets is the starting point; the un-adapted psi is not a candidate)."""
-    best, since = first, 0
-    for s in range(first + 1, len(entropy)):
-        if entropy[s] < entropy[best]:
-            best, since = s, 0
-        else:
-            since += 1
-            if since >= patience:
-                break
-    return best
+    """The iterate FedTTA++ returns for this entropy trace (the shared rule, edge_sdk.EntropyEarlyStopping);
+    ``first`` = 1: candidates start at the one-step model."""
+    stopper = EntropyEarlyStopping(patience, len(entropy) - 1, first)
+    for h in entropy:
+        if stopper.update(float(h)):
+            break
+    return stopper.best_step
 
 
 def summarize(tr: dict[str, np.ndarray], patience: list[int]) -> dict[str, Any]:

@@ -72,11 +72,14 @@ def test_step_lowers_entropy_on_device(batches, tmp_path: Path) -> None:  # type
     assert entropies[-1] < entropies[0]
 
 
-def test_fedtta_plus_plus_on_onnxruntime_matches_torch(batches, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("first_candidate", [0, 1])
+def test_fedtta_plus_plus_on_onnxruntime_matches_torch(batches, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                      first_candidate: int) -> None:
     from edge_sdk.steps import StepRunner, load_session, personalize_early_stopping
 
     alg = build_algorithm("FedTTA++", build_model("mlp", (1, 28, 28), 10, seed=0), 1, seed=0,
-                          **{**FEDTTA_HP["mnist"]["FedTTA++"], "patience": 2, "max_steps": 8})
+                          **{**FEDTTA_HP["mnist"]["FedTTA++"], "patience": 2, "max_steps": 8,
+                             "first_candidate": first_candidate})
     state = alg.init_state(torch.float32, torch.device("cpu"))
     step = fedtta_step_spec(alg, state["params"], state["phi"])
     fwd = forward_spec(alg.model, state["params"])
@@ -86,9 +89,10 @@ def test_fedtta_plus_plus_on_onnxruntime_matches_torch(batches, tmp_path: Path) 
     runner = StepRunner(load_session(tmp_path / "step.onnx"), fixed={n: v.numpy() for n, v in state["phi"].items()})
     x = batches[0]
     best_dev, stop_dev = personalize_early_stopping(runner, load_session(tmp_path / "forward.onnx"), x.numpy(), psi,
-                                                    patience=2, max_steps=8)
+                                                    patience=2, max_steps=8, first_candidate=first_candidate)
     best_ref, stop_ref = alg.personalize_early_stopping(state["params"], state["phi"], x)
-    assert stop_dev.best_step == stop_ref.best_step and len(stop_dev.history) == len(stop_ref.history)
+    assert stop_dev.best_step == stop_ref.best_step >= first_candidate
+    assert len(stop_dev.history) == len(stop_ref.history)
     np.testing.assert_allclose(stop_dev.history, stop_ref.history, atol=1e-5)
     for n in best_dev:
         assert float(np.abs(best_dev[n] - best_ref[n].numpy()).max()) <= TOL

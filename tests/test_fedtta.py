@@ -1,6 +1,8 @@
 """FedTTA: the meta-gradient really is second order; FedTTA++ early stopping returns the right iterate."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -107,6 +109,31 @@ def test_fedtta_plus_plus_returns_the_lowest_entropy_iterate() -> None:
     np.testing.assert_allclose(ent, stopper.history, rtol=1e-5)
     assert stopper.best_step == int(np.argmin(ent))
     assert all(torch.equal(best[k], iterates[stopper.best_step][k]) for k in best)
+
+
+def test_first_candidate_skips_the_unadapted_model() -> None:
+    """first_candidate = 1 (docs/fedttapp-diagnosis.md): iterate 0 is recorded but never returned, and
+    patience counts from the first candidate."""
+    stop = EntropyEarlyStopping(patience=1, first_candidate=1)
+    assert [stop.update(h) for h in (0.5, 0.6, 0.7)] == [False, False, True]  # 0.5 is lowest, not a candidate
+    assert stop.best_step == 1 and stop.history == [0.5, 0.6, 0.7]
+    with pytest.raises(ValueError, match="first_candidate"):
+        EntropyEarlyStopping(max_steps=3, first_candidate=4)
+    alg, s, x, _ = _tiny(patience=1, max_steps=10, first_candidate=1)
+    s = {k: tree_map(lambda t: t.float(), v) for k, v in s.items()}
+    _, stopper = alg.personalize_early_stopping(s["params"], s["phi"], x.float())
+    assert stopper.best_step >= 1 and len(stopper.history) >= 3
+
+
+def test_new_option_at_its_default_keeps_run_fingerprints() -> None:
+    """Checkpoints made before first_candidate existed still resume: at its default it is not part of the
+    fingerprint; set, it is."""
+    from fl_server.algorithms.fedtta import FedTTAConfig
+    from fl_server.engine.simulation import fingerprint_hp
+
+    assert "first_candidate" not in fingerprint_hp(FedTTAConfig())
+    assert fingerprint_hp(FedTTAConfig(first_candidate=1))["first_candidate"] == 1
+    assert set(fingerprint_hp(FedTTAConfig())) == set(dataclasses.asdict(FedTTAConfig())) - {"first_candidate"}
 
 
 def test_adapter_init_is_seeded() -> None:

@@ -116,7 +116,8 @@ class Personalizer:
             return Personalized(self.base, 0, [float(entropy(self.predict(x)).mean())])
         if self.kind == "FedTTA++":
             best, stopper = personalize_early_stopping(self.runner, self.forward, x, self.base,
-                                                       int(self.hp["patience"]), int(self.hp.get("max_steps", 50)))
+                                                       int(self.hp["patience"]), int(self.hp.get("max_steps", 50)),
+                                                       int(self.hp.get("first_candidate", 0)))
             return Personalized(best, stopper.best_step, list(stopper.history))
         steps = int(self.hp.get("steps", 1)) if self.kind == "TENT" else 1
         chunk = int(self.hp.get("batch_size") or len(x)) if self.kind == "TENT" else len(x)

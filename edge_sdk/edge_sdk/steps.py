@@ -110,11 +110,13 @@ class StepRunner:
 
 
 def personalize_early_stopping(runner: StepRunner, forward: ort.InferenceSession, x: np.ndarray, psi: Weights,
-                               patience: int, max_steps: int = 50) -> tuple[Weights, EntropyEarlyStopping]:
+                               patience: int, max_steps: int = 50,
+                               first_candidate: int = 0) -> tuple[Weights, EntropyEarlyStopping]:
     """FedTTA++ on the device: step until the mean entropy has not decreased for ``patience`` steps and
-    return the lowest-entropy iterate (iterate 0, the received model, included). A step that overflows
-    (non-finite weights or entropy) ends the adaptation; the answer is still the best finite iterate."""
-    stopper = EntropyEarlyStopping(patience, max_steps)
+    return the lowest-entropy iterate from ``first_candidate`` on (0: the received model included). A step
+    that overflows (non-finite weights or entropy) ends the adaptation; the answer is still the best finite
+    iterate (the received model if none was a candidate yet)."""
+    stopper = EntropyEarlyStopping(patience, max_steps, first_candidate)
     feeds = {"x": check_batch(x, forward), **{f"psi.{n}": psi[n] for n in runner.param_names}}
     stop = stopper.update(float(entropy(check_logits(forward.run(["logits"], feeds)[0], x)).mean()))
     best, current = psi, psi
@@ -125,4 +127,6 @@ def personalize_early_stopping(runner: StepRunner, forward: ort.InferenceSession
         stop = stopper.update(h)
         if stopper.best_step == len(stopper.history) - 1:
             best = current
+    if stopper.best_step < 0:  # overflow before the first candidate iterate: keep the received model
+        stopper.best_step, stopper.best_entropy = 0, stopper.history[0]
     return best, stopper

@@ -11,7 +11,7 @@ with entropy early stopping (:class:`edge_sdk.EntropyEarlyStopping`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -33,6 +33,9 @@ class FedTTAConfig(Hyper):
     adapt_width: int = 32
     patience: int = 0  # 0: one adaptation step (FedTTA); >= 1: entropy early stopping (FedTTA++)
     max_steps: int = 50  # E, the authors' code
+    # FedTTA++: first iterate that may be returned (0: the un-adapted model too, SPEC.md's reading; 1: from the
+    # one-step model, docs/fedttapp-diagnosis.md). Left out of run fingerprints at its default.
+    first_candidate: int = field(default=0, metadata={"fingerprint": "omit_default"})
     # Reference batch B of the personalization loss: l_per = sqrt(B * mean_i g_i^2), which is the paper's
     # ||g(Z)||_2 on a training batch of B samples, but does not grow as sqrt(N) on a new client's full set of
     # N samples (the paper's full-batch step would be sqrt(N/B) times larger than anything seen in training).
@@ -103,7 +106,7 @@ class FedTTA(Algorithm):
 
     def personalize_early_stopping(self, psi: State, phi: State, x: torch.Tensor) -> tuple[State, EntropyEarlyStopping]:
         """FedTTA++: iterate Eq. 5, keep the iterate of lowest mean prediction entropy on ``x``."""
-        stopper = EntropyEarlyStopping(self.hp.patience, self.hp.max_steps)
+        stopper = EntropyEarlyStopping(self.hp.patience, self.hp.max_steps, self.hp.first_candidate)
         best, current = psi, psi
         with torch.no_grad():
             stop = stopper.update(float(entropy_from_logits(self.forward(psi, x)).mean()))
