@@ -19,13 +19,13 @@ import argparse
 
 import numpy as np
 import torch
-from edge_sdk.btfl import BTFLStream
+from edge_sdk.btfl import dle_log_likelihood, fsq_quantize
 from edge_sdk.fedthe import fedthe_predict
 from edge_sdk.numerics import log_softmax
 from scipy.stats import rankdata
 
 from fl_server.algorithms.btfl import BTFL, ClientArtifacts
-from fl_server.bench.btgfl import COLUMNS, StreamConfig, _body_iterations, build_data
+from fl_server.bench.btgfl import COLUMNS, StreamConfig, _body_iterations, btfl_stream, build_data
 from fl_server.bench.experiments import EXPERIMENTS
 from fl_server.data import load_dataset
 from fl_server.engine import RunConfig, Simulation
@@ -38,23 +38,10 @@ def auroc(pos: np.ndarray, neg: np.ndarray) -> float:
     return float((r[:len(pos)].sum() - len(pos) * (len(pos) + 1) / 2) / (len(pos) * len(neg)))
 
 
-def btfl_stream(art: ClientArtifacts, g: np.ndarray, l_: np.ndarray, z: np.ndarray, bs: int = 32
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """-> (probabilities [N, C], e [N], log tau_hat [N]) over one fresh stream."""
-    st = BTFLStream(art.local_dle, art.global_dle, art.h_local_bar, art.h_global_bar)
-    out, e, lt = [], [], []
-    for s in range(0, len(z), bs):
-        out.append(st.predict(l_[s:s + bs], g[s:s + bs], z[s:s + bs]))
-        e.append(st.last_weights)
-        lt.append(st.last_log_tau_hat)
-    return np.concatenate(out), np.concatenate(e), np.concatenate(lt)
-
-
 def raw_log_tau(art: ClientArtifacts, z: np.ndarray) -> np.ndarray:
     """log q_l - log q_g (Eq. 9 with the geometric mean of Sec. 4.4), before the entropy rectification."""
-    st = BTFLStream(art.local_dle, art.global_dle, art.h_local_bar, art.h_global_bar)
-    lq = st._log_tables[:, np.arange(z.shape[1]), (np.tanh(z) > 0.5).astype(int)].mean(-1)
-    return lq[0] - lq[1]
+    codes = fsq_quantize(z)
+    return dle_log_likelihood(codes, art.local_dle) - dle_log_likelihood(codes, art.global_dle)
 
 
 def column_report(arts: list[ClientArtifacts], streams: list[dict[str, np.ndarray]], z_all: np.ndarray,
@@ -72,7 +59,7 @@ def column_report(arts: list[ClientArtifacts], streams: list[dict[str, np.ndarra
             l_ = z @ art.local_head.T
             ind = is_ind[k][idx]
             pg, pl = np.exp(log_softmax(g)), np.exp(log_softmax(l_))
-            out, e, _ = btfl_stream(art, g, l_, z)
+            out, e, _ = btfl_stream(art, g, l_, z, 32)
             o_the, w = fedthe_predict(g, l_, z, art.mu_local, art.mu_global, 32)
             o_nh, _ = fedthe_predict(g, l_, z, art.mu_local, art.mu_global, 32, history_decay=0.0, feature_mix=1.0)
             oracle = np.where(ind[:, None], pl, pg)  # Eq. 21 with e = 1[sample is EXD]
@@ -88,8 +75,8 @@ def column_report(arts: list[ClientArtifacts], streams: list[dict[str, np.ndarra
         d = [np.linalg.norm(z_all[i] - art.mu_local, axis=1) - np.linalg.norm(z_all[i] - art.mu_global, axis=1)
              for i in (a, c)]
         add("AUROC raw log tau (Eq. 9)", "orig", auroc(-raw_log_tau(art, z_all[c]), -raw_log_tau(art, z_all[a])))
-        add("AUROC log tau_hat (Eq. 15)", "orig", auroc(-btfl_stream(art, g_all[c], lc, z_all[c])[2],
-                                                        -btfl_stream(art, g_all[a], la, z_all[a])[2]))
+        add("AUROC log tau_hat (Eq. 15)", "orig", auroc(-btfl_stream(art, g_all[c], lc, z_all[c], 32)[2],
+                                                        -btfl_stream(art, g_all[a], la, z_all[a], 32)[2]))
         add("AUROC FedTHE d_l - d_g", "orig", auroc(d[1], d[0]))
     return {key: {col: float(np.mean(v)) for col, v in cols.items()} for key, cols in acc.items()}
 

@@ -55,7 +55,6 @@ class MAPConfig(Hyper):
     expected_selections: float = 30.0  # Q * T (0.2 * 150)
     prox_mu: float = 0.0
     head_only_stage2: bool = False  # BTFL composition: personalise only the classifier
-    upload_final: bool = False  # upload psi_hat (after every step) instead of the end of stage 1 (FedPHP)
 
 
 def restricted_softmax_logits(logits: torch.Tensor, observed: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -130,7 +129,8 @@ class MAP(Algorithm):
         # head_only_stage2 (BTFL composition): stage 2 moves the classifier only
         moves = {k: stage1 if self.hp.head_only_stage2 and not k.startswith("head.") else 1.0 for k in params}
         new = {k: params[k] - lr * moves[k] * mom[k] for k in params}
-        up = 1.0 if self.hp.upload_final else stage1  # the uploaded model: end of stage 1 (or psi_hat)
+        # the uploaded model: the end of stage 1; without a stage 1 (FedPHP: stage1_fraction 0) psi_hat itself
+        up = stage1 if self._stage1_iterations() > 0 else 1.0
         agg = {k: up * new[k] + (1 - up) * client_state["agg"][k] for k in params}
         return {**client_state, "params": new, "mom": mom, "agg": agg, "step": client_state["step"] + 1}
 
@@ -198,4 +198,4 @@ class FedPHP(MAP):
 
     def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0, **overrides: Any) -> None:
         super().__init__(model, config, seed,
-                         **{"alpha": 1.0, "stage1_fraction": 0.0, "upload_final": True, **overrides})
+                         **{"alpha": 1.0, "stage1_fraction": 0.0, **overrides})

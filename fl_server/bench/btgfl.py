@@ -112,13 +112,23 @@ def build_data(dataset: ArrayDataset, protocol: Protocol, seed: int, cfg: Stream
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
-def _btfl_probs(art: ClientArtifacts, g: np.ndarray, l_: np.ndarray, z: np.ndarray, bs: int) -> tuple[np.ndarray, float]:
+def btfl_stream(art: ClientArtifacts, g: np.ndarray, l_: np.ndarray, z: np.ndarray, bs: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One fresh BTFL stream over the samples in order, ``bs`` at a time -> (probabilities [N, C], weight of
+    the global head e [N], log tau_hat [N])."""
     stream = BTFLStream(art.local_dle, art.global_dle, art.h_local_bar, art.h_global_bar)
-    out, weights = [], []
+    out, weights, log_tau = [], [], []
     for s in range(0, len(z), bs):  # the stream is sequential by definition; each call is vectorised
         out.append(stream.predict(l_[s:s + bs], g[s:s + bs], z[s:s + bs]))
         weights.append(stream.last_weights)
-    return np.concatenate(out), float(np.concatenate(weights).mean())
+        log_tau.append(stream.last_log_tau_hat)
+    return np.concatenate(out), np.concatenate(weights), np.concatenate(log_tau)
+
+
+def _probs_and_mean_e(art: ClientArtifacts, g: np.ndarray, l_: np.ndarray, z: np.ndarray, bs: int
+                      ) -> tuple[np.ndarray, float]:
+    probs, e, _ = btfl_stream(art, g, l_, z, bs)
+    return probs, float(e.mean())
 
 
 def evaluate_methods(algorithm: BTFL, server_state: dict, data: BTGFLData, x: torch.Tensor
@@ -138,7 +148,7 @@ def evaluate_methods(algorithm: BTFL, server_state: dict, data: BTGFLData, x: to
         for name, variant in (("FedTHE", "spec"), ("FedTHE-code", "code")):
             predictors[f"{name} (bs={bs})"] = lambda art, g, l_, z, bs=bs, v=variant: (
                 fedthe_predict(g, l_, z, art.mu_local, art.mu_global, bs, variant=v)[0], None)
-        predictors[f"BTFL (bs={bs})"] = lambda art, g, l_, z, bs=bs: _btfl_probs(art, g, l_, z, bs)
+        predictors[f"BTFL (bs={bs})"] = lambda art, g, l_, z, bs=bs: _probs_and_mean_e(art, g, l_, z, bs)
     results: dict[str, dict[str, Any]] = {}
     for method, predict in predictors.items():
         t0 = time.perf_counter()

@@ -37,7 +37,7 @@ MAP_METHODS: dict[str, dict[str, Any]] = {
     "FedProx": {"alpha": 1.0, "stage1_fraction": 1.0, "hpm": False, "prox_mu": 0.001},
     "FedRS": {"alpha": 0.9, "stage1_fraction": 1.0, "hpm": False},
     # FedPHP [27] = FedAvg + HPM: KD on every step, psi_hat uploaded (MAP Sec. 4.2; the authors' fedphp.py)
-    "FedPHP": {"alpha": 1.0, "stage1_fraction": 0.0, "hpm": True, "upload_final": True},
+    "FedPHP": {"alpha": 1.0, "stage1_fraction": 0.0, "hpm": True},
     "MAP": {"alpha": 0.9, "stage1_fraction": 0.5, "hpm": True},
     # control for FedPHP / MAP: their two-stage schedule (upload after E/2) without RS and without HPM
     "FedAvg-2stage": {"alpha": 1.0, "stage1_fraction": 0.5, "hpm": False},

@@ -149,13 +149,13 @@ def _checkpoint_meta(path: Path) -> dict[str, Any] | None:
         return json.loads(arrays[META_KEY].tobytes()) if META_KEY in arrays.files else None
 
 
-
 def fingerprint_hp(hp: Any) -> dict[str, Any]:
     """The hyperparameters that identify a run. A field added later with ``metadata={"fingerprint":
     "omit_default"}`` is left out while it has its default (which reproduces the older behaviour), so runs
     and checkpoints made before it existed still resume."""
     return {f.name: getattr(hp, f.name) for f in dataclasses.fields(hp)
             if not (f.metadata.get("fingerprint") == "omit_default" and getattr(hp, f.name) == f.default)}
+
 
 class Simulation:
     """One federated run of ``algorithm`` on ``fed`` under ``cfg``."""
