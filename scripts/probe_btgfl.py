@@ -11,7 +11,7 @@ Test numbers here are diagnostics only; nothing is selected on them. ``--val`` a
 validation streams built from the held-out TRAIN split (per client: its own val samples = IND, as many of the
 other clients' val samples = EXD, and a half/half shuffled mix), the only place an option may be chosen.
 
-    python scripts/probe_btgfl.py fashion_mnist 0 --runs runs --val
+    python scripts/probe_btgfl.py fashion_mnist 0 1 2 --runs runs --val   (per seed, then the mean over seeds)
 """
 from __future__ import annotations
 
@@ -88,25 +88,27 @@ def print_report(title: str, rep: dict[str, dict[str, float]]) -> None:
         print(f"  {key:28s}" + " ".join(f"{c}={v:6.2f}" for c, v in cols.items()) + avg)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("dataset")
-    ap.add_argument("seed", type=int)
-    ap.add_argument("--runs", default="runs")
-    ap.add_argument("--val", action="store_true", help="also report the validation streams")
-    a = ap.parse_args()
-    protocol = EXPERIMENTS["btgfl"].protocols[a.dataset]
+def mean_report(reports: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Entry-wise mean over seeds of :func:`column_report` results."""
+    return {key: {col: float(np.mean([r[key][col] for r in reports])) for col in cols}
+            for key, cols in reports[0].items()}
+
+
+def seed_reports(dataset_name: str, seed: int, runs: str, val: bool
+                 ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]] | None]:
+    """(test report, validation report or None) of one finished seed."""
+    protocol = EXPERIMENTS["btgfl"].protocols[dataset_name]
     dataset = load_dataset(protocol.dataset, split="all")
-    data = build_data(dataset, protocol, a.seed, StreamConfig())
-    model = build_model(protocol.model, dataset.x.shape[1:], dataset.num_classes, seed=a.seed)
+    data = build_data(dataset, protocol, seed, StreamConfig())
+    model = build_model(protocol.model, dataset.x.shape[1:], dataset.num_classes, seed=seed)
     hyper = {**protocol.method_hp.get("BTFL", {}), "body_iterations": _body_iterations(protocol.local_iterations)}
-    alg = BTFL(model, seed=a.seed, **hyper)
+    alg = BTFL(model, seed=seed, **hyper)
     run = RunConfig(rounds=protocol.rounds, local_iterations=protocol.local_iterations,
-                    batch_size=protocol.batch_size, eval_every=protocol.eval_every, seed=a.seed, device="cpu",
-                    out_dir=f"{a.runs}/bench/btgfl/{a.dataset}/seed{a.seed}", progress=False, checkpoint_every=5)
+                    batch_size=protocol.batch_size, eval_every=protocol.eval_every, seed=seed, device="cpu",
+                    out_dir=f"{runs}/bench/btgfl/{dataset_name}/seed{seed}", progress=False, checkpoint_every=5)
     sim = Simulation(alg, data.fed, run)
     if sim.run().rounds_done != protocol.rounds:
-        raise SystemExit("the run is not finished")
+        raise SystemExit(f"the run of seed {seed} is not finished")
     params = sim.server_state["params"]
     arts = alg.client_artifacts(sim.server_state, sim.x, data.fed.train)
 
@@ -122,21 +124,42 @@ def main() -> None:
         own = np.zeros(len(data.y_test), dtype=bool)
         own[s["orig_ind"]] = own[s["orig_ind"] + p] = True
         is_ind.append(own)
-    print_report(f"== {a.dataset} seed {a.seed}: TEST columns (diagnostic only)",
-                 column_report(arts, data.streams, z, g, data.y_test, is_ind))
-    if a.val:
-        val_idx = np.concatenate(data.fed.val)
-        owner = np.repeat(np.arange(len(data.fed.val)), [len(v) for v in data.fed.val])
-        zv, gv = feats(sim.x[torch.from_numpy(val_idx)])
-        rng = np.random.default_rng([a.seed, 99])
-        vstreams = []
-        for k in range(len(data.fed.val)):
-            ind = rng.permutation(np.flatnonzero(owner == k))
-            exd = rng.choice(np.flatnonzero(owner != k), size=len(ind), replace=False)
-            h = len(ind) // 2
-            vstreams.append({"ind": ind, "exd": exd, "mix": rng.permutation(np.concatenate([ind[:h], exd[:h]]))})
-        print_report("VALIDATION streams (held-out train split)",
-                     column_report(arts, vstreams, zv, gv, dataset.y[val_idx], [owner == k for k in range(len(vstreams))]))
+    test = column_report(arts, data.streams, z, g, data.y_test, is_ind)
+    if not val:
+        return test, None
+    val_idx = np.concatenate(data.fed.val)
+    owner = np.repeat(np.arange(len(data.fed.val)), [len(v) for v in data.fed.val])
+    zv, gv = feats(sim.x[torch.from_numpy(val_idx)])
+    rng = np.random.default_rng([seed, 99])
+    vstreams = []
+    for k in range(len(data.fed.val)):
+        ind = rng.permutation(np.flatnonzero(owner == k))
+        exd = rng.choice(np.flatnonzero(owner != k), size=len(ind), replace=False)
+        h = len(ind) // 2
+        vstreams.append({"ind": ind, "exd": exd, "mix": rng.permutation(np.concatenate([ind[:h], exd[:h]]))})
+    return test, column_report(arts, vstreams, zv, gv, dataset.y[val_idx],
+                               [owner == k for k in range(len(vstreams))])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("dataset")
+    ap.add_argument("seeds", type=int, nargs="+")
+    ap.add_argument("--runs", default="runs")
+    ap.add_argument("--val", action="store_true", help="also report the validation streams")
+    a = ap.parse_args()
+    tests, vals = [], []
+    for seed in a.seeds:
+        test, val = seed_reports(a.dataset, seed, a.runs, a.val)
+        print_report(f"== {a.dataset} seed {seed}: TEST columns (diagnostic only)", test)
+        tests.append(test)
+        if val is not None:
+            print_report(f"== {a.dataset} seed {seed}: VALIDATION streams (held-out train split)", val)
+            vals.append(val)
+    if len(a.seeds) > 1:
+        print_report(f"== {a.dataset} mean over seeds {a.seeds}: TEST columns (diagnostic only)", mean_report(tests))
+        if vals:
+            print_report(f"== {a.dataset} mean over seeds {a.seeds}: VALIDATION streams", mean_report(vals))
 
 
 if __name__ == "__main__":

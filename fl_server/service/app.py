@@ -92,7 +92,7 @@ def create_app(store_dir: str | Path, **overrides: Any) -> FastAPI:
         svc.start()
         # Everything loaded so far (torch, the app, the served bundles) lives as long as the process: move it
         # out of the collector's reach, so a full collection during a burst of requests scans only request
-        # garbage (measured: one gen-2 pass took 108 ms mid-burst before, see docs/coordinator.md).
+        # garbage (benchmarks/profile_burst.py showed a gen-2 pass of ~90 ms mid-burst before; docs/coordinator.md).
         gc.collect()
         gc.freeze()
         try:

@@ -8,7 +8,8 @@ matmul instead of K).
 The worker thread drains the queue itself: when a batch ends it hands the results to the event loop (one
 ``call_soon_threadsafe`` per batch) and starts the next batch at once. Under load the event loop's ready queue
 is long, so a design where the loop schedules each batch (``run_in_executor`` per batch) waited one full loop
-iteration between batches: measured 50-70 ms per hop with 200 devices on 2 cores (docs/coordinator.md)."""
+iteration between batches: 45-67 ms per hop with 200 devices on 2 cores (benchmarks/profile_burst.py,
+docs/coordinator.md)."""
 from __future__ import annotations
 
 import asyncio
