@@ -132,6 +132,45 @@ def test_fedicon_online_mode(trained) -> None:  # type: ignore[no-untyped-def]
     assert acc >= before - 0.1  # adapting on the stream does not wreck the classifier
 
 
+def test_fedicon_online_memory_keeps_its_size_and_takes_the_arriving_samples(mnist_all) -> None:  # type: ignore[no-untyped-def]
+    x = torch.from_numpy(mnist_all.x[:300])
+    algo = build_algorithm("FedICON", build_model("mlp", (1, 28, 28), 10, seed=0), 4, seed=0, memory_size=32)
+    rng = np.random.default_rng(0)
+
+    def present(a: torch.Tensor, memory: torch.Tensor) -> torch.Tensor:  # [len(a)] bool: row of a in memory
+        return (a.flatten(1)[:, None] == memory.flatten(1)[None]).all(-1).any(1)
+
+    training, arriving = x[:32], x[100:116]
+    memory = algo.remember(training.clone(), arriving, rng)
+    assert memory.shape == training.shape
+    assert bool(present(arriving, memory).all())  # every arriving sample entered ...
+    assert int(present(training, memory).sum()) == 32 - 16  # ... each in place of a different training sample
+    # a memory below memory_size fills up first; of a chunk longer than the memory, its last samples stay
+    assert torch.equal(algo.remember(x[:20].clone(), arriving[:8], rng), torch.cat([x[:20], arriving[:8]]))
+    assert bool(present(x[118:150], algo.remember(training.clone(), x[100:150], rng)).all())
+    # over a stream, the memory ends as the latest samples mixed with the survivors, always 32 of them
+    for start in range(116, 300, 16):
+        memory = algo.remember(memory, x[start:start + 16], rng)
+        assert memory.shape == training.shape and bool(present(x[start:start + 16], memory).all())
+
+
+def test_fedicon_shift_online_memory_is_the_clients_training_data(mnist_all) -> None:  # type: ignore[no-untyped-def]
+    from fl_server.bench.shift import _online_memories
+
+    fed = make_federated(mnist_all.subset(np.arange(2000)), "dirichlet", num_clients=4, new_fraction=0.0,
+                         alpha=0.5, seed=0)
+    model = build_model("mlp", (1, 28, 28), 10, seed=0)
+    batch = build_algorithm("FedICON", model, 4, seed=0)
+    assert _online_memories(batch, fed, 0, torch.device("cpu"), torch.float32) is None
+    online = build_algorithm("FedICON", model, 4, seed=0, tta_mode="online", memory_size=16)
+    memories = _online_memories(online, fed, 0, torch.device("cpu"), torch.float32)
+    assert memories is not None and len(memories) == fed.num_train_clients
+    for memory, train in zip(memories, fed.train):
+        assert memory.shape == (16, 1, 28, 28)
+        own = torch.from_numpy(fed.dataset.x[train]).flatten(1)
+        assert bool((memory.flatten(1)[:, None] == own[None]).all(-1).any(1).all())
+
+
 def test_fedicon_shift_quick_experiment(tmp_path, data_root) -> None:  # type: ignore[no-untyped-def]
     """The harness end to end at CI size: every method, shifted conditions, rows per shift."""
     from fl_server.bench.experiments import get_experiment

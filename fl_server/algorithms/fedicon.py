@@ -13,8 +13,9 @@ Personalisation of a training client (``val_params``): the head fine-tuned ``ft_
 the client's own labeled training data, encoder frozen.
 Test time (Sec. 4.2): the encoder (and projection) tuned with the unsupervised contrastive loss Eq. 7 on
 the client's unlabeled test data -- ``batch`` mode (``tta_epochs`` passes of mini-batches), or ``online``
-mode (:meth:`FedICON.online`): a memory of training samples stands in for A(x); after each step on the
-arriving samples, each replaces a random memory entry.
+mode (:meth:`FedICON.online`): the test samples arrive ``online_chunk`` at a time, a memory of
+``memory_size`` training samples stands in for A(x); after each step on (and prediction of) the arriving
+samples, each replaces a random memory entry.
 The TTA step :meth:`FedICON.tta_step` is a pure function (weights, batch, uniforms) -> weights.
 """
 from __future__ import annotations
@@ -48,7 +49,8 @@ class FedICONConfig(Hyper):
     tta_lr: float = 0.005
     tta_epochs: int = 1
     tta_batch: int = 64
-    memory_size: int = 64  # online mode
+    memory_size: int = 64  # online mode: stands in for A(x) (training samples, then arriving test samples)
+    online_chunk: int = 1  # online mode: test samples arriving per step (the paper: one by one)
     aug_degrees: float = 15.0
     aug_shift: float = 0.1
     aug_contrast: float = 0.4
@@ -195,11 +197,12 @@ class FedICON(Algorithm):
         return {**sgd(enc, g_enc, self.hp.tta_lr), **head}, sgd(proj, g_proj, self.hp.tta_lr)
 
     def online(self, params: State, proj: State, stream: torch.Tensor, memory: torch.Tensor,
-               chunk: int = 1) -> tuple[State, torch.Tensor]:
-        """Online mode over ``stream`` [N, ...] arriving ``chunk`` samples at a time: adapt on the arriving
-        samples, predict them with the adapted model, then each replaces a random memory entry. ``memory``
-        starts as training samples (empty: filled by the first test samples). Returns (final params,
-        logits [N, C] in stream order)."""
+               chunk: int | None = None) -> tuple[State, torch.Tensor]:
+        """Online mode over ``stream`` [N, ...] arriving ``chunk`` (default ``hp.online_chunk``) samples at a
+        time: adapt on the arriving samples, predict them with the adapted model, then they enter the memory
+        (:meth:`remember`). ``memory`` starts as training samples (empty: filled by the first test samples).
+        Returns (final params, logits [N, C] in stream order)."""
+        chunk = chunk or self.hp.online_chunk
         rng = np.random.default_rng([self.seed, 17])
         memory = memory[: self.hp.memory_size].clone()
         out = []
@@ -210,11 +213,19 @@ class FedICON(Algorithm):
                 params, proj = {k: v.detach() for k, v in params.items()}, {k: v.detach() for k, v in proj.items()}
             with torch.no_grad():
                 out.append(self.forward(params, xb))
-            if len(memory) < self.hp.memory_size:
-                memory = torch.cat([memory, xb])[: self.hp.memory_size]
-            else:
-                memory[torch.from_numpy(rng.choice(len(memory), size=len(xb), replace=False))] = xb
+            memory = self.remember(memory, xb, rng)
         return params, torch.cat(out)
+
+    def remember(self, memory: torch.Tensor, xb: torch.Tensor, rng: np.random.Generator) -> torch.Tensor:
+        """The memory after the samples ``xb`` arrive: they fill it up to ``memory_size``, then each of the
+        rest replaces a random entry (distinct entries; of a chunk longer than the memory, its last samples)."""
+        room = max(self.hp.memory_size - len(memory), 0)
+        memory = torch.cat([memory, xb[:room]])
+        rest = xb[room:]
+        rest = rest[len(rest) - min(len(rest), len(memory)):]
+        if len(rest):
+            memory[torch.from_numpy(rng.choice(len(memory), size=len(rest), replace=False))] = rest
+        return memory
 
 
 class FedICONNoTTA(FedICON):

@@ -181,16 +181,19 @@ _SHIFT_OPTIONS: dict[str, Any] = {
     "test_corruptions": ("gaussian_noise", "defocus_blur", "contrast", "elastic_transform"),
     "severities": (1, 3, 5), "val_corruptions": ("zoom_blur", "pixelate"), "domain_shift": True,
     "encoder_fraction": 0.8,
-    "tune": {"TENT": {"tent_lr": (0.01, 0.05, 0.2)}, "FedICON": {"tta_lr": (0.0005, 0.002, 0.01)}},
+    "tune": {"TENT": {"tent_lr": (0.01, 0.05, 0.2)}, "FedICON": {"tta_lr": (0.0005, 0.002, 0.01)},
+             "FedICON online": {"tta_lr": (0.0005, 0.002, 0.01)}},
     "quick": {"max_test_per_client": 40, "test_corruptions": ("gaussian_noise",), "severities": (3,),
               "val_corruptions": (), "tune": {"FedICON": {"tta_lr": (0.001, 0.01)}}},
 }
 _SHIFT_HP: dict[str, dict[str, Any]] = {
     "FedAvg": {"lr": 0.05, "weight_decay": 5e-4}, "FedAvg-FT": {"ft_iterations": 20}, "TENT": {"batch_size": 64},
     "FedICON": {"lr": 0.05, "head_lr": 0.5, "weight_decay": 5e-4, "ft_iterations": 20, "tta_lr": 0.005},
+    "FedICON online": {"tta_mode": "online", "online_chunk": 16},
 }
 # CPU budget: MLP 2x200 instead of the paper's CNN, 30 rounds of 20 local steps (FedICON: 24 encoder + 6 head
-# rounds) instead of 100 rounds of 5 epochs.
+# rounds) instead of 100 rounds of 5 epochs; online FedICON's test samples arrive 16 at a time, not one by one
+# (one step per sample: ~50 ms per step on this CPU, ~3 h per seed).
 _SHIFT_PROTOCOL = Protocol("mnist", "mlp", rounds=30, partition="dirichlet", alpha=0.5, num_clients=20,
                            new_fraction=0.0, val_fraction=0.15, local_iterations=20, batch_size=32,
                            eval_every=30, split="train", options=_SHIFT_OPTIONS, method_hp=_SHIFT_HP,
@@ -215,14 +218,30 @@ EXPERIMENTS["map-incomplete"] = Experiment(
                 "at T = 60 the HPM overtakes psi_hat (MAP 86.27 vs 85.36; FedPHP 88.59 vs FedAvg 88.11).",
 )
 EXPERIMENTS["fedicon-shift"] = Experiment(
-    name="fedicon-shift", methods=("FedAvg", "FedAvg-FT", "TENT", "FedICON w/o TTA", "FedICON"),
+    name="fedicon-shift", methods=("FedAvg", "FedAvg-FT", "TENT", "FedICON w/o TTA", "FedICON", "FedICON online"),
     protocols={"mnist": _SHIFT_PROTOCOL,
                "fashion_mnist": replace(_SHIFT_PROTOCOL, dataset="fashion_mnist",
                                         options={**_SHIFT_OPTIONS, "domain_shift": False})},
     paper={}, run_fn=run_shift_seed,
     description="FedICON under test-time shift: 20 Dir(0.5) clients of the train split, local test sets from "
                 "the test split with each client's label mix, corrupted (4 types x severities 1/3/5) or "
-                "replaced by the upsampled 8x8 digits (MNIST); final-round models.",
+                "replaced by the upsampled 8x8 digits (MNIST); final-round models. FedICON = batch-mode TTA (one "
+                "pass of 64-sample batches over the client's set, then prediction); FedICON online = the same "
+                "trained model, the client's set streamed 16 samples at a time (each chunk: one Eq. 7 step "
+                "against a memory of 64 of the client's training samples, prediction, then each sample "
+                "replaces a random memory entry; the paper streams one sample at a time, ~3 h per seed here); "
+                "the online row retrains FedICON from the same seed, which reproduces the FedICON w/o TTA "
+                "numbers exactly. TTA rates chosen per seed on the validation conditions (online: 0.002 on "
+                "MNIST, 0.0005/0.002/0.0005 on Fashion-MNIST). Online is within a seed std of batch mode "
+                "except Fashion-MNIST contrast-5 (53.34 vs 57.77) and MNIST digits (52.34 vs 53.59). "
+                "TENT's lead on MNIST covariate-s3 (88.79 vs 87.46) is not robustness to the corruptions: it is "
+                "as large without shift (test clean 91.87 vs 90.36; val clean 91.23 vs 89.85) and TENT gains "
+                "as much over FedAvg on clean data (+2.48) as on noise/blur-3 (+2.56/+2.46), about what "
+                "labeled head fine-tuning gains (FedAvg-FT +2.79 on clean): its entropy step on the whole "
+                "network adapts the classifier to the client, while FedICON's Eq. 7 tunes the encoder only "
+                "(+0.46 over w/o TTA on clean, +0.54 on s3) on a personalised head 2.28 below FedAvg-FT on "
+                "clean. On contrast-3 the contrastive encoder itself drops more (FedICON w/o TTA 81.26, FedAvg "
+                "87.61). On Fashion-MNIST TENT has no such lead (clean 78.80 vs 80.81).",
 )
 
 # ODPFL-HN paper protocol (Sec. 6, CIFAR-10 there): 100 clients, Dir(alpha) labels, 10% new clients, 500 steps

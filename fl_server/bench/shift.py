@@ -12,8 +12,12 @@ distribution as its training data, a different feature distribution once shifted
   testing) -- the numbers hyperparameters are chosen on.
 Test-time hyperparameters (``options["tune"]``: TENT's and FedICON's TTA rates) are chosen per seed on the
 mean over the validation conditions, then the test conditions are evaluated once.
-Methods share trainings: FedAvg, FedAvg-FT and TENT evaluate one FedAvg run; FedICON and FedICON w/o TTA
-one FedICON run (the run folder of the training method is reused). Every number is the final-round model.
+Methods share trainings: FedAvg, FedAvg-FT and TENT evaluate one FedAvg run; FedICON, FedICON online and
+FedICON w/o TTA one FedICON run (the run folder of the training method is reused; without it the same seed
+retrains the same model). Every number is the final-round model.
+FedICON adapts on a client's whole unlabeled set, then predicts it (batch mode); FedICON online sees the set
+as a stream in the client's order, ``online_chunk`` samples at a time, each chunk predicted right after the
+step on it, with a memory of ``memory_size`` random samples of the client's training data (Sec. 4.2).
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import numpy as np
 import torch
 
 from fl_server.algorithms import build_algorithm
+from fl_server.algorithms.fedicon import FedICON
 from fl_server.data import load_dataset
 from fl_server.data.corruptions import corrupt
 from fl_server.data.federated import FederatedData
@@ -43,6 +48,7 @@ if TYPE_CHECKING:
 SHIFT_METHODS: dict[str, tuple[str, str]] = {
     "FedAvg": ("FedAvg", "FedAvg"), "FedAvg-FT": ("FedAvg", "FedAvg+FT"), "TENT": ("FedAvg", "TENT"),
     "FedICON w/o TTA": ("FedICON", "FedICON w/o TTA"), "FedICON": ("FedICON", "FedICON"),
+    "FedICON online": ("FedICON", "FedICON"),
 }
 
 
@@ -95,19 +101,39 @@ def _conditions(protocol: "Protocol", fed: FederatedData, seed: int,
     return out
 
 
+def _online(algo: Any) -> bool:
+    return isinstance(algo, FedICON) and algo.hp.tta and algo.hp.tta_mode == "online"
+
+
+def _online_memories(algo: Any, fed: FederatedData, seed: int, device: torch.device,
+                     dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """Online FedICON's initial memory per training client: ``memory_size`` random samples of its training
+    data (None for the other methods)."""
+    if not _online(algo):
+        return None
+    rng = np.random.default_rng([seed, 23])
+    picks = [np.sort(rng.choice(t, min(algo.hp.memory_size, len(t)), replace=False)) for t in fed.train]
+    return [torch.from_numpy(fed.dataset.x[p]).to(device, dtype) for p in picks]
+
+
 def _mean_accuracy(algo: Any, state: dict, params: Any, stacked: bool, xs: list[np.ndarray],
-                   ys: list[np.ndarray], device: torch.device, dtype: torch.dtype) -> float:
-    """Mean over clients of the accuracy after the method's test-time step on the client's unlabeled data."""
+                   ys: list[np.ndarray], device: torch.device, dtype: torch.dtype,
+                   memories: list[torch.Tensor] | None = None) -> float:
+    """Mean over clients of the accuracy after the method's test-time step on the client's unlabeled data
+    (online FedICON: of the predictions made as the data stream in, from the client's initial memory)."""
     per_client = unstack(params) if stacked else [params] * len(xs)
     accs = []
-    for p, x, y in zip(per_client, xs, ys):  # one adaptation per client
+    for i, (p, x, y) in enumerate(zip(per_client, xs, ys)):  # one adaptation per client
         if len(y) == 0:
             continue
         xt = torch.from_numpy(x).to(device, dtype)
-        adapted = algo.personalize({**state, "params": p}, xt)
-        with torch.no_grad():
-            pred = algo.predict(adapted, xt).argmax(-1).cpu().numpy()
-        accs.append(float((pred == y).mean()))
+        if memories is not None:
+            logits = algo.online(p, state["proj"], xt, memories[i])[1]
+        else:
+            adapted = algo.personalize({**state, "params": p}, xt)
+            with torch.no_grad():
+                logits = algo.predict(adapted, xt)
+        accs.append(float((logits.argmax(-1).cpu().numpy() == y).mean()))
     return float(np.mean(accs))
 
 
@@ -143,10 +169,12 @@ def run_shift_seed(protocol: "Protocol", method: str, seed: int, run_dir: Path |
                              lambda step, st, server, sel, it: sim.local_train(step, st, server, sel, it, rng))
     stacked = sim._is_stacked(params)
     conditions = _conditions(protocol, fed, seed, data_root)
+    memories = _online_memories(algo, fed, seed, sim.device, sim.dtype)
 
     def evaluate(split: str) -> list[dict[str, Any]]:
         return [{"split": sp, "shift": shift,
-                 "value": 100 * _mean_accuracy(algo, state, params, stacked, xs, ys, sim.device, sim.dtype)}
+                 "value": 100 * _mean_accuracy(algo, state, params, stacked, xs, ys, sim.device, sim.dtype,
+                                               memories)}
                 for sp, shift, xs, ys in conditions if sp == split]
 
     # test-time hyperparameters chosen on the validation conditions (mean over them), then tested once
