@@ -10,12 +10,14 @@ and trains nothing), rebuilds the streams exactly as ``fl_server.bench.btgfl`` d
 Test numbers here are diagnostics only; nothing is selected on them. ``--val`` adds the same methods on
 validation streams built from the held-out TRAIN split (per client: its own val samples = IND, as many of the
 other clients' val samples = EXD, and a half/half shuffled mix), the only place an option may be chosen.
+``scripts/sweep_btgfl_options.py`` runs BTFL's options on these streams (``load_seed``).
 
     python scripts/probe_btgfl.py fashion_mnist 0 1 2 --runs runs --val   (per seed, then the mean over seeds)
 """
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -32,6 +34,17 @@ from fl_server.engine import RunConfig, Simulation
 from fl_server.models import build_model
 
 
+@dataclass
+class Streams:
+    """Per-client streams over one pool of samples, with the pool's features and both heads' inputs."""
+
+    streams: list[dict[str, np.ndarray]]  # per client: column -> indices into the pool, in stream order
+    z: np.ndarray  # [N, D] features
+    g: np.ndarray  # [N, C] global-head logits
+    y: np.ndarray  # [N] labels
+    is_ind: list[np.ndarray]  # per client: [N] bool, the sample is the client's own (IND)
+
+
 def auroc(pos: np.ndarray, neg: np.ndarray) -> float:
     """P(score of a positive > score of a negative), ties counted 1/2."""
     r = rankdata(np.concatenate([pos, neg]))
@@ -44,10 +57,9 @@ def raw_log_tau(art: ClientArtifacts, z: np.ndarray) -> np.ndarray:
     return dle_log_likelihood(codes, art.local_dle) - dle_log_likelihood(codes, art.global_dle)
 
 
-def column_report(arts: list[ClientArtifacts], streams: list[dict[str, np.ndarray]], z_all: np.ndarray,
-                  g_all: np.ndarray, y_all: np.ndarray, is_ind: np.ndarray) -> dict[str, dict[str, float]]:
-    """Method / statistic -> column -> mean over clients. ``is_ind`` [N]: the sample is the client's own
-    (IND), per client as a function of the column's indices (see main)."""
+def column_report(arts: list[ClientArtifacts], pool: Streams) -> dict[str, dict[str, float]]:
+    """Method / statistic -> column -> mean over clients of ``pool``'s streams."""
+    streams, z_all, g_all, y_all, is_ind = pool.streams, pool.z, pool.g, pool.y, pool.is_ind
     acc: dict[str, dict[str, list[float]]] = {}
 
     def add(key: str, col: str, v: float) -> None:
@@ -94,9 +106,9 @@ def mean_report(reports: list[dict[str, dict[str, float]]]) -> dict[str, dict[st
             for key, cols in reports[0].items()}
 
 
-def seed_reports(dataset_name: str, seed: int, runs: str, val: bool
-                 ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]] | None]:
-    """(test report, validation report or None) of one finished seed."""
+def load_seed(dataset_name: str, seed: int, runs: str, val: bool
+              ) -> tuple[list[ClientArtifacts], Streams, Streams | None]:
+    """(client artifacts, test streams, validation streams or None) of one finished seed; trains nothing."""
     protocol = EXPERIMENTS["btgfl"].protocols[dataset_name]
     dataset = load_dataset(protocol.dataset, split="all")
     data = build_data(dataset, protocol, seed, StreamConfig())
@@ -124,9 +136,9 @@ def seed_reports(dataset_name: str, seed: int, runs: str, val: bool
         own = np.zeros(len(data.y_test), dtype=bool)
         own[s["orig_ind"]] = own[s["orig_ind"] + p] = True
         is_ind.append(own)
-    test = column_report(arts, data.streams, z, g, data.y_test, is_ind)
+    test = Streams(data.streams, z, g, data.y_test, is_ind)
     if not val:
-        return test, None
+        return arts, test, None
     val_idx = np.concatenate(data.fed.val)
     owner = np.repeat(np.arange(len(data.fed.val)), [len(v) for v in data.fed.val])
     zv, gv = feats(sim.x[torch.from_numpy(val_idx)])
@@ -137,8 +149,14 @@ def seed_reports(dataset_name: str, seed: int, runs: str, val: bool
         exd = rng.choice(np.flatnonzero(owner != k), size=len(ind), replace=False)
         h = len(ind) // 2
         vstreams.append({"ind": ind, "exd": exd, "mix": rng.permutation(np.concatenate([ind[:h], exd[:h]]))})
-    return test, column_report(arts, vstreams, zv, gv, dataset.y[val_idx],
-                               [owner == k for k in range(len(vstreams))])
+    return arts, test, Streams(vstreams, zv, gv, dataset.y[val_idx], [owner == k for k in range(len(vstreams))])
+
+
+def seed_reports(dataset_name: str, seed: int, runs: str, val: bool
+                 ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]] | None]:
+    """(test report, validation report or None) of one finished seed."""
+    arts, test, vals = load_seed(dataset_name, seed, runs, val)
+    return column_report(arts, test), None if vals is None else column_report(arts, vals)
 
 
 def main() -> None:

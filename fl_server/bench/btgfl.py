@@ -112,11 +112,13 @@ def build_data(dataset: ArrayDataset, protocol: Protocol, seed: int, cfg: Stream
 
 
 # ---------------------------------------------------------------------------------------------- evaluation
-def btfl_stream(art: ClientArtifacts, g: np.ndarray, l_: np.ndarray, z: np.ndarray, bs: int
+def btfl_stream(art: ClientArtifacts, g: np.ndarray, l_: np.ndarray, z: np.ndarray, bs: int, **options: Any
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One fresh BTFL stream over the samples in order, ``bs`` at a time -> (probabilities [N, C], weight of
-    the global head e [N], log tau_hat [N])."""
-    stream = BTFLStream(art.local_dle, art.global_dle, art.h_local_bar, art.h_global_bar)
+    the global head e [N], log tau_hat [N]). ``options``: :class:`edge_sdk.btfl.BTFLStream` keywords (the
+    authors' code variants); ``h_local_bar`` / ``h_global_bar`` there override the client's own."""
+    stream = BTFLStream(art.local_dle, art.global_dle,
+                        **{"h_local_bar": art.h_local_bar, "h_global_bar": art.h_global_bar, **options})
     out, weights, log_tau = [], [], []
     for s in range(0, len(z), bs):  # the stream is sequential by definition; each call is vectorised
         out.append(stream.predict(l_[s:s + bs], g[s:s + bs], z[s:s + bs]))
