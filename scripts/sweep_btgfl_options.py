@@ -36,7 +36,7 @@ MARGIN = 0.5  # points of validation avg: the smallest gain called a win (the do
 # The authors' restart rule alpha <- alpha/(alpha+beta) * c/10 + 1 (SPEC.md section 3: c = 5..3000; c = 10 is
 # the paper's Algorithm 1): both ends of their range.
 _AUTHORS = {"mixing": "logprob", "tau_clip_kb": 4.0, "integral": "trapezoid100", "restart": "authors",
-            "h_global_bar": math.log(100)}
+            "rectify_h_global_bar": math.log(100)}
 OPTION_SETS: dict[str, dict[str, Any]] = {
     PAPER: {},  # Eqs. 9-21 as written, lambda = 16, exact e, probability mixing (Eq. 21)
     "logprob mixing": {"mixing": "logprob"},  # Y = softmax(e log p_g + (1-e) log p_l) instead of Eq. 21
@@ -45,7 +45,7 @@ OPTION_SETS: dict[str, dict[str, Any]] = {
     "lambda 5": {"lam": 5.0},  # Algorithm 1 threshold, paper range [5, 20]
     "lambda 20": {"lam": 20.0},
     "tau_hat soft clip kb=4": {"tau_clip_kb": 4.0},  # tau_hat (Eq. 15) into [1/5, 5]
-    "H_g_bar = ln 100": {"h_global_bar": math.log(100)},  # in Eq. 15 AND the inspection pi (Eq. 10)
+    "r_g H_g_bar = ln 100": {"rectify_h_global_bar": math.log(100)},  # Eq. 15 only, as the authors' code
     "trapezoid100 e": {"integral": "trapezoid100"},  # Eq. 19 by a 100-point trapezoid on [0.01, 0.99]
     "all authors' c=5": {**_AUTHORS, "restart_c": 5.0},
     "all authors' c=3000": {**_AUTHORS, "restart_c": 3000.0},

@@ -648,7 +648,9 @@ class BTFLStream:
       * ``restart``: "paper" (Algorithm 1: alpha <- 1 + alpha/(alpha+beta)) or "authors"
         (alpha <- alpha/(alpha+beta) * restart_c/10 + 1; restart_c = 10 equals the paper, they use 5..3000).
       * ``smoothing``: :class:`DLESmoothing` for both DLEs (default: authors' 0.6 p + 0.4/levels).
-      * The authors' hard-coded H_g_bar = ln(100) is reproduced by ``h_global_bar=math.log(100)``.
+      * ``rectify_h_global_bar``: None (the paper: H_g_bar), or the constant that replaces H_g_bar in the
+        global head's rectification r_g of Eq. 15 only; the authors' code hard-codes ln(100) there. The
+        inspection pi (Eq. 10) keeps H_g_bar. (``h_global_bar=math.log(100)`` would replace it in both.)
     """
 
     def __init__(
@@ -665,6 +667,7 @@ class BTFLStream:
         integral: Integral = "exact",
         restart: Restart = "paper",
         restart_c: float = 10.0,
+        rectify_h_global_bar: float | None = None,
         alpha0: float = 1.0,
         beta0: float = 1.0,
     ) -> None:
@@ -695,6 +698,11 @@ class BTFLStream:
         self._dim_index = np.arange(self.dim)
         self._h_bar = np.array([[self.h_local_bar], [self.h_global_bar]])  # [2, 1]
         self._neg_h_bar = -self._h_bar
+        # H_bar of the rectification (Eq. 15); differs from _h_bar only with rectify_h_global_bar
+        self.rectify_h_global_bar = (self.h_global_bar if rectify_h_global_bar is None
+                                     else _positive_scalar("rectify_h_global_bar", rectify_h_global_bar))
+        self._h_bar_rect = np.array([[self.h_local_bar], [self.rectify_h_global_bar]])  # [2, 1]
+        self._rect_shift = self._h_bar - self._h_bar_rect  # (H - H_bar_rect) = (H - H_bar) + shift
         # batch-1 fast path (predict_one), 2 levels and finite tables: with code c_d in {0, 1},
         # log q = (sum_d T[d, 0] + sum_d c_d (T[d, 1] - T[d, 0])) / D, one [2, D] @ [D] product per sample
         self._q_delta: np.ndarray | None = None
@@ -762,8 +770,9 @@ class BTFLStream:
             event = EVENT_EXD
         else:
             event = EVENT_NONE
+        hgb_rect = self.rectify_h_global_bar
         lt = (math.exp(min(dh_l / self.h_local_bar, 700.0)) * lq_l
-              - math.exp(min(dh_g / self.h_global_bar, 700.0)) * lq_g)  # Eq. 15
+              - math.exp(min((h_g - hgb_rect) / hgb_rect, 700.0)) * lq_g)  # Eq. 15
         if self.tau_clip_kb is not None:
             lim = math.log(self.tau_clip_kb + 1.0)
             lt = lim * math.tanh(lt / lim)
@@ -817,7 +826,7 @@ class BTFLStream:
         # HBU events from tau = Q_l / Q_g (Eq. 9, the sign of log q_l - log q_g) and pi (Eq. 10)
         events = _events(log_q[0] - log_q[1], dh)
         # CBU: tau_hat (Eq. 15), optionally soft-clipped (authors' code)
-        lt_hat = _log_tau_hat(log_q, dh, self._h_bar, self._tables_may_be_inf)
+        lt_hat = _log_tau_hat(log_q, dh + self._rect_shift, self._h_bar_rect, self._tables_may_be_inf)
         if self.tau_clip_kb is not None:
             lt_hat = soft_clip_log_tau(lt_hat, self.tau_clip_kb)
         # the prior of each sample (built from the samples before it), then e for the whole batch at once

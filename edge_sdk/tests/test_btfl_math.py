@@ -366,6 +366,7 @@ CONFIGS = [
     {"mixing": "logprob", "tau_clip_kb": 4.0},
     {"integral": "trapezoid100", "restart": "authors", "restart_c": 50.0, "lam": 5.0},
     {"smoothing": DLESmoothing.additive(1.0, n_train=400), "lam": 4.0},
+    {"rectify_h_global_bar": math.log(100), "tau_clip_kb": 4.0},
 ]
 
 
@@ -413,6 +414,24 @@ def test_stream_agrees_with_the_public_functions() -> None:
     np.testing.assert_allclose(probs.sum(1), 1.0, atol=1e-12)
     stream.reset()
     assert (stream.alpha, stream.beta) == (1.0, 1.0)
+
+
+def test_rectification_constant_changes_eq15_only() -> None:
+    """The authors' ln(100) in r_g (rectify_h_global_bar) changes tau_hat (Eq. 15) but not the inspection
+    pi (Eq. 10): same events as the paper's stream, log tau_hat as the public function with H_g_bar = ln 100."""
+    local, glob, feats, lo, gl, h_lb, h_gb = _random_setup(3)
+    paper = BTFLStream(local, glob, h_lb, h_gb)
+    paper.predict(lo, gl, feats)
+    authors = BTFLStream(local, glob, h_lb, h_gb, rectify_h_global_bar=math.log(100))
+    authors.predict(lo, gl, feats)
+    np.testing.assert_array_equal(authors.last_events, paper.last_events)
+    codes = fsq_quantize(feats)
+    lql, lqg = dle_log_likelihood(codes, local), dle_log_likelihood(codes, glob)
+    expect = log_tau_hat(lql, lqg, entropy(lo), entropy(gl), h_lb, math.log(100))
+    np.testing.assert_allclose(authors.last_log_tau_hat, expect, rtol=1e-13, atol=1e-15)
+    assert np.abs(authors.last_log_tau_hat - paper.last_log_tau_hat).max() > 1e-3
+    with pytest.raises(ValueError, match="rectify_h_global_bar"):
+        BTFLStream(local, glob, h_lb, h_gb, rectify_h_global_bar=0.0)
 
 
 @pytest.mark.parametrize("config", [*CONFIGS, {"smoothing": DLESmoothing.none()}, {"levels": 3}])
