@@ -42,6 +42,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _table_argv(argv: list[str], seed_numbers: list[int] | None) -> list[str]:
+    """The arguments that reproduce the whole table: ``--seed N`` runs (one process per seed) are recorded as
+    ``--seeds max(N)+1``, since the resumable harness then runs every seed that is missing."""
+    if not seed_numbers:
+        return argv
+    kept, skip = [], False
+    for a in argv:
+        if skip or a == "--seed" or a.startswith("--seed=") or a == "--seeds" or a.startswith("--seeds="):
+            skip = a in ("--seed", "--seeds") and not skip
+            continue
+        kept.append(a)
+    return [*kept, "--seeds", str(max(seed_numbers) + 1)]
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from fl_server.bench.experiments import get_experiment
     from fl_server.bench.report import split_label, write_report
@@ -51,8 +65,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     datasets = args.dataset or [d for d in exp.protocols if d != "digits"]
     methods = args.methods or list(exp.methods)
     results = Path(args.results_dir or ("runs/quick/results" if args.quick else "docs/results"))
-    command = "fl-server " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    rows = run_experiment(exp, datasets, methods, args.seeds, results, Path(args.runs_dir), args.quick,
+    seeds = args.seed_numbers or args.seeds
+    command = "fl-server " + " ".join(shlex.quote(a) for a in _table_argv(sys.argv[1:], args.seed_numbers))
+    rows = run_experiment(exp, datasets, methods, seeds, results, Path(args.runs_dir), args.quick,
                           args.device, args.mode, not args.no_progress, args.data_dir, command)
     for r in rows:
         paper = "" if r["paper"] is None else f" (paper {r['paper']:.2f})"
@@ -148,7 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("experiment")
     p.add_argument("--dataset", action="append", help="repeatable; default: every paper data set of the experiment")
     p.add_argument("--methods", nargs="+", default=None)
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--seeds", type=int, default=3, help="run seeds 0..SEEDS-1 (default 3)")
+    p.add_argument("--seed", type=int, action="append", dest="seed_numbers", metavar="N",
+                   help="repeatable; run only these seeds (e.g. one seed per process) instead of --seeds")
     p.add_argument("--quick", action="store_true", help="CI-sized protocol, written under runs/quick/")
     p.add_argument("--results-dir", default=None)
     p.add_argument("--runs-dir", default="runs/bench")

@@ -43,6 +43,19 @@ def test_bench_quick_writes_schema_rows(tmp_path: Path, data_root: Path) -> None
                       "--results-dir", str(tmp_path / "res"), "--runs-dir", str(tmp_path / "runs"), "--no-progress",
                       env={"FL_DATA_DIR": str(data_root)})
     assert again.returncode == 0 and "FedAvg" in again.stdout
+    # --seed runs one chosen seed (e.g. one process per seed); the table aggregates every seed file present
+    one = fl_server("bench", "upfl-table1", "--quick", "--dataset", "mnist", "--seed", "1", "--methods", "FedAvg",
+                    "--results-dir", str(tmp_path / "res"), "--runs-dir", str(tmp_path / "runs"), "--no-progress",
+                    env={"FL_DATA_DIR": str(data_root)})
+    assert one.returncode == 0, one.stderr
+    raw = tmp_path / "res" / "raw" / "upfl-table1" / "mnist"
+    assert sorted(p.name for p in (raw / "FedAvg").glob("seed*.json")) == ["seed0.json", "seed1.json"]
+    assert sorted(p.name for p in (raw / "TENT").glob("seed*.json")) == ["seed0.json"]
+    rows = json.loads((tmp_path / "res" / "upfl-table1.json").read_text())
+    assert {r["method"]: r["seeds"] for r in rows} == {"FedAvg": 2, "TENT": 1}
+    # the recorded command reproduces the table (every seed), not just the one seed this process ran
+    command = next(r["command"] for r in rows if r["method"] == "FedAvg")
+    assert command.endswith("--seeds 2") and "--seed 1" not in command
 
 
 def test_data_info_and_clear_errors(tmp_path: Path, data_root: Path) -> None:

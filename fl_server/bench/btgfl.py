@@ -27,7 +27,7 @@ import platform
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -36,7 +36,7 @@ from edge_sdk.btfl import BTFLStream
 from edge_sdk.fedthe import fedthe_predict
 from fl_server.algorithms.btfl import BTFL, ClientArtifacts
 from fl_server.bench.experiments import Experiment, Protocol
-from fl_server.bench.runner import raw_path
+from fl_server.bench.runner import raw_path, seed_list
 from fl_server.data import load_dataset, partitions
 from fl_server.data.corruptions import CORRUPTIONS, corrupt
 from fl_server.data.datasets import ArrayDataset
@@ -201,9 +201,9 @@ def run_seed(protocol: Protocol, seed: int, run_dir: Path, cfg: StreamConfig, de
     return {m: {**common, "method": m, **r, "wall_s": round(result.wall_s + r["eval_s"], 2)} for m, r in evals.items()}
 
 
-def run_btgfl(exp: Experiment, datasets: list[str], methods: list[str], seeds: int, results_dir: Path,
-              runs_dir: Path, quick: bool = False, device: str = "auto", mode: str = "auto", progress: bool = True,
-              data_root: str | None = None, command: str = "") -> list[dict]:
+def run_btgfl(exp: Experiment, datasets: list[str], methods: list[str], seeds: int | Sequence[int],
+              results_dir: Path, runs_dir: Path, quick: bool = False, device: str = "auto", mode: str = "auto",
+              progress: bool = True, data_root: str | None = None, command: str = "") -> list[dict]:
     """Harness entry (``fl-server bench btgfl``): run every missing (dataset, seed), write raw files, aggregate."""
     cfg = StreamConfig(max_stream=40) if quick else StreamConfig()
     for dataset in datasets:
@@ -213,7 +213,7 @@ def run_btgfl(exp: Experiment, datasets: list[str], methods: list[str], seeds: i
         if quick:  # 3 rounds x 6 steps (5 body + 1 local head), short streams: a smoke test, not a result
             protocol = protocol.quick()
             protocol = replace(protocol, local_iterations=6, eval_every=protocol.rounds)
-        for seed in range(seeds):
+        for seed in seed_list(seeds):
             outs = {m: raw_path(results_dir, exp.name, dataset, m, seed) for m in methods}
             outs = {m: p for m, p in outs.items() if not p.exists()}
             if not outs:

@@ -9,7 +9,7 @@ import json
 import os
 import platform
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -96,10 +96,19 @@ def raw_path(results_dir: Path, experiment: str, dataset: str, method: str, seed
     return results_dir / "raw" / experiment / dataset / safe_name(method) / f"seed{seed}.json"
 
 
-def run_experiment(exp: Experiment, datasets: list[str], methods: list[str], seeds: int, results_dir: Path,
+def seed_list(seeds: int | Sequence[int]) -> list[int]:
+    """``3`` -> seeds 0, 1, 2; an explicit list (``fl-server bench --seed 2``) is kept as given."""
+    return list(range(seeds)) if isinstance(seeds, int) else list(seeds)
+
+
+def run_experiment(exp: Experiment, datasets: list[str], methods: list[str], seeds: int | Sequence[int],
+                   results_dir: Path,
                    runs_dir: Path, quick: bool = False, device: str = "auto", mode: str = "auto",
                    progress: bool = True, data_root: str | None = None, command: str = "") -> list[dict]:
-    """Run every missing (dataset, method, seed) and rewrite the aggregated table."""
+    """Run every missing (dataset, method, seed) and rewrite the aggregated table.
+
+    ``seeds`` is a count (seeds 0..n-1) or explicit seed numbers, so that seeds can run as separate
+    processes or sessions; the table is aggregated from every raw seed file present either way."""
     if exp.runner is not None:  # an experiment with its own protocol (e.g. btgfl)
         module, func = exp.runner.split(":")
         return getattr(importlib.import_module(module), func)(
@@ -108,7 +117,7 @@ def run_experiment(exp: Experiment, datasets: list[str], methods: list[str], see
         if dataset not in exp.protocols:
             raise ValueError(f"{exp.name} has no protocol for {dataset!r}; choose from {', '.join(exp.protocols)}")
         protocol = exp.protocols[dataset].quick() if quick else exp.protocols[dataset]
-        for seed in range(seeds):
+        for seed in seed_list(seeds):
             fed = None
             for method in methods:
                 out = raw_path(results_dir, exp.name, dataset, method, seed)
