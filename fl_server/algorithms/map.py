@@ -125,13 +125,19 @@ class MAP(Algorithm):
         params = client_state["params"]
         grads = torch.func.grad(self.client_loss)(params, client_state, server_state, x, y, stage1)
         wd, m, lr = self.hp.weight_decay, self.hp.momentum, self.hp.lr
-        mom = {k: m * client_state["mom"][k] + grads[k] + wd * params[k] for k in params}
-        # head_only_stage2 (BTFL composition): stage 2 moves the classifier only
-        moves = {k: stage1 if self.hp.head_only_stage2 and not k.startswith("head.") else 1.0 for k in params}
-        new = {k: params[k] - lr * moves[k] * mom[k] for k in params}
-        # the uploaded model: the end of stage 1; without a stage 1 (FedPHP: stage1_fraction 0) psi_hat itself
-        up = stage1 if self._stage1_iterations() > 0 else 1.0
-        agg = {k: up * new[k] + (1 - up) * client_state["agg"][k] for k in params}
+        # SGD with momentum and weight decay, b <- m b + g + wd p; p <- p - lr b, in fused torch.add kernels
+        # (the update of K stacked clients' weights is memory-bound, not the forward/backward)
+        mom = {k: torch.add(grads[k], params[k], alpha=wd).add_(client_state["mom"][k], alpha=m) for k in params}
+        # head_only_stage2 (BTFL composition): stage 2 moves only the classifier
+        frozen_in_stage2 = {k for k in params if self.hp.head_only_stage2 and not k.startswith("head.")}
+        new = {k: params[k] - (lr * stage1) * mom[k] if k in frozen_in_stage2 else torch.add(params[k], mom[k], alpha=-lr)
+               for k in params}
+        # the uploaded model is the end of stage 1; with a single stage (FedAvg / FedRS: only stage 1; FedPHP:
+        # only stage 2, psi_hat uploaded) it is the current model itself
+        if 0 < self._stage1_iterations() < self.hp.local_iterations:
+            agg = {k: torch.lerp(client_state["agg"][k], new[k], stage1) for k in params}
+        else:
+            agg = new
         return {**client_state, "params": new, "mom": mom, "agg": agg, "step": client_state["step"] + 1}
 
     # ------------------------------------------------------------- the server
