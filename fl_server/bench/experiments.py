@@ -288,7 +288,8 @@ EXPERIMENTS["upfl-concept-shift"] = Experiment(
         "mnist", "mlp", rounds=200, partition="rotation", num_clients=50, method_hp=_upfl_hp("mnist"),
         options={"n_samples": 1000, "quick_protocol": {"num_clients": 50}},
         note="App. F layout (25 + 25 clients of 20 samples; Sec. 4.5's text says 50 + 50); training clients "
-             "split 17/3 train/val; MNIST Table 4 hyperparameters; no paper numbers (Fig. 4 only)")},
+             "split 17/3 train/val; upfl-table1's MNIST hyperparameters (Table 4; FedTTA++: eta_adapt 0.01, "
+             "stopping from iterate 1, chosen on Table-1 validation); no paper numbers (Fig. 4 only)")},
     paper={},
     description="UPFL concept shift (Sec. 4.5, App. F): 1,000 random MNIST samples (train and test united), 50 "
                 "IID clients of 20; 25 training clients each rotated counter-clockwise by a fixed angle from "
