@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 
@@ -68,10 +69,11 @@ def main() -> int:
                     torch.cuda.synchronize()
 
             times[name] = median_ms(call, args.repeats)
-        row = {"what": f"MAP weight update, MLP 2x512, K={k} clients", "device": describe(device),
+        row = {"benchmark": "update-kernels", "what": f"MAP weight update, MLP 2x512, K={k} clients",
+               "metric": "speedup", "value": round(times["composed"] / times["fused"], 2),
                "composed_ms": round(times["composed"], 2), "fused_ms": round(times["fused"], 2),
-               "speedup": round(times["composed"] / times["fused"], 2), "max_abs_diff": diff,
-               "threads": torch.get_num_threads(),
+               "max_abs_diff": diff, "device": describe(device), "threads": torch.get_num_threads(),
+               "torch": torch.__version__, "load_average_1min": round(os.getloadavg()[0], 1),
                "command": "python " + " ".join(shlex.quote(a) for a in sys.argv)}
         rows.append(row)
         print(json.dumps(row))
