@@ -130,8 +130,8 @@ class MAP(Algorithm):
         mom = {k: torch.add(grads[k], params[k], alpha=wd).add_(client_state["mom"][k], alpha=m) for k in params}
         # head_only_stage2 (BTFL composition): stage 2 moves only the classifier
         frozen_in_stage2 = {k for k in params if self.hp.head_only_stage2 and not k.startswith("head.")}
-        new = {k: params[k] - (lr * stage1) * mom[k] if k in frozen_in_stage2 else torch.add(params[k], mom[k], alpha=-lr)
-               for k in params}
+        new = {k: params[k] - (lr * stage1) * mom[k] if k in frozen_in_stage2
+               else torch.add(params[k], mom[k], alpha=-lr) for k in params}
         # the uploaded model is the end of stage 1; with a single stage (FedAvg / FedRS: only stage 1; FedPHP:
         # only stage 2, psi_hat uploaded) it is the current model itself
         if 0 < self._stage1_iterations() < self.hp.local_iterations:

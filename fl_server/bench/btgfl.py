@@ -36,6 +36,7 @@ from edge_sdk.btfl import BTFLStream
 from edge_sdk.fedthe import fedthe_predict
 from fl_server.algorithms.btfl import BTFL, ClientArtifacts
 from fl_server.bench.experiments import Experiment, Protocol
+from fl_server.bench.rows import write_atomic
 from fl_server.bench.runner import raw_path, seed_list
 from fl_server.data import load_dataset, partitions
 from fl_server.data.corruptions import CORRUPTIONS, corrupt
@@ -251,5 +252,5 @@ def aggregate(exp: Experiment, results_dir: Path, command: str = "") -> list[dic
                 })
     out = results_dir / f"{exp.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1) + "\n")
+    write_atomic(out, json.dumps(rows, indent=1) + "\n")
     return rows

@@ -7,6 +7,7 @@ from typing import Any
 
 from fl_server.bench.experiments import EXPERIMENTS
 from fl_server.bench.plots import PLOTS
+from fl_server.bench.rows import write_atomic
 
 HEADER = """# Results
 
@@ -83,5 +84,5 @@ def write_report(docs: Path = Path("docs")) -> Path:
         data = json.loads(path.read_text())
         parts.append(benchmark_section(path.stem, data if isinstance(data, list) else [data]))
     out = docs / "RESULTS.md"
-    out.write_text("\n".join(parts))
+    write_atomic(out, "\n".join(parts))
     return out

@@ -7,6 +7,15 @@ import os
 from pathlib import Path
 
 
+def write_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` through a per-process temporary file and a rename: seeds run as parallel
+    processes (``fl-server bench --seed N``) each rewrite the aggregated table and the report."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def merge_rows(path: str | os.PathLike, rows: list[dict], key: tuple[str, ...] = ("what", "device")) -> list[dict]:
     """Replace the rows of ``path`` that share ``key`` (default (what, device)) with ``rows``; keep the others.
     Atomic write."""
@@ -15,7 +24,5 @@ def merge_rows(path: str | os.PathLike, rows: list[dict], key: tuple[str, ...] =
     keys = {tuple(r[k] for k in key) for r in rows}
     merged = [r for r in old if tuple(r.get(k) for k in key) not in keys] + rows
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(merged, indent=1) + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(merged, indent=1) + "\n")
     return merged

@@ -15,6 +15,7 @@ import numpy as np
 
 from fl_server.algorithms import build_algorithm
 from fl_server.bench.experiments import Experiment, Protocol
+from fl_server.bench.rows import write_atomic
 from fl_server.data import load_dataset
 from fl_server.data.federated import FederatedData, make_federated, rotation_concept_shift
 from fl_server.device import describe
@@ -102,9 +103,9 @@ def seed_list(seeds: int | Sequence[int]) -> list[int]:
 
 
 def run_experiment(exp: Experiment, datasets: list[str], methods: list[str], seeds: int | Sequence[int],
-                   results_dir: Path,
-                   runs_dir: Path, quick: bool = False, device: str = "auto", mode: str = "auto",
-                   progress: bool = True, data_root: str | None = None, command: str = "") -> list[dict]:
+                   results_dir: Path, runs_dir: Path, quick: bool = False, device: str = "auto",
+                   mode: str = "auto", progress: bool = True, data_root: str | None = None,
+                   command: str = "") -> list[dict]:
     """Run every missing (dataset, method, seed) and rewrite the aggregated table.
 
     ``seeds`` is a count (seeds 0..n-1) or explicit seed numbers, so that seeds can run as separate
@@ -158,7 +159,7 @@ def aggregate(exp: Experiment, results_dir: Path, command: str = "") -> list[dic
                 })
     out = results_dir / f"{exp.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=1) + "\n")
+    write_atomic(out, json.dumps(rows, indent=1) + "\n")
     return rows
 
 
