@@ -6,7 +6,8 @@ same process, vmapped as in the engine; rows merge into docs/benchmarks/update-k
 
     python benchmarks/update_kernels.py [--device cpu|cuda] [--repeats 20]
 
-The two forms agree to float32 rounding (checked here on every call: max abs difference reported).
+The two forms agree to float32 rounding (max abs difference reported). ``grad_ms`` times the forward and
+backward of the same step (batch 64, cross-entropy), so ``update_share_*`` is the update's share of a step.
 """
 from __future__ import annotations
 
@@ -59,7 +60,21 @@ def main() -> int:
         stage1 = (torch.arange(k, device=device) % 2).float()  # half the clients still in stage 1
         ref, out = torch.vmap(composed)(p, g, b, agg, stage1), torch.vmap(fused)(p, g, b, agg, stage1)
         diff = max(float((x[n] - y[n]).abs().max()) for x, y in zip(ref, out) for n in params)
-        times = {}
+        x = torch.randn((k, 64, 1, 28, 28), generator=gen, device=device)
+        y = torch.randint(0, 10, (k, 64), generator=gen, device=device)
+        model = build_model("mlp_2x512", (1, 28, 28), 10, seed=0).to(device)
+
+        def loss(w: dict, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.cross_entropy(torch.func.functional_call(model, w, (xb,)), yb)
+
+        grad_step = torch.vmap(torch.func.grad(loss))
+
+        def grad_call() -> None:
+            grad_step(p, x, y)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+
+        times = {"grad": median_ms(grad_call, args.repeats)}  # the forward/backward of the same step
         for name, fn in (("composed", composed), ("fused", fused)):
             step = torch.vmap(fn)
 
@@ -72,6 +87,9 @@ def main() -> int:
         row = {"benchmark": "update-kernels", "what": f"MAP weight update, MLP 2x512, K={k} clients",
                "metric": "speedup", "value": round(times["composed"] / times["fused"], 2),
                "composed_ms": round(times["composed"], 2), "fused_ms": round(times["fused"], 2),
+               "grad_ms": round(times["grad"], 2),  # share of a step: update / (grad + update)
+               "update_share_composed": round(times["composed"] / (times["grad"] + times["composed"]), 3),
+               "update_share_fused": round(times["fused"] / (times["grad"] + times["fused"]), 3),
                "max_abs_diff": diff, "device": describe(device), "threads": torch.get_num_threads(),
                "torch": torch.__version__, "load_average_1min": round(os.getloadavg()[0], 1),
                "command": "python " + " ".join(shlex.quote(a) for a in sys.argv)}
