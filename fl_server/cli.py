@@ -47,12 +47,14 @@ def _table_argv(argv: list[str], seed_numbers: list[int] | None) -> list[str]:
     ``--seeds max(N)+1``, since the resumable harness then runs every seed that is missing."""
     if not seed_numbers:
         return argv
-    kept, skip = [], False
-    for a in argv:
-        if skip or a == "--seed" or a.startswith("--seed=") or a == "--seeds" or a.startswith("--seeds="):
-            skip = a in ("--seed", "--seeds") and not skip
+    kept, i = [], 0
+    while i < len(argv):
+        if argv[i] in ("--seed", "--seeds"):
+            i += 2  # the flag and its value
             continue
-        kept.append(a)
+        if not argv[i].startswith(("--seed=", "--seeds=")):
+            kept.append(argv[i])
+        i += 1
     return [*kept, "--seeds", str(max(seed_numbers) + 1)]
 
 

@@ -22,7 +22,6 @@ under ``<runs>/btgfl/``); ``<results>/btgfl.json`` is aggregated from whatever s
 from __future__ import annotations
 
 import json
-import os
 import platform
 import time
 from dataclasses import asdict, dataclass, replace
@@ -223,9 +222,7 @@ def run_btgfl(exp: Experiment, datasets: list[str], methods: list[str], seeds: i
                                progress, data_root)
             for m, out in outs.items():
                 out.parent.mkdir(parents=True, exist_ok=True)
-                tmp = out.with_suffix(".tmp")
-                tmp.write_text(json.dumps({**records[m], "command": command}, indent=1))
-                os.replace(tmp, out)
+                write_atomic(out, json.dumps({**records[m], "command": command}, indent=1))
     return aggregate(exp, results_dir, command)
 
 

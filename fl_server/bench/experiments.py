@@ -163,14 +163,10 @@ for _method, (_am, _al, _pm, _pl) in {
     "FedAvg": (86.2, 86.3, 90.5, 91.3), "FedProx": (86.8, 87.4, 90.7, 92.0), "FedRS": (87.8, 88.1, 90.4, 91.7),
     "FedPHP": (87.7, 87.8, 90.9, 92.1), "MAP": (88.1, 88.4, 92.1, 91.8),
 }.items():
-    MAP_PAPER.update({("fashion_mnist", _method, "aggregation"): _am,
-                      ("fashion_mnist-lenet", _method, "aggregation"): _al,
-                      ("fashion_mnist", _method, "personalization"): _pm,
-                      ("fashion_mnist-lenet", _method, "personalization"): _pl})
-    for _suffix in ("", "-lenet"):  # the paper-protocol rows carry the same reference numbers
-        for _split in ("aggregation", "personalization"):
-            MAP_PAPER[(f"fashion_mnist{_suffix}-paper", _method, _split)] = \
-                MAP_PAPER[(f"fashion_mnist{_suffix}", _method, _split)]
+    for _label, _agg, _pers in (("fashion_mnist", _am, _pm), ("fashion_mnist-lenet", _al, _pl)):
+        for _protocol in (_label, f"{_label}-paper"):  # the CPU-budget and the paper-protocol rows alike
+            MAP_PAPER[(_protocol, _method, "aggregation")] = _agg
+            MAP_PAPER[(_protocol, _method, "personalization")] = _pers
 
 # 100 clients, incomplete classes, 80/20 local train/test of the train split; E = 5 epochs of ~480 samples at
 # B = 64 = 38 steps per client procedure (the engine runs the same number of steps on every client).
@@ -180,6 +176,8 @@ _MAP_PROTOCOL = Protocol("fashion_mnist", "mlp_2x512", rounds=20, partition="inc
                          new_fraction=0.0, val_fraction=0.2, local_iterations=15, batch_size=64,
                          client_fraction=0.2, eval_every=20, split="train",
                          note="CPU budget: T = 20 rounds (paper 150), E = 2 epochs = 15 steps (paper E = 5)")
+_MAP_PAPER_PROTOCOL = replace(_MAP_PROTOCOL, rounds=150, local_iterations=38, eval_every=50,
+                              note="paper protocol: T = 150, E = 5 epochs = 38 steps")
 
 _SHIFT_OPTIONS: dict[str, Any] = {
     "test_corruptions": ("gaussian_noise", "defocus_blur", "contrast", "elastic_transform"),
@@ -212,11 +210,8 @@ EXPERIMENTS["map-incomplete"] = Experiment(
                                                  "(paper E = 5)"),
                # the paper's protocol (T = 150, E = 5); the MLP's rounds fit on one CPU core since the fused
                # weight update (docs/benchmarks/update-kernels.json), LeNet's need a GPU
-               "fashion_mnist-paper": replace(_MAP_PROTOCOL, rounds=150, local_iterations=38, eval_every=50,
-                                              note="paper protocol: T = 150, E = 5 epochs = 38 steps"),
-               "fashion_mnist-lenet-paper": replace(_MAP_PROTOCOL, model="lenet", rounds=150, local_iterations=38,
-                                                    eval_every=50,
-                                                    note="paper protocol: T = 150, E = 5 epochs = 38 steps")},
+               "fashion_mnist-paper": _MAP_PAPER_PROTOCOL,
+               "fashion_mnist-lenet-paper": replace(_MAP_PAPER_PROTOCOL, model="lenet")},
     paper=MAP_PAPER, run_fn=run_map_seed,
     description="MAP Tables I/II: Fashion-MNIST train split over 100 clients with 2..10 classes each, 80/20 "
                 "local train/test, Q = 0.2, SGD momentum 0.9 lr 0.03 for every method; personalization "

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import os
 import platform
 from pathlib import Path
 from typing import Any, Sequence
@@ -130,9 +129,7 @@ def run_experiment(exp: Experiment, datasets: list[str], methods: list[str], see
                                                   data_root, fed)
                 record["command"] = command
                 out.parent.mkdir(parents=True, exist_ok=True)
-                tmp = out.with_suffix(".tmp")
-                tmp.write_text(json.dumps(record, indent=1))
-                os.replace(tmp, out)
+                write_atomic(out, json.dumps(record, indent=1))
     return aggregate(exp, results_dir, command)
 
 
