@@ -9,6 +9,7 @@ the fraction of hypernetwork hidden units alive (non-zero for at least one train
 how much the generated weights vary across clients (std across clients / mean |w|, averaged over tensors).
 
     python scripts/probe_odpfl_hn.py --dataset mnist --rounds 40 --hn-lr 0.5 0.05 0.01
+    python scripts/probe_odpfl_hn.py --experiment odpfl-dirichlet --dataset fashion_mnist-a1 --rounds 100 --device cuda
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from fl_server.algorithms.odpfl_hn import ODPFLHN
 from fl_server.bench.experiments import get_experiment
 from fl_server.bench.rows import merge_rows
 from fl_server.bench.runner import build_federated
+from fl_server.device import describe
 from fl_server.engine import RunConfig
 from fl_server.engine.simulation import Simulation
 from fl_server.models import build_model
@@ -49,7 +51,9 @@ def hypernet_diagnostics(alg: ODPFLHN, state: dict, x_all: torch.Tensor, train: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dataset", default="mnist")
+    ap.add_argument("--experiment", default="upfl-table1", help="whose protocol (and ODPFL-HN rates) to probe")
+    ap.add_argument("--dataset", default="mnist", help="the experiment's protocol key")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--eval-every", type=int, default=5)
@@ -57,7 +61,7 @@ def main() -> None:
     ap.add_argument("--out", default="docs/results/odpfl-hn-probe.json", help="rows merged by (dataset, seed, hn_lr)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    protocol = get_experiment("upfl-table1").protocols[args.dataset]
+    protocol = get_experiment(args.experiment).protocols[args.dataset]
     fed = build_federated(protocol, args.seed)
     fed = dataclasses.replace(fed, new=[])  # validation only: the new clients' data is never read
     x_all = torch.from_numpy(fed.dataset.x)
@@ -69,18 +73,19 @@ def main() -> None:
         alg = build_algorithm("ODPFL-HN", model, fed.num_train_clients, seed=args.seed, **hp)
         cfg = RunConfig(rounds=args.rounds, local_iterations=protocol.local_iterations,
                         batch_size=protocol.batch_size, client_fraction=protocol.client_fraction,
-                        eval_every=args.eval_every, seed=args.seed, device="cpu", progress=False)
+                        eval_every=args.eval_every, seed=args.seed, device=args.device, progress=False)
         sim = Simulation(alg, fed, cfg)
         res = sim.run()
-        diag = hypernet_diagnostics(alg, sim.server_state, x_all, fed.train)
+        diag = hypernet_diagnostics(alg, sim.server_state, x_all.to(sim.device), fed.train)
         curve = [round(100 * r["val"], 2) for r in res.history if "val" in r]
         print(f"hn_lr {lr}: val curve {curve}  {diag}  ({res.wall_s:.0f} s)", flush=True)
-        rows.append({"what": f"ODPFL-HN {args.dataset} seed {args.seed}: hn_lr {lr}, {args.rounds} rounds",
+        rows.append({"what": f"ODPFL-HN {args.experiment} {args.dataset} seed {args.seed}: hn_lr {lr}, "
+                             f"{args.rounds} rounds", "experiment": args.experiment,
                      "metric": "best val accuracy %", "value": round(100 * res.best_val, 2),
                      "dataset": args.dataset, "seed": args.seed, "hn_lr": lr, "rounds": args.rounds,
                      "best_round": res.best_round, "val_curve": curve, **diag, "hyper": hp,
-                     "wall_s": round(res.wall_s, 1), "device": "cpu:1 thread", "command": command})
-        merge_rows(args.out, rows, key=("dataset", "seed", "hn_lr", "rounds"))
+                     "wall_s": round(res.wall_s, 1), "device": describe(sim.device), "command": command})
+        merge_rows(args.out, rows, key=("experiment", "dataset", "seed", "hn_lr", "rounds"))
 
 
 if __name__ == "__main__":

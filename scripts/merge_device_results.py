@@ -1,0 +1,58 @@
+"""Merge the raw result files a device run packed (`scripts/device_queue.sh status` -> results.tgz) into
+docs/results: each record's "command" loses the queue's own --results-dir / --runs-dir and its --methods (one
+table command covers every method), records already present are kept, the touched experiments are
+re-aggregated and docs/RESULTS.md is rewritten.
+
+    python scripts/merge_device_results.py /work/.device/N/results.tgz [--docs docs]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import tarfile
+from pathlib import Path
+
+from fl_server.bench.experiments import get_experiment
+from fl_server.bench.report import write_report
+from fl_server.bench.rows import write_atomic
+from fl_server.bench.runner import aggregate
+
+
+def table_command(command: str) -> str:
+    """The queue row's recorded command as the table's reproduction command."""
+    command = re.sub(r" --(?:results-dir|runs-dir) \S+", "", command)
+    return re.sub(r" --methods (?:'[^']*'|\"[^\"]*\"|\S+)", "", command)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("archive")
+    ap.add_argument("--docs", default="docs")
+    args = ap.parse_args()
+    results = Path(args.docs) / "results"
+    touched: set[str] = set()
+    with tarfile.open(args.archive) as tar:
+        for member in tar.getmembers():
+            parts = Path(member.name).parts
+            if not (member.isfile() and parts[:2] == ("results", "raw") and member.name.endswith(".json")):
+                continue
+            if ".." in parts:
+                raise ValueError(f"unsafe path in archive: {member.name}")
+            out = results.joinpath(*parts[1:])
+            if out.exists():
+                print(f"kept (already present): {out}")
+                continue
+            record = json.loads(tar.extractfile(member).read())  # type: ignore[union-attr]
+            record["command"] = table_command(record.get("command", ""))
+            out.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(out, json.dumps(record, indent=1))
+            touched.add(parts[2])
+            print(f"added {out}")
+    for name in sorted(touched):
+        aggregate(get_experiment(name), results)
+    print(f"re-aggregated {', '.join(sorted(touched)) or 'nothing'}; wrote {write_report(Path(args.docs))}")
+
+
+if __name__ == "__main__":
+    main()
