@@ -66,7 +66,9 @@ start)
     jobs=${2:?JOBS file}
     if pgrep -f "device_queue.sh _queue" > /dev/null; then echo "a queue is running; start again once it ends"; exit 1; fi
     mkdir -p "$Q"/{logs,done,results,runs}
-    rm -rf "$Q/repo" && cp -a "$PWD" "$Q/repo" && tr -d '\r' < "$jobs" > "$Q/jobs.txt"
+    rm -rf "$Q/repo" && mkdir -p "$Q/repo" && tr -d '\r' < "$jobs" > "$Q/jobs.txt"
+    # the rows run from a copy, so the tree can change under a running queue (no venv, runs or git history)
+    tar -C "$PWD" --exclude=./.venv --exclude=./runs --exclude=./.git -cf - . | tar -C "$Q/repo" -xf -
     export PYTHONPATH="$Q/repo:$Q/repo/edge_sdk" FL_DATA_DIR="${FL_DATA_DIR:-$Q/repo/.gpu_data}"
     export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 QUEUE_DIR=$Q MAX_JOBS MIN_FREE_MB DEVICE=${DEVICE:-cuda}
     # MPS lets the rows' small kernels share the GPU instead of time-slicing it; skipped when it does not start

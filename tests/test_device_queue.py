@@ -1,0 +1,66 @@
+"""scripts/device_queue.sh and scripts/merge_device_results.py end to end, on the CPU with the embedded digits:
+rows run detached from a copy of the tree, a two-step row runs its steps in turn, a failing row records its
+exit code, `status` packs the raw results, and the merge adds them to a docs folder with the table command."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = "--dataset digits --seed 0 --quick"
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None or shutil.which("pgrep") is None,
+                                reason="device_queue.sh needs bash and pgrep")
+
+
+def _env(queue: Path, out: Path) -> dict[str, str]:
+    python_dir = str(Path(sys.executable).parent)  # `python3` inside the script must be this interpreter
+    return {**os.environ, "QUEUE_DIR": str(queue), "OUT": str(out), "DEVICE": "cpu", "MIN_FREE_MB": "0",
+            "PATH": f"{python_dir}:{os.environ['PATH']}"}
+
+
+def test_queue_runs_rows_and_merge_adds_them(tmp_path: Path) -> None:
+    if not (Path(sys.executable).parent / "python3").exists():
+        pytest.skip("the interpreter's folder has no python3 for the script to call")
+    queue, out = tmp_path / "queue", tmp_path / "out"
+    rows = tmp_path / "rows.tsv"
+    rows.write_text(f"two\tbench upfl-table1 {QUICK} --methods FedAvg && bench upfl-table1 {QUICK} --methods TENT\n"
+                    f"bad\tbench upfl-table1 {QUICK} --methods 'No Such Method'\n")
+    env = _env(queue, out)
+    start = subprocess.run(["bash", "scripts/device_queue.sh", "start", str(rows)], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert start.returncode == 0, start.stderr
+    assert not (queue / "repo" / ".venv").exists() and (queue / "repo" / "fl_server").is_dir()
+    deadline = time.monotonic() + 600
+    while not all((queue / "done" / n).exists() for n in ("two", "bad")):
+        assert time.monotonic() < deadline, (queue / "queue.log").read_text()
+        time.sleep(2)
+    assert (queue / "done" / "two").read_text().split()[0] == "0"
+    assert (queue / "done" / "bad").read_text().split()[0] != "0"  # the unknown method's exit code is kept
+    raw = queue / "results" / "raw" / "upfl-table1" / "digits"
+    assert (raw / "FedAvg" / "seed0.json").exists() and (raw / "TENT" / "seed0.json").exists()
+
+    status = subprocess.run(["bash", "scripts/device_queue.sh", "status"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert status.returncode == 0 and "done two: exit, seconds = 0" in status.stdout
+    with tarfile.open(out / "results.tgz") as tar:
+        assert "results/raw/upfl-table1/digits/TENT/seed0.json" in tar.getnames()
+
+    docs = tmp_path / "docs"
+    merged = subprocess.run([sys.executable, "scripts/merge_device_results.py", str(out / "results.tgz"),
+                             "--docs", str(docs)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert merged.returncode == 0, merged.stderr
+    table = json.loads((docs / "results" / "upfl-table1.json").read_text())
+    assert {r["method"] for r in table} == {"FedAvg", "TENT"}
+    for r in table:  # the table's own command: no queue folders, no single method
+        assert "--results-dir" not in r["command"] and "--runs-dir" not in r["command"]
+        assert "--methods" not in r["command"] and r["command"].startswith("fl-server bench upfl-table1")
+    assert (docs / "RESULTS.md").exists()
