@@ -6,7 +6,8 @@ see a constant input, and f_theta(e) no longer depends on e -- the "personalised
 This probe decides hn_lr on *validation* only: the new clients are removed from the federation before the
 run, so their data is never touched. Per hn_lr it records the training clients' validation accuracy curve,
 the fraction of hypernetwork hidden units alive (non-zero for at least one training client's embedding), and
-how much the generated weights vary across clients (std across clients / mean |w|, averaged over tensors).
+how much the generated weights vary across clients (std across clients / mean |w|, averaged over tensors), and
+the embeddings likewise (std across clients / mean |e|).
 
     python scripts/probe_odpfl_hn.py --dataset mnist --rounds 40 --hn-lr 0.5 0.05 0.01
     python scripts/probe_odpfl_hn.py --experiment odpfl-dirichlet --dataset fashion_mnist-a1 --rounds 100 --device cuda
@@ -45,8 +46,11 @@ def hypernet_diagnostics(alg: ODPFLHN, state: dict, x_all: torch.Tensor, train: 
         alive.append(float((h > 0).any(0).float().mean()))
     w = alg.generate(hn, emb)
     spread = [float(v.std(0).mean() / v.abs().mean().clamp_min(1e-12)) for v in w.values()]
+    # the same ratio for the embeddings: near 0 means the encoder does not tell the clients apart either
+    e_spread = float(emb.std(0).mean() / emb.abs().mean().clamp_min(1e-12))
     return {"alive_fraction_per_layer": [round(a, 3) for a in alive],
-            "weight_spread_across_clients": round(float(np.mean(spread)), 4)}
+            "weight_spread_across_clients": round(float(np.mean(spread)), 4),
+            "embedding_spread_across_clients": round(e_spread, 4)}
 
 
 def main() -> None:
