@@ -62,7 +62,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--hn-lr", type=float, nargs="+", default=[0.5, 0.05, 0.01])
-    ap.add_argument("--out", default="docs/results/odpfl-hn-probe.json", help="rows merged by (dataset, seed, hn_lr)")
+    ap.add_argument("--out", default="docs/results/odpfl-hn-probe.json",
+                    help="rows merged by (experiment, dataset, seed, hn_lr, rounds)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     protocol = get_experiment(args.experiment).protocols[args.dataset]

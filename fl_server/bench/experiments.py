@@ -42,7 +42,7 @@ class Protocol:
 
     def note_for(self, method: str) -> str:
         every = self.method_eval_every.get(method)
-        extra = f"validation every {every} rounds (compute time)" if every else ""
+        extra = f"validation every {every} rounds (to save compute)" if every else ""
         return "; ".join(n for n in (self.note, extra) if n)
     split: str = "all"  # which split of the data set the clients partition
     options: dict[str, Any] = field(default_factory=dict)  # experiment-specific (read by its run_fn)
@@ -263,8 +263,9 @@ EXPERIMENTS["fedicon-shift"] = Experiment(
                 "trained model, the client's set streamed 16 samples at a time (each chunk: one Eq. 7 step "
                 "against a memory of 64 of the client's training samples, prediction, then each sample "
                 "replaces a random memory entry; the paper streams one sample at a time, too slow for this "
-                "CPU; the *-paper protocols do, at the paper's size, on a GPU); the online row retrains FedICON from the same seed, which reproduces the FedICON w/o "
-                "TTA rows exactly. TTA rates chosen per seed on the validation conditions. Reading the rows: "
+                "CPU; the *-paper protocols do, at the paper's size, on a GPU); the online row retrains FedICON "
+                "from the same seed, which reproduces the FedICON w/o TTA rows exactly. TTA rates chosen per "
+                "seed on the validation conditions. Reading the rows: "
                 "TENT's lead over FedICON on MNIST covariate shift is as large on clean data, and TENT gains "
                 "about as much over FedAvg on clean as on shifted data, close to FedAvg-FT's gain -- its "
                 "entropy step on the whole network adapts the classifier to the client, whereas FedICON's "
