@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
+import shlex
 import tarfile
 from pathlib import Path
 
@@ -20,9 +20,20 @@ from fl_server.bench.runner import aggregate
 
 
 def table_command(command: str) -> str:
-    """The queue row's recorded command as the table's reproduction command."""
-    command = re.sub(r" --(?:results-dir|runs-dir) \S+", "", command)
-    return re.sub(r" --methods (?:'[^']*'|\"[^\"]*\"|\S+)", "", command)
+    """The queue row's recorded command as the table's reproduction command: without --results-dir / --runs-dir
+    (one value each) and --methods (every value up to the next flag)."""
+    kept, dropping = [], 0  # dropping: values still to skip; -1 = every value up to the next flag
+    for token in shlex.split(command):
+        if token.startswith("--"):
+            dropping = {"--results-dir": 1, "--runs-dir": 1, "--methods": -1}.get(token, 0)
+            if dropping:
+                continue
+        elif dropping:
+            if dropping > 0:
+                dropping -= 1
+            continue
+        kept.append(token)
+    return shlex.join(kept)
 
 
 def main() -> None:

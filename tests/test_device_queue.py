@@ -64,3 +64,12 @@ def test_queue_runs_rows_and_merge_adds_them(tmp_path: Path) -> None:
         assert "--results-dir" not in r["command"] and "--runs-dir" not in r["command"]
         assert "--methods" not in r["command"] and r["command"].startswith("fl-server bench upfl-table1")
     assert (docs / "RESULTS.md").exists()
+
+
+def test_table_command_drops_queue_folders_and_every_method() -> None:
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from merge_device_results import table_command
+
+    recorded = ("fl-server bench fedicon-shift --dataset mnist-paper --methods FedAvg FedAvg-FT 'FedICON w/o TTA' "
+                "--device cuda --results-dir /root/queue/results --runs-dir /root/queue/runs --seeds 3")
+    assert table_command(recorded) == "fl-server bench fedicon-shift --dataset mnist-paper --device cuda --seeds 3"

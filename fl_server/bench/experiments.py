@@ -151,7 +151,7 @@ EXPERIMENTS["btgfl"] = Experiment(
     protocols={"fashion_mnist": _btgfl_protocol("fashion_mnist", 20, 48),
                "mnist": _btgfl_protocol("mnist", 20, 48),
                # the paper's budget (a GPU run): 130 rounds x (5 local + 1 personalization epochs) of the mean
-               # client (3,150 training samples at seed 0 = 98 steps of B = 32 per epoch), lr 0.01
+               # client (mean len of build_federated(protocol, 0).train: 3,150 = 98 steps of B = 32), lr 0.01
                "fashion_mnist-paper": replace(
                    _btgfl_protocol("fashion_mnist", 130, 590), method_hp={"BTFL": {"lr": 0.01, "weight_decay": 5e-4}},
                    note="paper protocol: 130 rounds x 590 local steps of B=32 (5/6 body, 1/6 local head = 5 + 1 "
