@@ -7,15 +7,20 @@ This probe decides hn_lr on *validation* only: the new clients are removed from 
 run, so their data is never touched. Per hn_lr it records the training clients' validation accuracy curve,
 the fraction of hypernetwork hidden units alive (non-zero for at least one training client's embedding), and
 how much the generated weights vary across clients (std across clients / mean |w|, averaged over tensors), and
-the embeddings likewise (std across clients / mean |e|).
+the embeddings likewise (std across clients / mean |e|), and the validation accuracy when every client is
+served f_theta(mean embedding): the gap to the personalised accuracy is what the embedding buys.
+``--set KEY=VALUE`` (JSON value) overrides any other ODPFL-HN hyperparameter for every probed hn_lr.
 
     python scripts/probe_odpfl_hn.py --dataset mnist --rounds 40 --hn-lr 0.5 0.05 0.01
     python scripts/probe_odpfl_hn.py --experiment odpfl-dirichlet --dataset fashion_mnist-a1 --rounds 100 --device cuda
+    python scripts/probe_odpfl_hn.py --experiment odpfl-dirichlet --dataset fashion_mnist-a0.1 --rounds 100 \
+        --eval-every 10 --hn-lr 0.05 --set standardize_init=true --set encoder_lr=1e-4
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import shlex
 import sys
 
@@ -34,10 +39,14 @@ from fl_server.models import build_model
 
 
 @torch.no_grad()
-def hypernet_diagnostics(alg: ODPFLHN, state: dict, x_all: torch.Tensor, train: list[np.ndarray]) -> dict:
-    """Alive hidden units of f_theta over the training clients' embeddings, and the spread of the generated
-    weights across clients (0 = the hypernetwork ignores the embedding)."""
+def hypernet_diagnostics(sim: Simulation, alg: ODPFLHN, state: dict, x_all: torch.Tensor,
+                         train: list[np.ndarray]) -> dict:
+    """Alive hidden units of f_theta over the training clients' embeddings, the spread of the generated
+    weights across clients (0 = the hypernetwork ignores the embedding), and validation accuracy when all
+    clients get the model of the mean embedding."""
     emb = torch.stack([alg.encode(state["enc"], x_all[torch.from_numpy(t)]) for t in train])
+    mean_model = alg.generate(state["hn"], emb.mean(0))
+    val_mean = float(np.mean([sim._accuracy(mean_model, v) for v in sim.fed.val]))
     h, alive = emb, []
     body = list(alg.hypernet.body)
     hn = state["hn"]
@@ -48,7 +57,8 @@ def hypernet_diagnostics(alg: ODPFLHN, state: dict, x_all: torch.Tensor, train: 
     spread = [float(v.std(0).mean() / v.abs().mean().clamp_min(1e-12)) for v in w.values()]
     # the same ratio for the embeddings: near 0 means the encoder does not tell the clients apart either
     e_spread = float(emb.std(0).mean() / emb.abs().mean().clamp_min(1e-12))
-    return {"alive_fraction_per_layer": [round(a, 3) for a in alive],
+    return {"val_with_mean_embedding": round(100 * val_mean, 2),
+            "alive_fraction_per_layer": [round(a, 3) for a in alive],
             "weight_spread_across_clients": round(float(np.mean(spread)), 4),
             "embedding_spread_across_clients": round(e_spread, 4)}
 
@@ -62,9 +72,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--hn-lr", type=float, nargs="+", default=[0.5, 0.05, 0.01])
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override an ODPFL-HN hyperparameter (JSON value), e.g. standardize_init=true")
     ap.add_argument("--out", default="docs/results/odpfl-hn-probe.json",
-                    help="rows merged by (experiment, dataset, seed, hn_lr, rounds)")
+                    help="rows merged by (experiment, dataset, seed, hn_lr, rounds, variant)")
     args = ap.parse_args()
+    overrides = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.set)}
+    variant = " ".join(f"{k}={json.dumps(v)}" for k, v in sorted(overrides.items())) or None
     torch.set_num_threads(1)
     protocol = get_experiment(args.experiment).protocols[args.dataset]
     fed = build_federated(protocol, args.seed)
@@ -74,23 +88,24 @@ def main() -> None:
     rows = []
     for lr in args.hn_lr:
         model = build_model(protocol.model, fed.dataset.x.shape[1:], fed.dataset.num_classes, seed=args.seed)
-        hp = {**protocol.method_hp["ODPFL-HN"], "hn_lr": lr}
+        hp = {**protocol.method_hp["ODPFL-HN"], **overrides, "hn_lr": lr}
         alg = build_algorithm("ODPFL-HN", model, fed.num_train_clients, seed=args.seed, **hp)
         cfg = RunConfig(rounds=args.rounds, local_iterations=protocol.local_iterations,
                         batch_size=protocol.batch_size, client_fraction=protocol.client_fraction,
                         eval_every=args.eval_every, seed=args.seed, device=args.device, progress=False)
         sim = Simulation(alg, fed, cfg)
         res = sim.run()
-        diag = hypernet_diagnostics(alg, sim.server_state, x_all.to(sim.device), fed.train)
+        diag = hypernet_diagnostics(sim, alg, sim.server_state, x_all.to(sim.device), fed.train)
         curve = [round(100 * r["val"], 2) for r in res.history if "val" in r]
         print(f"hn_lr {lr}: val curve {curve}  {diag}  ({res.wall_s:.0f} s)", flush=True)
         rows.append({"what": f"ODPFL-HN {args.experiment} {args.dataset} seed {args.seed}: hn_lr {lr}, "
-                             f"{args.rounds} rounds", "experiment": args.experiment,
+                             f"{args.rounds} rounds" + (f", {variant}" if variant else ""),
+                     "experiment": args.experiment, "variant": variant,
                      "metric": "best val accuracy %", "value": round(100 * res.best_val, 2),
                      "dataset": args.dataset, "seed": args.seed, "hn_lr": lr, "rounds": args.rounds,
                      "best_round": res.best_round, "val_curve": curve, **diag, "hyper": hp,
                      "wall_s": round(res.wall_s, 1), "device": describe(sim.device), "command": command})
-        merge_rows(args.out, rows, key=("experiment", "dataset", "seed", "hn_lr", "rounds"))
+        merge_rows(args.out, rows, key=("experiment", "dataset", "seed", "hn_lr", "rounds", "variant"))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from fl_server.algorithms import ALGORITHMS, build_algorithm
 from fl_server.algorithms.odpfl_hn import ODPFL_HP, ODPFLHN
 from fl_server.data.federated import make_federated
 from fl_server.engine import RunConfig, Simulation
+from fl_server.functional import tree_map
 from fl_server.models import build_model
 
 
@@ -216,3 +217,76 @@ def test_dp_run_scores_every_setting(fashion_all, tmp_path) -> None:  # type: ig
     rows.append({"method": "FedAvg", "split": "test", "mean": 40.0, "std": 0.0, "seeds": 1, "dataset": "fashion_mnist"})
     png = plot_odpfl_dp(rows, tmp_path / "odpfl-dp.png")
     assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ------------------------------------------------------------- two-phase (App. B.2)
+def test_two_phase_learns_embeddings_fits_the_encoder_then_fine_tunes(mnist_fed, one_thread) -> None:  # type: ignore[no-untyped-def]
+    """Phase 1: learned per-client embeddings (Eq. 9) take pFedHN's step on their own client's chain-rule
+    gradient, and the encoder takes one GD step on the data-size-weighted Eq. 10; phase 2 (Eq. 11) moves theta
+    only. Checked against a separate autograd computation of both objectives."""
+    hp = dict(two_phase=True, phase1_rounds=1, encoder_local_steps=1, hn_lr=0.05, embedding_lr=0.3,
+              embedding_init_std=0.5, encoder_lr=0.01, local_lr=0.1)
+    alg = build_algorithm("ODPFL-HN", build_model("mlp", (1, 28, 28), 10, seed=0), mnist_fed.num_train_clients,
+                          seed=0, **hp)
+    sim = Simulation(alg, mnist_fed, RunConfig(rounds=2, local_iterations=3, batch_size=16, client_fraction=0.25,
+                                               eval_every=2, seed=0, device="cpu", progress=False))
+    s0 = tree_map(torch.clone, sim.server_state)
+    assert s0["emb"].shape == (mnist_fed.num_train_clients, 32) and float(s0["round"]) == 0
+    assert 0.4 < float(s0["emb"].std()) < 0.6
+
+    ids, states = sim.run_round(0)
+    s1 = sim.server_state
+    assert float(s1["round"]) == 1 and alg.in_phase1(s0) and not alg.in_phase1(s1)
+    coef = sim.train_sizes[ids] / sim.train_sizes[ids].sum()
+    delta = alg.client_delta(states)
+    # the embedding rows: each selected client's own gradient (not scaled by its weight), pFedHN's SGD
+    # (first step: no momentum history), weight decay 1e-3; the other rows only decay
+    e_sel = s0["emb"][torch.as_tensor(ids)].clone().requires_grad_(True)
+    w = alg.hn_fn(s0["hn"], e_sel)
+    (g_rows,) = torch.autograd.grad(list(w.values()), [e_sel], grad_outputs=[-delta[n] for n in w])
+    assert float(g_rows.norm()) < alg.hp.hn_clip
+    expect = s0["emb"] * (1 - 0.3 * 1e-3)
+    expect[torch.as_tensor(ids)] -= 0.3 * g_rows
+    assert torch.allclose(s1["emb"], expect, atol=1e-6)
+    assert float((s1["emb"][torch.as_tensor(ids)] - s0["emb"][torch.as_tensor(ids)]).abs().max()) > 1e-3
+    # the encoder: one GD step on sum_k coef_k ||g(D_k) - e_k||^2 at the encoder rate
+    def eq10(gamma):  # type: ignore[no-untyped-def]
+        return sum(c * ((alg.enc_fn(gamma, alg._client_x(int(i))) - s0["emb"][int(i)]) ** 2).sum()
+                   for c, i in zip(coef, ids))
+    grad = torch.func.grad(eq10)(s0["enc"])
+    for n, v in s0["enc"].items():
+        assert torch.allclose(s1["enc"][n], v - 0.01 * grad[n], atol=1e-5), n
+    assert eq10(s1["enc"]) < eq10(s0["enc"])
+
+    # phase 2 (Eq. 11): the encoder and the embedding table stay, theta moves
+    sim.run_round(1)
+    s2 = sim.server_state
+    assert all(torch.equal(s2["enc"][n], s1["enc"][n]) for n in s1["enc"])
+    assert torch.equal(s2["emb"], s1["emb"])
+    assert any(not torch.equal(s2["hn"][n], s1["hn"][n]) for n in s1["hn"])
+    with pytest.raises(ValueError, match="phase1_rounds"):
+        build_algorithm("ODPFL-HN", build_model("mlp", (1, 28, 28), 10, seed=0), 5, two_phase=True)
+
+
+def test_standardize_init_spreads_the_training_clients_embeddings(mnist_fed, one_thread) -> None:  # type: ignore[no-untyped-def]
+    """At random init the clients' embeddings differ by a few % of their norm; the data-dependent init of psi
+    makes them zero-mean, unit-std per dimension over the training clients, and is the same map as before up
+    to a per-dimension affine transform (so a new client's embedding is standardized the same way)."""
+    def build(**hp):  # type: ignore[no-untyped-def]
+        alg = build_algorithm("ODPFL-HN", build_model("mlp", (1, 28, 28), 10, seed=0), mnist_fed.num_train_clients,
+                              seed=0, **hp)
+        x = torch.from_numpy(mnist_fed.dataset.x).float()
+        alg.attach(x, torch.from_numpy(mnist_fed.dataset.y), mnist_fed.train)
+        return alg, alg.init_state(torch.float32, torch.device("cpu"))
+
+    raw_alg, raw = build()
+    alg, std = build(standardize_init=True)
+    ids = np.arange(mnist_fed.num_train_clients)
+    e_raw, e_std = raw_alg.embed_clients(raw["enc"], ids), alg.embed_clients(std["enc"], ids)
+    assert float((e_raw.std(0) / e_raw.abs().mean()).mean()) < 0.2  # the problem: nearly one embedding
+    assert torch.allclose(e_std.mean(0), torch.zeros(32), atol=1e-4)
+    assert torch.allclose(e_std.std(0), torch.ones(32), atol=1e-4)
+    new_x = torch.from_numpy(mnist_fed.dataset.x[mnist_fed.new[0]]).float()
+    scale, shift = e_raw.std(0), e_raw.mean(0)
+    assert torch.allclose(alg.encode(std["enc"], new_x), (raw_alg.encode(raw["enc"], new_x) - shift) / scale, atol=1e-3)
+    assert all(torch.equal(std["enc"][n], raw["enc"][n]) for n in raw["enc"] if not n.startswith("psi."))

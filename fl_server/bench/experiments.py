@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from fl_server.algorithms.fedtta import FEDTTA_HP
-from fl_server.algorithms.odpfl_hn import ODPFL_HP
+from fl_server.algorithms.odpfl_hn import ODPFL_HP, ODPFL_PAPER_HP
 from fl_server.bench.data_size import FRACTIONS, run_data_size_seed
 from fl_server.bench.hetero import HETERO_METHODS, run_hetero_seed
 from fl_server.bench.map_incomplete import run_map_seed
@@ -275,7 +275,7 @@ EXPERIMENTS["fedicon-shift"] = Experiment(
 # ODPFL-HN paper protocol (Sec. 6, CIFAR-10 there): 100 clients, Dir(alpha) labels, 10% new clients, 500 steps
 # with 10% of the training clients per step. Target model: LeNet (the paper's and pFedHN's target is a LeNet-style
 # CNN; the McMahan ConvNet's 1.6M-weight FC layer would need a 160M-parameter hypernetwork head).
-_ODPFL_HP = {"FedAvg": {"lr": 0.1}, **ODPFL_HP["fashion_mnist"]}
+_ODPFL_HP = {"FedAvg": {"lr": 0.1}, "ODPFL-HN": ODPFL_PAPER_HP}
 _ODPFL_PROTOCOL = Protocol("fashion_mnist", "lenet", rounds=500, partition="dirichlet", num_clients=100,
                            new_fraction=0.1, client_fraction=0.1, eval_every=25, method_hp=_ODPFL_HP,
                            note="LeNet target; 500 steps x 10% of training clients; best validation step")
