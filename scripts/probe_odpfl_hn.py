@@ -10,6 +10,9 @@ how much the generated weights vary across clients (std across clients / mean |w
 the embeddings likewise (std across clients / mean |e|), and the validation accuracy when every client is
 served f_theta(mean embedding): the gap to the personalised accuracy is what the embedding buys.
 ``--set KEY=VALUE`` (JSON value) overrides any other ODPFL-HN hyperparameter for every probed hn_lr.
+``--holdout-clients K`` also holds the first K training clients out of training (all their samples) and scores
+the served model on them at every evaluation: a client-level validation, which sees what the per-sample
+validation split of the training clients cannot, a hypernetwork that memorises the training clients.
 
     python scripts/probe_odpfl_hn.py --dataset mnist --rounds 40 --hn-lr 0.5 0.05 0.01
     python scripts/probe_odpfl_hn.py --experiment odpfl-dirichlet --dataset fashion_mnist-a1 --rounds 100 --device cuda
@@ -74,15 +77,21 @@ def main() -> None:
     ap.add_argument("--hn-lr", type=float, nargs="+", default=[0.5, 0.05, 0.01])
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override an ODPFL-HN hyperparameter (JSON value), e.g. standardize_init=true")
+    ap.add_argument("--holdout-clients", type=int, default=0, metavar="K",
+                    help="hold out K training clients as validation clients (scored like new clients)")
     ap.add_argument("--out", default="docs/results/odpfl-hn-probe.json",
                     help="rows merged by (experiment, dataset, seed, hn_lr, rounds, variant)")
     args = ap.parse_args()
     overrides = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.set)}
-    variant = " ".join(f"{k}={json.dumps(v)}" for k, v in sorted(overrides.items())) or None
+    variant = " ".join([f"{k}={json.dumps(v)}" for k, v in sorted(overrides.items())]
+                       + ([f"holdout_clients={args.holdout_clients}"] if args.holdout_clients else [])) or None
     torch.set_num_threads(1)
     protocol = get_experiment(args.experiment).protocols[args.dataset]
     fed = build_federated(protocol, args.seed)
     fed = dataclasses.replace(fed, new=[])  # validation only: the new clients' data is never read
+    if k := args.holdout_clients:  # training clients scored like new ones: all their samples, unlabeled
+        held = [np.concatenate([t, v]) for t, v in zip(fed.train[:k], fed.val[:k])]
+        fed = dataclasses.replace(fed, train=fed.train[k:], val=fed.val[k:], new=held)
     x_all = torch.from_numpy(fed.dataset.x)
     command = "python scripts/probe_odpfl_hn.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     rows = []
@@ -97,6 +106,8 @@ def main() -> None:
         res = sim.run()
         diag = hypernet_diagnostics(sim, alg, sim.server_state, x_all.to(sim.device), fed.train)
         curve = [round(100 * r["val"], 2) for r in res.history if "val" in r]
+        if args.holdout_clients:
+            diag["heldout_client_curve"] = [round(100 * r["test"], 2) for r in res.history if "val" in r]
         print(f"hn_lr {lr}: val curve {curve}  {diag}  ({res.wall_s:.0f} s)", flush=True)
         rows.append({"what": f"ODPFL-HN {args.experiment} {args.dataset} seed {args.seed}: hn_lr {lr}, "
                              f"{args.rounds} rounds" + (f", {variant}" if variant else ""),

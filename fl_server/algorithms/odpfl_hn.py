@@ -370,8 +370,8 @@ ODPFL_HP: dict[str, dict[str, dict[str, float]]] = {
 }
 
 # The ODPFL-HN paper's own protocol (odpfl-dirichlet, odpfl-dp: LeNet target, 500 steps of 10% of the clients).
-# With the Table-4 rates above the encoder gives every client nearly the same embedding (spread ~5% of its
-# norm at init, shrinking in training) and the served model is one global model. Standardizing the
+# With the Table-4 rates above the encoder gives every client nearly the same embedding (spread a few % of
+# its norm) and the served model is one global model. Standardizing the
 # embeddings at init (``standardize_init``) makes them differ by O(1) across clients. The standardized
 # encoder's effective step on the embeddings is 1/sigma^2 (sigma ~1e-3) times its rate, so the rate must be
 # small: 1e-4 diverges within 5 steps at Dir(1), 1e-5 is stable at both alphas. hn_lr from the paper's grid.
