@@ -42,12 +42,12 @@ from fl_server.models import build_model
 
 
 @torch.no_grad()
-def hypernet_diagnostics(sim: Simulation, alg: ODPFLHN, state: dict, x_all: torch.Tensor,
-                         train: list[np.ndarray]) -> dict:
+def hypernet_diagnostics(sim: Simulation, alg: ODPFLHN) -> dict:
     """Alive hidden units of f_theta over the training clients' embeddings, the spread of the generated
     weights across clients (0 = the hypernetwork ignores the embedding), and validation accuracy when all
     clients get the model of the mean embedding."""
-    emb = torch.stack([alg.encode(state["enc"], x_all[torch.from_numpy(t)]) for t in train])
+    state = sim.server_state
+    emb = alg.embed_clients(state["enc"], np.arange(sim.fed.num_train_clients))
     mean_model = alg.generate(state["hn"], emb.mean(0))
     val_mean = float(np.mean([sim._accuracy(mean_model, v) for v in sim.fed.val]))
     h, alive = emb, []
@@ -92,7 +92,6 @@ def main() -> None:
     if k := args.holdout_clients:  # training clients scored like new ones: all their samples, unlabeled
         held = [np.concatenate([t, v]) for t, v in zip(fed.train[:k], fed.val[:k])]
         fed = dataclasses.replace(fed, train=fed.train[k:], val=fed.val[k:], new=held)
-    x_all = torch.from_numpy(fed.dataset.x)
     command = "python scripts/probe_odpfl_hn.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     rows = []
     for lr in args.hn_lr:
@@ -104,7 +103,7 @@ def main() -> None:
                         eval_every=args.eval_every, seed=args.seed, device=args.device, progress=False)
         sim = Simulation(alg, fed, cfg)
         res = sim.run()
-        diag = hypernet_diagnostics(sim, alg, sim.server_state, x_all.to(sim.device), fed.train)
+        diag = hypernet_diagnostics(sim, alg)
         curve = [round(100 * r["val"], 2) for r in res.history if "val" in r]
         if args.holdout_clients:
             diag["heldout_client_curve"] = [round(100 * r["test"], 2) for r in res.history if "val" in r]

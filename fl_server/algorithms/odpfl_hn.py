@@ -169,15 +169,16 @@ class ODPFLHN(Algorithm):
     def init_state(self, dtype: torch.dtype, device: torch.device) -> State:
         theta = get_params(self.hypernet, dtype, device)
         enc = get_params(self.encoder, dtype, device)
+        emb: torch.Tensor | None = None  # the training clients' embeddings, when init needs them
         if self.hp.standardize_init:
-            enc = self.standardized_encoder(enc)
+            enc, emb = self.standardized_encoder(enc)
         state = {"params": self.generate(theta, torch.zeros(self.hp.embed_dim, dtype=dtype, device=device)),
                  "hn": theta, "hn_mom": tree_map(torch.zeros_like, theta), "enc": enc}
         if self.hp.two_phase:
             if self._train is None:
                 raise RuntimeError("two-phase ODPFL-HN sizes its embedding table from the clients: call attach first")
             if self.hp.embedding_init == "encoder":
-                emb = self.embed_clients(enc, np.arange(len(self._train)))
+                emb = self.embed_clients(enc, np.arange(len(self._train))) if emb is None else emb
             elif self.hp.embedding_init == "normal":
                 gen = torch.Generator().manual_seed(self.seed + 15_485_863)
                 emb = self.hp.embedding_init_std * torch.randn(len(self._train), self.hp.embed_dim, generator=gen)
@@ -187,15 +188,17 @@ class ODPFLHN(Algorithm):
                       "round": torch.zeros((), dtype=dtype, device=device)}
         return state
 
-    def standardized_encoder(self, enc: State) -> State:
+    def standardized_encoder(self, enc: State) -> tuple[State, torch.Tensor]:
         """Data-dependent init of psi (the encoder's last, linear layer): rescale and shift it so that the
         training clients' embeddings have zero mean and unit std per dimension. At random init the embeddings
-        of different clients differ by ~5% of their norm, which the hypernetwork cannot tell apart."""
+        of different clients differ by a few % of their norm, which the hypernetwork cannot tell apart.
+        Returns the new gamma and the training clients' (standardized) embeddings."""
         if self._train is None:
             raise RuntimeError("standardize_init needs the clients' data: call attach first")
         emb = self.embed_clients(enc, np.arange(len(self._train)))
         mu, sd = emb.mean(0), emb.std(0).clamp_min(1e-8)
-        return {**enc, "psi.weight": enc["psi.weight"] / sd[:, None], "psi.bias": (enc["psi.bias"] - mu) / sd}
+        std_enc = {**enc, "psi.weight": enc["psi.weight"] / sd[:, None], "psi.bias": (enc["psi.bias"] - mu) / sd}
+        return std_enc, (emb - mu) / sd
 
     def _client_x(self, i: int) -> torch.Tensor:
         if self._x is None or self._train is None:
