@@ -35,6 +35,7 @@ from fl_server.algorithms.odpfl_hn import ODPFLHN
 from fl_server.bench.experiments import get_experiment
 from fl_server.bench.rows import merge_rows
 from fl_server.bench.runner import build_federated
+from fl_server.data.federated import hold_out_validation_clients
 from fl_server.device import describe
 from fl_server.engine import RunConfig
 from fl_server.engine.simulation import Simulation
@@ -87,11 +88,13 @@ def main() -> None:
                        + ([f"holdout_clients={args.holdout_clients}"] if args.holdout_clients else [])) or None
     torch.set_num_threads(1)
     protocol = get_experiment(args.experiment).protocols[args.dataset]
+    # the probe holds clients out itself (--holdout-clients), not through the protocol's validation clients
+    protocol = dataclasses.replace(protocol, options={k: v for k, v in protocol.options.items() if k != "val_clients"})
     fed = build_federated(protocol, args.seed)
     fed = dataclasses.replace(fed, new=[])  # validation only: the new clients' data is never read
-    if k := args.holdout_clients:  # training clients scored like new ones: all their samples, unlabeled
-        held = [np.concatenate([t, v]) for t, v in zip(fed.train[:k], fed.val[:k])]
-        fed = dataclasses.replace(fed, train=fed.train[k:], val=fed.val[k:], new=held)
+    if k := args.holdout_clients:  # held-out clients scored as "new" next to the per-sample validation curve
+        held = hold_out_validation_clients(fed, k)
+        fed = dataclasses.replace(held, new=held.val_clients, val_clients=[])
     command = "python scripts/probe_odpfl_hn.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     rows = []
     for lr in args.hn_lr:

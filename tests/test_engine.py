@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fl_server.algorithms import build_algorithm
-from fl_server.data.federated import make_federated
+from fl_server.data.federated import hold_out_validation_clients, make_federated
 from fl_server.engine import RunConfig, Simulation, client_batches
 from fl_server.models import build_model
 
@@ -107,6 +107,19 @@ def test_resume_refuses_a_different_config(small_fed, tmp_path: Path) -> None:
     _sim(small_fed, "FedAvg", "vmap", rounds=1, out=tmp_path).run()
     with pytest.raises(ValueError, match="different run"):
         _sim(small_fed, "FedAvg", "vmap", rounds=1, out=tmp_path, lr=0.05).run()
+
+
+def test_validation_clients_choose_the_round(small_fed) -> None:
+    """With validation clients, val is the mean over them of the personalised accuracy on all their samples
+    (FedAvg: its global model), not the training clients' per-sample validation split."""
+    fed = hold_out_validation_clients(small_fed, 3)
+    sim = _sim(fed, "FedAvg", "vmap", rounds=1)
+    sim.run()
+    params = sim.server_state["params"]
+    expected = np.mean([sim._accuracy(params, idx) for idx in fed.val_clients])
+    per_sample = np.mean([sim._accuracy(params, idx) for idx in fed.val])
+    assert sim.evaluate_val(0) == pytest.approx(expected, abs=1e-12)
+    assert abs(expected - per_sample) > 1e-3  # the two validations differ, so the test can tell them apart
 
 
 def test_client_batches_walk_permutations() -> None:

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from fl_server.data import partitions
-from fl_server.data.federated import make_federated, rotation_concept_shift
+from fl_server.data.federated import hold_out_validation_clients, make_federated, rotation_concept_shift
 
 
 def _covers_exactly_once(parts: list[np.ndarray], n: int) -> None:
@@ -78,3 +78,17 @@ def test_split_errors() -> None:
         partitions.split_new_clients(10, 1.0, np.random.default_rng(0))
     with pytest.raises(ValueError, match="cannot split"):
         partitions.iid(np.zeros(5, np.int64), 6, np.random.default_rng(0))
+
+
+def test_validation_clients_leave_training_whole(mnist_all) -> None:
+    fed = make_federated(mnist_all, "dirichlet", 30, new_fraction=0.1, seed=0, alpha=0.5)
+    held = hold_out_validation_clients(fed, 4)
+    assert held.num_train_clients == fed.num_train_clients - 4 and held.new is fed.new
+    assert held.info["val_clients"] == 4 and "val_clients" not in fed.info
+    for j in range(4):  # all of a validation client's samples, and nothing of anyone else's
+        assert np.array_equal(np.sort(held.val_clients[j]), np.sort(np.concatenate([fed.train[j], fed.val[j]])))
+    training = np.concatenate(held.train + held.val)
+    assert not np.intersect1d(training, np.concatenate(held.val_clients)).size
+    assert len(training) + sum(map(len, held.val_clients)) == sum(map(len, fed.train + fed.val))
+    with pytest.raises(ValueError, match=r"validation clients must be between 1 and 26 \(the training clients less one\), got 27"):
+        hold_out_validation_clients(fed, 27)

@@ -16,7 +16,8 @@ from fl_server.algorithms import build_algorithm
 from fl_server.bench.experiments import Experiment, Protocol
 from fl_server.bench.rows import write_atomic
 from fl_server.data import load_dataset
-from fl_server.data.federated import FederatedData, make_federated, rotation_concept_shift
+from fl_server.data.federated import (FederatedData, hold_out_validation_clients, make_federated,
+                                     rotation_concept_shift)
 from fl_server.device import describe
 from fl_server.engine import RunConfig, RunResult, Simulation
 from fl_server.models import build_model
@@ -25,6 +26,7 @@ from fl_server.models import build_model
 def build_federated(protocol: Protocol, seed: int, data_root: str | None = None) -> FederatedData:
     """The protocol's clients: ``partition="rotation"`` is UPFL App. F's concept shift (``options["n_samples"]``
     samples, rotated per client); ``options["public_size"]`` holds a public set out of every client;
+    ``options["val_clients"]`` moves that many training clients out of training into client-level validation;
     ``options["max_samples"]`` first keeps that many random samples of the split (smoke profiles)."""
     dataset = load_dataset(protocol.dataset, root=data_root, split=protocol.split)
     if (keep := protocol.options.get("max_samples")) and keep < len(dataset):
@@ -32,9 +34,12 @@ def build_federated(protocol: Protocol, seed: int, data_root: str | None = None)
     if protocol.partition == "rotation":
         return rotation_concept_shift(dataset, seed, n_samples=protocol.options.get("n_samples", 1000),
                                       num_clients=protocol.num_clients, val_fraction=protocol.val_fraction)
-    return make_federated(dataset, protocol.partition, protocol.num_clients, protocol.new_fraction,
-                          protocol.val_fraction, seed=seed, alpha=protocol.alpha,
-                          public_size=protocol.options.get("public_size", 0))
+    fed = make_federated(dataset, protocol.partition, protocol.num_clients, protocol.new_fraction,
+                         protocol.val_fraction, seed=seed, alpha=protocol.alpha,
+                         public_size=protocol.options.get("public_size", 0))
+    if count := protocol.options.get("val_clients"):
+        fed = hold_out_validation_clients(fed, count)
+    return fed
 
 
 def build_simulation(protocol: Protocol, method: str, seed: int, run_dir: Path | None, device: str = "auto",

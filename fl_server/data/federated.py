@@ -17,7 +17,9 @@ PARTITIONS = ("pathological", "dirichlet", "iid", "incomplete")
 class FederatedData:
     """Index lists into ``dataset``: ``train[k]`` / ``val[k]`` belong to training client k,
     ``new[j]`` is new client j's whole (unlabeled at adaptation time) data set; ``public`` are samples held
-    out from every client (HeteroFedTTA's public unlabeled set D_p; empty unless asked for)."""
+    out from every client (HeteroFedTTA's public unlabeled set D_p; empty unless asked for);
+    ``val_clients[j]`` is validation client j's whole data set: a client held out of training and scored
+    like a new client to choose the best round (empty unless asked for, see :func:`hold_out_validation_clients`)."""
 
     dataset: ArrayDataset
     train: list[np.ndarray]
@@ -25,6 +27,7 @@ class FederatedData:
     new: list[np.ndarray]
     info: dict[str, Any] = field(default_factory=dict)
     public: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    val_clients: list[np.ndarray] = field(default_factory=list)
 
     @property
     def num_train_clients(self) -> int:
@@ -80,6 +83,21 @@ def make_federated(
     if public_size > 0:  # only then: ``info`` enters run fingerprints, existing runs must keep theirs
         info["public_size"] = public_size
     return FederatedData(dataset, list(train), list(val), new, info, public)
+
+
+def hold_out_validation_clients(fed: FederatedData, count: int) -> FederatedData:
+    """Client-level validation: the first ``count`` training clients leave training and become validation
+    clients (all their samples, scored like new clients), so that model selection sees whether a method
+    generalises to clients it never trained on. Per-sample validation splits cannot see that: a method that
+    memorises its training clients (ODPFL-HN's hypernetwork mapping their embeddings) scores well on them.
+    Training clients are in random order (:func:`partitions.split_new_clients` draws them at random and the
+    label partitions are exchangeable across clients), so the first ``count`` are a random choice."""
+    if not 0 < count < fed.num_train_clients:
+        raise ValueError(f"validation clients must be between 1 and {fed.num_train_clients - 1} "
+                         f"(the training clients less one), got {count}")
+    held = [np.concatenate([t, v]) for t, v in zip(fed.train[:count], fed.val[:count])]
+    return FederatedData(fed.dataset, fed.train[count:], fed.val[count:], fed.new,
+                         {**fed.info, "val_clients": count}, fed.public, held)
 
 
 def rotation_concept_shift(

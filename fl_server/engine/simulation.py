@@ -234,7 +234,10 @@ class Simulation:
         return float(np.mean(self.personalized_accuracies(clients)))
 
     def evaluate_val(self, round_: int) -> float:
-        """Mean over training clients of the accuracy on their validation split."""
+        """Mean over training clients of the accuracy on their validation split; with validation clients
+        (``fed.val_clients``), the mean over them of the personalised accuracy, as for new clients."""
+        if self.fed.val_clients:
+            return self._personalized_accuracy(self.fed.val_clients)
         if self.algorithm.adapts_at_test_time:
             return self._personalized_accuracy(self.fed.val)
         ids = np.arange(self.fed.num_train_clients)
