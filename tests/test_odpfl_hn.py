@@ -60,16 +60,17 @@ def test_personalize_noise_uses_the_clients_own_set_size(client_x: torch.Tensor)
         raw = alg.encoder.phi(alg.encoder.trunk(client_x[:50]))
         h = alg.encoder.per_sample(client_x[:50])
     assert np.allclose(h.double().numpy(), dp.unit_sphere(raw.double().numpy()), atol=1e-6)
-    lip = float(torch.linalg.matrix_norm(enc["psi.weight"].double(), ord=2))
     for n in (40, len(client_x)):
         x = client_x[:n]
-        e = alg.encode(enc, x)
+        with torch.no_grad():  # the pooled vector: mean of the unit-sphere per-sample outputs (B = 1)
+            pooled = alg.encoder.per_sample(x).mean(0).double()
+        assert float(pooled.norm()) <= 1.0 + 1e-6
         alg.dp_rng = np.random.default_rng(5)
         w = alg.personalize(state, x)
-        sigma = math.sqrt(2 * (2 * lip / n) ** 2 * math.log(1.25 / 0.01)) / 0.3
-        assert dp.gaussian_sigma(0.3, 0.01, n, lipschitz=lip) == pytest.approx(sigma)
-        noisy = e.double() + torch.from_numpy(np.random.default_rng(5).normal(0.0, sigma, e.shape))
-        expect = alg.generate(state["hn"], noisy.float())
+        sigma = math.sqrt(2 * (2 / n) ** 2 * math.log(1.25 / 0.01)) / 0.3  # sensitivity 2 B / |D| with the own |D|
+        noisy = pooled + torch.from_numpy(np.random.default_rng(5).normal(0.0, sigma, pooled.shape))
+        e = noisy @ enc["psi.weight"].double().T + enc["psi.bias"].double()  # psi: post-processing
+        expect = alg.generate(state["hn"], e.float())
         for k in w:
             assert torch.allclose(w[k], expect[k], atol=1e-5)
     # eps = inf: no noise

@@ -9,6 +9,13 @@ A novel client sends its deep-set embedding ``e = psi(mean_{x in D} phi(x))`` pl
 With the per-sample outputs ``phi(x)`` on the unit sphere (:func:`unit_sphere`) ``B_phi = 1``; ``L_psi`` is the
 Lipschitz constant of the linear map after the pooling (its spectral norm; 1 for plain averaging).
 ``|D|`` is the client's *own* data-set size, so larger clients need less noise.
+
+:func:`privatize_pooled` adds the noise one step earlier, to the pooled vector ``m = mean_{x in D} phi(x)``
+(sensitivity ``2 B / |D|``, L = 1), and then applies psi: psi is post-processing, so the guarantee is the same
+(eps, delta). It never loses utility against noise on e: the noise reaching e is ``W n`` with covariance
+``sigma^2 W W^T``, below the ``sigma^2 L^2 I`` of :func:`privatize_embedding` (``W W^T <= L^2 I``). With a
+strongly anisotropic psi (ODPFL-HN's standardized encoder scales some dimensions by ~1e3) the spectral-norm
+noise on e swamps every dimension; noise on m keeps each dimension's signal-to-noise ratio that of m.
 """
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ import math
 
 import numpy as np
 
-__all__ = ["gaussian_sigma", "privatize_embedding", "sensitivity", "unit_sphere"]
+__all__ = ["gaussian_sigma", "privatize_embedding", "privatize_pooled", "sensitivity", "unit_sphere"]
 
 
 def _check(epsilon: float, delta: float, set_size: int, bound: float, lipschitz: float) -> None:
@@ -63,6 +70,22 @@ def privatize_embedding(embedding: np.ndarray, epsilon: float, delta: float, set
     if sigma == 0.0:
         return e.copy()
     return e + rng.normal(0.0, sigma, size=e.shape)
+
+
+def privatize_pooled(pooled: np.ndarray, psi_weight: np.ndarray, psi_bias: np.ndarray, epsilon: float, delta: float,
+                     set_size: int, rng: np.random.Generator) -> np.ndarray:
+    """``psi(m + N(0, sigma^2 I))`` with ``psi(v) = W v + b`` and sigma for sensitivity ``2 / |D|``: ``pooled`` is
+    the mean of the client's unit-sphere per-sample vectors ``m`` [F], ``psi_weight`` [E, F], ``psi_bias`` [E];
+    returns the private embedding [E] (float64). ``set_size`` is the client's own |D|."""
+    m = np.asarray(pooled, dtype=np.float64)
+    w, b = np.asarray(psi_weight, dtype=np.float64), np.asarray(psi_bias, dtype=np.float64)
+    if m.ndim != 1 or w.shape != (b.shape[0], m.shape[0]) or b.ndim != 1:
+        raise ValueError(f"need pooled [F], psi_weight [E, F], psi_bias [E]; got {m.shape}, {w.shape}, {b.shape}")
+    if np.linalg.norm(m) > 1.0 + 1e-6:  # a mean of vectors of norm <= 1 (B = 1); else the sensitivity is wrong
+        raise ValueError(f"pooled has norm {np.linalg.norm(m):.4g} > 1: it must be the mean of unit-sphere vectors")
+    sigma = gaussian_sigma(epsilon, delta, set_size)
+    noisy = m + rng.normal(0.0, sigma, size=m.shape) if sigma > 0.0 else m
+    return w @ noisy + b
 
 
 def unit_sphere(rows: np.ndarray, eps: float = 1e-12) -> np.ndarray:

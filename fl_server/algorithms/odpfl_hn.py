@@ -25,8 +25,10 @@ Two-phase training (App. B.2, ``two_phase=True``), for when the end-to-end encod
            (Eq. 10) and the server averages the encoders (weighted by data size);
   phase 2: the encoder is frozen and theta is fine-tuned on w_i = f_theta(g_gamma(D_i)) (Eq. 11).
 Validation always uses the encoder's embedding of the client's data, the path a new client takes.
-New client (inference): it computes e_new = g_gamma(D_new) locally (optionally + Gaussian noise, Sec. 7,
-:mod:`edge_sdk.dp`) and sends only e_new; the server returns w_new = f_theta(e_new).
+New client (inference): it computes e_new = g_gamma(D_new) locally and sends only e_new; the server returns
+w_new = f_theta(e_new). With a finite dp_epsilon (Sec. 7) the Gaussian noise goes on the pooled vector, whose
+sensitivity is 2/|D|, before psi (:func:`edge_sdk.dp.privatize_pooled`; the same guarantee as Lemma 2's noise
+on e, which scales with psi's spectral norm, and less noise in every direction).
 
 State: ``params`` (f_theta(0), only so that generic helpers have a target model), ``hn`` (theta),
 ``hn_mom`` (theta's momentum buffers), ``enc`` (gamma); two-phase adds ``emb`` [N, E] and ``emb_mom`` (the
@@ -43,6 +45,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 
 from edge_sdk import dp as edge_dp
 from fl_server.algorithms.base import Algorithm, Hyper, LocalTrainer
@@ -105,8 +108,10 @@ class SetEncoder(nn.Module):
         half = h.shape[-1] // 2
         return torch.cat([h[:, :half].mean(0), h[:, half:].amax(0)])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.psi(self.pool(self.per_sample(x)))
+    def forward(self, x: torch.Tensor, pooled_only: bool = False) -> torch.Tensor:
+        """e = psi(pool(phi(x))); ``pooled_only``: the pooled vector before psi (where DP noise goes)."""
+        pooled = self.pool(self.per_sample(x))
+        return pooled if pooled_only else self.psi(pooled)
 
 
 class HyperNetwork(nn.Module):
@@ -212,17 +217,19 @@ class ODPFLHN(Algorithm):
         with torch.no_grad():
             return self.enc_fn(enc, x)
 
-    def privatize(self, enc: State, embedding: torch.Tensor, set_size: int,
-                  rng: np.random.Generator | None = None) -> torch.Tensor:
-        """e + N(0, sigma^2 I) (Sec. 7) with sigma from :func:`edge_sdk.dp.gaussian_sigma` for this client's
-        |D| = ``set_size``, B = 1 and L = spectral norm of psi (the linear map after the mean pooling)."""
+    def privatize(self, enc: State, x: torch.Tensor, rng: np.random.Generator | None = None) -> torch.Tensor:
+        """The private embedding of a new client's set ``x`` (Sec. 7): Gaussian noise for sensitivity 2/|D|
+        (B = 1, unit-sphere phi, mean pooling; |D| = len(x), the client's own) on the pooled vector, then psi
+        (:func:`edge_sdk.dp.privatize_pooled`; post-processing, so the same (eps, delta) as noise on e with
+        Lemma 2's 2 L B / |D|, and never noisier)."""
         if not self.hp.dp:
             raise ValueError("privatize needs the DP encoder (dp=True)")
-        lipschitz = float(torch.linalg.matrix_norm(enc["psi.weight"].detach().double(), ord=2))
-        noisy = edge_dp.privatize_embedding(embedding.detach().cpu().double().numpy(), self.hp.dp_epsilon,
-                                            self.hp.dp_delta, set_size, rng if rng is not None else self.dp_rng,
-                                            bound=1.0, lipschitz=lipschitz)
-        return torch.as_tensor(noisy, dtype=embedding.dtype, device=embedding.device)
+        with torch.no_grad():
+            pooled = functional_call(self.encoder, enc, (x,), {"pooled_only": True})
+        noisy = edge_dp.privatize_pooled(pooled.cpu().double().numpy(), enc["psi.weight"].detach().cpu().numpy(),
+                                         enc["psi.bias"].detach().cpu().numpy(), self.hp.dp_epsilon, self.hp.dp_delta,
+                                         len(x), rng if rng is not None else self.dp_rng)
+        return torch.as_tensor(noisy, dtype=x.dtype, device=x.device)
 
     def local_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> State:
         """ClientUpdate, one SGD step of CE on h(.; w) at ``local_lr`` (pure, vmappable)."""
@@ -355,10 +362,9 @@ class ODPFLHN(Algorithm):
 
     def personalize(self, server_state: State, x: torch.Tensor) -> State:
         """New client: e = g_gamma(x) (+ DP noise if dp_epsilon is finite) -> w = f_theta(e)."""
-        e = self.encode(server_state["enc"], x)
         if math.isfinite(self.hp.dp_epsilon):
-            e = self.privatize(server_state["enc"], e, len(x))
-        return self.generate(server_state["hn"], e)
+            return self.generate(server_state["hn"], self.privatize(server_state["enc"], x))
+        return self.generate(server_state["hn"], self.encode(server_state["enc"], x))
 
 
 # UPFL Table 4 (ODPFL-HN rows): local, encoder and hypernetwork learning rates per data set.
