@@ -113,6 +113,8 @@ def main() -> int:
     ap.add_argument("--window", type=int, default=20, help="rolling-accuracy window")
     ap.add_argument("--print-every", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--epsilon", type=float, default=float("inf"),
+                    help="odpfl-hn: the device's privacy budget for its embedding (needs a bundle of the DP encoder)")
     ap.add_argument("--wait", type=float, default=600, help="seconds to wait for the coordinator's bundle")
     ap.add_argument("--cache", default="runs/device-cache", help="the device's artifact cache")
     ap.add_argument("--data-dir", default=None)
@@ -157,7 +159,7 @@ def main() -> int:
                     f"{100 * fit.train_accuracy:.1f}%), uploaded its DLE ({reply['clients']} client DLE(s) + "
                     f"{'the bundle' if reply.get('base') else 'no'} training-time DLE in the aggregate)")
         else:
-            dm = personalize(bundle, warm, method, generate=client.generate)
+            dm = personalize(bundle, warm, method, generate=client.generate, epsilon=args.epsilon)
             baseline = personalize(bundle, warm, "none")
             predict, base_predict, steps = dm.logits, baseline.logits, dm.steps
             what = f"personalised with {args.method} on {len(warm)} unlabeled samples"

@@ -2,12 +2,12 @@
 
     python -m export.sdk_fixture OUT_DIR [--data-dir DIR]
 
-Writes ``OUT_DIR/fedtta_pp``, ``OUT_DIR/tent`` and ``OUT_DIR/odpfl_hn`` (bundles of a briefly meta-trained
-FedTTA++, a FedAvg-initialised TENT MLP and an initial ODPFL-HN encoder on real MNIST; the embedded digits
-when MNIST is absent), each signed (``manifest.sig``) with a fresh Ed25519 key whose public half is
+Writes ``OUT_DIR/fedtta_pp``, ``OUT_DIR/tent``, ``OUT_DIR/odpfl_hn`` and ``OUT_DIR/odpfl_hn_dp`` (bundles of a
+briefly meta-trained FedTTA++, a FedAvg-initialised TENT MLP and initial ODPFL-HN encoders, plain and DP, on
+real MNIST; the embedded digits when MNIST is absent), each signed (``manifest.sig``) with a fresh Ed25519 key whose public half is
 ``OUT_DIR/signing_key.pub`` (hex), and ``OUT_DIR/reference.npz``: a batch of real images and what torch
 computes for it (received-model logits, personalised logits, FedTTA++'s chosen iterate and entropy curve,
-the ODPFL-HN embedding). ``edge_sdk/tests`` checks the SDK against it. No pickle: weights and references are
+the ODPFL-HN embeddings, the DP encoder's pooled vector and one private embedding). ``edge_sdk/tests`` checks the SDK against it. No pickle: weights and references are
 plain ``.npz`` read with ``allow_pickle=False``.
 """
 from __future__ import annotations
@@ -73,6 +73,13 @@ def make_sdk_fixture(out: str | Path, data_root: str | None = None, n: int = 256
     hstate = hn.init_state(torch.float32, torch.device("cpu"))
     with torch.no_grad():
         ref["odpfl_embedding"] = hn.encode(hstate["enc"], x).numpy()
+    # the DP encoder (Sec. 7): the device adds its own noise to the pooled vector (edge_sdk.dp.privatize_pooled)
+    hn_dp = build_algorithm("ODPFL-HN", build_model("mlp", shape, 10, seed=3), 4, seed=3, dp=True, dp_epsilon=1.0)
+    dstate = hn_dp.init_state(torch.float32, torch.device("cpu"))
+    with torch.no_grad():
+        ref["odpfl_dp_embedding"] = hn_dp.encode(dstate["enc"], x).numpy()
+        ref["odpfl_dp_pooled"] = hn_dp.pooled(dstate["enc"], x).numpy()
+        ref["odpfl_dp_private_eps1_rng5"] = hn_dp.privatize(dstate["enc"], x, rng=np.random.default_rng(5)).numpy()
 
     signer = ManifestSigner.generate()
     (out / "signing_key.pub").write_text(signer.public_hex + "\n")
@@ -93,6 +100,11 @@ def make_sdk_fixture(out: str | Path, data_root: str | None = None, n: int = 256
         write_bundle(out / "odpfl_hn", graphs, {k: {p: v.numpy() for p, v in hstate[k].items()}
                                                 for k in ("params", "enc")},
                      "ODPFL-HN", dataclasses.asdict(hn.hp), extra={"dataset": name}, signer=signer)
+        graphs = export_specs({"forward": forward_spec(hn_dp.model, dstate["params"]),
+                               "encoder": encoder_spec(hn_dp, dstate["enc"])}, Path(tmp) / "hdp")
+        write_bundle(out / "odpfl_hn_dp", graphs, {k: {p: v.numpy() for p, v in dstate[k].items()}
+                                                   for k in ("params", "enc")},
+                     "ODPFL-HN", dataclasses.asdict(hn_dp.hp), extra={"dataset": name}, signer=signer)
     np.savez(out / "reference.npz", **ref)
     return out
 

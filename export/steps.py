@@ -80,11 +80,17 @@ def tent_step_spec(algorithm: Tent, psi: State, batch: int = 4) -> StepSpec:
 
 def encoder_spec(algorithm: ODPFLHN, gamma: State, batch: int = 4) -> StepSpec:
     """ODPFL-HN's set encoder on the device: the client's whole unlabeled set x [N, ...] -> e [E]; only e
-    leaves the device (the server's hypernetwork turns it into weights)."""
+    leaves the device (the server's hypernetwork turns it into weights). The DP encoder (``dp=True``) also
+    outputs the pooled vector m [F] (e = psi(m)), where the device adds its noise (edge_sdk.dp.privatize_pooled)."""
     names = list(gamma)
 
     def fn(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return (algorithm.enc_fn(dict(zip(names, weights)), x),)
+        g = dict(zip(names, weights))
+        if not algorithm.hp.dp:
+            return (algorithm.enc_fn(g, x),)
+        pooled = algorithm.pooled(g, x)
+        return torch.nn.functional.linear(pooled, g["psi.weight"], g["psi.bias"]), pooled
 
+    outputs = ["embedding", "pooled"] if algorithm.hp.dp else ["embedding"]
     return StepSpec(fn, [_example_x(algorithm.model, gamma, batch), *gamma.values()],
-                    ["x", *(f"gamma.{n}" for n in names)], ["embedding"])
+                    ["x", *(f"gamma.{n}" for n in names)], outputs)

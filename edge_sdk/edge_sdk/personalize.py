@@ -27,11 +27,13 @@ overflows raise a ValueError; an adaptation step that overflows ends adaptation 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
+from edge_sdk import dp
 from edge_sdk.bundle import Bundle, BundleError
 from edge_sdk.numerics import entropy
 from edge_sdk.steps import (StepRunner, Weights, check_batch, check_logits, check_weights, finite,
@@ -90,20 +92,34 @@ class Personalizer:
         feeds = {"x": x, **{n: w[n[len("psi."):]] for n in self._psi_inputs}}
         return check_logits(self.forward.run(["logits"], feeds)[0], x)
 
-    def embed(self, x: np.ndarray) -> np.ndarray:
-        """ODPFL-HN: the client embedding e = g_gamma(x) [E], computed here; it is all the server sees."""
+    def embed(self, x: np.ndarray, epsilon: float = math.inf, delta: float = 0.01,
+              rng: np.random.Generator | None = None) -> np.ndarray:
+        """ODPFL-HN: the client embedding e = g_gamma(x) [E], computed here; it is all the server sees. A finite
+        ``epsilon`` makes it (epsilon, delta)-differentially private for this set of |D| = len(x) samples
+        (ODPFL-HN Sec. 7; noise on the pooled vector, :func:`edge_sdk.dp.privatize_pooled`); the bundle must
+        come from the DP encoder (``dp=True``)."""
         if self.kind != "ODPFL-HN":
             raise BundleError(f"a {self.bundle.method} bundle has no client encoder")
         x = check_batch(x, self.encoder)
-        return check_logits(self.encoder.run(["embedding"], {"x": x, **self.gamma})[0], x)
+        feeds = {"x": x, **self.gamma}
+        if dp.gaussian_sigma(epsilon, delta, len(x)) == 0.0:  # also validates the budget (ValueError)
+            return check_logits(self.encoder.run(["embedding"], feeds)[0], x)
+        if "pooled" not in {o.name for o in self.encoder.get_outputs()}:
+            raise BundleError("this ODPFL-HN bundle's encoder is not the DP encoder (trained with dp=True), so its "
+                              "embedding has no known sensitivity: use epsilon=math.inf or a DP bundle")
+        pooled = check_logits(self.encoder.run(["pooled"], feeds)[0], x)
+        return dp.privatize_pooled(pooled, self.gamma["gamma.psi.weight"], self.gamma["gamma.psi.bias"], epsilon,
+                                   delta, len(x), rng if rng is not None else np.random.default_rng())
 
-    def personalize(self, x: np.ndarray, generate: Generate | None = None) -> Personalized:
-        """Adapt the received model on the client's unlabeled set ``x`` (float32, the model's input shape)."""
+    def personalize(self, x: np.ndarray, generate: Generate | None = None, epsilon: float = math.inf,
+                    delta: float = 0.01, rng: np.random.Generator | None = None) -> Personalized:
+        """Adapt the received model on the client's unlabeled set ``x`` (float32, the model's input shape).
+        ODPFL-HN: ``epsilon``, ``delta``, ``rng`` are the client's own privacy budget (:meth:`embed`)."""
         x = check_batch(x, self.forward)
         if self.kind == "ODPFL-HN":
             if generate is None:
                 raise BundleError("ODPFL-HN needs the coordinator's hypernetwork: pass generate=EdgeClient.generate")
-            w = generate(self.embed(x))
+            w = generate(self.embed(x, epsilon, delta, rng))
             if not isinstance(w, dict):
                 raise ValueError(f"generate returned {type(w).__name__}, not a dict of 'psi.<name>' arrays")
             try:
@@ -151,9 +167,10 @@ class DeviceModel:
 
 
 def personalize(bundle: Bundle, x: np.ndarray, method: str | None = None,
-                generate: Generate | None = None, threads: int | None = 1) -> DeviceModel:
+                generate: Generate | None = None, threads: int | None = 1, epsilon: float = math.inf,
+                delta: float = 0.01) -> DeviceModel:
     """Adapt ``bundle`` to the unlabeled batch ``x`` with ``method`` (default: the bundle's own; ``"none"``:
-    the received weights)."""
+    the received weights). ODPFL-HN: ``epsilon``/``delta`` privatise the embedding (:meth:`Personalizer.embed`)."""
     p = Personalizer(bundle, threads=threads, method=method)
-    result = p.personalize(x, generate)
+    result = p.personalize(x, generate, epsilon, delta)
     return DeviceModel(p, result.weights, result.steps)

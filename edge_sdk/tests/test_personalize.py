@@ -71,3 +71,32 @@ def test_int8_forward_is_smaller_and_agrees(sdk_fixture: Path, ref: dict[str, np
     # personalised weights always run on the fp32 graph (the int8 graph has the received weights baked in)
     result = int8.personalize(ref["x"])
     np.testing.assert_allclose(int8.predict(ref["x"], result.weights), ref["fedtta_pp_logits"], atol=TOL)
+
+
+def test_odpfl_embeddings_match_torch(sdk_fixture: Path, ref: dict[str, np.ndarray]) -> None:
+    np.testing.assert_allclose(Personalizer(load_bundle(sdk_fixture / "odpfl_hn")).embed(ref["x"]),
+                               ref["odpfl_embedding"], atol=1e-5)
+    p = Personalizer(load_bundle(sdk_fixture / "odpfl_hn_dp"))
+    np.testing.assert_allclose(p.embed(ref["x"]), ref["odpfl_dp_embedding"], atol=1e-5)  # eps = inf: no noise
+
+
+def test_odpfl_private_embedding_matches_the_server_mechanism(sdk_fixture: Path, ref: dict[str, np.ndarray]) -> None:
+    """The device's (eps = 1, delta = 0.01) embedding: noise on the pooled vector of its own |D| = len(x)
+    samples, then psi; the same draw as the server-side simulation (ODPFLHN.privatize) from the same rng."""
+    p = Personalizer(load_bundle(sdk_fixture / "odpfl_hn_dp"))
+    private = p.embed(ref["x"], epsilon=1.0, delta=0.01, rng=np.random.default_rng(5))
+    np.testing.assert_allclose(private, ref["odpfl_dp_private_eps1_rng5"], atol=1e-4)
+    assert np.abs(private - ref["odpfl_dp_embedding"]).max() > 1e-3  # the noise is there
+    fewer = p.embed(ref["x"][:32], epsilon=1.0, delta=0.01, rng=np.random.default_rng(5))
+    exact = p.embed(ref["x"][:32])
+    assert np.linalg.norm(fewer - exact) > np.linalg.norm(private - ref["odpfl_dp_embedding"])  # smaller |D|: more noise
+
+
+def test_odpfl_privacy_needs_a_dp_bundle_and_a_valid_budget(sdk_fixture: Path, ref: dict[str, np.ndarray]) -> None:
+    with pytest.raises(BundleError, match="not the DP encoder"):
+        Personalizer(load_bundle(sdk_fixture / "odpfl_hn")).embed(ref["x"], epsilon=1.0)
+    p = Personalizer(load_bundle(sdk_fixture / "odpfl_hn_dp"))
+    with pytest.raises(ValueError, match="epsilon must be > 0"):
+        p.embed(ref["x"], epsilon=0.0)
+    with pytest.raises(ValueError, match="delta must lie in"):
+        p.embed(ref["x"], epsilon=1.0, delta=1.5)

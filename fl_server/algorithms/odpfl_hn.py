@@ -217,6 +217,11 @@ class ODPFLHN(Algorithm):
         with torch.no_grad():
             return self.enc_fn(enc, x)
 
+    def pooled(self, enc: State, x: torch.Tensor) -> torch.Tensor:
+        """The pooled vector before psi, [N, *input_shape] -> [width] (DP encoder: the mean of unit-sphere
+        per-sample outputs, norm <= 1); e = psi(pooled)."""
+        return functional_call(self.encoder, enc, (x,), {"pooled_only": True})
+
     def privatize(self, enc: State, x: torch.Tensor, rng: np.random.Generator | None = None) -> torch.Tensor:
         """The private embedding of a new client's set ``x`` (Sec. 7): Gaussian noise for sensitivity 2/|D|
         (B = 1, unit-sphere phi, mean pooling; |D| = len(x), the client's own) on the pooled vector, then psi
@@ -225,7 +230,7 @@ class ODPFLHN(Algorithm):
         if not self.hp.dp:
             raise ValueError("privatize needs the DP encoder (dp=True)")
         with torch.no_grad():
-            pooled = functional_call(self.encoder, enc, (x,), {"pooled_only": True})
+            pooled = self.pooled(enc, x)
         noisy = edge_dp.privatize_pooled(pooled.cpu().double().numpy(), enc["psi.weight"].detach().cpu().numpy(),
                                          enc["psi.bias"].detach().cpu().numpy(), self.hp.dp_epsilon, self.hp.dp_delta,
                                          len(x), rng if rng is not None else self.dp_rng)
