@@ -62,7 +62,33 @@ def main() -> None:
         })
         print(f"{group}: ODPFL-HN - FedAvg = {rows[-1]['value']:+.2f} points "
               f"(ODPFL-HN better on {rows[-1]['odpfl_hn_wins']} of {len(clients)} clients)")
-    merge_rows(args.out, rows, key=("dataset", "seed", "clients"))
+    merged = merge_rows(args.out, rows, key=("dataset", "seed", "clients"))
+    merge_rows(args.out, pooled_over_seeds(merged, args.dataset, command), key=("dataset", "seed", "clients"))
+
+
+def pooled_over_seeds(rows: list[dict], dataset: str, command: str) -> list[dict]:
+    """One row per client group with the per-seed rows of ``dataset`` pooled: the mean and std over seeds of
+    the 10-client mean difference (the quantity the criterion compares) and the wins over all clients."""
+    pooled = []
+    for group in ("new", "validation"):
+        per_seed = sorted((r for r in rows if r["dataset"] == dataset and r["clients"] == group
+                           and isinstance(r["seed"], int)), key=lambda r: r["seed"])
+        if len(per_seed) < 2:
+            continue
+        diffs = np.array([r["value"] for r in per_seed])
+        pooled.append({
+            "what": f"odpfl-dirichlet {dataset} seeds {[r['seed'] for r in per_seed]}: {group} clients, "
+                    f"ODPFL-HN minus FedAvg",
+            "metric": "mean over seeds of the mean accuracy difference (points)",
+            "value": round(float(diffs.mean()), 2), "std_over_seeds": round(float(diffs.std()), 2),
+            "per_seed": diffs.tolist(), "dataset": dataset, "seed": "pooled", "clients": group,
+            "odpfl_hn_wins": sum(r["odpfl_hn_wins"] for r in per_seed),
+            "fedavg_wins": sum(r["fedavg_wins"] for r in per_seed),
+            "clients_total": sum(len(r["fedavg_per_client"]) for r in per_seed),
+            "device": per_seed[-1]["device"], "command": command + " (pooled over the seeds already in the file)",
+        })
+        print(f"{group}, {len(per_seed)} seeds: ODPFL-HN - FedAvg = {diffs.mean():+.2f} +- {diffs.std():.2f} points")
+    return pooled
 
 
 if __name__ == "__main__":
