@@ -47,6 +47,13 @@ def main() -> None:
         state = load_state(best, sim.device)
         per_method[method] = {group: [round(100 * a, 2) for a in sim.personalized_accuracies(clients, state)]
                               for group, clients in (("new", fed.new), ("validation", fed.val_clients))}
+        if method == "ODPFL-HN":  # the same hypernetwork without personalisation: one model for every client
+            alg = sim.algorithm
+            emb = alg.embed_clients(state["enc"], np.arange(fed.num_train_clients))
+            mean_model = alg.generate(state["hn"], emb.mean(0))
+            per_method["ODPFL-HN mean embedding"] = {
+                group: [round(100 * sim._accuracy(mean_model, c), 2) for c in clients]
+                for group, clients in (("new", fed.new), ("validation", fed.val_clients))}
     command = "python scripts/odpfl_client_breakdown.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     rows = []
     for group, clients in (("new", fed.new), ("validation", fed.val_clients)):
@@ -57,11 +64,15 @@ def main() -> None:
             "dataset": args.dataset, "seed": args.seed, "clients": group,
             "odpfl_hn_wins": int(np.sum(odpfl > fedavg)), "fedavg_wins": int(np.sum(fedavg > odpfl)),
             "fedavg_per_client": fedavg.tolist(), "odpfl_hn_per_client": odpfl.tolist(),
+            "odpfl_hn_mean_embedding_per_client": per_method["ODPFL-HN mean embedding"][group],
+            "odpfl_hn_personalisation_gain": round(float(np.mean(
+                odpfl - np.array(per_method["ODPFL-HN mean embedding"][group]))), 2),
             "largest_class_share": [round(float(np.bincount(fed.dataset.y[c]).max() / len(c)), 2) for c in clients],
             "client_sizes": [len(c) for c in clients], "device": describe(torch.device("cpu")), "command": command,
         })
         print(f"{group}: ODPFL-HN - FedAvg = {rows[-1]['value']:+.2f} points "
-              f"(ODPFL-HN better on {rows[-1]['odpfl_hn_wins']} of {len(clients)} clients)")
+              f"(ODPFL-HN better on {rows[-1]['odpfl_hn_wins']} of {len(clients)} clients); own embedding - "
+              f"mean embedding = {rows[-1]['odpfl_hn_personalisation_gain']:+.2f}")
     merged = merge_rows(args.out, rows, key=("dataset", "seed", "clients"))
     merge_rows(args.out, pooled_over_seeds(merged, args.dataset, command), key=("dataset", "seed", "clients"))
 
