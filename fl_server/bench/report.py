@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from fl_server.bench.criteria import status_section
 from fl_server.bench.experiments import EXPERIMENTS
 from fl_server.bench.plots import PLOTS
 from fl_server.bench.rows import write_atomic
@@ -72,9 +73,10 @@ def benchmark_section(name: str, rows: list[dict[str, Any]]) -> str:
 
 
 def write_report(docs: Path = Path("docs")) -> Path:
-    parts = [HEADER]
-    for path in sorted((docs / "results").glob("*.json")):
-        rows = json.loads(path.read_text())
+    tables = {path.stem: json.loads(path.read_text()) for path in sorted((docs / "results").glob("*.json"))}
+    parts = [HEADER, status_section({k: v for k, v in tables.items() if all("mean" in r for r in v)})]
+    for name, rows in tables.items():
+        path = docs / "results" / f"{name}.json"
         # seed-aggregated experiment tables; other result files (probes, sweeps) as generic rows
         section = experiment_section if all("mean" in r for r in rows) else benchmark_section
         parts.append(section(path.stem, rows))

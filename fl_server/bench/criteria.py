@@ -1,0 +1,178 @@
+"""The issues' acceptance criteria, checked against the result tables (``docs/results/*.json``).
+
+``fl-server report`` puts the verdicts at the top of docs/RESULTS.md, so what reproduces and what does not is
+read off the measured rows, never typed in. A criterion is *met* when it holds on the means and every row it
+reads has at least ``SEEDS`` seeds; *not met* when it fails with that many seeds; *partial* when a row has
+fewer seeds (the verdict so far is shown); *missing* when a row it needs is absent. Thresholds are the issues'
+(papers' numbers minus the stated tolerance), comparisons are "at or above" on the mean over seeds.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from fl_server.bench.experiments import EXPERIMENTS
+
+Row = dict[str, Any]
+Results = dict[str, list[Row]]
+
+SEEDS = 3  # every criterion asks for 3 seeds
+
+
+@dataclass(frozen=True)
+class Verdict:
+    status: str  # "met" | "not met" | "partial" | "missing"
+    measured: str  # the numbers the verdict rests on, from the rows
+
+
+@dataclass(frozen=True)
+class Criterion:
+    issue: int
+    text: str
+    check: Callable[[Results], Verdict]
+
+
+def find(results: Results, experiment: str, dataset: str, method: str, split: str = "test",
+         **fields: Any) -> Row | None:
+    """The row of ``experiment`` for (dataset, method, split) whose extra fields (column, shift, ...) match."""
+    for r in results.get(experiment, []):
+        if (r["dataset"], r["method"], r["split"]) == (dataset, method, split) and \
+                all(r.get(k) == v for k, v in fields.items()):
+            return r
+    return None
+
+
+def _show(row: Row) -> str:
+    return f"{row['method']} {row['mean']:.2f} ({row['seeds']} seed{'s' if row['seeds'] != 1 else ''})"
+
+
+def _verdict(ok: bool, rows: Iterable[Row], measured: str, comparison: bool = True) -> Verdict:
+    fewest = min(r["seeds"] for r in rows)
+    if fewest >= SEEDS:
+        return Verdict("met" if ok else "not met", measured)
+    so_far = f", {'passing' if ok else 'failing'} so far" if comparison else ""
+    return Verdict("partial", f"{measured}; {fewest} of {SEEDS} seeds{so_far}")
+
+
+def _missing(what: str) -> Verdict:
+    return Verdict("missing", f"no row for {what}")
+
+
+def at_least(experiment: str, dataset: str, method: str, threshold: float, **fields: Any) -> Callable[[Results], Verdict]:
+    def check(results: Results) -> Verdict:
+        row = find(results, experiment, dataset, method, **fields)
+        if row is None:
+            return _missing(f"{experiment} {dataset} {method}")
+        return _verdict(row["mean"] >= threshold, [row], f"{_show(row)} vs >= {threshold:.2f}")
+    return check
+
+
+def beats(experiment: str, dataset: str, method: str, others: tuple[str, ...], margin: float = 0.0,
+          strict: bool = False, splits: tuple[str, ...] = ("test",),
+          fields: tuple[dict[str, Any], ...] = ({},)) -> Callable[[Results], Verdict]:
+    """``method`` at or above (``strict``: above) each of ``others`` plus ``margin``, on every (split, fields)."""
+    def check(results: Results) -> Verdict:
+        ok, rows, parts = True, [], []
+        for split in splits:
+            for f in fields:
+                mine = find(results, experiment, dataset, method, split, **f)
+                if mine is None:
+                    return _missing(f"{experiment} {dataset} {method} {split} {f or ''}")
+                rows.append(mine)
+                label = " ".join(str(v) for v in f.values())
+                for other in others:
+                    theirs = find(results, experiment, dataset, other, split, **f)
+                    if theirs is None:
+                        return _missing(f"{experiment} {dataset} {other} {split} {f or ''}")
+                    rows.append(theirs)
+                    gap = mine["mean"] - theirs["mean"] - margin
+                    ok &= gap > 0 if strict else gap >= 0
+                    parts.append(f"{label + ': ' if label else ''}{mine['mean']:.2f} vs {other} {theirs['mean']:.2f}"
+                                 + (f" + {margin:g}" if margin else ""))
+        return _verdict(ok, rows, f"{method}: " + "; ".join(parts))
+    return check
+
+
+def within(experiment: str, dataset: str, a: str, b: str, tol: float, **fields: Any) -> Callable[[Results], Verdict]:
+    def check(results: Results) -> Verdict:
+        ra, rb = (find(results, experiment, dataset, m, **fields) for m in (a, b))
+        if ra is None or rb is None:
+            return _missing(f"{experiment} {dataset} {a if ra is None else b}")
+        gap = abs(ra["mean"] - rb["mean"])
+        return _verdict(gap <= tol, [ra, rb], f"{_show(ra)}, {_show(rb)}: gap {gap:.2f} vs <= {tol:g}")
+    return check
+
+
+def table_complete(experiment: str) -> Callable[[Results], Verdict]:
+    """Every method the experiment defines has rows, all with at least SEEDS seeds."""
+    methods = EXPERIMENTS[experiment].methods
+
+    def check(results: Results) -> Verdict:
+        rows = results.get(experiment, [])
+        absent = [m for m in methods if not any(r["method"] == m for r in rows)]
+        if not rows or absent:
+            return _missing(f"{experiment} {', '.join(absent) if rows else '(no table)'}")
+        seeds = {m: min(r["seeds"] for r in rows if r["method"] == m) for m in methods}
+        return _verdict(True, rows, "seeds per method: " + ", ".join(f"{m} {s}" for m, s in seeds.items()),
+                        comparison=False)
+    return check
+
+
+_COVARIATE = tuple({"shift": f"covariate-s{s}"} for s in (1, 3, 5))
+
+CRITERIA: tuple[Criterion, ...] = (
+    Criterion(2, "UPFL Table 1 MNIST: FedAvg new clients >= paper 94.69 - 2", at_least("upfl-table1", "mnist", "FedAvg", 92.69)),
+    Criterion(2, "UPFL Table 1 Fashion-MNIST: FedAvg new clients >= paper 86.99 - 2",
+              at_least("upfl-table1", "fashion_mnist", "FedAvg", 84.99)),
+    Criterion(2, "UPFL Table 1 MNIST: TENT new clients >= 97.0", at_least("upfl-table1", "mnist", "TENT", 97.0)),
+    Criterion(2, "UPFL Table 1 Fashion-MNIST: TENT new clients >= 93.0", at_least("upfl-table1", "fashion_mnist", "TENT", 93.0)),
+    Criterion(3, "UPFL Table 1 MNIST: FedTTA++ new clients >= 98.0", at_least("upfl-table1", "mnist", "FedTTA++", 98.0)),
+    Criterion(3, "UPFL Table 1 Fashion-MNIST: FedTTA++ new clients >= 95.0",
+              at_least("upfl-table1", "fashion_mnist", "FedTTA++", 95.0)),
+    *(Criterion(3, f"UPFL Table 1 {name}: {m} >= FedAvg + 3 on new clients",
+                beats("upfl-table1", ds, m, ("FedAvg",), margin=3.0))
+      for ds, name in (("mnist", "MNIST"), ("fashion_mnist", "Fashion-MNIST"))
+      for m in ("FedTTA", "FedTTA-Prox", "FedTTA++")),
+    Criterion(3, "upfl-concept-shift table with 3 seeds",
+              table_complete("upfl-concept-shift")),
+    Criterion(3, "upfl-data-size table with 3 seeds",
+              table_complete("upfl-data-size")),
+    Criterion(3, "upfl-hetero table (lambda in {0, 0.1, 1}) with 3 seeds", table_complete("upfl-hetero")),
+    Criterion(4, "UPFL Table 1 MNIST: ODPFL-HN new clients >= paper 95.67 - 2",
+              at_least("upfl-table1", "mnist", "ODPFL-HN", 93.67)),
+    Criterion(4, "UPFL Table 1 Fashion-MNIST: ODPFL-HN new clients >= paper 85.27 - 2",
+              at_least("upfl-table1", "fashion_mnist", "ODPFL-HN", 83.27)),
+    *(Criterion(4, f"odpfl-dirichlet Fashion-MNIST Dir({a}): ODPFL-HN >= FedAvg on new clients",
+                beats("odpfl-dirichlet", f"fashion_mnist-a{a}", "ODPFL-HN", ("FedAvg",))) for a in ("0.1", "1")),
+    Criterion(4, "odpfl-dp table with 3 seeds", table_complete("odpfl-dp")),
+    Criterion(5, "btgfl Fashion-MNIST average: BTFL >= FedTHE and FedAvg+FT (batch 32)",
+              beats("btgfl", "fashion_mnist", "BTFL (bs=32)", ("FedTHE (bs=32)", "FedAvg+FT"),
+                    fields=({"column": "avg"},))),
+    Criterion(5, "btgfl Fashion-MNIST average: BTFL at batch 1 and 32 within 0.5",
+              within("btgfl", "fashion_mnist", "BTFL (bs=1)", "BTFL (bs=32)", 0.5, column="avg")),
+    *(Criterion(6, f"fedicon-shift {ds}: FedICON above FedAvg and TENT under covariate shift (severity 1/3/5)",
+                beats("fedicon-shift", ds, "FedICON", ("FedAvg", "TENT"), strict=True, fields=_COVARIATE))
+      for ds in ("mnist", "fashion_mnist")),
+    *(Criterion(6, f"fedicon-shift {ds}: FedICON above FedICON w/o TTA under covariate shift (the TTA gain)",
+                beats("fedicon-shift", ds, "FedICON", ("FedICON w/o TTA",), strict=True, fields=_COVARIATE))
+      for ds in ("mnist", "fashion_mnist")),
+    *(Criterion(6, f"map-incomplete {ds}: MAP personalization >= FedAvg and FedPHP",
+                beats("map-incomplete", ds, "MAP", ("FedAvg", "FedPHP"), splits=("personalization",)))
+      for ds in ("fashion_mnist-paper", "fashion_mnist-lenet-paper")),
+    *(Criterion(6, f"map-incomplete {ds}: MAP aggregation >= FedAvg",
+                beats("map-incomplete", ds, "MAP", ("FedAvg",), splits=("aggregation",)))
+      for ds in ("fashion_mnist-paper", "fashion_mnist-lenet-paper")),
+)
+
+
+def status_section(results: Results, criteria: Iterable[Criterion] = CRITERIA) -> str:
+    """The markdown table of verdicts for docs/RESULTS.md."""
+    lines = ["## Reproduction status", "",
+             "Each issue's measurable acceptance criteria, checked by `fl_server/bench/criteria.py` against the "
+             f"tables below (means over seeds; met = holds with {SEEDS} seeds; partial = fewer seeds so far).", "",
+             "| issue | criterion | status | measured |", "|---|---|---|---|"]
+    for c in criteria:
+        v = c.check(results)
+        lines.append(f"| #{c.issue} | {c.text} | {v.status} | {v.measured.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,73 @@
+"""The reproduction-status table: verdicts from result rows (met / not met / partial / missing)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fl_server.bench.criteria import CRITERIA, Criterion, at_least, beats, status_section, table_complete, within
+from fl_server.bench.report import write_report
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def row(method: str, mean: float, seeds: int = 3, dataset: str = "mnist", split: str = "test", **fields) -> dict:
+    return {"experiment": "x", "dataset": dataset, "method": method, "split": split, "mean": mean, "std": 0.0,
+            "seeds": seeds, "device": "cpu", **fields}
+
+
+def test_at_least_statuses() -> None:
+    check = at_least("x", "mnist", "FedAvg", 92.69)
+    assert check({"x": [row("FedAvg", 92.69)]}).status == "met"  # "at or above" includes equality
+    assert check({"x": [row("FedAvg", 92.68)]}).status == "not met"
+    partial = check({"x": [row("FedAvg", 95.0, seeds=2)]})
+    assert partial.status == "partial" and "2 of 3 seeds, passing so far" in partial.measured
+    assert check({"x": [row("FedAvg", 95.0, split="val")]}).status == "missing"  # the test split is required
+    assert check({}).status == "missing"
+
+
+def test_beats_margin_strictness_and_fields() -> None:
+    rows = [row("A", 96.0), row("B", 93.0)]
+    assert beats("x", "mnist", "A", ("B",), margin=3.0)({"x": rows}).status == "met"
+    assert beats("x", "mnist", "A", ("B",), margin=3.0, strict=True)({"x": rows}).status == "not met"
+    shifted = [row("A", 80.0, shift="s1"), row("B", 79.0, shift="s1"), row("A", 70.0, shift="s3"),
+               row("B", 71.0, shift="s3")]
+    check = beats("x", "mnist", "A", ("B",), strict=True, fields=({"shift": "s1"}, {"shift": "s3"}))
+    verdict = check({"x": shifted})
+    assert verdict.status == "not met" and "s3: 70.00 vs B 71.00" in verdict.measured
+    assert beats("x", "mnist", "A", ("C",))({"x": rows}).status == "missing"
+    # the fewest seeds of any row read decides partial
+    assert beats("x", "mnist", "A", ("B",))({"x": [row("A", 96.0), row("B", 93.0, seeds=1)]}).status == "partial"
+
+
+def test_within_and_table_complete() -> None:
+    rows = [row("P", 66.15, column="avg"), row("Q", 66.70, column="avg")]
+    assert within("x", "mnist", "P", "Q", 0.5, column="avg")({"x": rows}).status == "not met"
+    assert within("x", "mnist", "P", "Q", 0.6, column="avg")({"x": rows}).status == "met"
+    check = table_complete("odpfl-dp")  # methods from the experiment registry: FedAvg, ODPFL-HN
+    assert check({"odpfl-dp": [row("FedAvg", 1.0)]}).status == "missing"
+    verdict = check({"odpfl-dp": [row("FedAvg", 1.0), row("ODPFL-HN", 1.0, seeds=1)]})
+    assert verdict.status == "partial" and "so far" not in verdict.measured
+
+
+def test_status_section_on_the_committed_tables(tmp_path: Path) -> None:
+    """Every criterion renders one line from the real docs/results tables; write_report puts it first."""
+    tables = {p.stem: json.loads(p.read_text()) for p in sorted((REPO / "docs" / "results").glob("*.json"))}
+    text = status_section({k: v for k, v in tables.items() if all("mean" in r for r in v)})
+    lines = [line for line in text.splitlines() if line.startswith("| #")]
+    assert len(lines) == len(CRITERIA)
+    assert all(line.split(" | ")[2] in {"met", "not met", "partial", "missing"} for line in lines)
+    mnist_fedavg = next(line for line in lines if "Table 1 MNIST: FedAvg" in line)
+    fedavg = next(r for r in tables["upfl-table1"]
+                  if (r["dataset"], r["method"], r["split"]) == ("mnist", "FedAvg", "test"))
+    assert f"{fedavg['mean']:.2f}" in mnist_fedavg
+    docs = tmp_path / "docs"
+    (docs / "results").mkdir(parents=True)
+    (docs / "results" / "upfl-table1.json").write_text(json.dumps([row("FedAvg", 99.0) | {"experiment": "upfl-table1"}]))
+    report = write_report(docs).read_text()
+    assert report.index("## Reproduction status") < report.index("## upfl-table1")
+    assert "| #2 | UPFL Table 1 MNIST: FedAvg new clients >= paper 94.69 - 2 | met |" in report
+
+
+def test_criterion_is_a_plain_record() -> None:
+    c = Criterion(9, "t", at_least("x", "mnist", "A", 1.0))
+    assert c.check({"x": [row("A", 2.0)]}).status == "met"
