@@ -297,7 +297,9 @@ EXPERIMENTS["odpfl-dirichlet"] = Experiment(
                 "(ODPFL_PAPER_HP). ODPFL-HN paper Table 1 is CIFAR-10 (Dir(0.1) 66.0 vs FedAvg 58.7; Dir(1) 62.9 "
                 "vs 48.4). Reading: with 10 new clients the mean moves by several points with which clients are "
                 "new (per-client accuracies: docs/results/odpfl-client-breakdown.json); ODPFL-HN wins large on "
-                "some clients and loses large on others (docs/architecture.md, ODPFL-HN).",
+                "some clients and loses large on others; at Dir(1) a client's own embedding adds about nothing over "
+                "the mean embedding, the hypernetwork serves nearly one model and it stays below FedAvg's "
+                "(docs/architecture.md, ODPFL-HN).",
 )
 EXPERIMENTS["odpfl-dp"] = Experiment(
     name="odpfl-dp", methods=("FedAvg", "ODPFL-HN"),
