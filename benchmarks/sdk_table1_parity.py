@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from edge_sdk.bundle import load_bundle
 from edge_sdk.personalize import Personalizer
@@ -34,7 +35,7 @@ def measure(run_dir: Path, data_dir: str | None, work: Path, command: str) -> di
     state = {k: {n: v.float() for n, v in d.items()} for k, d in load_state(run_dir / "best.npz").items()}
     device = Personalizer(load_bundle(export_run(run_dir, work / run_dir.name)))
     acc_torch, acc_sdk, agree = [], [], []
-    for idx in fed.new:
+    for idx in tqdm(fed.new, desc=f"{run_dir.name}: new clients", unit="client"):
         x, y = ds.x[idx], ds.y[idx]
         xt = torch.from_numpy(x)
         with torch.enable_grad():
@@ -50,6 +51,7 @@ def measure(run_dir: Path, data_dir: str | None, work: Path, command: str) -> di
             "metric": "accuracy_diff_points_sdk_minus_torch", "value": round(s - t, 3),
             "accuracy_torch": round(t, 3), "accuracy_sdk": round(s, 3),
             "prediction_agreement": round(100 * float(np.mean(agree)), 3), "new_clients": len(fed.new),
+            "protocol_rounds": run["protocol"]["rounds"],
             "device_kind": device.kind, "run": str(run_dir), "device": "cpu", "torch": torch.__version__,
             "command": command}
 
