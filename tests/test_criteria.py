@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fl_server.bench.criteria import CRITERIA, Criterion, at_least, beats, status_section, table_complete, within
+from fl_server.bench.criteria import (CRITERIA, SDK_BENCHMARK, Criterion, at_least, beats, sdk_parity,
+                                      status_section, table_complete, within)
 from fl_server.bench.report import write_report
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,3 +72,30 @@ def test_status_section_on_the_committed_tables(tmp_path: Path) -> None:
 def test_criterion_is_a_plain_record() -> None:
     c = Criterion(9, "t", at_least("x", "mnist", "A", 1.0))
     assert c.check({"x": [row("A", 2.0)]}).status == "met"
+
+
+def test_sdk_parity_reads_the_edge_sdk_rows() -> None:
+    def parity(what: str, value: float, **extra) -> dict:
+        return {"benchmark": "edge-sdk", "what": what, "metric": "accuracy_diff_points_sdk_minus_torch",
+                "value": value, **extra}
+    check = sdk_parity("new-client parity SDK vs torch, FedTTA++ mnist")
+    rows = [parity("new-client parity SDK vs torch, FedTTA++ mnist seed 0", 0.0),
+            parity("new-client parity SDK vs torch, FedTTA++ mnist seed 1", -0.1, protocol_rounds=5),
+            parity("new-client parity SDK vs torch, FedTTA++ digits seed 0", 3.0)]  # another data set: not read
+    verdict = check({SDK_BENCHMARK: rows})
+    assert verdict.status == "met" and "seed 1 (5-round run): -0.100" in verdict.measured
+    rows.append(parity("new-client parity SDK vs torch, FedTTA++ mnist seed 2", 0.101))
+    assert check({SDK_BENCHMARK: rows}).status == "not met"  # any run outside the tolerance fails
+    assert check({}).status == "missing"
+
+
+def test_report_feeds_the_edge_sdk_benchmark_to_the_verdicts(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    (docs / "results").mkdir(parents=True)
+    (docs / "benchmarks").mkdir()
+    (docs / "benchmarks" / "edge-sdk.json").write_text(json.dumps([
+        {"benchmark": "edge-sdk", "what": "new-client parity SDK vs torch, TENT mnist seed 0",
+         "metric": "accuracy_diff_points_sdk_minus_torch", "value": 0.5}]))
+    report = write_report(docs).read_text()
+    assert "| #7 | edge_sdk new-client parity with torch within 0.1 point: TENT MNIST | not met |" in report
+    assert "| #7 | edge_sdk new-client parity with torch within 0.1 point: TENT Fashion-MNIST | missing |" in report

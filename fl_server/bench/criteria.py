@@ -119,6 +119,24 @@ def table_complete(experiment: str) -> Callable[[Results], Verdict]:
     return check
 
 
+SDK_BENCHMARK = "benchmark:edge-sdk"  # the key under which status_section gets docs/benchmarks/edge-sdk.json
+
+
+def sdk_parity(what: str, tol: float = 0.1) -> Callable[[Results], Verdict]:
+    """Every edge-sdk parity row whose ``what`` starts with ``what``: |SDK - torch| mean accuracy <= ``tol``
+    points. A parity row is one run, not a mean over seeds, so there is no partial verdict."""
+    def check(results: Results) -> Verdict:
+        rows = [r for r in results.get(SDK_BENCHMARK, []) if str(r.get("what", "")).startswith(what)]
+        if not rows:
+            return _missing(f"edge-sdk {what}")
+        ok = all(abs(float(r["value"])) <= tol for r in rows)
+        parts = [f"{r['what'][len(what):].strip() or r['what']}"
+                 + (f" ({r['protocol_rounds']}-round run)" if "protocol_rounds" in r else "")
+                 + f": {float(r['value']):+.3f}" for r in rows]
+        return Verdict("met" if ok else "not met", f"SDK - torch (points): {'; '.join(parts)}; abs diff <= {tol:g}")
+    return check
+
+
 _COVARIATE = tuple({"shift": f"covariate-s{s}"} for s in (1, 3, 5))
 
 CRITERIA: tuple[Criterion, ...] = (
@@ -163,6 +181,14 @@ CRITERIA: tuple[Criterion, ...] = (
     *(Criterion(6, f"map-incomplete {ds}: MAP aggregation >= FedAvg",
                 beats("map-incomplete", ds, "MAP", ("FedAvg",), splits=("aggregation",)))
       for ds in ("fashion_mnist-paper", "fashion_mnist-lenet-paper")),
+    *(Criterion(7, f"edge_sdk new-client parity with torch within 0.1 point: {m} {name}",
+                sdk_parity(f"{prefix} parity SDK vs torch, {m} {ds}" if prefix == "new-client"
+                           else f"{prefix} parity SDK vs torch, btgfl {ds}"))
+      for prefix, m, ds, name in (("new-client", "FedTTA++", "mnist", "MNIST"),
+                                  ("new-client", "FedTTA++", "fashion_mnist", "Fashion-MNIST"),
+                                  ("new-client", "TENT", "mnist", "MNIST"),
+                                  ("new-client", "TENT", "fashion_mnist", "Fashion-MNIST"),
+                                  ("BTFL", "BTFL", "fashion_mnist", "Fashion-MNIST (btgfl)"))),
 )
 
 
@@ -170,7 +196,8 @@ def status_section(results: Results, criteria: Iterable[Criterion] = CRITERIA) -
     """The markdown table of verdicts for docs/RESULTS.md."""
     lines = ["## Reproduction status", "",
              "Each issue's measurable acceptance criteria, checked by `fl_server/bench/criteria.py` against the "
-             f"tables below (means over seeds; met = holds with {SEEDS} seeds; partial = fewer seeds so far).", "",
+             f"tables below (means over seeds; met = holds with {SEEDS} seeds; partial = fewer seeds so far; "
+             "the device-parity rows of #7 are single runs from docs/benchmarks/edge-sdk.json).", "",
              "| issue | criterion | status | measured |", "|---|---|---|---|"]
     for c in criteria:
         v = c.check(results)

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fl_server.bench.criteria import status_section
+from fl_server.bench.criteria import SDK_BENCHMARK, status_section
 from fl_server.bench.experiments import EXPERIMENTS
 from fl_server.bench.plots import PLOTS
 from fl_server.bench.rows import write_atomic
@@ -74,7 +74,11 @@ def benchmark_section(name: str, rows: list[dict[str, Any]]) -> str:
 
 def write_report(docs: Path = Path("docs")) -> Path:
     tables = {path.stem: json.loads(path.read_text()) for path in sorted((docs / "results").glob("*.json"))}
-    parts = [HEADER, status_section({k: v for k, v in tables.items() if all("mean" in r for r in v)})]
+    benchmarks = {path.stem: json.loads(path.read_text()) for path in sorted((docs / "benchmarks").glob("*.json"))}
+    verdict_inputs = {k: v for k, v in tables.items() if all("mean" in r for r in v)}
+    if isinstance(sdk := benchmarks.get("edge-sdk"), list):
+        verdict_inputs[SDK_BENCHMARK] = sdk
+    parts = [HEADER, status_section(verdict_inputs)]
     for name, rows in tables.items():
         path = docs / "results" / f"{name}.json"
         # seed-aggregated experiment tables; other result files (probes, sweeps) as generic rows
@@ -82,9 +86,8 @@ def write_report(docs: Path = Path("docs")) -> Path:
         parts.append(section(path.stem, rows))
         if path.stem in PLOTS and (png := PLOTS[path.stem](rows, docs / f"{path.stem}.png")) is not None:
             parts.append(f"![{path.stem}]({png.name})\n")
-    for path in sorted((docs / "benchmarks").glob("*.json")):
-        data = json.loads(path.read_text())
-        parts.append(benchmark_section(path.stem, data if isinstance(data, list) else [data]))
+    for name, data in benchmarks.items():
+        parts.append(benchmark_section(name, data if isinstance(data, list) else [data]))
     out = docs / "RESULTS.md"
     write_atomic(out, "\n".join(parts))
     return out
