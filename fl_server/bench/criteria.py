@@ -181,14 +181,12 @@ CRITERIA: tuple[Criterion, ...] = (
     *(Criterion(6, f"map-incomplete {ds}: MAP aggregation >= FedAvg",
                 beats("map-incomplete", ds, "MAP", ("FedAvg",), splits=("aggregation",)))
       for ds in ("fashion_mnist-paper", "fashion_mnist-lenet-paper")),
-    *(Criterion(7, f"edge_sdk new-client parity with torch within 0.1 point: {m} {name}",
-                sdk_parity(f"{prefix} parity SDK vs torch, {m} {ds}" if prefix == "new-client"
-                           else f"{prefix} parity SDK vs torch, btgfl {ds}"))
-      for prefix, m, ds, name in (("new-client", "FedTTA++", "mnist", "MNIST"),
-                                  ("new-client", "FedTTA++", "fashion_mnist", "Fashion-MNIST"),
-                                  ("new-client", "TENT", "mnist", "MNIST"),
-                                  ("new-client", "TENT", "fashion_mnist", "Fashion-MNIST"),
-                                  ("BTFL", "BTFL", "fashion_mnist", "Fashion-MNIST (btgfl)"))),
+    *(Criterion(7, f"edge_sdk new-client parity with torch within 0.1 point: {name}", sdk_parity(what))
+      for what, name in (("new-client parity SDK vs torch, FedTTA++ mnist", "FedTTA++ MNIST"),
+                         ("new-client parity SDK vs torch, FedTTA++ fashion_mnist", "FedTTA++ Fashion-MNIST"),
+                         ("new-client parity SDK vs torch, TENT mnist", "TENT MNIST"),
+                         ("new-client parity SDK vs torch, TENT fashion_mnist", "TENT Fashion-MNIST"),
+                         ("BTFL parity SDK vs torch, btgfl fashion_mnist", "BTFL Fashion-MNIST (btgfl)"))),
 )
 
 
