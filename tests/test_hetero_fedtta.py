@@ -158,3 +158,31 @@ def test_public_logits_vmap_equals_loop(fashion_all) -> None:
     for a, b in zip(loop, vmap):
         assert torch.allclose(a, b, atol=1e-10)
     assert not torch.allclose(loop[0], loop[1])  # the adapted logits differ from the base ones
+
+
+def test_resume_repeats_the_uninterrupted_run(data_root, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A run stopped after its first validation round and resumed from its folder ends where the
+    uninterrupted run ends: same states, curve, best round and new-client accuracies; another config refuses
+    the folder."""
+    from fl_server.bench.hetero import resume_hetero, run_hetero_seed, train_hetero
+    from fl_server.bench.runner import build_federated
+
+    protocol = dataclasses.replace(_tiny_protocol(), rounds=4, eval_every=2)
+    fed = build_federated(protocol, 0, str(data_root))
+    method = "HeteroFedTTA (lambda=0.1)"
+    straight = run_hetero_seed(protocol, method, 0, tmp_path / "a", mode="loop", progress=False, fed=fed)
+    first = HeteroRun(protocol, fed, 0, lam=0.1, mode="loop")
+    stopped = train_hetero(first, protocol, tmp_path / "b", progress=False, until=2)  # "killed" after round 1
+    assert stopped.rounds_done == 2 and (tmp_path / "b" / "best.npz").exists()
+    resumed = run_hetero_seed(protocol, method, 0, tmp_path / "b", mode="loop", progress=False, fed=fed)
+    strip = lambda rec: {k: v for k, v in rec.items() if k != "wall_s"}  # noqa: E731
+    assert strip(resumed) == strip(straight) and len(straight["curve"]) == 2
+    # the final checkpoints hold the same states
+    end_a, end_b = (HeteroRun(protocol, fed, 0, lam=0.1, mode="loop") for _ in range(2))
+    resume_hetero(end_a, tmp_path / "a")
+    resume_hetero(end_b, tmp_path / "b")
+    for name in SIZE_GROUPS:
+        a, b = end_a.sims[name].server_state["params"], end_b.sims[name].server_state["params"]
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="different run"):
+        resume_hetero(HeteroRun(protocol, fed, 0, lam=1.0, mode="loop"), tmp_path / "b")

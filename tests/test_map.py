@@ -216,3 +216,65 @@ def test_fedphp_uploads_the_personalised_model(fashion_all) -> None:  # type: ig
     states, out = _one_procedure(fashion_all, name="FedPHP")
     assert torch.equal(out["agg"]["head.weight"], out["params"]["head.weight"])
     assert not torch.allclose(out["params"]["head.weight"], states["params"]["head.weight"])
+
+
+def test_authors_code_procedure_uploads_all_rs_steps_then_a_short_fresh_kd_stage(fashion_all) -> None:  # type: ignore[no-untyped-def]
+    """MAP (code), the client procedure of lxcnju/MAP fedap.py: the uploaded model is the end of E epochs of
+    RS (equal to FedRS after the same steps); stage 2 starts from it with zero momentum at 0.2 lr and the
+    code's soft-target cross-entropy KD."""
+    from fl_server.algorithms.map import MAP, authors_code_procedure, kd_soft_ce
+
+    code = authors_code_procedure(6)
+    assert (code["local_iterations"], code["stage2_steps"]) == (11, 5)  # max(int(0.1 * 6), 5) KD steps
+    algo, fed = _algo(fashion_all, expected_selections=4.0, **code)
+    sim = Simulation(algo, fed, RunConfig(rounds=1, local_iterations=11, progress=False))
+    ids = np.arange(fed.num_train_clients)
+    server = {**sim.server_state, "count": torch.ones(len(ids), dtype=sim.dtype),  # every client has an HPM
+              "hpm": {k: v + 0.01 for k, v in sim.server_state["hpm"].items()}}
+    states = algo.client_start(server, ids)
+    batches = torch.from_numpy(np.stack([np.resize(t, (11, 32)) for t in fed.train]))
+    out = run_local_steps(algo.local_step, states, server, sim.x, sim.y, batches, "vmap")
+    ref = run_local_steps(algo.local_step, states, server, sim.x, sim.y, batches, "loop")
+    assert torch.allclose(out["params"]["head.weight"], ref["params"]["head.weight"], atol=1e-5)
+    # the upload = 6 steps of restricted softmax, exactly FedRS's model after those steps
+    rs_algo, _ = _algo(fashion_all, name="FedRS", local_iterations=6)
+    rs = run_local_steps(rs_algo.local_step, rs_algo.client_start(server, ids), server, sim.x, sim.y,
+                         batches[:, :6], "vmap")
+    assert torch.allclose(out["agg"]["head.weight"], rs["params"]["head.weight"], atol=1e-6)
+    # the first stage-2 step: fresh momentum, 0.2 lr, (1 - lambda) CE + lambda soft-target CE
+    seven = run_local_steps(algo.local_step, states, server, sim.x, sim.y, batches[:, :7], "loop")
+    c = 0
+    after6 = {k: v[c] for k, v in rs["params"].items()}
+    x, y = sim.x[batches[c, 6]], sim.y[batches[c, 6]]
+    teacher = algo.forward({k: v[c] for k, v in server["hpm"].items()}, x)
+
+    def loss(p):  # type: ignore[no-untyped-def]
+        logits = algo.forward(p, x)
+        return 0.99 * F.cross_entropy(logits, y) + 0.01 * kd_soft_ce(logits, teacher, 4.0)
+
+    g = torch.func.grad(loss)(after6)
+    hp = algo.hp
+    expect = after6["head.weight"] - 0.2 * hp.lr * (g["head.weight"] + hp.weight_decay * after6["head.weight"])
+    assert torch.allclose(seven["params"]["head.weight"][c], expect, atol=1e-6)
+    assert isinstance(algo, MAP) and hp.kd_form == "soft_ce"
+
+
+def test_authors_code_hpm_momentum_counts_earlier_selections_and_caps_at_0_9(fashion_all) -> None:  # type: ignore[no-untyped-def]
+    """fedap.py generate_mu: mu = min(0.9, 0.9 * z / (Q T)) with z the selections before this one."""
+    algo, fed = _algo(fashion_all, expected_selections=4.0, mu_previous_count=True, mu_cap=0.9)
+    sim = Simulation(algo, fed, RunConfig(rounds=1, progress=False))
+    ids = np.array([0, 1, 2])
+    count = torch.zeros(fed.num_train_clients, dtype=sim.dtype)
+    count[1], count[2] = 2.0, 10.0
+    hpm = {k: v + 0.5 for k, v in sim.server_state["hpm"].items()}
+    server = {**sim.server_state, "count": count, "hpm": hpm}
+    personal = {k: index(v, ids) + 1.0 for k, v in sim.server_state["hpm"].items()}
+    out = algo.aggregate(server, ids, {**algo.client_start(server, ids), "params": personal}, torch.ones(3))
+    got, old = index(out["hpm"], ids)["head.bias"], index(hpm, ids)["head.bias"]
+    assert torch.allclose(got[0], personal["head.bias"][0])  # first selection: the model itself
+    assert torch.allclose(got[1], 0.55 * personal["head.bias"][1] + 0.45 * old[1], atol=1e-6)  # 0.9 * 2 / 4
+    assert torch.allclose(got[2], 0.1 * personal["head.bias"][2] + 0.9 * old[2], atol=1e-6)  # capped at 0.9
+    with pytest.raises(ValueError, match="kd_form"):
+        _algo(fashion_all, kd_form="mse")
+    with pytest.raises(ValueError, match="stage2_steps=8"):
+        _algo(fashion_all, local_iterations=8, stage2_steps=8)

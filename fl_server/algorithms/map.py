@@ -22,13 +22,16 @@ by that procedure with one (Algorithm 1 returns psi_p,T+1 as the client's model)
 Ablations in the same family: FedRS = RS for all local steps (alpha = 0.9, no stage 2, no HPM); FedPHP =
 FedAvg + HPM (one stage with the KD loss, psi_hat uploaded); FedAvg / FedProx under the same optimiser =
 alpha 1, one stage, no HPM (+ the proximal term ``prox_mu``).
+The authors' code (lxcnju/MAP, algorithms/fedap.py), which produced the paper's tables, runs another client
+procedure: all E epochs with RS (uploaded), then max(int(0.1 E steps), 5) KD steps at 0.2 lr with a fresh
+optimiser and a soft-target cross-entropy, mu_k capped at 0.9 (``authors_code_procedure``).
 BTFL composition: with ``head_only_stage2`` the second stage trains only the classifier on the frozen
 global features, so the HPM heads (:meth:`MAP.local_heads`) are linear heads on the global feature
 extractor -- what BTFL uses as its local head.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -55,6 +58,36 @@ class MAPConfig(Hyper):
     expected_selections: float = 30.0  # Q * T (0.2 * 150)
     prox_mu: float = 0.0
     head_only_stage2: bool = False  # BTFL composition: personalise only the classifier
+    # The authors' released code (lxcnju/MAP, algorithms/fedap.py) runs a different client procedure from
+    # Algorithm 1; these fields reproduce it (all off by default = Algorithm 1; see AUTHORS_CODE below).
+    # stage2_steps: None = split by stage1_fraction; n = the last n of local_iterations are stage 2
+    stage2_steps: int | None = field(default=None, metadata={"fingerprint": "omit_default"})
+    stage2_lr_scale: float = field(default=1.0, metadata={"fingerprint": "omit_default"})
+    stage2_fresh_momentum: bool = field(default=False, metadata={"fingerprint": "omit_default"})
+    # "kl": Eq. 11, tau^2 KL(softmax(g_p/tau) || softmax(g/tau)); "soft_ce": the code's
+    # -sum softmax(g_p/tau) log softmax(g) (student at temperature 1, no tau^2)
+    kd_form: str = field(default="kl", metadata={"fingerprint": "omit_default"})
+    mu_cap: float = field(default=1.0, metadata={"fingerprint": "omit_default"})
+    # mu_k from the selections before this one (the code) instead of including it (Eq. 10 as SPEC.md)
+    mu_previous_count: bool = field(default=False, metadata={"fingerprint": "omit_default"})
+
+    def __post_init__(self) -> None:
+        if self.kd_form not in ("kl", "soft_ce"):
+            raise ValueError(f"kd_form must be 'kl' or 'soft_ce', not {self.kd_form!r}")
+        if self.stage2_steps is not None and not 0 < self.stage2_steps < self.local_iterations:
+            raise ValueError(f"stage2_steps={self.stage2_steps} must lie in (0, local_iterations="
+                             f"{self.local_iterations})")
+
+
+def authors_code_procedure(epoch_steps: int) -> dict[str, Any]:
+    """MAPConfig overrides for the client procedure of the authors' code (fedap.py), given the steps of E
+    epochs: stage 1 = all E epochs with restricted softmax, uploaded; stage 2 = max(int(0.1 * steps), 5) KD
+    steps at 0.2 lr from the uploaded model with a fresh optimiser, soft-target cross-entropy; the HPM
+    momentum from the previous selections, capped at 0.9. (Not reproduced: the code's lr warm-up
+    min(r / 5, 1) and its gradient clip at 100, which apply to every method there.)"""
+    stage2 = max(int(0.1 * epoch_steps), 5)
+    return {"local_iterations": epoch_steps + stage2, "stage2_steps": stage2, "stage2_lr_scale": 0.2,
+            "stage2_fresh_momentum": True, "kd_form": "soft_ce", "mu_cap": 0.9, "mu_previous_count": True}
 
 
 def restricted_softmax_logits(logits: torch.Tensor, observed: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -67,6 +100,11 @@ def kd_loss(student: torch.Tensor, teacher: torch.Tensor, tau: float) -> torch.T
     log_t = F.log_softmax(teacher / tau, -1)
     log_s = F.log_softmax(student / tau, -1)
     return tau ** 2 * (log_t.exp() * (log_t - log_s)).sum(-1).mean()
+
+
+def kd_soft_ce(student: torch.Tensor, teacher: torch.Tensor, tau: float) -> torch.Tensor:
+    """The authors' code's KD term: mean_i -sum_c softmax(g_p,i / tau)_c log softmax(g_i)_c."""
+    return -(F.softmax(teacher / tau, -1) * F.log_softmax(student, -1)).sum(-1).mean()
 
 
 class MAP(Algorithm):
@@ -103,6 +141,8 @@ class MAP(Algorithm):
 
     # ---------------------------------------------------------------- the step
     def _stage1_iterations(self) -> int:
+        if self.hp.stage2_steps is not None:
+            return self.hp.local_iterations - self.hp.stage2_steps
         return int(round(self.hp.stage1_fraction * self.hp.local_iterations))
 
     def client_loss(self, params: State, client_state: State, server_state: State, x: torch.Tensor,
@@ -113,7 +153,8 @@ class MAP(Algorithm):
         if self.hp.hpm:  # (the teacher's forward is skipped for methods without an HPM)
             teacher = self.forward(client_state["hpm"], x).detach()
             lam = self.hp.kd_lambda * client_state["kd"]
-            stage2 = (1 - lam) * stage2 + lam * kd_loss(logits, teacher, self.hp.kd_tau)
+            kd = kd_loss if self.hp.kd_form == "kl" else kd_soft_ce
+            stage2 = (1 - lam) * stage2 + lam * kd(logits, teacher, self.hp.kd_tau)
         loss = stage1 * rs + (1 - stage1) * stage2
         if self.hp.prox_mu:
             prox = sum(((p - q) ** 2).sum() for p, q in zip(params.values(), server_state["params"].values()))
@@ -121,17 +162,26 @@ class MAP(Algorithm):
         return loss
 
     def local_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> State:
-        stage1 = (client_state["step"] < self._stage1_iterations()).to(x.dtype)
+        s1 = self._stage1_iterations()
+        stage1 = (client_state["step"] < s1).to(x.dtype)
         params = client_state["params"]
         grads = torch.func.grad(self.client_loss)(params, client_state, server_state, x, y, stage1)
         wd, m, lr = self.hp.weight_decay, self.hp.momentum, self.hp.lr
+        previous = client_state["mom"]
+        if self.hp.stage2_fresh_momentum:  # stage 2 starts a new optimiser (the authors' code)
+            keep = (client_state["step"] != s1).to(x.dtype)
+            previous = {k: v * keep for k, v in previous.items()}
         # SGD with momentum and weight decay, b <- m b + g + wd p; p <- p - lr b, in fused torch.add kernels
         # (the update of K stacked clients' weights is memory-bound, not the forward/backward)
-        mom = {k: torch.add(grads[k], params[k], alpha=wd).add_(client_state["mom"][k], alpha=m) for k in params}
+        mom = {k: torch.add(grads[k], params[k], alpha=wd).add_(previous[k], alpha=m) for k in params}
         # head_only_stage2 (BTFL composition): stage 2 moves only the classifier
         frozen_in_stage2 = {k for k in params if self.hp.head_only_stage2 and not k.startswith("head.")}
-        new = {k: params[k] - (lr * stage1) * mom[k] if k in frozen_in_stage2
-               else torch.add(params[k], mom[k], alpha=-lr) for k in params}
+        if self.hp.stage2_lr_scale != 1.0:  # the stage-2 rate as a per-client tensor (vmapped step counter)
+            step_lr = lr * (stage1 + (1 - stage1) * self.hp.stage2_lr_scale)
+            new = {k: params[k] - (lr * stage1 if k in frozen_in_stage2 else step_lr) * mom[k] for k in params}
+        else:
+            new = {k: params[k] - (lr * stage1) * mom[k] if k in frozen_in_stage2
+                   else torch.add(params[k], mom[k], alpha=-lr) for k in params}
         # the uploaded model is the end of stage 1; with a single stage (FedAvg / FedRS: only stage 1; FedPHP:
         # only stage 2, psi_hat uploaded) it is the current model itself
         if 0 < self._stage1_iterations() < self.hp.local_iterations:
@@ -151,12 +201,14 @@ class MAP(Algorithm):
     def _update_hpm(self, server_state: State, ids: np.ndarray,
                     personal: State) -> tuple[State, torch.Tensor]:
         """Eq. 10 for the clients ``ids``: psi_p <- (1 - mu_k) psi_hat + mu_k psi_p with z_k += 1 and
-        mu_k = min(1, mu * z_k / (Q T)) (mu_k = 0 at the first selection: no HPM yet)."""
+        mu_k = min(1, mu * z_k / (Q T)) (mu_k = 0 at the first selection: no HPM yet). With
+        ``mu_previous_count`` z_k counts the earlier selections only and the cap is ``mu_cap`` (the code)."""
         count = server_state["count"].clone()
         ids_t = torch.as_tensor(ids, dtype=torch.long, device=count.device)
         first = count[ids_t] == 0
+        z = count[ids_t] if self.hp.mu_previous_count else count[ids_t] + 1
         count[ids_t] += 1
-        mu = torch.clamp(self.hp.mu_macro * count[ids_t] / self.hp.expected_selections, 0.0, 1.0)
+        mu = torch.clamp(self.hp.mu_macro * z / self.hp.expected_selections, 0.0, self.hp.mu_cap)
         mu = torch.where(first, torch.zeros_like(mu), mu)
 
         def update(hpm: torch.Tensor, new: torch.Tensor) -> torch.Tensor:

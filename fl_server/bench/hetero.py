@@ -12,12 +12,18 @@ and digests the same consensus on the same chunks, so each would reach the same 
 training client's validation) gets its group's digested model and personalizes it with FedTTA's
 ``personalize`` (one step, or FedTTA++'s entropy early stopping when ``patience`` >= 1).
 "HeteroFedTTA (no KD)" is the control: the three groups trained side by side, never exchanging anything.
+A run checkpoints every validation round into its run folder (``checkpoint.npz``: the groups' states and the
+progress; ``best.npz``: the groups' states at the best validation round) and resumes from there; a round
+depends only on its index and the states, so a resumed run repeats the uninterrupted one.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import platform
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +37,7 @@ from fl_server.algorithms.hetero_fedtta import (SIZE_GROUPS, assign_sizes, clien
 from fl_server.data.federated import FederatedData
 from fl_server.device import describe
 from fl_server.engine import Simulation
+from fl_server.engine.simulation import checkpoint_meta, load_state, save_state
 from fl_server.functional import State, tree_map
 from fl_server.models import build_model
 
@@ -100,6 +107,78 @@ class HeteroRun:
     def states(self) -> dict[str, State]:
         return {name: tree_map(torch.clone, sim.server_state) for name, sim in self.sims.items()}
 
+    def load_states(self, states: dict[str, State]) -> None:
+        for name, sim in self.sims.items():
+            sim.server_state = states[name]
+
+    def fingerprint(self) -> str:
+        """What identifies the run: lambda, the exchange's settings and every group's own run fingerprint."""
+        ident = {"lambda": self.lam, "digest_steps": self.digest_steps, "public_chunks": list(self.chunks.shape),
+                 "groups": {name: sim.fingerprint for name, sim in self.sims.items()}}
+        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class HeteroProgress:
+    """Where a run stands: rounds done, the best validation round so far and the validation curve."""
+    rounds_done: int = 0
+    best_val: float = -1.0
+    best_round: int = -1
+    best_val_groups: dict[str, list[float]] = field(default_factory=dict)
+    best_states: dict[str, State] = field(default_factory=dict)
+    curve: list[dict[str, float]] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def meta(self, fingerprint: str) -> dict[str, Any]:
+        return {"fingerprint": fingerprint, "rounds_done": self.rounds_done, "best_val": self.best_val,
+                "best_round": self.best_round, "best_val_groups": self.best_val_groups, "curve": self.curve,
+                "wall_s": self.wall_s}
+
+
+def resume_hetero(run: HeteroRun, run_dir: Path | None) -> HeteroProgress:
+    """The progress stored in ``run_dir`` (the run's states loaded into ``run``), or a fresh start."""
+    ckpt = None if run_dir is None else run_dir / "checkpoint.npz"
+    if ckpt is None or not ckpt.exists():
+        return HeteroProgress()
+    meta = checkpoint_meta(ckpt)
+    if meta is None or meta.get("fingerprint") != run.fingerprint():
+        raise ValueError(f"{run_dir} holds a checkpoint of a different run (config changed); use another "
+                         "--runs-dir or delete it")
+    device = next(iter(run.sims.values())).device
+    run.load_states(load_state(ckpt, device))
+    best = load_state(run_dir / "best.npz", device) if meta["best_round"] >= 0 else {}
+    return HeteroProgress(meta["rounds_done"], meta["best_val"], meta["best_round"], meta["best_val_groups"],
+                          best, meta["curve"], meta["wall_s"])
+
+
+def train_hetero(run: HeteroRun, protocol: "Protocol", run_dir: Path | None, progress: bool = True,
+                 until: int | None = None) -> HeteroProgress:
+    """Rounds from the last checkpoint in ``run_dir`` up to ``until`` (default: all), validating every
+    ``eval_every`` rounds and checkpointing at each validation round."""
+    state = resume_hetero(run, run_dir)
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    end = protocol.rounds if until is None else min(until, protocol.rounds)
+    for r in tqdm(range(state.rounds_done, end), initial=state.rounds_done, total=protocol.rounds,
+                  desc=f"lambda={run.lam} {protocol.dataset}", disable=not progress):
+        t0 = time.perf_counter()
+        run.round(r)
+        validate = (r + 1) % protocol.eval_every == 0 or r == protocol.rounds - 1
+        if validate:
+            val = run.accuracies("val")
+            overall = float(np.mean([v for a in val.values() for v in a]))
+            state.curve.append({"round": r, "val": 100 * overall})
+            if overall > state.best_val:
+                state.best_val, state.best_round, state.best_val_groups = overall, r, val
+                state.best_states = run.states()
+                if run_dir is not None:
+                    save_state(run_dir / "best.npz", state.best_states)
+        state.rounds_done = r + 1
+        state.wall_s += time.perf_counter() - t0
+        if validate and run_dir is not None:  # the states and the progress they belong to: one rename
+            save_state(run_dir / "checkpoint.npz", run.states(), state.meta(run.fingerprint()))
+    return state
+
 
 def _rows(split: str, accs: dict[str, list[float]]) -> list[dict[str, Any]]:
     rows = [{"split": split, "group": name, "value": 100 * float(np.mean(a))} for name, a in accs.items() if a]
@@ -118,28 +197,19 @@ def run_hetero_seed(protocol: "Protocol", method: str, seed: int, run_dir: Path 
         raise ValueError(f"upfl-hetero has no method {method!r}; choose one of {', '.join(HETERO_METHODS)}")
     fed = fed if fed is not None else build_federated(protocol, seed, data_root)
     run = HeteroRun(protocol, fed, seed, HETERO_METHODS[method], device, mode)
+    state = train_hetero(run, protocol, run_dir, progress)
     t0 = time.perf_counter()
-    best: tuple[float, int, dict[str, State], dict[str, list[float]]] = (-1.0, -1, {}, {})
-    curve = []
-    for r in tqdm(range(protocol.rounds), desc=f"{method} {protocol.dataset}", disable=not progress):
-        run.round(r)
-        if (r + 1) % protocol.eval_every == 0 or r == protocol.rounds - 1:
-            val = run.accuracies("val")
-            overall = float(np.mean([v for a in val.values() for v in a]))
-            curve.append({"round": r, "val": 100 * overall})
-            if overall > best[0]:
-                best = (overall, r, run.states(), val)
-    test = run.accuracies("new", best[2])
-    results = _rows("val", best[3]) + _rows("test", test)
+    test = run.accuracies("new", state.best_states)
+    results = _rows("val", state.best_val_groups) + _rows("test", test)
     sim = next(iter(run.sims.values()))
     return {
         "dataset": protocol.dataset, "method": method, "seed": seed, "model": "/".join(
-            SIZE_GROUPS[g][0] for g in SIZE_GROUPS), "rounds": protocol.rounds, "best_round": best[1],
+            SIZE_GROUPS[g][0] for g in SIZE_GROUPS), "rounds": protocol.rounds, "best_round": state.best_round,
         "val": next(e["value"] for e in results if e["split"] == "val" and e["group"] == "all"),
         "test": results[-1]["value"], "results": results,
         "group_clients": {g: [s.fed.num_train_clients, len(s.fed.new)] for g, s in run.sims.items()},
         "public_size": int(len(fed.public)), "digest_steps": run.digest_steps, "lambda": HETERO_METHODS[method],
-        "wall_s": round(time.perf_counter() - t0, 2), "device": describe(sim.device), "mode": sim.mode,
+        "wall_s": round(state.wall_s + time.perf_counter() - t0, 2), "device": describe(sim.device), "mode": sim.mode,
         "hyper": dataclasses.asdict(sim.algorithm.hp), "protocol_note": protocol.note, "host": platform.node(),
-        "curve": curve,
+        "curve": state.curve,
     }

@@ -4,7 +4,8 @@
 All five methods run in the MAP family (:mod:`fl_server.algorithms.map`) so they share the paper's
 optimiser (SGD momentum 0.9, lr 0.03, wd 1e-5) and the same personalisation procedure:
 FedAvg = alpha 1, one stage, no HPM; FedProx = FedAvg + mu/2 ||psi - psi_server||^2; FedRS; FedPHP (FedAvg
-+ HPM); MAP; and FedAvg-2stage (MAP's schedule with neither RS nor HPM: what the upload after E/2 costs).
++ HPM); MAP; FedAvg-2stage (MAP's schedule with neither RS nor HPM: what the upload after E/2 costs); and
+MAP (code), MAP with the client procedure of the authors' released code (``authors_code_procedure``).
 Reported (final round, as the paper): ``personalization`` = mean over all clients of the local-test
 accuracy of the personalised model after one client procedure from the final global model (the engine's
 ``val``): psi_hat for the methods without an HPM, the HPM updated by that procedure for FedPHP / MAP
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fl_server.algorithms.map import MAP
+from fl_server.algorithms.map import MAP, authors_code_procedure
 from fl_server.data import load_dataset
 from fl_server.data.federated import FederatedData
 from fl_server.device import describe
@@ -41,7 +42,11 @@ MAP_METHODS: dict[str, dict[str, Any]] = {
     "MAP": {"alpha": 0.9, "stage1_fraction": 0.5, "hpm": True},
     # control for FedPHP / MAP: their two-stage schedule (upload after E/2) without RS and without HPM
     "FedAvg-2stage": {"alpha": 1.0, "stage1_fraction": 0.5, "hpm": False},
+    # MAP with the client procedure of the authors' released code (fedap.py) instead of Algorithm 1's
+    # E/2 + E/2: E epochs of RS uploaded, then a short KD stage (authors_code_procedure)
+    "MAP (code)": {"alpha": 0.9, "hpm": True},
 }
+AUTHORS_CODE_METHODS = {"MAP (code)"}
 
 
 def run_map_seed(protocol: "Protocol", method: str, seed: int, run_dir: Path | None, device: str = "auto",
@@ -56,6 +61,9 @@ def run_map_seed(protocol: "Protocol", method: str, seed: int, run_dir: Path | N
     model = build_model(protocol.model, shape, fed.dataset.num_classes, seed=seed)
     hp = {**MAP_METHODS[method], "local_iterations": protocol.local_iterations,
           "expected_selections": protocol.client_fraction * protocol.rounds, **protocol.method_hp.get(method, {})}
+    if method in AUTHORS_CODE_METHODS:  # the protocol's steps are E epochs; the code adds its KD stage
+        hp.update(authors_code_procedure(protocol.local_iterations))
+        protocol = dataclasses.replace(protocol, local_iterations=hp["local_iterations"])
     algo = MAP(model, seed=seed, **hp)
     cfg = protocol.run_config(seed, str(run_dir) if run_dir else None, device, mode, progress)
     sim = Simulation(algo, fed, cfg)

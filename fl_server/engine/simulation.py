@@ -130,7 +130,8 @@ def _complete_rows(text: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _save_state(path: Path, state: State, meta: dict[str, Any] | None = None) -> None:
+def save_state(path: Path, state: State, meta: dict[str, Any] | None = None) -> None:
+    """``state`` (nested dicts of tensors) and an optional JSON ``meta`` as one .npz, replaced atomically."""
     arrays = to_numpy_flat(state)
     if meta is not None:
         arrays[META_KEY] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
@@ -144,7 +145,8 @@ def load_state(path: Path, device: torch.device | None = None) -> State:
         return from_numpy_flat({k: arrays[k] for k in arrays.files if k != META_KEY}, device)
 
 
-def _checkpoint_meta(path: Path) -> dict[str, Any] | None:
+def checkpoint_meta(path: Path) -> dict[str, Any] | None:
+    """The JSON metadata stored by :func:`save_state` (None when the file has none)."""
     with np.load(path, allow_pickle=False) as arrays:
         return json.loads(arrays[META_KEY].tobytes()) if META_KEY in arrays.files else None
 
@@ -271,14 +273,14 @@ class Simulation:
                 "best_val": result.best_val, "test_at_best": result.test_at_best, "wall_s": result.wall_s}
         # the state and the round it belongs to land in one rename (the .npz): a kill between this and the
         # json below cannot make a resumed run apply a round twice; checkpoint.json is a readable mirror
-        _save_state(self.out_dir / "checkpoint.npz", self.server_state, meta)
+        save_state(self.out_dir / "checkpoint.npz", self.server_state, meta)
         _atomic_write(self.out_dir / "checkpoint.json", json.dumps(meta).encode())
 
     def _resume(self, result: RunResult) -> int:
         if self.out_dir is None:
             return 0
         ckpt, legacy = self.out_dir / "checkpoint.npz", self.out_dir / "checkpoint.json"
-        meta = _checkpoint_meta(ckpt) if ckpt.exists() else None
+        meta = checkpoint_meta(ckpt) if ckpt.exists() else None
         if meta is None and ckpt.exists() and legacy.exists():  # a checkpoint written before the meta moved in
             meta = json.loads(legacy.read_text())
         if meta is None:
@@ -320,7 +322,7 @@ class Simulation:
                     result.best_round, result.best_val, result.test_at_best = r, row["val"], row["test"]
                     self.best_state = tree_map(torch.clone, self.server_state)
                     if self.out_dir is not None:
-                        _save_state(self.out_dir / "best.npz", self.server_state)
+                        save_state(self.out_dir / "best.npz", self.server_state)
                 bar.set_postfix(val=f"{row['val']:.4f}", test="-" if row["test"] is None else f"{row['test']:.4f}")
             result.wall_s += time.perf_counter() - t0
             row["wall_s"] = round(result.wall_s, 3)
