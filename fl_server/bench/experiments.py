@@ -198,7 +198,7 @@ _SHIFT_OPTIONS: dict[str, Any] = {
     "test_corruptions": ("gaussian_noise", "defocus_blur", "contrast", "elastic_transform"),
     "severities": (1, 3, 5), "val_corruptions": ("zoom_blur", "pixelate"), "domain_shift": True,
     "encoder_fraction": 0.8,
-    # TENT's grid brackets its choice: 0.01 on every seed, the lowest value of the former (0.01, 0.05, 0.2)
+    # TENT's grid brackets its choices (0.01 or 0.05 on every seed; 0.01 was the lowest of the former (0.01, 0.05, 0.2))
     "tune": {"TENT": {"tent_lr": (0.001, 0.003, 0.01, 0.05, 0.2)}, "FedICON": {"tta_lr": _FEDICON_TTA_LRS},
              "FedICON online": {"tta_lr": _FEDICON_TTA_LRS}},
     "quick": {"max_test_per_client": 40, "test_corruptions": ("gaussian_noise",), "severities": (3,),
@@ -239,8 +239,8 @@ EXPERIMENTS["map-incomplete"] = Experiment(
                "fashion_mnist-t60": replace(_MAP_PROTOCOL, rounds=60, eval_every=60,
                                             note="CPU budget: T = 60 rounds (paper 150), E = 2 epochs = 15 steps "
                                                  "(paper E = 5)"),
-               # the paper's protocol (T = 150, E = 5); the MLP's rounds fit on one CPU core since the fused
-               # weight update (docs/benchmarks/update-kernels.json), LeNet's need a GPU
+               # the paper's protocol (T = 150, E = 5); since the fused weight update
+               # (docs/benchmarks/update-kernels.json) a seed fits on one CPU core: the MLP's and LeNet's alike
                "fashion_mnist-paper": _MAP_PAPER_PROTOCOL,
                "fashion_mnist-lenet-paper": replace(_MAP_PAPER_PROTOCOL, model="lenet")},
     paper=MAP_PAPER, run_fn=run_map_seed,
@@ -254,9 +254,9 @@ EXPERIMENTS["map-incomplete"] = Experiment(
                 "fresh optimiser, soft-target KD, HPM momentum capped at 0.9). The *-paper protocols are the "
                 "paper's (T = 150, E = 5 = 38 steps); fashion_mnist, fashion_mnist-lenet (T = 20, E = 2) and "
                 "fashion_mnist-t60 (T = 60) are CPU budgets, kept to show "
-                "how the HPM methods depend on the budget: with mu_k = 0.9 z_k / (Q T), a short run's HPM averages "
+                "how FedPHP and MAP depend on the budget: with mu_k = 0.9 z_k / (Q T), a short run's HPM averages "
                 "personalised models from rounds with a much weaker global model, and the upload after E/2 costs "
-                "aggregation accuracy (FedAvg-2stage isolates that cost).",
+                "aggregation accuracy on the mean (FedAvg-2stage isolates that cost).",
 )
 EXPERIMENTS["fedicon-shift"] = Experiment(
     name="fedicon-shift", methods=("FedAvg", "FedAvg-FT", "TENT", "FedICON w/o TTA", "FedICON", "FedICON online"),
@@ -285,10 +285,10 @@ EXPERIMENTS["fedicon-shift"] = Experiment(
                 "Fashion-MNIST's milder severities), but validation finds almost no Eq. 7 rate that helps it "
                 "(accuracy falls with the rate), so the grid's lowest rates are chosen and the TTA gain is "
                 "within noise of zero. With 30 rounds (-t30 rows) the weaker MNIST encoder does gain: validation "
-                "picks 0.002-0.01 and the TTA rows lead the w/o-TTA rows at every severity and most on the "
-                "digits domain; there TENT leads FedICON on MNIST's clean and severity-3 data -- its entropy step "
-                "on the whole network adapts the classifier to the client (it gains about as much on clean as "
-                "on shifted data, like FedAvg-FT), whereas Eq. 7 tunes the encoder only.",
+                "picks 0.002-0.01 and the TTA rows lead the w/o-TTA rows at every severity (batch TTA gains most "
+                "on the digits domain); there TENT leads FedICON on MNIST's clean and severity-3 data -- its "
+                "entropy step on the whole network adapts the classifier to the client, whereas Eq. 7 tunes the "
+                "encoder only -- but falls below FedAvg at severity 5.",
 )
 
 # ODPFL-HN paper protocol (Sec. 6, CIFAR-10 there): 100 clients, Dir(alpha) labels, 10% new clients, 500 steps
