@@ -103,6 +103,40 @@ def test_kill_between_state_and_json_does_not_repeat_a_round(small_fed, tmp_path
     assert rows == [0, 1, 2]
 
 
+def _killed_after(fed, rounds: int, of: int, out: Path):  # type: ignore[no-untyped-def]
+    """The run directory of an ``of``-round run killed after ``rounds`` rounds (checkpoint every round)."""
+    full = _sim(fed, "TENT", "vmap", rounds=of)
+    first = _sim(fed, "TENT", "vmap", rounds=of, out=out)
+    first.cfg.rounds, first.fingerprint = rounds, full.fingerprint
+    first.run()
+
+
+@pytest.mark.parametrize("legacy", [False, True])
+def test_a_run_cut_short_or_extended_resumes_the_other_length(small_fed, tmp_path: Path, legacy: bool) -> None:
+    """A 2-round run resumes the checkpoint a 4-round run left after 2 rounds (and a 3-round run goes on from
+    it) and ends equal to the uninterrupted run of its own length; ``legacy``: the checkpoint predates
+    ``prefix_fingerprint`` and is matched on the totals it could have had."""
+    from fl_server.engine.simulation import checkpoint_meta, load_state, save_state
+
+    _killed_after(small_fed, 2, of=4, out=tmp_path / "b")
+    ckpt = tmp_path / "b" / "checkpoint.npz"
+    if legacy:
+        meta = checkpoint_meta(ckpt)
+        del meta["prefix_fingerprint"]
+        save_state(ckpt, load_state(ckpt), meta)
+    for rounds in (2, 3):
+        straight = _sim(small_fed, "TENT", "vmap", rounds=rounds, out=tmp_path / f"a{rounds}")
+        res_a = straight.run()
+        resumed = _sim(small_fed, "TENT", "vmap", rounds=rounds, out=tmp_path / "b")
+        res_b = resumed.run()
+        assert _max_diff(straight.server_state["params"], resumed.server_state["params"]) == 0.0
+        assert (res_a.best_round, res_a.best_val, res_a.test_at_best) == \
+            (res_b.best_round, res_b.best_val, res_b.test_at_best)
+    # the directory now holds 3 rounds: a 2-round run cannot be cut out of it any more
+    with pytest.raises(ValueError, match="different run"):
+        _sim(small_fed, "TENT", "vmap", rounds=2, out=tmp_path / "b").run()
+
+
 def test_resume_refuses_a_different_config(small_fed, tmp_path: Path) -> None:
     _sim(small_fed, "FedAvg", "vmap", rounds=1, out=tmp_path).run()
     with pytest.raises(ValueError, match="different run"):

@@ -52,7 +52,7 @@ def build_simulation(protocol: Protocol, method: str, seed: int, run_dir: Path |
     model = build_model(protocol.model, shape, fed.dataset.num_classes, seed=seed)
     algorithm = build_algorithm(method, model, fed.num_train_clients, seed=seed,
                                 **protocol.method_hp.get(method, {}))
-    cfg = RunConfig(rounds=protocol.rounds, local_iterations=protocol.local_iterations,
+    cfg = RunConfig(rounds=protocol.rounds_for(method), local_iterations=protocol.local_iterations,
                     batch_size=protocol.batch_size, client_fraction=protocol.client_fraction,
                     eval_every=protocol.eval_every_for(method), seed=seed, mode=mode, device=device,
                     out_dir=str(run_dir) if run_dir else None, progress=progress,
@@ -71,7 +71,7 @@ def seed_record(protocol: Protocol, method: str, seed: int, sim: Simulation, res
     """The raw result record of a finished engine run."""
     return {
         "dataset": protocol.dataset, "method": method, "seed": seed, "model": protocol.model,
-        "rounds": protocol.rounds, "best_round": result.best_round,
+        "rounds": protocol.rounds_for(method), "best_round": result.best_round,
         "val": 100 * result.best_val,
         "test": None if result.test_at_best is None else 100 * result.test_at_best,
         "wall_s": round(result.wall_s, 2), "device": describe(sim.device), "mode": sim.mode,

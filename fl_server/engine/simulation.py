@@ -181,10 +181,28 @@ class Simulation:
     def _rng(self, round_: int, purpose: int) -> np.random.Generator:
         return np.random.default_rng([self.cfg.seed, round_, purpose])
 
-    def _fingerprint(self) -> str:
+    def _fingerprint(self, rounds: int | None = None) -> str:
+        """Hash of what identifies the run; ``rounds`` replaces the configured total (0: left out)."""
+        run = self.cfg.identity()
+        if rounds == 0:
+            del run["rounds"]
+        elif rounds is not None:
+            run["rounds"] = rounds
         ident = {"method": self.algorithm.name, "hp": fingerprint_hp(self.algorithm.hp),
-                 "data": self.fed.info, "dataset": self.fed.dataset.name, "run": self.cfg.identity()}
+                 "data": self.fed.info, "dataset": self.fed.dataset.name, "run": run}
         return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    def _same_run_other_length(self, meta: dict[str, Any]) -> bool:
+        """Whether a checkpoint comes from this run configured for another total of rounds: its first
+        ``rounds_done`` rounds are this run's (nothing depends on the total but where it stops), so a run can
+        be cut short or extended from it. Checkpoints written before ``prefix_fingerprint`` existed are
+        matched by trying the totals they could have had."""
+        done = int(meta.get("rounds_done", 0))
+        if done > self.cfg.rounds:
+            return False
+        if "prefix_fingerprint" in meta:
+            return meta["prefix_fingerprint"] == self._fingerprint(rounds=0)
+        return any(meta.get("fingerprint") == self._fingerprint(rounds=r) for r in range(max(done, 1), 10_001))
 
     def select_clients(self, round_: int) -> np.ndarray:
         k = self.fed.num_train_clients
@@ -269,7 +287,8 @@ class Simulation:
     def _checkpoint(self, round_: int, result: RunResult) -> None:
         if self.out_dir is None:
             return
-        meta = {"fingerprint": self.fingerprint, "rounds_done": round_ + 1, "best_round": result.best_round,
+        meta = {"fingerprint": self.fingerprint, "prefix_fingerprint": self._fingerprint(rounds=0),
+                "rounds_done": round_ + 1, "best_round": result.best_round,
                 "best_val": result.best_val, "test_at_best": result.test_at_best, "wall_s": result.wall_s}
         # the state and the round it belongs to land in one rename (the .npz): a kill between this and the
         # json below cannot make a resumed run apply a round twice; checkpoint.json is a readable mirror
@@ -286,7 +305,7 @@ class Simulation:
         if meta is None:
             (self.out_dir / "metrics.jsonl").unlink(missing_ok=True)  # rows of an aborted, uncheckpointed run
             return 0
-        if meta.get("fingerprint") != self.fingerprint:
+        if meta.get("fingerprint") != self.fingerprint and not self._same_run_other_length(meta):
             raise ValueError(f"{self.out_dir} holds a checkpoint of a different run (config changed); "
                              "use another --out directory or delete it")
         self.server_state = load_state(ckpt, self.device)
