@@ -76,6 +76,16 @@ def sgd(params: Any, grads: Any, lr: float, weight_decay: float = 0.0) -> Any:
     return pytree.tree_map(lambda p, g: torch.add(p, g, alpha=-lr), params, grads)
 
 
+def sgd_momentum(params: Any, buf: Any, grads: Any, lr: float, momentum: float,
+                 weight_decay: float = 0.0) -> tuple[Any, Any]:
+    """torch.optim.SGD with momentum (no dampening, no Nesterov) on pytrees: b <- m b + (g + wd p),
+    p <- p - lr b. A zero ``buf`` is torch's first step (b = g). Returns (params, buf)."""
+    if weight_decay:
+        grads = pytree.tree_map(lambda g, p: torch.add(g, p, alpha=weight_decay), grads, params)
+    buf = pytree.tree_map(lambda b, g: torch.add(g, b, alpha=momentum), buf, grads)
+    return pytree.tree_map(lambda p, b: torch.add(p, b, alpha=-lr), params, buf), buf
+
+
 def clip_by_global_norm(grads: tuple[Any, ...], max_norm: float) -> tuple[Any, ...]:
     """Scale all gradient pytrees together by min(1, max_norm / ||g||_2) (as torch's clip_grad_norm_, but
     functional and vmappable: one norm per client under vmap)."""

@@ -71,3 +71,30 @@ def test_registry_and_errors() -> None:
     assert {"FedAvg", "FedProx", "FedAvg+FT", "Local", "TENT"} <= set(ALGORITHMS)
     with pytest.raises(ValueError, match="unknown method 'Nope'"):
         build_algorithm("Nope", build_model("mlp", (1, 8, 8), 10), 3)
+
+
+@pytest.mark.parametrize("method", ["FedAvg", "ODPFL-HN"])
+def test_local_momentum_is_torch_sgd(mnist_fed, method: str) -> None:
+    """``local_momentum`` (the ODPFL-HN paper's mu_local) makes a client's local steps torch.optim.SGD with
+    momentum and weight decay, the buffer starting at zero in every round; 0 keeps plain SGD."""
+    model = build_model("mlp", mnist_fed.dataset.x.shape[1:], 10, seed=0).double()
+    lr = {"FedAvg": {"lr": 0.05}, "ODPFL-HN": {"local_lr": 0.05}}[method]
+    alg = build_algorithm(method, model, mnist_fed.num_train_clients, local_momentum=0.9, weight_decay=1e-3, **lr)
+    idx = torch.from_numpy(mnist_fed.train[0][:64 * 3])
+    x, y = torch.from_numpy(mnist_fed.dataset.x)[idx].double(), torch.from_numpy(mnist_fed.dataset.y)[idx]
+    if method == "ODPFL-HN":
+        alg.attach(torch.from_numpy(mnist_fed.dataset.x).double(), torch.from_numpy(mnist_fed.dataset.y),
+                   mnist_fed.train)
+    server = alg.init_state(torch.float64, torch.device("cpu"))
+    state = {k: ({n: t[0] for n, t in v.items()} if isinstance(v, dict) else v)
+             for k, v in alg.client_start(server, np.array([0])).items()}  # unstack the single client
+    reference = build_model("mlp", mnist_fed.dataset.x.shape[1:], 10, seed=0).double()
+    reference.load_state_dict({n: t.clone() for n, t in state["params"].items()})
+    opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+    for s in range(0, len(idx), 64):
+        state = alg.local_step(state, server, x[s:s + 64], y[s:s + 64])
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(reference(x[s:s + 64]), y[s:s + 64]).backward()
+        opt.step()
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(state["params"][name], p.detach(), rtol=0, atol=1e-12)

@@ -1,17 +1,40 @@
 """FedAvg (McMahan et al. 2017): local SGD on cross-entropy, server averages weighted by sample count.
-All behaviour is the :class:`~fl_server.algorithms.base.Algorithm` default."""
+The :class:`~fl_server.algorithms.base.Algorithm` default, plus optional local SGD momentum."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
 
 from fl_server.algorithms.base import Algorithm, Hyper
+from fl_server.functional import State, clip_by_global_norm, sgd_momentum, tree_map
 
 
 @dataclass
 class FedAvgConfig(Hyper):
     lr: float = 0.1  # UPFL Table 4: MNIST 0.1, Fashion-MNIST 0.3
+    # momentum of the clients' local SGD, its buffer zero at the start of every round (the ODPFL-HN paper's
+    # FedAvg baseline: 0.5, its App. hyperparameters); 0: plain SGD, the UPFL protocol
+    local_momentum: float = field(default=0.0, metadata={"fingerprint": "omit_default"})
 
 
 class FedAvg(Algorithm):
     name = "FedAvg"
     Config = FedAvgConfig
+
+    def client_start(self, server_state: State, ids: np.ndarray) -> State:
+        state = super().client_start(server_state, ids)
+        if self.hp.local_momentum:
+            state["mom"] = tree_map(torch.zeros_like, state["params"])
+        return state
+
+    def local_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> State:
+        if not self.hp.local_momentum:
+            return super().local_step(client_state, server_state, x, y)
+        grads = torch.func.grad(self.loss)(client_state["params"], server_state, x, y)
+        if self.hp.clip_norm is not None:
+            (grads,) = clip_by_global_norm((grads,), self.hp.clip_norm)
+        params, mom = sgd_momentum(client_state["params"], client_state["mom"], grads, self.hp.lr,
+                                   self.hp.local_momentum, self.hp.weight_decay)
+        return {"params": params, "mom": mom}

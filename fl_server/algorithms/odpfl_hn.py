@@ -38,7 +38,7 @@ its phase).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -49,7 +49,8 @@ from torch.func import functional_call
 
 from edge_sdk import dp as edge_dp
 from fl_server.algorithms.base import Algorithm, Hyper, LocalTrainer
-from fl_server.functional import State, clip_by_global_norm, get_params, make_forward, sgd, tree_map
+from fl_server.functional import (State, clip_by_global_norm, get_params, make_forward, sgd, sgd_momentum,
+                                  tree_map)
 from fl_server.models import Classifier, build_model
 
 
@@ -78,6 +79,9 @@ class ODPFLHNConfig(Hyper):
     embedding_init: str = "normal"  # two-phase: "normal" (N(0, std^2)) or "encoder" (g_gamma(D_i) at init)
     standardize_init: bool = False  # data-dependent init of psi: training clients' embeddings ~ zero mean, unit std
     encoder_local_steps: int = 5  # two-phase: a client's GD steps on Eq. 10 per round
+    # momentum of the client's local SGD on the generated model, zero at the start of its round (the ODPFL-HN
+    # paper's appendix: pFedHN's mu_local = 0.9, "ODPFL-HN: the same parameters"); 0: plain SGD (UPFL Table 4)
+    local_momentum: float = field(default=0.0, metadata={"fingerprint": "omit_default"})
 
 
 class SetEncoder(nn.Module):
@@ -237,12 +241,17 @@ class ODPFLHN(Algorithm):
         return torch.as_tensor(noisy, dtype=x.dtype, device=x.device)
 
     def local_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> State:
-        """ClientUpdate, one SGD step of CE on h(.; w) at ``local_lr`` (pure, vmappable)."""
+        """ClientUpdate, one SGD step (with ``local_momentum``) of CE on h(.; w) at ``local_lr`` (pure,
+        vmappable)."""
         grads = torch.func.grad(lambda p: F.cross_entropy(self.forward(p, x), y))(client_state["params"])
         if self.hp.clip_norm is not None:
             (grads,) = clip_by_global_norm((grads,), self.hp.clip_norm)
-        return {"params": sgd(client_state["params"], grads, self.hp.local_lr, self.hp.weight_decay),
-                "w0": client_state["w0"]}
+        if not self.hp.local_momentum:
+            return {"params": sgd(client_state["params"], grads, self.hp.local_lr, self.hp.weight_decay),
+                    "w0": client_state["w0"]}
+        params, mom = sgd_momentum(client_state["params"], client_state["mom"], grads, self.hp.local_lr,
+                                   self.hp.local_momentum, self.hp.weight_decay)
+        return {"params": params, "w0": client_state["w0"], "mom": mom}
 
     @staticmethod
     def client_delta(client_states: State) -> State:
@@ -319,7 +328,10 @@ class ODPFLHN(Algorithm):
             w = self.generate(server_state["hn"], server_state["emb"][torch.as_tensor(ids)])
         else:
             w = self.generate(server_state["hn"], self.embed_clients(server_state["enc"], ids))
-        return {"params": w, "w0": tree_map(torch.clone, w)}
+        state = {"params": w, "w0": tree_map(torch.clone, w)}
+        if self.hp.local_momentum:
+            state["mom"] = tree_map(torch.zeros_like, w)
+        return state
 
     # ------------------------------------------------------ two-phase (App. B.2)
     def in_phase1(self, server_state: State) -> bool:
