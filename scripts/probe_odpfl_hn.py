@@ -13,6 +13,9 @@ served f_theta(mean embedding): the gap to the personalised accuracy is what the
 ``--holdout-clients K`` also holds the first K training clients out of training (all their samples) and scores
 the served model on them at every evaluation: a client-level validation, which sees what the per-sample
 validation split of the training clients cannot, a hypernetwork that memorises the training clients.
+``--diagnose-run DIR`` instead reads a bench run directory (run.json, checkpoint.npz, metrics.jsonl) and records
+its validation curve, the same diagnostics of its last checkpoint and the classes its generated models
+predict on the training clients' validation data (a one-class model shows as a single class).
 
     python scripts/probe_odpfl_hn.py --dataset mnist --rounds 40 --hn-lr 0.5 0.05 0.01
     python scripts/probe_odpfl_hn.py --experiment odpfl-dirichlet --dataset fashion_mnist-a1 --rounds 100 --device cuda
@@ -26,6 +29,7 @@ import dataclasses
 import json
 import shlex
 import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -67,6 +71,39 @@ def hypernet_diagnostics(sim: Simulation, alg: ODPFLHN) -> dict:
             "embedding_spread_across_clients": round(e_spread, 4)}
 
 
+def diagnose_run(run_dir: Path, args: argparse.Namespace, command: str) -> None:
+    """One row for a bench run directory: validation curve, diagnostics and predicted classes at its checkpoint."""
+    from fl_server.bench.runner import build_simulation
+    from fl_server.engine.simulation import checkpoint_meta, load_state
+
+    run = json.loads((run_dir / "run.json").read_text())
+    protocol = get_experiment(args.experiment).protocols[args.dataset]
+    protocol = dataclasses.replace(protocol, method_hp={**protocol.method_hp, run["method"]: run["hyper"]})
+    sim = build_simulation(protocol, run["method"], run["seed"], None, device=args.device, progress=False)
+    sim.server_state = load_state(run_dir / "checkpoint.npz", sim.device)
+    alg = sim.algorithm
+    assert isinstance(alg, ODPFLHN)
+    meta = checkpoint_meta(run_dir / "checkpoint.npz") or {}
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    emb = alg.embed_clients(sim.server_state["enc"], np.arange(sim.fed.num_train_clients))
+    predicted = torch.zeros(sim.fed.dataset.num_classes, dtype=torch.long)
+    for k, idx in enumerate(sim.fed.val):
+        pred = sim._logits(alg.generate(sim.server_state["hn"], emb[k]), idx).argmax(-1).cpu()
+        predicted += torch.bincount(pred, minlength=len(predicted))
+    hp = {k: run["hyper"][k] for k in ("local_lr", "encoder_lr", "hn_lr")}
+    row = {"what": f"ODPFL-HN {args.experiment} {args.dataset} seed {run['seed']}: run diagnosis after "
+                   f"{meta.get('rounds_done')} rounds, hn_lr {hp['hn_lr']}",
+           "experiment": args.experiment, "variant": "run diagnosis", "metric": "best val accuracy %",
+           "value": round(100 * meta.get("best_val", float("nan")), 2), "dataset": args.dataset,
+           "seed": run["seed"], "hn_lr": hp["hn_lr"], "rounds": meta.get("rounds_done"),
+           "best_round": meta.get("best_round"),
+           "val_curve": [round(100 * r["val"], 2) for r in metrics if r.get("val") is not None],
+           **hypernet_diagnostics(sim, alg), "predicted_class_counts_on_val": predicted.tolist(), "hyper": hp,
+           "device": describe(sim.device), "command": command}
+    print(row, flush=True)
+    merge_rows(args.out, [row], key=("experiment", "dataset", "seed", "hn_lr", "rounds", "variant"))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--experiment", default="upfl-table1", help="whose protocol (and ODPFL-HN rates) to probe")
@@ -82,7 +119,14 @@ def main() -> None:
                     help="hold out K training clients as validation clients (scored like new clients)")
     ap.add_argument("--out", default="docs/results/odpfl-hn-probe.json",
                     help="rows merged by (experiment, dataset, seed, hn_lr, rounds, variant)")
+    ap.add_argument("--diagnose-run", type=Path, metavar="DIR",
+                    help="diagnose a bench run directory (its run.json, checkpoint.npz, metrics.jsonl) instead")
     args = ap.parse_args()
+    command = "python scripts/probe_odpfl_hn.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    if args.diagnose_run is not None:
+        torch.set_num_threads(1)
+        diagnose_run(args.diagnose_run, args, command)
+        return
     overrides = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.set)}
     variant = " ".join([f"{k}={json.dumps(v)}" for k, v in sorted(overrides.items())]
                        + ([f"holdout_clients={args.holdout_clients}"] if args.holdout_clients else [])) or None
@@ -95,7 +139,6 @@ def main() -> None:
     if k := args.holdout_clients:  # held-out clients scored as "new" next to the per-sample validation curve
         held = hold_out_validation_clients(fed, k)
         fed = dataclasses.replace(held, new=held.val_clients, val_clients=[])
-    command = "python scripts/probe_odpfl_hn.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     rows = []
     for lr in args.hn_lr:
         model = build_model(protocol.model, fed.dataset.x.shape[1:], fed.dataset.num_classes, seed=args.seed)

@@ -128,8 +128,7 @@ EXPERIMENTS: dict[str, Experiment] = {
                                                                         "ODPFL-HN")},
                                       # about 75 s per round on one CPU core (the hypernetwork generates the
                                       # whole ConvNet): 300 rounds are 6 CPU-hours per seed; no GPU was lent
-                                      method_rounds={"ODPFL-HN": (100, "CPU time; its validation curve is flat "
-                                                                       "from about round 45, see the curve")},
+                                      method_rounds={"ODPFL-HN": (100, "CPU time, see the wall time")},
                                       note="eta 0.1 instead of Table 4's 0.3 (0.3 collapses; chosen on validation)"),
             # the embedded default: 1,797 8x8 digits over 20 clients (no download)
             "digits": Protocol("digits", "mlp", rounds=60, num_clients=20, method_hp=_upfl_hp("digits"),
