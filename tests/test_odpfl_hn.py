@@ -174,6 +174,26 @@ def test_short_mnist_run_beats_round_zero(mnist_fed, one_thread) -> None:  # typ
     assert after > before + 0.5
 
 
+def test_aggregate_reuses_the_rounds_embeddings_exactly(mnist_fed, one_thread) -> None:  # type: ignore[no-untyped-def]
+    """aggregate takes the embeddings client_start computed for the same encoder and clients (one encoder pass
+    saved per round) and its update equals the one from embeddings computed afresh, bit for bit."""
+    alg = build_algorithm("ODPFL-HN", build_model("mlp", (1, 28, 28), 10, seed=0), mnist_fed.num_train_clients,
+                          seed=0, **ODPFL_HP["mnist"]["ODPFL-HN"])
+    sim = Simulation(alg, mnist_fed, RunConfig(rounds=1, local_iterations=5, batch_size=32, seed=0, device="cpu",
+                                               progress=False))
+    ids, server = np.arange(mnist_fed.num_train_clients), sim.server_state
+    states = alg.client_start(server, ids)
+    cached = alg.round_embeddings(server["enc"], ids)
+    assert cached is alg._round_embeddings[2]  # type: ignore[index]
+    assert alg.round_embeddings(tree_map(torch.clone, server["enc"]), ids) is not cached  # another encoder state
+    states = sim.local_train(alg.local_step, states, server, ids, 5, np.random.default_rng(0))
+    reused = alg.aggregate(server, ids, states, sim.train_sizes[ids])
+    alg._round_embeddings = None
+    fresh = alg.aggregate(server, ids, states, sim.train_sizes[ids])
+    for part in ("hn", "enc"):
+        assert all(torch.equal(reused[part][k], fresh[part][k]) for k in fresh[part])
+
+
 # ------------------------------------------------------------------ odpfl-dp experiment (Sec. 7)
 def test_dp_split_gives_disjoint_nested_two_class_new_clients(fashion_all) -> None:  # type: ignore[no-untyped-def]
     from fl_server.bench.odpfl import dp_split

@@ -170,6 +170,9 @@ class ODPFLHN(Algorithm):
         self._x: torch.Tensor | None = None
         self._y: torch.Tensor | None = None
         self._train: list[np.ndarray] | None = None
+        # (encoder state, client ids, embeddings) of the last client_start: aggregate reuses them instead of a
+        # second encoder pass over the same clients' data with the same encoder (bit-identical, a pure cache)
+        self._round_embeddings: tuple[State, np.ndarray, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ state
     def attach(self, x: torch.Tensor, y: torch.Tensor, train: list[np.ndarray]) -> None:
@@ -307,6 +310,14 @@ class ODPFLHN(Algorithm):
         """[K, E]: each training client's embedding of all its training data."""
         return torch.stack([self.encode(enc, self._client_x(int(i))) for i in ids])
 
+    def round_embeddings(self, enc: State, ids: np.ndarray) -> torch.Tensor:
+        """:meth:`embed_clients`, reusing what this round's client_start computed for the same encoder state
+        and clients (one encoder pass over every selected client's data per round saved)."""
+        cached = self._round_embeddings
+        if cached is not None and cached[0] is enc and np.array_equal(cached[1], ids):
+            return cached[2]
+        return self.embed_clients(enc, ids)
+
     def aggregate(self, server_state: State, ids: np.ndarray, client_states: State, weights: torch.Tensor) -> State:
         """Algorithm 1, lines 6-10, for the K selected clients at once (gradients weighted by ``weights``)."""
         if self.hp.two_phase:
@@ -314,7 +325,7 @@ class ODPFLHN(Algorithm):
         coef = weights / weights.sum()
         delta = self.client_delta(client_states)
         enc = server_state["enc"]
-        emb = self.embed_clients(enc, ids)
+        emb = self.round_embeddings(enc, ids)
         grad_theta, grad_e = self.hypernet_backprop(server_state["hn"], emb, delta, coef)
         grad_gamma: State | None = None
         for k, i in enumerate(ids):  # ClientBackprop on each client, summed (coef is already in grad_e)
@@ -327,7 +338,9 @@ class ODPFLHN(Algorithm):
         if self.in_phase1(server_state):  # two-phase, Eq. 9: the learned embeddings generate the models
             w = self.generate(server_state["hn"], server_state["emb"][torch.as_tensor(ids)])
         else:
-            w = self.generate(server_state["hn"], self.embed_clients(server_state["enc"], ids))
+            emb = self.embed_clients(server_state["enc"], ids)
+            self._round_embeddings = (server_state["enc"], ids.copy(), emb)
+            w = self.generate(server_state["hn"], emb)
         state = {"params": w, "w0": tree_map(torch.clone, w)}
         if self.hp.local_momentum:
             state["mom"] = tree_map(torch.zeros_like, w)
@@ -354,7 +367,7 @@ class ODPFLHN(Algorithm):
         rows = torch.as_tensor(ids, device=weights.device)
         nxt = {**server_state, "round": server_state["round"] + 1}
         if not self.in_phase1(server_state):  # Eq. 11: theta only, on the frozen encoder's embeddings
-            grad_theta, _ = self.hypernet_backprop(server_state["hn"], self.embed_clients(server_state["enc"], ids),
+            grad_theta, _ = self.hypernet_backprop(server_state["hn"], self.round_embeddings(server_state["enc"], ids),
                                                    delta, coef)
             return self.server_update(nxt, grad_theta, tree_map(torch.zeros_like, server_state["enc"]))
         emb = server_state["emb"]

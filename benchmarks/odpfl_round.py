@@ -1,0 +1,71 @@
+"""Where an ODPFL-HN round of the UPFL Table-1 protocol spends its time, and what reusing client_start's
+embeddings in aggregate saves: one round of the Fashion-MNIST protocol (50 training clients, ConvNet target,
+tau = 20 local iterations, B = 64), timed in parts, with aggregate run both ways on the same client states in
+the same run (its update is bit-identical either way; tests/test_odpfl_hn.py). Rows are merged into
+docs/benchmarks/odpfl-round.json by (what, device).
+
+    python benchmarks/odpfl_round.py [--dataset fashion_mnist] [--device cpu] [--threads 1]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from fl_server.bench.experiments import get_experiment
+from fl_server.bench.rows import merge_rows
+from fl_server.bench.runner import build_simulation
+from fl_server.device import describe
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dataset", default="fashion_mnist", help="a upfl-table1 protocol")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on the CPU")
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--out", default="docs/benchmarks/odpfl-round.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    protocol = get_experiment("upfl-table1").protocols[args.dataset]
+    sim = build_simulation(protocol, "ODPFL-HN", 0, None, device=args.device, progress=False,
+                           data_root=args.data_dir)
+    alg, server = sim.algorithm, sim.server_state
+    ids = sim.select_clients(0)
+    states, t_start = timed(lambda: alg.client_start(server, ids))
+    states, t_local = timed(lambda: sim.local_train(alg.local_step, states, server, ids, sim.cfg.local_iterations,
+                                                    np.random.default_rng(0)))
+    _, t_reuse = timed(lambda: alg.aggregate(server, ids, states, sim.train_sizes[ids]))
+    alg._round_embeddings = None  # what aggregate did before the reuse: embed every client again
+    _, t_fresh = timed(lambda: alg.aggregate(server, ids, states, sim.train_sizes[ids]))
+    before, after = t_start + t_local + t_fresh, t_start + t_local + t_reuse
+    row = {"benchmark": "odpfl-round", "what": f"ODPFL-HN round, upfl-table1 {args.dataset}",
+           "metric": "round speedup from reusing the embeddings", "value": round(before / after, 3),
+           "round_s_before": round(before, 2), "round_s_after": round(after, 2),
+           "client_start_s": round(t_start, 2), "local_training_s": round(t_local, 2),
+           "aggregate_fresh_embeddings_s": round(t_fresh, 2), "aggregate_reused_embeddings_s": round(t_reuse, 2),
+           "clients": len(ids), "samples": int(sum(len(sim.fed.train[i]) for i in ids)),
+           "local_iterations": sim.cfg.local_iterations, "batch_size": sim.cfg.batch_size,
+           "device": describe(sim.device), "load_average_1min": round(os.getloadavg()[0], 2),
+           "torch": torch.__version__,
+           "command": "python benchmarks/odpfl_round.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
+    print(json.dumps(row))
+    merge_rows(args.out, [row])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
