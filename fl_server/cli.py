@@ -29,6 +29,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: no default protocol for dataset {args.dataset!r}")
     changes = {k: v for k, v in {"rounds": args.rounds, "num_clients": args.clients, "model": args.model}.items()
                if v is not None}
+    if args.rounds is not None:
+        changes["method_rounds"] = {}  # an explicit --rounds is every method's budget
     protocol = replace(protocol, **changes)
     fed = build_federated(protocol, args.seed, args.data_dir)
     print(fed.summary())

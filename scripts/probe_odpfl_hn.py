@@ -74,17 +74,21 @@ def hypernet_diagnostics(sim: Simulation, alg: ODPFLHN) -> dict:
 def diagnose_run(run_dir: Path, args: argparse.Namespace, command: str) -> None:
     """One row for a bench run directory: validation curve, diagnostics and predicted classes at its checkpoint."""
     from fl_server.bench.runner import build_simulation
-    from fl_server.engine.simulation import checkpoint_meta, load_state
+    from fl_server.engine.simulation import complete_rows, checkpoint_meta, load_state
 
     run = json.loads((run_dir / "run.json").read_text())
     protocol = get_experiment(args.experiment).protocols[args.dataset]
+    if (protocol.dataset, protocol.model) != (run["dataset"], run["model"]):
+        raise SystemExit(f"error: {run_dir} is a {run['dataset']}/{run['model']} run; --experiment {args.experiment} "
+                         f"--dataset {args.dataset} is {protocol.dataset}/{protocol.model}")
     protocol = dataclasses.replace(protocol, method_hp={**protocol.method_hp, run["method"]: run["hyper"]})
     sim = build_simulation(protocol, run["method"], run["seed"], None, device=args.device, progress=False)
     sim.server_state = load_state(run_dir / "checkpoint.npz", sim.device)
     alg = sim.algorithm
     assert isinstance(alg, ODPFLHN)
     meta = checkpoint_meta(run_dir / "checkpoint.npz") or {}
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    done = meta.get("rounds_done", 0)  # rows past the checkpoint belong to rounds it does not hold
+    metrics = [r for r in complete_rows((run_dir / "metrics.jsonl").read_text()) if r["round"] < done]
     emb = alg.embed_clients(sim.server_state["enc"], np.arange(sim.fed.num_train_clients))
     predicted = torch.zeros(sim.fed.dataset.num_classes, dtype=torch.long)
     for k, idx in enumerate(sim.fed.val):

@@ -22,11 +22,12 @@ def small_fed(mnist_all):  # type: ignore[no-untyped-def]
 
 
 def _sim(fed, method: str, mode: str, dtype: str = "float64", rounds: int = 2, out: Path | None = None,
-         model: str = "mlp", **hp):  # type: ignore[no-untyped-def]
+         model: str = "mlp", eval_every: int = 1, **hp):  # type: ignore[no-untyped-def]
     alg = build_algorithm(method, build_model(model, (1, 28, 28), 10, seed=0), fed.num_train_clients,
                           **({"lr": 0.1} | hp))
     cfg = RunConfig(rounds=rounds, local_iterations=5, batch_size=32, seed=0, mode=mode, dtype=dtype,
-                    device="cpu", progress=False, out_dir=str(out) if out else None, checkpoint_every=1)
+                    device="cpu", progress=False, out_dir=str(out) if out else None, checkpoint_every=1,
+                    eval_every=eval_every)
     return Simulation(alg, fed, cfg)
 
 
@@ -103,12 +104,50 @@ def test_kill_between_state_and_json_does_not_repeat_a_round(small_fed, tmp_path
     assert rows == [0, 1, 2]
 
 
-def _killed_after(fed, rounds: int, of: int, out: Path):  # type: ignore[no-untyped-def]
+def _killed_after(fed, rounds: int, of: int, out: Path, eval_every: int = 1,  # type: ignore[no-untyped-def]
+                 method: str = "TENT"):
     """The run directory of an ``of``-round run killed after ``rounds`` rounds (checkpoint every round)."""
-    full = _sim(fed, "TENT", "vmap", rounds=of)
-    first = _sim(fed, "TENT", "vmap", rounds=of, out=out)
-    first.cfg.rounds, first.fingerprint = rounds, full.fingerprint
-    first.run()
+    first = _sim(fed, method, "vmap", rounds=of, out=out, eval_every=eval_every)
+    first.cfg.stop_after = rounds
+    assert first.run().rounds_done == rounds
+
+
+def _same_result(a, b) -> bool:  # type: ignore[no-untyped-def]
+    return (a.best_round, a.best_val, a.test_at_best) == (b.best_round, b.best_val, b.test_at_best)
+
+
+def test_a_run_cut_short_reports_the_best_state_of_the_checkpoint(small_fed, tmp_path: Path) -> None:
+    """A 6-round run checkpoints after 4 rounds, improves in round 5 (best.npz moves on to it) and is killed
+    before its next checkpoint: the 4-round run cut out of it reports the best state as of the checkpoint."""
+    import shutil
+
+    from fl_server.engine.simulation import checkpoint_meta
+
+    out, kept = tmp_path / "b", tmp_path / "kept"
+    _killed_after(small_fed, 4, of=6, out=out, method="FedAvg")
+    kept.mkdir()
+    for name in ("checkpoint.npz", "checkpoint.json", "best.ckpt.npz"):
+        shutil.copy2(out / name, kept / name)
+    _killed_after(small_fed, 5, of=6, out=out, method="FedAvg")  # round 5, its checkpoint undone by the kill:
+    for name in ("checkpoint.npz", "checkpoint.json", "best.ckpt.npz"):
+        (out / name).unlink()  # best.ckpt.npz is a hard link of best.npz: never write through it
+        shutil.copy2(kept / name, out / name)
+    assert checkpoint_meta(out / "best.npz")["round"] == 4 != checkpoint_meta(out / "checkpoint.npz")["best_round"]
+    straight = _sim(small_fed, "FedAvg", "vmap", rounds=4, out=tmp_path / "a").run()
+    assert _same_result(straight, _sim(small_fed, "FedAvg", "vmap", rounds=4, out=out).run())
+
+
+def test_a_run_cut_short_off_the_validation_cadence_validates_its_last_round(small_fed, tmp_path: Path) -> None:
+    """Validation every 2 rounds: a 3-round run validates its last round (2) although the 4-round run it is cut
+    from did not; a finished 3-round run cannot be extended (that validation is off the longer run's cadence)."""
+    _killed_after(small_fed, 3, of=4, out=tmp_path / "b", eval_every=2)
+    straight = _sim(small_fed, "TENT", "vmap", rounds=3, out=tmp_path / "a", eval_every=2).run()
+    resumed = _sim(small_fed, "TENT", "vmap", rounds=3, out=tmp_path / "b", eval_every=2).run()
+    assert _same_result(straight, resumed) and resumed.last["round"] == 2 and resumed.last["val"] is not None
+    rows = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows if r.get("val") is not None] == [1, 2]
+    with pytest.raises(ValueError, match="different run"):
+        _sim(small_fed, "TENT", "vmap", rounds=4, out=tmp_path / "b", eval_every=2).run()
 
 
 @pytest.mark.parametrize("legacy", [False, True])
@@ -130,8 +169,7 @@ def test_a_run_cut_short_or_extended_resumes_the_other_length(small_fed, tmp_pat
         resumed = _sim(small_fed, "TENT", "vmap", rounds=rounds, out=tmp_path / "b")
         res_b = resumed.run()
         assert _max_diff(straight.server_state["params"], resumed.server_state["params"]) == 0.0
-        assert (res_a.best_round, res_a.best_val, res_a.test_at_best) == \
-            (res_b.best_round, res_b.best_val, res_b.test_at_best)
+        assert _same_result(res_a, res_b)
     # the directory now holds 3 rounds: a 2-round run cannot be cut out of it any more
     with pytest.raises(ValueError, match="different run"):
         _sim(small_fed, "TENT", "vmap", rounds=2, out=tmp_path / "b").run()

@@ -59,7 +59,10 @@ class Protocol:
 
     def run_config(self, seed: int, out_dir: str | None, device: str = "auto", mode: str = "auto",
                    progress: bool = True) -> RunConfig:
-        """The engine configuration of one seed of this protocol."""
+        """The engine configuration of one seed of this protocol, for experiments without per-method budgets
+        (``method_rounds`` and ``method_eval_every`` are read by runner.build_simulation)."""
+        if self.method_rounds:
+            raise ValueError("a protocol with method_rounds runs through fl_server.bench.runner.build_simulation")
         return RunConfig(rounds=self.rounds, local_iterations=self.local_iterations, batch_size=self.batch_size,
                          client_fraction=self.client_fraction, eval_every=self.eval_every, seed=seed, mode=mode,
                          device=device, out_dir=out_dir, progress=progress)

@@ -50,6 +50,9 @@ class RunConfig:
     test_at_best_only: bool = False
     out_dir: str | None = None
     progress: bool = True
+    # train at most up to this round count in this call, then checkpoint and return as if interrupted (a time-
+    # limited lease); the next call with the same config resumes. None: to ``rounds``.
+    stop_after: int | None = None
 
     def identity(self) -> dict[str, Any]:
         """The fields that change results (a resumed run must match them)."""
@@ -116,10 +119,20 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _atomic_link(src: Path, dst: Path) -> None:
+    """``dst`` becomes a hard link to ``src`` (the same file, no copy), replacing any old ``dst`` atomically."""
+    if dst.exists() and os.path.samefile(src, dst):
+        return  # (renaming a link onto another link of the same file would do nothing and leave tmp behind)
+    tmp = dst.with_name(dst.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    os.link(src, tmp)
+    os.replace(tmp, dst)
+
+
 META_KEY = "__checkpoint__"  # a checkpoint's metadata (JSON bytes) inside its own .npz
 
 
-def _complete_rows(text: str) -> list[dict[str, Any]]:
+def complete_rows(text: str) -> list[dict[str, Any]]:
     """The JSON rows of a metrics file up to the first incomplete one (a process killed mid-write)."""
     rows = []
     for line in text.splitlines():
@@ -192,13 +205,20 @@ class Simulation:
                  "data": self.fed.info, "dataset": self.fed.dataset.name, "run": run}
         return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
-    def _same_run_other_length(self, meta: dict[str, Any]) -> bool:
+    def _same_run_other_length(self, meta: dict[str, Any], rows: list[dict[str, Any]]) -> bool:
         """Whether a checkpoint comes from this run configured for another total of rounds: its first
-        ``rounds_done`` rounds are this run's (nothing depends on the total but where it stops), so a run can
-        be cut short or extended from it. Checkpoints written before ``prefix_fingerprint`` existed are
-        matched by trying the totals they could have had."""
+        ``rounds_done`` rounds are this run's, so a run can be cut short or extended from it. Only where it
+        stops and the validation of its last round depend on the total: a run cut short at the checkpoint
+        validates that round on resume (``run``); a finished shorter run whose last round was validated off the
+        ``eval_every`` cadence (``rows``: its metrics) cannot be extended, that validation would be an extra
+        candidate for the best round. Checkpoints written before ``prefix_fingerprint`` existed are matched by
+        trying the totals they could have had."""
         done = int(meta.get("rounds_done", 0))
         if done > self.cfg.rounds:
+            return False
+        off_cadence_last = done % self.cfg.eval_every != 0 and any(
+            r["round"] == done - 1 and r.get("val") is not None for r in rows)
+        if off_cadence_last and self.cfg.rounds > done:
             return False
         if "prefix_fingerprint" in meta:
             return meta["prefix_fingerprint"] == self._fingerprint(rounds=0)
@@ -290,6 +310,10 @@ class Simulation:
         meta = {"fingerprint": self.fingerprint, "prefix_fingerprint": self._fingerprint(rounds=0),
                 "rounds_done": round_ + 1, "best_round": result.best_round,
                 "best_val": result.best_val, "test_at_best": result.test_at_best, "wall_s": result.wall_s}
+        # best.npz moves on at every improvement; best.ckpt.npz is the best state as of this checkpoint (a hard
+        # link, no copy), what a run cut short at this checkpoint reports
+        if (self.out_dir / "best.npz").exists():
+            _atomic_link(self.out_dir / "best.npz", self.out_dir / "best.ckpt.npz")
         # the state and the round it belongs to land in one rename (the .npz): a kill between this and the
         # json below cannot make a resumed run apply a round twice; checkpoint.json is a readable mirror
         save_state(self.out_dir / "checkpoint.npz", self.server_state, meta)
@@ -305,28 +329,74 @@ class Simulation:
         if meta is None:
             (self.out_dir / "metrics.jsonl").unlink(missing_ok=True)  # rows of an aborted, uncheckpointed run
             return 0
-        if meta.get("fingerprint") != self.fingerprint and not self._same_run_other_length(meta):
+        metrics = self.out_dir / "metrics.jsonl"
+        # rows past the checkpoint are dropped (they will be recomputed identically)
+        rows = [r for r in complete_rows(metrics.read_text()) if r["round"] < meta["rounds_done"]] \
+            if metrics.exists() else []
+        same_length = meta.get("fingerprint") == self.fingerprint
+        if not same_length and not self._same_run_other_length(meta, rows):
             raise ValueError(f"{self.out_dir} holds a checkpoint of a different run (config changed); "
                              "use another --out directory or delete it")
         self.server_state = load_state(ckpt, self.device)
-        if (self.out_dir / "best.npz").exists():
-            self.best_state = load_state(self.out_dir / "best.npz", self.device)
+        self.best_state = self._best_state_of(meta, ckpt, same_length)
         result.best_round, result.best_val = meta["best_round"], meta["best_val"]
         result.test_at_best, result.wall_s = meta["test_at_best"], meta["wall_s"]
-        metrics = self.out_dir / "metrics.jsonl"
-        if metrics.exists():  # drop rows past the checkpoint (they will be recomputed identically)
-            rows = [r for r in _complete_rows(metrics.read_text()) if r["round"] < meta["rounds_done"]]
+        if metrics.exists():
             _atomic_write(metrics, "".join(json.dumps(r) + "\n" for r in rows).encode())
             result.history = rows
         return int(meta["rounds_done"])
 
+    def _best_state_of(self, meta: dict[str, Any], ckpt: Path, same_length: bool) -> State | None:
+        """The best-validation state that goes with checkpoint ``meta``: best.npz moves on after the checkpoint
+        at every improvement (a replay of the same rounds finds those again), best.ckpt.npz is the one as of
+        the checkpoint. Files record their round; older ones without it are trusted when they are no newer
+        than the checkpoint, or when the run resumes at its own length (its replay rewrites best.npz)."""
+        assert self.out_dir is not None
+        for path in (self.out_dir / "best.ckpt.npz", self.out_dir / "best.npz"):
+            if not path.exists():
+                continue
+            recorded = checkpoint_meta(path)
+            if recorded is not None and recorded.get("round") == meta["best_round"]:
+                return load_state(path, self.device)
+            if recorded is None and (same_length or path.stat().st_mtime <= ckpt.stat().st_mtime):
+                return load_state(path, self.device)
+        if same_length or meta["best_round"] < 0:
+            return None  # a same-length replay finds the improvement that moved best.npz on again
+        raise ValueError(f"{self.out_dir}: no best-state file holds round {meta['best_round']}, the checkpoint's "
+                         "best; this run can only resume at its own length")
+
     # --------------------------------------------------------------------- run
+    def _validate(self, r: int, row: dict[str, Any], result: RunResult) -> None:
+        """Validate the current server state (round ``r``'s) into ``row``; an improvement becomes the best state
+        (best.npz records its round)."""
+        row["val"] = self.evaluate_val(r)
+        row["test"] = None if self.cfg.test_at_best_only else self.evaluate_new()
+        if row["val"] > result.best_val:
+            result.best_round, result.best_val, result.test_at_best = r, row["val"], row["test"]
+            self.best_state = tree_map(torch.clone, self.server_state)
+            if self.out_dir is not None:
+                save_state(self.out_dir / "best.npz", self.server_state, {"round": r, "val": row["val"]})
+
     def run(self) -> RunResult:
         result = RunResult()
         if self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         start_round = self._resume(result)
-        bar = tqdm(range(start_round, self.cfg.rounds), initial=start_round, total=self.cfg.rounds,
+        if result.history:
+            result.last = result.history[-1]
+        if (0 < start_round == self.cfg.rounds and result.last.get("round") == start_round - 1
+                and result.last.get("val") is None):
+            # a longer run's checkpoint cut short at a round off its validation cadence: a run of this length
+            # validates its last round, so do it now (the checkpoint holds that round's state)
+            t0 = time.perf_counter()
+            self._validate(start_round - 1, result.last, result)
+            result.wall_s += time.perf_counter() - t0
+            if self.out_dir is not None:
+                _atomic_write(self.out_dir / "metrics.jsonl",
+                              "".join(json.dumps(r) + "\n" for r in result.history).encode())
+                self._checkpoint(start_round - 1, result)
+        end = self.cfg.rounds if self.cfg.stop_after is None else min(self.cfg.rounds, self.cfg.stop_after)
+        bar = tqdm(range(start_round, end), initial=start_round, total=self.cfg.rounds,
                    desc=f"{self.algorithm.name} {self.fed.dataset.name}", disable=not self.cfg.progress,
                    dynamic_ncols=True)
         for r in bar:
@@ -335,13 +405,7 @@ class Simulation:
             row: dict[str, Any] = {"round": r}
             last = r == self.cfg.rounds - 1
             if (r + 1) % self.cfg.eval_every == 0 or last:
-                row["val"] = self.evaluate_val(r)
-                row["test"] = None if self.cfg.test_at_best_only else self.evaluate_new()
-                if row["val"] > result.best_val:
-                    result.best_round, result.best_val, result.test_at_best = r, row["val"], row["test"]
-                    self.best_state = tree_map(torch.clone, self.server_state)
-                    if self.out_dir is not None:
-                        save_state(self.out_dir / "best.npz", self.server_state)
+                self._validate(r, row, result)
                 bar.set_postfix(val=f"{row['val']:.4f}", test="-" if row["test"] is None else f"{row['test']:.4f}")
             result.wall_s += time.perf_counter() - t0
             row["wall_s"] = round(result.wall_s, 3)
@@ -350,7 +414,7 @@ class Simulation:
             if self.out_dir is not None:
                 with open(self.out_dir / "metrics.jsonl", "a") as fh:
                     fh.write(json.dumps(row) + "\n")
-                if (r + 1) % self.cfg.checkpoint_every == 0 or last:
+                if (r + 1) % self.cfg.checkpoint_every == 0 or last or r == end - 1:
                     self._checkpoint(r, result)
         if self.cfg.test_at_best_only and self.best_state is not None:
             t0 = time.perf_counter()
@@ -358,5 +422,5 @@ class Simulation:
             result.test_at_best = self.evaluate_new()
             self.server_state = current
             result.wall_s += time.perf_counter() - t0
-        result.rounds_done = self.cfg.rounds
+        result.rounds_done = max(end, start_round)
         return result
