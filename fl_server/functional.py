@@ -86,6 +86,15 @@ def sgd_momentum(params: Any, buf: Any, grads: Any, lr: float, momentum: float,
     return pytree.tree_map(lambda p, b: torch.add(p, b, alpha=-lr), params, buf), buf
 
 
+def sgd_step(state: State, grads: Any, lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> State:
+    """One local step on ``state["params"]``: :func:`sgd`, or :func:`sgd_momentum` with its buffer in
+    ``state["mom"]`` when ``momentum`` > 0. Every other entry of ``state`` passes through unchanged."""
+    if not momentum:
+        return {**state, "params": sgd(state["params"], grads, lr, weight_decay)}
+    params, mom = sgd_momentum(state["params"], state["mom"], grads, lr, momentum, weight_decay)
+    return {**state, "params": params, "mom": mom}
+
+
 def clip_by_global_norm(grads: tuple[Any, ...], max_norm: float) -> tuple[Any, ...]:
     """Scale all gradient pytrees together by min(1, max_norm / ||g||_2) (as torch's clip_grad_norm_, but
     functional and vmappable: one norm per client under vmap)."""

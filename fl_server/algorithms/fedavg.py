@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from fl_server.algorithms.base import Algorithm, Hyper
-from fl_server.functional import State, clip_by_global_norm, sgd_momentum, tree_map
+from fl_server.functional import State, tree_map
 
 
 @dataclass
@@ -28,13 +28,3 @@ class FedAvg(Algorithm):
         if self.hp.local_momentum:
             state["mom"] = tree_map(torch.zeros_like, state["params"])
         return state
-
-    def local_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> State:
-        if not self.hp.local_momentum:
-            return super().local_step(client_state, server_state, x, y)
-        grads = torch.func.grad(self.loss)(client_state["params"], server_state, x, y)
-        if self.hp.clip_norm is not None:
-            (grads,) = clip_by_global_norm((grads,), self.hp.clip_norm)
-        params, mom = sgd_momentum(client_state["params"], client_state["mom"], grads, self.hp.lr,
-                                   self.hp.local_momentum, self.hp.weight_decay)
-        return {"params": params, "mom": mom}

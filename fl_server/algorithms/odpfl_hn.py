@@ -49,7 +49,7 @@ from torch.func import functional_call
 
 from edge_sdk import dp as edge_dp
 from fl_server.algorithms.base import Algorithm, Hyper, LocalTrainer
-from fl_server.functional import (State, clip_by_global_norm, get_params, make_forward, sgd, sgd_momentum,
+from fl_server.functional import (State, clip_by_global_norm, get_params, make_forward, sgd, sgd_step,
                                   tree_map)
 from fl_server.models import Classifier, build_model
 
@@ -249,12 +249,7 @@ class ODPFLHN(Algorithm):
         grads = torch.func.grad(lambda p: F.cross_entropy(self.forward(p, x), y))(client_state["params"])
         if self.hp.clip_norm is not None:
             (grads,) = clip_by_global_norm((grads,), self.hp.clip_norm)
-        if not self.hp.local_momentum:
-            return {"params": sgd(client_state["params"], grads, self.hp.local_lr, self.hp.weight_decay),
-                    "w0": client_state["w0"]}
-        params, mom = sgd_momentum(client_state["params"], client_state["mom"], grads, self.hp.local_lr,
-                                   self.hp.local_momentum, self.hp.weight_decay)
-        return {"params": params, "w0": client_state["w0"], "mom": mom}
+        return sgd_step(client_state, grads, self.hp.local_lr, self.hp.local_momentum, self.hp.weight_decay)
 
     @staticmethod
     def client_delta(client_states: State) -> State:
