@@ -183,15 +183,52 @@ def test_aggregate_reuses_the_rounds_embeddings_exactly(mnist_fed, one_thread) -
                                                progress=False))
     ids, server = np.arange(mnist_fed.num_train_clients), sim.server_state
     states = alg.client_start(server, ids)
-    cached = alg.round_embeddings(server["enc"], ids)
+    cached = alg.round_embeddings(server, ids)
     assert cached is alg._round_embeddings[2]  # type: ignore[index]
-    assert alg.round_embeddings(tree_map(torch.clone, server["enc"]), ids) is not cached  # another encoder state
     states = sim.local_train(alg.local_step, states, server, ids, 5, np.random.default_rng(0))
     reused = alg.aggregate(server, ids, states, sim.train_sizes[ids])
     alg._round_embeddings = None
     fresh = alg.aggregate(server, ids, states, sim.train_sizes[ids])
     for part in ("hn", "enc"):
         assert all(torch.equal(reused[part][k], fresh[part][k]) for k in fresh[part])
+    other_encoder = {**server, "enc": tree_map(torch.clone, server["enc"])}
+    assert alg.round_embeddings(other_encoder, ids) is not alg.round_embeddings(server, ids)
+
+
+def test_embedding_noise_is_training_only_and_the_same_in_client_start_and_aggregate(
+        mnist_fed, one_thread) -> None:  # type: ignore[no-untyped-def]
+    """``embedding_noise``: the training models come from g(D_i) + sigma n with n ~ N(0, I) fixed by (seed,
+    round, client); aggregate's chain rule sees the same noisy embeddings (a fresh recomputation agrees bit for
+    bit); validation and new clients get the clean embedding."""
+    hp = {**ODPFL_HP["mnist"]["ODPFL-HN"], "embedding_noise": 0.5}
+    alg = build_algorithm("ODPFL-HN", build_model("mlp", (1, 28, 28), 10, seed=0), mnist_fed.num_train_clients,
+                          seed=0, **hp)
+    sim = Simulation(alg, mnist_fed, RunConfig(rounds=1, local_iterations=5, batch_size=32, seed=0, device="cpu",
+                                               progress=False))
+    ids, server = np.arange(mnist_fed.num_train_clients), sim.server_state
+    clean = alg.embed_clients(server["enc"], ids)
+    states = alg.client_start(server, ids)
+    noise = alg.embedding_noise(server, ids).to(clean)
+    assert noise.shape == clean.shape and 0.8 < float(noise.std()) < 1.2
+    assert not torch.equal(noise[0], noise[1])  # per client
+    assert not torch.equal(noise, alg.embedding_noise({**server, "round": server["round"] + 1}, ids))  # per round
+    expected = alg.generate(server["hn"], clean + 0.5 * noise)
+    assert all(torch.allclose(states["params"][k], expected[k], atol=1e-6) for k in expected)
+    states = sim.local_train(alg.local_step, states, server, ids, 5, np.random.default_rng(0))
+    reused = alg.aggregate(server, ids, states, sim.train_sizes[ids])
+    alg._round_embeddings = None
+    fresh = alg.aggregate(server, ids, states, sim.train_sizes[ids])
+    assert all(torch.equal(reused["hn"][k], fresh["hn"][k]) for k in fresh["hn"])
+    assert int(reused["round"]) == 1  # the next round draws new noise
+    val = alg.val_params(server, ids[:2], sim)
+    clean_models = alg.generate(server["hn"], clean[:2])
+    assert all(torch.equal(val[k], clean_models[k]) for k in val)
+    x_new = torch.from_numpy(mnist_fed.dataset.x[mnist_fed.new[0]]).float()
+    served = alg.personalize(server, x_new)
+    direct = alg.generate(server["hn"], alg.encode(server["enc"], x_new))
+    assert all(torch.equal(served[k], direct[k]) for k in served)
+    with pytest.raises(TypeError):  # an unknown hyperparameter is refused, not ignored
+        build_algorithm("ODPFL-HN", build_model("mlp", (1, 28, 28), 10, seed=0), 4, seed=0, embedding_nois=0.5)
 
 
 # ------------------------------------------------------------------ odpfl-dp experiment (Sec. 7)

@@ -82,6 +82,11 @@ class ODPFLHNConfig(Hyper):
     # momentum of the client's local SGD on the generated model, zero at the start of its round (the ODPFL-HN
     # paper's appendix: pFedHN's mu_local = 0.9, "ODPFL-HN: the same parameters"); 0: plain SGD (UPFL Table 4)
     local_momentum: float = field(default=0.0, metadata={"fingerprint": "omit_default"})
+    # std of Gaussian noise added to the training clients' embeddings before the hypernetwork generates their
+    # models (training only; new clients and validation use the clean embedding). A regulariser against the
+    # hypernetwork memorising the training clients' embeddings; in the units of the embedding (with
+    # ``standardize_init`` the clients' spread is ~1 per dimension). 0: none (the paper)
+    embedding_noise: float = field(default=0.0, metadata={"fingerprint": "omit_default"})
 
 
 class SetEncoder(nn.Module):
@@ -196,8 +201,9 @@ class ODPFLHN(Algorithm):
                 emb = self.hp.embedding_init_std * torch.randn(len(self._train), self.hp.embed_dim, generator=gen)
             else:
                 raise ValueError(f"embedding_init must be 'normal' or 'encoder', got {self.hp.embedding_init!r}")
-            state |= {"emb": emb.to(device, dtype), "emb_mom": torch.zeros_like(emb, device=device, dtype=dtype),
-                      "round": torch.zeros((), dtype=dtype, device=device)}
+            state |= {"emb": emb.to(device, dtype), "emb_mom": torch.zeros_like(emb, device=device, dtype=dtype)}
+        if self.hp.two_phase or self.hp.embedding_noise:  # a round counter only where a round's math needs it
+            state["round"] = torch.zeros((), dtype=dtype, device=device)
         return state
 
     def standardized_encoder(self, enc: State) -> tuple[State, torch.Tensor]:
@@ -305,13 +311,29 @@ class ODPFLHN(Algorithm):
         """[K, E]: each training client's embedding of all its training data."""
         return torch.stack([self.encode(enc, self._client_x(int(i))) for i in ids])
 
-    def round_embeddings(self, enc: State, ids: np.ndarray) -> torch.Tensor:
-        """:meth:`embed_clients`, reusing what this round's client_start computed for the same encoder state
-        and clients (one encoder pass over every selected client's data per round saved)."""
+    def round_embeddings(self, server_state: State, ids: np.ndarray) -> torch.Tensor:
+        """The embeddings this round's models are generated from: :meth:`embed_clients` plus the round's
+        ``embedding_noise``. Reuses what this round's client_start computed for the same encoder state and
+        clients (one encoder pass over every selected client's data per round saved)."""
+        enc = server_state["enc"]
         cached = self._round_embeddings
         if cached is not None and cached[0] is enc and np.array_equal(cached[1], ids):
             return cached[2]
-        return self.embed_clients(enc, ids)
+        emb = self.embed_clients(enc, ids)
+        if self.hp.embedding_noise:
+            emb = emb + self.hp.embedding_noise * self.embedding_noise(server_state, ids).to(emb)
+        self._round_embeddings = (enc, ids.copy(), emb)
+        return emb
+
+    def embedding_noise(self, server_state: State, ids: np.ndarray) -> torch.Tensor:
+        """[K, E] standard normal, a function of (seed, round, client id) only, so that client_start and
+        aggregate (and a resumed run) see the same noise."""
+        round_ = int(server_state["round"])
+        rows = []
+        for i in ids:  # K rows of E numbers: negligible next to the encoder passes
+            gen = torch.Generator().manual_seed((self.seed * 1_000_033 + round_) * 100_003 + int(i))
+            rows.append(torch.randn(self.hp.embed_dim, generator=gen, dtype=torch.float64))
+        return torch.stack(rows)
 
     def aggregate(self, server_state: State, ids: np.ndarray, client_states: State, weights: torch.Tensor) -> State:
         """Algorithm 1, lines 6-10, for the K selected clients at once (gradients weighted by ``weights``)."""
@@ -320,22 +342,23 @@ class ODPFLHN(Algorithm):
         coef = weights / weights.sum()
         delta = self.client_delta(client_states)
         enc = server_state["enc"]
-        emb = self.round_embeddings(enc, ids)
+        emb = self.round_embeddings(server_state, ids)
         grad_theta, grad_e = self.hypernet_backprop(server_state["hn"], emb, delta, coef)
         grad_gamma: State | None = None
         for k, i in enumerate(ids):  # ClientBackprop on each client, summed (coef is already in grad_e)
             gk = self.encoder_backprop(enc, self._client_x(int(i)), grad_e[k])
             grad_gamma = gk if grad_gamma is None else tree_map(torch.add, grad_gamma, gk)
         assert grad_gamma is not None
+        if "round" in server_state:
+            server_state = {**server_state, "round": server_state["round"] + 1}
         return self.server_update(server_state, grad_theta, grad_gamma)
 
     def client_start(self, server_state: State, ids: np.ndarray) -> State:
         if self.in_phase1(server_state):  # two-phase, Eq. 9: the learned embeddings generate the models
             w = self.generate(server_state["hn"], server_state["emb"][torch.as_tensor(ids)])
         else:
-            emb = self.embed_clients(server_state["enc"], ids)
-            self._round_embeddings = (server_state["enc"], ids.copy(), emb)
-            w = self.generate(server_state["hn"], emb)
+            self._round_embeddings = None
+            w = self.generate(server_state["hn"], self.round_embeddings(server_state, ids))
         state = {"params": w, "w0": tree_map(torch.clone, w)}
         if self.hp.local_momentum:
             state["mom"] = tree_map(torch.zeros_like, w)
@@ -362,7 +385,7 @@ class ODPFLHN(Algorithm):
         rows = torch.as_tensor(ids, device=weights.device)
         nxt = {**server_state, "round": server_state["round"] + 1}
         if not self.in_phase1(server_state):  # Eq. 11: theta only, on the frozen encoder's embeddings
-            grad_theta, _ = self.hypernet_backprop(server_state["hn"], self.round_embeddings(server_state["enc"], ids),
+            grad_theta, _ = self.hypernet_backprop(server_state["hn"], self.round_embeddings(server_state, ids),
                                                    delta, coef)
             return self.server_update(nxt, grad_theta, tree_map(torch.zeros_like, server_state["enc"]))
         emb = server_state["emb"]
