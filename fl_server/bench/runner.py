@@ -1,5 +1,6 @@
 """Run experiment rows seed by seed. One result file per (experiment, dataset, method, seed) under
-``<results>/raw/``, skipped when present, so a long table accumulates over several sessions; the table
+``<results>/raw/``, skipped when present (and refused when it ran with other hyperparameters than the protocol now
+sets), so a long table accumulates over several sessions; the table
 ``<results>/<experiment>.json`` is aggregated from whatever seeds are done."""
 from __future__ import annotations
 
@@ -106,6 +107,17 @@ def seed_list(seeds: int | Sequence[int]) -> list[int]:
     return list(range(seeds)) if isinstance(seeds, int) else list(seeds)
 
 
+def refuse_stale(result: Path, hyper: dict[str, Any]) -> None:
+    """A result file is reused only if it ran with the protocol's current hyperparameters for its method;
+    otherwise the table would silently mix settings. Raises ValueError naming what changed."""
+    recorded = json.loads(result.read_text()).get("hyper", {})
+    changed = {k: (recorded.get(k), v) for k, v in hyper.items() if recorded.get(k) != json.loads(json.dumps(v))}
+    if changed:
+        what = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
+        raise ValueError(f"{result} ran with other hyperparameters than the protocol now sets ({what}); move it "
+                         f"(and its run folder) away to rerun that seed")
+
+
 def run_experiment(exp: Experiment, datasets: list[str], methods: list[str], seeds: int | Sequence[int],
                    results_dir: Path, runs_dir: Path, quick: bool = False, device: str = "auto",
                    mode: str = "auto", progress: bool = True, data_root: str | None = None,
@@ -127,6 +139,8 @@ def run_experiment(exp: Experiment, datasets: list[str], methods: list[str], see
             for method in methods:
                 out = raw_path(results_dir, exp.name, dataset, method, seed)
                 if out.exists():
+                    if exp.run_fn is None:  # rows of run_seed record the hyperparameters they ran with
+                        refuse_stale(out, protocol.method_hp.get(method, {}))
                     continue
                 fed = fed if fed is not None else build_federated(protocol, seed, data_root)
                 run_dir = runs_dir / exp.name / dataset / out.parent.name / f"seed{seed}"

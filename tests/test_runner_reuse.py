@@ -1,0 +1,45 @@
+"""The runner reuses a seed's result file only if it ran with the protocol's current hyperparameters."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from fl_server.bench.experiments import EXPERIMENTS
+from fl_server.bench.runner import raw_path, run_experiment
+
+REPO = Path(__file__).resolve().parents[1]
+FEDAVG_DIR1 = REPO / "docs/results/raw/odpfl-dirichlet/fashion_mnist-a1/FedAvg/seed0.json"
+
+
+def _place(tmp_path: Path, hyper_lr: float) -> Path:
+    out = raw_path(tmp_path / "results", "odpfl-dirichlet", "fashion_mnist-a1", "FedAvg", 0)
+    out.parent.mkdir(parents=True)
+    shutil.copy(FEDAVG_DIR1, out)
+    record = json.loads(out.read_text())
+    record["hyper"]["lr"] = hyper_lr
+    out.write_text(json.dumps(record))
+    return out
+
+
+def _run(tmp_path: Path) -> list[dict]:
+    return run_experiment(EXPERIMENTS["odpfl-dirichlet"], ["fashion_mnist-a1"], ["FedAvg"], [0],
+                          tmp_path / "results", tmp_path / "runs", device="cpu", progress=False)
+
+
+def test_a_result_with_the_protocols_hyperparameters_is_reused(tmp_path: Path) -> None:
+    _place(tmp_path, EXPERIMENTS["odpfl-dirichlet"].protocols["fashion_mnist-a1"].method_hp["FedAvg"]["lr"])
+    rows = _run(tmp_path)  # nothing trains: the seed is done
+    assert not (tmp_path / "runs").exists()
+    test_row = next(r for r in rows if r["method"] == "FedAvg" and r["split"] == "test")
+    assert test_row["seeds"] == 1 and abs(test_row["mean"] - json.loads(FEDAVG_DIR1.read_text())["test"]) < 0.006  # rounded to 2 places
+
+
+def test_a_result_with_other_hyperparameters_is_refused(tmp_path: Path) -> None:
+    stale = _place(tmp_path, 0.3)
+    with pytest.raises(ValueError, match=r"seed0.json ran with other hyperparameters than the protocol now sets "
+                                         r"\(lr: 0.3 -> 0.1\); move it"):
+        _run(tmp_path)
+    assert stale.exists() and not (tmp_path / "runs").exists()
