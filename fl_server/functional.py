@@ -88,7 +88,7 @@ def sgd_momentum(params: Any, buf: Any, grads: Any, lr: float, momentum: float,
 
 def sgd_step(state: State, grads: Any, lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> State:
     """One local step on ``state["params"]``: :func:`sgd`, or :func:`sgd_momentum` with its buffer in
-    ``state["mom"]`` when ``momentum`` > 0. Every other entry of ``state`` passes through unchanged."""
+    ``state["mom"]`` when ``momentum`` is nonzero. Every other entry of ``state`` passes through unchanged."""
     if not momentum:
         return {**state, "params": sgd(state["params"], grads, lr, weight_decay)}
     params, mom = sgd_momentum(state["params"], state["mom"], grads, lr, momentum, weight_decay)

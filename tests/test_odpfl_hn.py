@@ -183,8 +183,9 @@ def test_aggregate_reuses_the_rounds_embeddings_exactly(mnist_fed, one_thread) -
                                                progress=False))
     ids, server = np.arange(mnist_fed.num_train_clients), sim.server_state
     states = alg.client_start(server, ids)
-    cached = alg.round_embeddings(server, ids)
-    assert cached is alg._round_embeddings[2]  # type: ignore[index]
+    cached = alg._round_embeddings[3]  # type: ignore[index]
+    assert alg.round_embeddings(server, ids) is cached  # a hit: no second encoder pass
+    assert "round" not in server  # no noise, no round counter: the state (and fingerprints) as before
     states = sim.local_train(alg.local_step, states, server, ids, 5, np.random.default_rng(0))
     reused = alg.aggregate(server, ids, states, sim.train_sizes[ids])
     alg._round_embeddings = None
@@ -208,10 +209,11 @@ def test_embedding_noise_is_training_only_and_the_same_in_client_start_and_aggre
     ids, server = np.arange(mnist_fed.num_train_clients), sim.server_state
     clean = alg.embed_clients(server["enc"], ids)
     states = alg.client_start(server, ids)
-    noise = alg.embedding_noise(server, ids).to(clean)
+    states_emb = alg._round_embeddings[3]  # type: ignore[index]
+    noise = alg.noise_draw(server, ids).to(clean)
     assert noise.shape == clean.shape and 0.8 < float(noise.std()) < 1.2
     assert not torch.equal(noise[0], noise[1])  # per client
-    assert not torch.equal(noise, alg.embedding_noise({**server, "round": server["round"] + 1}, ids))  # per round
+    assert not torch.equal(noise, alg.noise_draw({**server, "round": server["round"] + 1}, ids))  # per round
     expected = alg.generate(server["hn"], clean + 0.5 * noise)
     assert all(torch.allclose(states["params"][k], expected[k], atol=1e-6) for k in expected)
     states = sim.local_train(alg.local_step, states, server, ids, 5, np.random.default_rng(0))
@@ -227,8 +229,9 @@ def test_embedding_noise_is_training_only_and_the_same_in_client_start_and_aggre
     served = alg.personalize(server, x_new)
     direct = alg.generate(server["hn"], alg.encode(server["enc"], x_new))
     assert all(torch.equal(served[k], direct[k]) for k in served)
-    with pytest.raises(TypeError):  # an unknown hyperparameter is refused, not ignored
-        build_algorithm("ODPFL-HN", build_model("mlp", (1, 28, 28), 10, seed=0), 4, seed=0, embedding_nois=0.5)
+    assert not torch.equal(alg.round_embeddings({**server, "round": server["round"] + 1}, ids), states_emb)
+    with pytest.raises(ValueError, match="embedding_noise must be >= 0, got -0.5"):
+        build_algorithm("ODPFL-HN", build_model("mlp", (1, 28, 28), 10, seed=0), 4, seed=0, embedding_noise=-0.5)
 
 
 # ------------------------------------------------------------------ odpfl-dp experiment (Sec. 7)

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fl_server.functional import State, broadcast, clip_by_global_norm, get_params, make_forward, sgd_step, weighted_mean
+from fl_server.functional import (State, broadcast, clip_by_global_norm, get_params, make_forward, sgd_step,
+                                  weighted_mean)
 from fl_server.models import Classifier
 
 StepFn = Callable[[State, State, torch.Tensor, torch.Tensor], State]
@@ -78,8 +79,10 @@ class Algorithm:
         grads = torch.func.grad(self.loss)(client_state["params"], server_state, x, y)
         if self.hp.clip_norm is not None:
             (grads,) = clip_by_global_norm((grads,), self.hp.clip_norm)
-        # local SGD momentum where the method's config offers it (FedAvg's ``local_momentum``), else plain SGD
-        return sgd_step(client_state, grads, self.hp.lr, getattr(self.hp, "local_momentum", 0.0), self.hp.weight_decay)
+        # local SGD momentum where the method's config offers it (FedAvg's ``local_momentum``; its client_start
+        # creates the buffer ``mom``), else plain SGD
+        momentum = getattr(self.hp, "local_momentum", 0.0)
+        return sgd_step(client_state, grads, self.hp.lr, momentum, self.hp.weight_decay)
 
     def aggregate(self, server_state: State, ids: np.ndarray, client_states: State, weights: torch.Tensor) -> State:
         return {**server_state, "params": weighted_mean(client_states["params"], weights)}

@@ -1,5 +1,6 @@
 """FedAvg (McMahan et al. 2017): local SGD on cross-entropy, server averages weighted by sample count.
-The :class:`~fl_server.algorithms.base.Algorithm` default, plus optional local SGD momentum."""
+The :class:`~fl_server.algorithms.base.Algorithm` default; ``local_momentum`` adds local SGD momentum (the buffer
+is created here, the step is the base class's :func:`~fl_server.functional.sgd_step`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

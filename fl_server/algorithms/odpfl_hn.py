@@ -32,8 +32,8 @@ on e, which scales with psi's spectral norm, and less noise in every direction).
 
 State: ``params`` (f_theta(0), only so that generic helpers have a target model), ``hn`` (theta),
 ``hn_mom`` (theta's momentum buffers), ``enc`` (gamma); two-phase adds ``emb`` [N, E] and ``emb_mom`` (the
-learned training-client embeddings and their momentum) and ``round`` (rounds done, so a resumed run knows
-its phase).
+learned training-client embeddings and their momentum); two-phase and ``embedding_noise`` add ``round``
+(rounds done: a resumed run knows its phase and draws the same noise).
 """
 from __future__ import annotations
 
@@ -171,13 +171,15 @@ class ODPFLHN(Algorithm):
         self.enc_fn = make_forward(self.encoder)  # (gamma, x [N, ...]) -> e [E]
         self.hn_fn = make_forward(self.hypernet)  # (theta, e [.., E]) -> w
         self.dp_rng = np.random.default_rng([seed, 7])
+        if self.hp.embedding_noise < 0:
+            raise ValueError(f"embedding_noise must be >= 0, got {self.hp.embedding_noise}")
         self.seed = seed
         self._x: torch.Tensor | None = None
         self._y: torch.Tensor | None = None
         self._train: list[np.ndarray] | None = None
-        # (encoder state, client ids, embeddings) of the last client_start: aggregate reuses them instead of a
-        # second encoder pass over the same clients' data with the same encoder (bit-identical, a pure cache)
-        self._round_embeddings: tuple[State, np.ndarray, torch.Tensor] | None = None
+        # (encoder state, round, client ids, embeddings incl. noise) last computed by round_embeddings:
+        # aggregate reuses client_start's instead of a second encoder pass (bit-identical, a pure cache)
+        self._round_embeddings: tuple[State, float, np.ndarray, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ state
     def attach(self, x: torch.Tensor, y: torch.Tensor, train: list[np.ndarray]) -> None:
@@ -315,17 +317,17 @@ class ODPFLHN(Algorithm):
         """The embeddings this round's models are generated from: :meth:`embed_clients` plus the round's
         ``embedding_noise``. Reuses what this round's client_start computed for the same encoder state and
         clients (one encoder pass over every selected client's data per round saved)."""
-        enc = server_state["enc"]
+        enc, round_ = server_state["enc"], float(server_state.get("round", 0))
         cached = self._round_embeddings
-        if cached is not None and cached[0] is enc and np.array_equal(cached[1], ids):
-            return cached[2]
+        if cached is not None and cached[0] is enc and cached[1] == round_ and np.array_equal(cached[2], ids):
+            return cached[3]
         emb = self.embed_clients(enc, ids)
         if self.hp.embedding_noise:
-            emb = emb + self.hp.embedding_noise * self.embedding_noise(server_state, ids).to(emb)
-        self._round_embeddings = (enc, ids.copy(), emb)
+            emb = emb + self.hp.embedding_noise * self.noise_draw(server_state, ids).to(emb)
+        self._round_embeddings = (enc, round_, ids.copy(), emb)
         return emb
 
-    def embedding_noise(self, server_state: State, ids: np.ndarray) -> torch.Tensor:
+    def noise_draw(self, server_state: State, ids: np.ndarray) -> torch.Tensor:
         """[K, E] standard normal, a function of (seed, round, client id) only, so that client_start and
         aggregate (and a resumed run) see the same noise."""
         round_ = int(server_state["round"])

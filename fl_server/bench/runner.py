@@ -133,14 +133,18 @@ def run_experiment(exp: Experiment, datasets: list[str], methods: list[str], see
     for dataset in datasets:
         if dataset not in exp.protocols:
             raise ValueError(f"{exp.name} has no protocol for {dataset!r}; choose from {', '.join(exp.protocols)}")
+        if exp.run_fn is None:  # rows of run_seed record their hyperparameters: refuse stale ones before training
+            for seed in seed_list(seeds):
+                for method in methods:
+                    if (out := raw_path(results_dir, exp.name, dataset, method, seed)).exists():
+                        refuse_stale(out, exp.protocols[dataset].method_hp.get(method, {}))
+    for dataset in datasets:
         protocol = exp.protocols[dataset].quick() if quick else exp.protocols[dataset]
         for seed in seed_list(seeds):
             fed = None
             for method in methods:
                 out = raw_path(results_dir, exp.name, dataset, method, seed)
                 if out.exists():
-                    if exp.run_fn is None:  # rows of run_seed record the hyperparameters they ran with
-                        refuse_stale(out, protocol.method_hp.get(method, {}))
                     continue
                 fed = fed if fed is not None else build_federated(protocol, seed, data_root)
                 run_dir = runs_dir / exp.name / dataset / out.parent.name / f"seed{seed}"
