@@ -133,13 +133,14 @@ def run_experiment(exp: Experiment, datasets: list[str], methods: list[str], see
     for dataset in datasets:
         if dataset not in exp.protocols:
             raise ValueError(f"{exp.name} has no protocol for {dataset!r}; choose from {', '.join(exp.protocols)}")
-        if exp.run_fn is None:  # rows of run_seed record their hyperparameters: refuse stale ones before training
+    protocols = {d: exp.protocols[d].quick() if quick else exp.protocols[d] for d in datasets}
+    if exp.run_fn is None:  # rows of run_seed record their hyperparameters: refuse stale ones before training
+        for dataset, protocol in protocols.items():
             for seed in seed_list(seeds):
                 for method in methods:
                     if (out := raw_path(results_dir, exp.name, dataset, method, seed)).exists():
-                        refuse_stale(out, exp.protocols[dataset].method_hp.get(method, {}))
-    for dataset in datasets:
-        protocol = exp.protocols[dataset].quick() if quick else exp.protocols[dataset]
+                        refuse_stale(out, protocol.method_hp.get(method, {}))
+    for dataset, protocol in protocols.items():
         for seed in seed_list(seeds):
             fed = None
             for method in methods:
