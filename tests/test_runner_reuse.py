@@ -1,6 +1,7 @@
 """The runner reuses a seed's result file only if it ran with the protocol's current hyperparameters."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from fl_server.bench.experiments import EXPERIMENTS
-from fl_server.bench.runner import raw_path, run_experiment
+from fl_server.bench.runner import raw_path, refuse_stale, run_experiment
 
 REPO = Path(__file__).resolve().parents[1]
 FEDAVG_DIR1 = REPO / "docs/results/raw/odpfl-dirichlet/fashion_mnist-a1/FedAvg/seed0.json"
@@ -44,3 +45,27 @@ def test_a_result_with_other_hyperparameters_is_refused(tmp_path: Path) -> None:
                                          r"\(lr: 0.3 -> 0.1\); move it"):
         _run(tmp_path)
     assert stale.exists() and not (tmp_path / "runs").exists()
+
+
+def test_a_hyperparameter_the_record_lacks_counts_as_its_default(tmp_path: Path) -> None:
+    """A record written before a field existed ran with that field's default: FedAvg's lr default is the
+    protocol's 0.1, so the record without it is reused; with the protocol at another value it is refused."""
+    out = _place(tmp_path, 0.1)
+    record = json.loads(out.read_text())
+    del record["hyper"]["lr"]
+    out.write_text(json.dumps(record))
+    assert _run(tmp_path)[0]["seeds"] == 1 and not (tmp_path / "runs").exists()
+    exp = EXPERIMENTS["odpfl-dirichlet"]
+    protocol = exp.protocols["fashion_mnist-a1"]
+    changed = dataclasses.replace(protocol, method_hp={**protocol.method_hp, "FedAvg": {"lr": 0.05}})
+    with pytest.raises(ValueError, match=r"\(lr: 0.1 -> 0.05\)"):
+        refuse_stale(out, changed, "FedAvg")
+
+
+def test_a_result_with_another_number_of_rounds_is_refused(tmp_path: Path) -> None:
+    out = _place(tmp_path, 0.1)
+    record = json.loads(out.read_text())
+    record["rounds"] = 250
+    out.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=r"\(rounds: 250 -> 500\); move it"):
+        _run(tmp_path)

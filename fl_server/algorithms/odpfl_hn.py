@@ -54,6 +54,11 @@ from fl_server.functional import (State, clip_by_global_norm, get_params, make_f
 from fl_server.models import Classifier, build_model
 
 
+# clients encoded in one concatenated pass hold at most this many samples together (bounds the activations
+# a pass keeps for the encoder's backward; a client larger than this is encoded alone)
+ENCODE_CHUNK_SAMPLES = 8192
+
+
 @dataclass
 class ODPFLHNConfig(Hyper):
     """Defaults: UPFL Table 4, MNIST. ``lr`` (base field) is unused: the local step uses ``local_lr``."""
@@ -117,9 +122,25 @@ class SetEncoder(nn.Module):
         half = h.shape[-1] // 2
         return torch.cat([h[:, :half].mean(0), h[:, half:].amax(0)])
 
-    def forward(self, x: torch.Tensor, pooled_only: bool = False) -> torch.Tensor:
-        """e = psi(pool(phi(x))); ``pooled_only``: the pooled vector before psi (where DP noise goes)."""
-        pooled = self.pool(self.per_sample(x))
+    def pool_segments(self, h: torch.Tensor, segment: torch.Tensor, sets: int) -> torch.Tensor:
+        """:meth:`pool` of several sets in one call: rows of ``h`` [N, width] belong to set ``segment`` [N]
+        (0..sets-1, every set non-empty) -> [sets, width] (sums and maxima by scatter: one pass, no loop)."""
+        counts = torch.bincount(segment, minlength=sets).to(h.dtype).unsqueeze(1)
+        if self.dp:
+            return h.new_zeros(sets, h.shape[1]).index_add(0, segment, h) / counts
+        half = h.shape[-1] // 2
+        mean = h.new_zeros(sets, half).index_add(0, segment, h[:, :half]) / counts
+        rest = h[:, half:]
+        top = h.new_zeros(sets, rest.shape[1]).scatter_reduce(0, segment.unsqueeze(1).expand_as(rest), rest, "amax",
+                                                              include_self=False)
+        return torch.cat([mean, top], 1)
+
+    def forward(self, x: torch.Tensor, pooled_only: bool = False, segment: torch.Tensor | None = None,
+                sets: int = 0) -> torch.Tensor:
+        """e = psi(pool(phi(x))); ``pooled_only``: the pooled vector before psi (where DP noise goes).
+        With ``segment`` [N] (set index of each row) x holds ``sets`` sets and the result is [sets, E]."""
+        h = self.per_sample(x)
+        pooled = self.pool(h) if segment is None else self.pool_segments(h, segment, sets)
         return pooled if pooled_only else self.psi(pooled)
 
 
@@ -225,6 +246,29 @@ class ODPFLHN(Algorithm):
             raise RuntimeError("ODPFL-HN needs the clients' data: call attach(x, y, train) first")
         return self._x[torch.from_numpy(np.asarray(self._train[i])).to(self._x.device)]
 
+    def _client_chunks(self, ids: np.ndarray) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
+        """The clients ``ids`` grouped into consecutive runs of at most ENCODE_CHUNK_SAMPLES samples (a bigger
+        client alone): (slice of ids, their data concatenated [N, ...], segment [N] = position in the run)."""
+        if self._x is None or self._train is None:
+            raise RuntimeError("ODPFL-HN needs the clients' data: call attach(x, y, train) first")
+        sizes = np.array([len(self._train[int(i)]) for i in ids])
+        chunks, start = [], 0
+        while start < len(ids):
+            stop = start + 1
+            while stop < len(ids) and sizes[start:stop + 1].sum() <= ENCODE_CHUNK_SAMPLES:
+                stop += 1
+            rows = np.concatenate([np.asarray(self._train[int(i)]) for i in ids[start:stop]])
+            segment = np.repeat(np.arange(stop - start), sizes[start:stop])
+            dev = self._x.device
+            chunks.append((slice(start, stop), self._x[torch.from_numpy(rows).to(dev)],
+                           torch.from_numpy(segment).to(dev)))
+            start = stop
+        return chunks
+
+    def encode_sets(self, enc: State, x: torch.Tensor, segment: torch.Tensor, sets: int) -> torch.Tensor:
+        """g_gamma of ``sets`` clients' data at once: x [N, ...] with ``segment`` [N] -> [sets, E] (pure)."""
+        return functional_call(self.encoder, enc, (x,), {"segment": segment, "sets": sets})
+
     # ------------------------------------------------------------- client side
     def encode(self, enc: State, x: torch.Tensor) -> torch.Tensor:
         """ClientEncoding: e = g_gamma(D), D = ``x`` [N, *input_shape] in one pass -> [E] (no grad).
@@ -271,6 +315,20 @@ class ODPFLHN(Algorithm):
             (grad,) = vjp(grad_e.to(next(iter(enc.values())).dtype))
         return grad
 
+    def clients_encoder_backprop(self, enc: State, ids: np.ndarray, grad_e: torch.Tensor) -> State:
+        """sum_k ClientBackprop of client ids[k] with ``grad_e`` [K, E]: the clients' data in a few
+        concatenated passes (:meth:`_client_chunks`) instead of one pass per client; the same sum."""
+        dtype = next(iter(enc.values())).dtype
+        total: State | None = None
+        with torch.enable_grad():
+            for part, x, segment in self._client_chunks(ids):
+                sets = part.stop - part.start
+                _, vjp = torch.func.vjp(lambda g: self.encode_sets(g, x, segment, sets), enc)
+                (grad,) = vjp(grad_e[part].to(dtype))
+                total = grad if total is None else tree_map(torch.add, total, grad)
+        assert total is not None
+        return total
+
     # ------------------------------------------------------------- server side
     def generate(self, hn: State, embedding: torch.Tensor) -> State:
         """w = f_theta(e): e [E] -> target params; e [K, E] -> stacked target params [K, ...]."""
@@ -310,8 +368,10 @@ class ODPFLHN(Algorithm):
 
     # ------------------------------------------------------ engine interface
     def embed_clients(self, enc: State, ids: np.ndarray) -> torch.Tensor:
-        """[K, E]: each training client's embedding of all its training data."""
-        return torch.stack([self.encode(enc, self._client_x(int(i))) for i in ids])
+        """[K, E]: each training client's embedding of all its training data (a few concatenated passes)."""
+        with torch.no_grad():
+            return torch.cat([self.encode_sets(enc, x, segment, part.stop - part.start)
+                              for part, x, segment in self._client_chunks(ids)])
 
     def round_embeddings(self, server_state: State, ids: np.ndarray) -> torch.Tensor:
         """The embeddings this round's models are generated from: :meth:`embed_clients` plus the round's
@@ -346,11 +406,7 @@ class ODPFLHN(Algorithm):
         enc = server_state["enc"]
         emb = self.round_embeddings(server_state, ids)
         grad_theta, grad_e = self.hypernet_backprop(server_state["hn"], emb, delta, coef)
-        grad_gamma: State | None = None
-        for k, i in enumerate(ids):  # ClientBackprop on each client, summed (coef is already in grad_e)
-            gk = self.encoder_backprop(enc, self._client_x(int(i)), grad_e[k])
-            grad_gamma = gk if grad_gamma is None else tree_map(torch.add, grad_gamma, gk)
-        assert grad_gamma is not None
+        grad_gamma = self.clients_encoder_backprop(enc, ids, grad_e)  # summed; coef is already in grad_e
         if "round" in server_state:
             server_state = {**server_state, "round": server_state["round"] + 1}
         return self.server_update(server_state, grad_theta, grad_gamma)

@@ -1,6 +1,6 @@
 """Run experiment rows seed by seed. One result file per (experiment, dataset, method, seed) under
-``<results>/raw/``, skipped when present (and refused when it ran with other hyperparameters than the protocol now
-sets), so a long table accumulates over several sessions; the table
+``<results>/raw/``, skipped when present (and refused when it ran with other hyperparameters or rounds than the
+protocol now sets), so a long table accumulates over several sessions; the table
 ``<results>/<experiment>.json`` is aggregated from whatever seeds are done."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fl_server.algorithms import build_algorithm
+from fl_server.algorithms import ALGORITHMS, build_algorithm
 from fl_server.bench.experiments import Experiment, Protocol
 from fl_server.bench.rows import write_atomic
 from fl_server.data import load_dataset
@@ -107,11 +107,34 @@ def seed_list(seeds: int | Sequence[int]) -> list[int]:
     return list(range(seeds)) if isinstance(seeds, int) else list(seeds)
 
 
-def refuse_stale(result: Path, hyper: dict[str, Any]) -> None:
-    """A result file is reused only if it ran with the protocol's current hyperparameters for its method;
-    otherwise the table would silently mix settings. Raises ValueError naming what changed."""
-    recorded = json.loads(result.read_text()).get("hyper", {})
-    changed = {k: (recorded.get(k), v) for k, v in hyper.items() if recorded.get(k) != json.loads(json.dumps(v))}
+def method_defaults(method: str) -> dict[str, Any]:
+    """The defaults of ``method``'s hyperparameter dataclass (JSON values), {} for an unknown method."""
+    config = getattr(ALGORITHMS.get(method), "Config", None)
+    if config is None:
+        return {}
+    out = {}
+    for f in dataclasses.fields(config):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = json.loads(json.dumps(f.default, default=str))
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = json.loads(json.dumps(f.default_factory(), default=str))
+    return out
+
+
+def refuse_stale(result: Path, protocol: Protocol, method: str) -> None:
+    """A result file is reused only if it ran with the protocol's current hyperparameters for its method
+    and its number of rounds; otherwise the table would silently mix settings. A hyperparameter the record
+    lacks (a field added after the run) counts as the field's default. Raises ValueError naming what changed."""
+    record = json.loads(result.read_text())
+    recorded, defaults = record.get("hyper", {}), method_defaults(method)
+    changed = {}
+    for key, value in protocol.method_hp.get(method, {}).items():
+        want = json.loads(json.dumps(value))
+        got = recorded[key] if key in recorded else defaults.get(key)
+        if got != want:
+            changed[key] = (got, want)
+    if "rounds" in record and record["rounds"] != protocol.rounds_for(method):
+        changed["rounds"] = (record["rounds"], protocol.rounds_for(method))
     if changed:
         what = ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changed.items())
         raise ValueError(f"{result} ran with other hyperparameters than the protocol now sets ({what}); move it "
@@ -139,7 +162,7 @@ def run_experiment(exp: Experiment, datasets: list[str], methods: list[str], see
             for seed in seed_list(seeds):
                 for method in methods:
                     if (out := raw_path(results_dir, exp.name, dataset, method, seed)).exists():
-                        refuse_stale(out, protocol.method_hp.get(method, {}))
+                        refuse_stale(out, protocol, method)
     for dataset, protocol in protocols.items():
         for seed in seed_list(seeds):
             fed = None
