@@ -124,12 +124,14 @@ class SetEncoder(nn.Module):
 
     def pool_segments(self, h: torch.Tensor, segment: torch.Tensor, sets: int) -> torch.Tensor:
         """:meth:`pool` of several sets in one call: rows of ``h`` [N, width] belong to set ``segment`` [N]
-        (0..sets-1, every set non-empty) -> [sets, width] (sums and maxima by scatter: one pass, no loop)."""
-        counts = torch.bincount(segment, minlength=sets).to(h.dtype).unsqueeze(1)
+        (0..sets-1, every set non-empty) -> [sets, width]. Means by a one-hot [sets, N] matmul (deterministic on
+        a GPU, unlike atomic index_add), maxima by scatter_reduce (exact in any order); no loop over sets."""
+        members = F.one_hot(segment, sets).T.to(h.dtype)  # [sets, N]
+        counts = members.sum(1, keepdim=True)
         if self.dp:
-            return h.new_zeros(sets, h.shape[1]).index_add(0, segment, h) / counts
+            return members @ h / counts
         half = h.shape[-1] // 2
-        mean = h.new_zeros(sets, half).index_add(0, segment, h[:, :half]) / counts
+        mean = members @ h[:, :half] / counts
         rest = h[:, half:]
         top = h.new_zeros(sets, rest.shape[1]).scatter_reduce(0, segment.unsqueeze(1).expand_as(rest), rest, "amax",
                                                               include_self=False)
