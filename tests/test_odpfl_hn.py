@@ -150,13 +150,14 @@ def test_chain_rule_matches_a_separate_autograd_pass() -> None:
 
 
 @pytest.mark.parametrize("dp", [False, True])
-@pytest.mark.parametrize("chunk", [8192, 20])  # one concatenated pass; passes split on client boundaries
+# one concatenated pass; passes split on client boundaries; one pass per client (the CPU default)
+@pytest.mark.parametrize("chunk", [8192, 20, 0])
 def test_concatenated_encoder_passes_equal_one_pass_per_client(dp: bool, chunk: int,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """embed_clients and clients_encoder_backprop encode several clients' sets in one pass (segment pooling):
     the same embeddings and the same summed ClientBackprop as one encoder pass per client."""
     import fl_server.algorithms.odpfl_hn as odpfl_module
-    monkeypatch.setattr(odpfl_module, "ENCODE_CHUNK_SAMPLES", chunk)
+    monkeypatch.setitem(odpfl_module.ENCODE_CHUNK_SAMPLES, "cpu", chunk)
     alg = ODPFLHN(build_model("mlp", (1, 4, 4), 3, seed=0), seed=0, encoder_model="mlp", embed_dim=5,
                   hn_width=7, set_width=6, dp=dp)
     state = alg.init_state(torch.float64, torch.device("cpu"))
@@ -168,6 +169,8 @@ def test_concatenated_encoder_passes_equal_one_pass_per_client(dp: bool, chunk: 
     ids = np.array([2, 0, 3, 1])
     per_client = torch.stack([alg.encode(state["enc"], x[torch.from_numpy(train[i])]) for i in ids])
     assert torch.allclose(alg.embed_clients(state["enc"], ids), per_client, rtol=1e-12, atol=1e-12)
+    if chunk == 0:  # one pass per client is encode's own pass: bit-identical (runs before segment pooling)
+        assert torch.equal(alg.embed_clients(state["enc"], ids), per_client)
     g_e = torch.randn(4, 5, generator=gen, dtype=torch.float64)
     summed = alg.clients_encoder_backprop(state["enc"], ids, g_e)
     for n, g in summed.items():
@@ -252,7 +255,7 @@ def test_embedding_noise_is_training_only_and_the_same_in_client_start_and_aggre
     assert int(reused["round"]) == 1  # the next round draws new noise
     val = alg.val_params(server, ids[:2], sim)
     clean_models = alg.generate(server["hn"], clean[:2])
-    # (allclose: the two clients' data go through the encoder in another concatenated batch than all clients')
+    # (allclose: on a GPU the two clients' data go through the encoder in another concatenated pass than all)
     assert all(torch.allclose(val[k], clean_models[k], atol=1e-6) for k in val)
     x_new = torch.from_numpy(mnist_fed.dataset.x[mnist_fed.new[0]]).float()
     served = alg.personalize(server, x_new)

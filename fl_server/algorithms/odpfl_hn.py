@@ -54,9 +54,12 @@ from fl_server.functional import (State, clip_by_global_norm, get_params, make_f
 from fl_server.models import Classifier, build_model
 
 
-# clients encoded in one concatenated pass hold at most this many samples together (bounds the activations
-# a pass keeps for the encoder's backward; a client larger than this is encoded alone)
-ENCODE_CHUNK_SAMPLES = 8192
+# clients encoded in one concatenated pass hold at most this many samples together, per device type (bounds the
+# activations a pass keeps for the encoder's backward; a client larger than this is encoded alone). On the CPU one
+# pass per client is fastest (docs/benchmarks/odpfl-round.json: concatenating 8,192 samples is ~2x slower, the big
+# activations cost more than the per-pass overhead saved), so 0 there; on a GPU the passes are launch-bound and
+# are concatenated (python benchmarks/odpfl_round.py --device cuda measures it).
+ENCODE_CHUNK_SAMPLES = {"cpu": 0, "cuda": 8192}
 
 
 @dataclass
@@ -249,15 +252,16 @@ class ODPFLHN(Algorithm):
         return self._x[torch.from_numpy(np.asarray(self._train[i])).to(self._x.device)]
 
     def _client_chunks(self, ids: np.ndarray) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
-        """The clients ``ids`` grouped into consecutive runs of at most ENCODE_CHUNK_SAMPLES samples (a bigger
-        client alone): (slice of ids, their data concatenated [N, ...], segment [N] = position in the run)."""
+        """The clients ``ids`` grouped into consecutive runs of at most ENCODE_CHUNK_SAMPLES[device type] samples
+        (a bigger client alone): (slice of ids, their data concatenated [N, ...], segment [N] = position in the run)."""
         if self._x is None or self._train is None:
             raise RuntimeError("ODPFL-HN needs the clients' data: call attach(x, y, train) first")
+        budget = ENCODE_CHUNK_SAMPLES.get(self._x.device.type, 0)
         sizes = np.array([len(self._train[int(i)]) for i in ids])
         chunks, start = [], 0
         while start < len(ids):
             stop = start + 1
-            while stop < len(ids) and sizes[start:stop + 1].sum() <= ENCODE_CHUNK_SAMPLES:
+            while stop < len(ids) and sizes[start:stop + 1].sum() <= budget:
                 stop += 1
             rows = np.concatenate([np.asarray(self._train[int(i)]) for i in ids[start:stop]])
             segment = np.repeat(np.arange(stop - start), sizes[start:stop])
@@ -268,7 +272,10 @@ class ODPFLHN(Algorithm):
         return chunks
 
     def encode_sets(self, enc: State, x: torch.Tensor, segment: torch.Tensor, sets: int) -> torch.Tensor:
-        """g_gamma of ``sets`` clients' data at once: x [N, ...] with ``segment`` [N] -> [sets, E] (pure)."""
+        """g_gamma of ``sets`` clients' data at once: x [N, ...] with ``segment`` [N] -> [sets, E] (pure; one set
+        takes the plain per-client pass, :meth:`encode`'s)."""
+        if sets == 1:
+            return self.enc_fn(enc, x).unsqueeze(0)
         return functional_call(self.encoder, enc, (x,), {"segment": segment, "sets": sets})
 
     # ------------------------------------------------------------- client side
