@@ -57,8 +57,8 @@ from fl_server.models import Classifier, build_model
 # clients encoded in one concatenated pass hold at most this many samples together, per device type (bounds the
 # activations a pass keeps for the encoder's backward; a client larger than this is encoded alone). On the CPU one
 # pass per client is fastest (docs/benchmarks/odpfl-round.json: concatenating 8,192 samples is ~2x slower, the big
-# activations cost more than the per-pass overhead saved), so 0 there; on a GPU the passes are launch-bound and
-# are concatenated (python benchmarks/odpfl_round.py --device cuda measures it).
+# activations cost more than the per-pass overhead saved), so 0 there; on a GPU, where a client's ~600-sample pass
+# is launch-bound, they are concatenated (not yet measured: python benchmarks/odpfl_round.py --device cuda).
 ENCODE_CHUNK_SAMPLES = {"cpu": 0, "cuda": 8192}
 
 
@@ -325,8 +325,8 @@ class ODPFLHN(Algorithm):
         return grad
 
     def clients_encoder_backprop(self, enc: State, ids: np.ndarray, grad_e: torch.Tensor) -> State:
-        """sum_k ClientBackprop of client ids[k] with ``grad_e`` [K, E]: the clients' data in a few
-        concatenated passes (:meth:`_client_chunks`) instead of one pass per client; the same sum."""
+        """sum_k ClientBackprop of client ids[k] with ``grad_e`` [K, E], the clients' data in the passes
+        :meth:`_client_chunks` groups (one per client on the CPU, concatenated on a GPU); the same sum."""
         dtype = next(iter(enc.values())).dtype
         total: State | None = None
         with torch.enable_grad():
@@ -377,7 +377,8 @@ class ODPFLHN(Algorithm):
 
     # ------------------------------------------------------ engine interface
     def embed_clients(self, enc: State, ids: np.ndarray) -> torch.Tensor:
-        """[K, E]: each training client's embedding of all its training data (a few concatenated passes)."""
+        """[K, E]: each training client's embedding of all its training data (passes as _client_chunks groups
+        the clients)."""
         with torch.no_grad():
             return torch.cat([self.encode_sets(enc, x, segment, part.stop - part.start)
                               for part, x, segment in self._client_chunks(ids)])

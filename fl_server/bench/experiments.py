@@ -312,7 +312,9 @@ EXPERIMENTS["fedicon-shift"] = Experiment(
                 "picks 0.002-0.01 and the TTA rows lead the w/o-TTA rows at every severity (batch TTA gains most "
                 "on the digits domain); there TENT leads FedICON on MNIST's clean and severity-3 data -- its "
                 "entropy step on the whole network adapts the classifier to the client, whereas Eq. 7 tunes the "
-                "encoder only -- but falls below FedAvg at severity 5.",
+                "encoder only -- but falls below FedAvg at severity 5. The -cnn protocols are the 100-round CPU "
+                "protocol with the paper's kind of encoder (the BTFL CNN, 64-d representation) in place of the "
+                "MLP.",
 )
 
 # ODPFL-HN paper protocol (Sec. 6, CIFAR-10 there): 100 clients, Dir(alpha) labels, 10% new clients, 500 steps
