@@ -246,28 +246,30 @@ class ODPFLHN(Algorithm):
         std_enc = {**enc, "psi.weight": enc["psi.weight"] / sd[:, None], "psi.bias": (enc["psi.bias"] - mu) / sd}
         return std_enc, (emb - mu) / sd
 
-    def _client_x(self, i: int) -> torch.Tensor:
+    def _data(self) -> tuple[torch.Tensor, list[np.ndarray]]:
         if self._x is None or self._train is None:
             raise RuntimeError("ODPFL-HN needs the clients' data: call attach(x, y, train) first")
-        return self._x[torch.from_numpy(np.asarray(self._train[i])).to(self._x.device)]
+        return self._x, self._train
+
+    def _client_x(self, i: int) -> torch.Tensor:
+        x, train = self._data()
+        return x[torch.from_numpy(np.asarray(train[i])).to(x.device)]
 
     def _client_chunks(self, ids: np.ndarray) -> list[tuple[slice, torch.Tensor, torch.Tensor]]:
         """The clients ``ids`` grouped into consecutive runs of at most ENCODE_CHUNK_SAMPLES[device type] samples
         (a bigger client alone): (slice of ids, their data concatenated [N, ...], segment [N] = position in the run)."""
-        if self._x is None or self._train is None:
-            raise RuntimeError("ODPFL-HN needs the clients' data: call attach(x, y, train) first")
-        budget = ENCODE_CHUNK_SAMPLES.get(self._x.device.type, 0)
-        sizes = np.array([len(self._train[int(i)]) for i in ids])
+        x, train = self._data()
+        budget = ENCODE_CHUNK_SAMPLES.get(x.device.type, 0)
+        sizes = np.array([len(train[int(i)]) for i in ids])
         chunks, start = [], 0
         while start < len(ids):
             stop = start + 1
             while stop < len(ids) and sizes[start:stop + 1].sum() <= budget:
                 stop += 1
-            rows = np.concatenate([np.asarray(self._train[int(i)]) for i in ids[start:stop]])
+            rows = np.concatenate([np.asarray(train[int(i)]) for i in ids[start:stop]])
             segment = np.repeat(np.arange(stop - start), sizes[start:stop])
-            dev = self._x.device
-            chunks.append((slice(start, stop), self._x[torch.from_numpy(rows).to(dev)],
-                           torch.from_numpy(segment).to(dev)))
+            chunks.append((slice(start, stop), x[torch.from_numpy(rows).to(x.device)],
+                           torch.from_numpy(segment).to(x.device)))
             start = stop
         return chunks
 
