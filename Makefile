@@ -28,7 +28,7 @@ test: $(STAMP)
 
 ## edge_sdk alone in a fresh venv: proves `pip install ./edge_sdk` pulls no torch
 test-sdk: $(STAMP)
-	bash scripts/check_edge_sdk_venv.sh
+	PYTHON=$(PYTHON) bash scripts/check_edge_sdk_venv.sh
 
 bench-quick: $(STAMP)
 	$(BIN)/fl-server bench upfl-table1 --quick --seeds 1

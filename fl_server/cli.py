@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fl_server.data.errors import FetchError
+
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1 ...")
@@ -71,7 +73,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results = Path(args.results_dir or ("runs/quick/results" if args.quick else "docs/results"))
     seeds = args.seed_numbers or args.seeds
     command = "fl-server " + " ".join(shlex.quote(a) for a in _table_argv(sys.argv[1:], args.seed_numbers))
-    rows = run_experiment(exp, datasets, methods, seeds, results, Path(args.runs_dir), args.quick,
+    runs = Path(args.runs_dir or ("runs/quick/runs" if args.quick else "runs/bench"))
+    rows = run_experiment(exp, datasets, methods, seeds, results, runs, args.quick,
                           args.device, args.mode, not args.no_progress, args.data_dir, command)
     for r in rows:
         paper = "" if r["paper"] is None else f" (paper {r['paper']:.2f})"
@@ -104,9 +107,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_data(args: argparse.Namespace) -> int:
     from fl_server.data import fetch, load_dataset
+    from fl_server.data.datasets import resolve_root
 
     if args.action == "fetch":
-        path = fetch(args.name, Path(args.dir))
+        path = fetch(args.name, resolve_root(args.dir))
         print(f"{args.name}: files in {path}")
         return 0
     for split in ("train", "test"):
@@ -170,9 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=3, help="run seeds 0..SEEDS-1 (default 3)")
     p.add_argument("--seed", type=int, action="append", dest="seed_numbers", metavar="N",
                    help="repeatable; run only these seeds (e.g. one seed per process) instead of --seeds")
-    p.add_argument("--quick", action="store_true", help="CI-sized protocol, written under runs/quick/")
-    p.add_argument("--results-dir", default=None)
-    p.add_argument("--runs-dir", default="runs/bench")
+    p.add_argument("--quick", action="store_true",
+                   help="CI-sized protocol: results in runs/quick/results, run dirs in runs/quick/runs")
+    p.add_argument("--results-dir", default=None, help="default: docs/results (runs/quick/results with --quick)")
+    p.add_argument("--runs-dir", default=None, help="run dirs, resumable (default: runs/bench; runs/quick/runs with --quick)")
     _add_run_flags(p)
     p.set_defaults(func=cmd_bench)
 
@@ -191,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("data", help="obtain or inspect data sets")
     p.add_argument("action", choices=("fetch", "info"))
     p.add_argument("name", choices=("mnist", "fashion_mnist", "digits", "cifar10"))
-    p.add_argument("--dir", default=None, help="target/source directory (default: $FL_DATA_DIR)")
+    p.add_argument("--dir", default=None,
+                   help="target/source directory (default: $FL_DATA_DIR, else ~/.cache/fl-edge/data)")
     p.set_defaults(func=cmd_data)
 
     p = sub.add_parser("serve", help="run the coordinator API (trains the default bundles when the store is empty)")
@@ -210,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:  # data/config errors: one clear line, no traceback
+    except (ValueError, FileNotFoundError, FetchError) as exc:  # data/config errors: one line, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

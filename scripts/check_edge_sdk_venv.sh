@@ -8,7 +8,7 @@ main_python=${MAIN_PYTHON:-$here/.venv/bin/python}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 venv=$work/sdk-venv
-python3 -m venv "$venv"
+"${PYTHON:-python3}" -m venv "$venv"
 "$venv/bin/pip" install -q "$here/edge_sdk" "pytest>=8"
 if "$venv/bin/pip" show torch >/dev/null 2>&1; then echo "FAIL: torch was installed by edge_sdk"; exit 1; fi
 (cd "$work" && "$venv/bin/python" -c "import edge_sdk, sys; assert 'torch' not in sys.modules; print('edge_sdk', edge_sdk.__version__, 'imports without torch')")

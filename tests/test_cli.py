@@ -66,6 +66,23 @@ def test_data_info_and_clear_errors(tmp_path: Path, data_root: Path) -> None:
     assert bad.stderr.count("\n") == 1 and "fl-server data fetch" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_data_fetch_defaults_to_the_data_root_and_fails_in_one_line(tmp_path: Path, data_root: Path) -> None:
+    present = fl_server("data", "fetch", "mnist", env={"FL_DATA_DIR": str(data_root)})  # no --dir: $FL_DATA_DIR
+    assert present.returncode == 0, present.stderr
+    assert present.stdout.strip() == f"mnist: files in {data_root / 'mnist'}"
+    cifar = fl_server("data", "fetch", "cifar10", "--dir", str(tmp_path))
+    assert cifar.returncode == 2 and "Traceback" not in cifar.stderr
+    assert cifar.stderr.startswith("error: cifar10 cannot be fetched automatically") and cifar.stderr.count("\n") == 1
+
+
+def test_bench_quick_keeps_its_run_dirs_apart_from_full_runs(tmp_path: Path, data_root: Path) -> None:
+    out = fl_server("bench", "upfl-table1", "--quick", "--dataset", "mnist", "--seeds", "1", "--methods", "FedAvg",
+                    "--no-progress", env={"FL_DATA_DIR": str(data_root)}, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "runs/quick/results/upfl-table1.json").exists()
+    assert list((tmp_path / "runs/quick/runs").rglob("metrics.jsonl")) and not (tmp_path / "runs/bench").exists()
+
+
 def test_unknown_method_is_one_clear_line(tmp_path: Path) -> None:
     out = fl_server("train", "--method", "Nope", "--rounds", "1", "--out", str(tmp_path))
     assert out.returncode == 2 and "unknown method 'Nope'" in out.stderr
