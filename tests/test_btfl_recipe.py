@@ -14,6 +14,7 @@ from fl_server.algorithms.btfl import BTFL
 from fl_server.bench import btgfl
 from fl_server.bench.experiments import get_experiment
 from fl_server.bench.runner import raw_path
+from fl_server.engine.simulation import run_local_steps
 from fl_server.functional import index
 from fl_server.models import build_model
 
@@ -129,6 +130,22 @@ def test_local_step_trains_body_then_only_the_local_head(mnist_all) -> None:  # 
     pers = alg.local_step(mid, server, x[:32], y[:32])  # step index 2 >= body_iterations: personalization
     assert all(torch.equal(pers["params"][k], mid["params"][k]) for k in mid["params"])  # features frozen
     assert not torch.equal(pers["local_head"], mid["local_head"])
+
+
+@pytest.mark.parametrize("body", [None, 2])
+def test_phase_specialised_steps_give_the_counter_steps_result_exactly(mnist_all, body) -> None:  # type: ignore[no-untyped-def]
+    """The engine's per-iteration steps (local_step_at: a head step skips the backward through the features)
+    reproduce local_step, which reads the phase from the counter, bit for bit, under vmap and in the loop."""
+    alg, server, x, y, train = _small_btfl(mnist_all, body)
+    ids = np.arange(3)
+    batches = torch.from_numpy(np.stack([np.resize(t, (7, 16)) for t in train]))
+    assert alg.local_step_at(0) is not alg.local_step_at(5 if body is None else 2)
+    for mode in ("vmap", "loop"):
+        states = alg.client_start(server, ids)
+        phased = run_local_steps(alg.local_step, states, server, x, y, batches, mode, step_at=alg.local_step_at)
+        counter = run_local_steps(alg.local_step, states, server, x, y, batches, mode)
+        assert torch.equal(phased["local_head"], counter["local_head"]) and torch.equal(phased["step"], counter["step"])
+        assert all(torch.equal(phased["params"][k], counter["params"][k]) for k in counter["params"])
 
 
 def test_aggregate_averages_the_body_and_keeps_each_clients_head(mnist_all) -> None:  # type: ignore[no-untyped-def]

@@ -96,3 +96,31 @@ def test_stream_example_runs_btfl(server: Coordinator, tmp_path: Path) -> None:
     # the local head, trained on the device's own classes, beats the received global model on them
     assert s["accuracy"]["in-distribution"] > s["accuracy_received_model"]["in-distribution"]
     assert png.stat().st_size > 0
+
+
+def test_btfl_device_batch_logits_follow_the_stream_order(server: Coordinator, tmp_path: Path) -> None:
+    """BTFLDevice.logits on a batch (one feature pass, the stream's batch update) = one sample at a time."""
+    from edge_sdk import EdgeClient
+    from edge_sdk.btfl_device import BTFLDevice
+    from fl_server.data import load_dataset
+
+    digits = load_dataset("digits")
+    key = httpx.get(f"{server.url}/v1/signing-key", timeout=10).json()["public_key"]
+    with EdgeClient(server.url, cache_dir=tmp_path, public_key=key) as client:
+        bundle = client.download(client.join("BTFL").manifest)
+    device = BTFLDevice(bundle)
+    device.fit(digits.x[:200], digits.y[:200])
+    stream_x = digits.x[200:260]
+    device.start()
+    batched = device.logits(stream_x)
+    e_batched = device.stream.last_weights.copy()  # type: ignore[union-attr]
+    device.start()
+    one_by_one = np.concatenate([device.logits(stream_x[i:i + 1]) for i in range(len(stream_x))])
+    e_one_by_one = []
+    device.start()
+    for i in range(len(stream_x)):
+        device.predict_one(stream_x[i:i + 1])
+        e_one_by_one.append(device.stream.last_weight)  # type: ignore[union-attr]
+    np.testing.assert_allclose(batched, one_by_one, atol=1e-5)  # float32 features of batch 60 vs batch 1
+    np.testing.assert_allclose(e_batched, e_one_by_one, atol=1e-5)
+    assert len(set(np.round(e_batched, 3))) > 5  # the prior moves along the stream: the order matters

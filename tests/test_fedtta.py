@@ -9,7 +9,7 @@ import torch
 
 from edge_sdk import EntropyEarlyStopping
 from fl_server.algorithms import build_algorithm
-from fl_server.algorithms.losses import entropy_from_logits
+from fl_server.algorithms.losses import entropy_from_logits, kl_from_logits
 from fl_server.functional import tree_map
 from fl_server.models import build_model
 
@@ -43,6 +43,26 @@ def test_meta_gradient_matches_finite_differences(mu: float) -> None:
         analytic = sum(float((g_psi[k] * d_psi[k]).sum()) for k in d_psi) + \
             sum(float((g_phi[k] * d_phi[k]).sum()) for k in d_phi)
         assert abs(fd - analytic) < 1e-6 * max(1.0, abs(fd))
+
+
+def test_proxy_term_reuses_the_inner_steps_forward_exactly() -> None:
+    """meta_loss takes Eq. 13's f(X; psi) from the Eq. 5 step's own forward: the same gradients (float64) as a
+    second forward of psi, the KL part included."""
+    alg, s, x, y = _tiny(mu=1.0)
+    server = tree_map(lambda t: t + 0.05 * torch.randn_like(t), s["params"])
+
+    def two_forwards(psi, phi):  # type: ignore[no-untyped-def]
+        loss = torch.nn.functional.cross_entropy(alg.forward(alg.adapt_step(psi, phi, x), x), y)
+        return loss + kl_from_logits(alg.forward(psi, x), alg.forward(server, x).detach()).mean()
+
+    reused = torch.func.grad(lambda p, f: alg.meta_loss(p, f, server, x, y), argnums=(0, 1))(s["params"], s["phi"])
+    direct = torch.func.grad(two_forwards, argnums=(0, 1))(s["params"], s["phi"])
+    for got, want in zip(reused, direct):
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=0, atol=1e-12)
+    kl_only = torch.func.grad(lambda p: kl_from_logits(alg.adapt_step_and_logits(p, s["phi"], x)[1],
+                                                       alg.forward(server, x)).mean())(s["params"])
+    assert sum(float(v.abs().sum()) for v in kl_only.values()) > 1e-3  # the aux logits carry psi's gradient
 
 
 def test_second_order_term_is_present() -> None:

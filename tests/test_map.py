@@ -32,6 +32,27 @@ def _one_procedure(fashion, name="MAP", **hp):  # type: ignore[no-untyped-def]
     return states, run_local_steps(algo.local_step, states, sim.server_state, sim.x, sim.y, batches, "vmap")
 
 
+@pytest.mark.parametrize("mode", ["vmap", "loop"])
+def test_phase_specialised_steps_give_the_counter_steps_result_exactly(fashion_all, mode: str) -> None:  # type: ignore[no-untyped-def]
+    """The engine's per-iteration steps (local_step_at: stage 1 without the teacher, stage 2 without the RS
+    term) reproduce local_step, which reads the stage from the counter, bit for bit (MAP, MAP (code))."""
+    for hp in ({}, {"kd_form": "soft_ce", "stage2_fresh_momentum": True, "stage2_lr_scale": 0.2}):
+        algo, fed = _algo(fashion_all, local_iterations=6, **hp)
+        sim = Simulation(algo, fed, RunConfig(rounds=1, local_iterations=6, progress=False))
+        ids = np.arange(fed.num_train_clients)
+        server = {**sim.server_state, "count": torch.ones_like(sim.server_state["count"]),  # an HPM to distil from
+                  "hpm": {k: v + 0.01 for k, v in sim.server_state["hpm"].items()}}
+        states = algo.client_start(server, ids)
+        batches = torch.from_numpy(np.stack([np.resize(t, (6, 32)) for t in fed.train]))
+        assert algo.local_step_at(0) is not algo.local_step_at(5)
+        phased = run_local_steps(algo.local_step, states, server, sim.x, sim.y, batches, mode,
+                                 step_at=algo.local_step_at)
+        counter = run_local_steps(algo.local_step, states, server, sim.x, sim.y, batches, mode)
+        for key in ("params", "agg", "mom"):
+            for k in counter[key]:
+                assert torch.equal(phased[key][k], counter[key][k]), (hp, key, k)
+
+
 def test_restricted_softmax_alpha_one_is_softmax() -> None:
     logits = torch.randn(5, 10, dtype=torch.float64)
     observed = torch.tensor([1, 0, 1, 1, 0, 0, 1, 0, 0, 1], dtype=torch.float64)
@@ -195,8 +216,8 @@ def test_personalised_model_is_the_updated_hpm(fashion_all) -> None:  # type: ig
     server = {**sim.server_state, "count": count,
               "hpm": {k: v + 0.5 for k, v in sim.server_state["hpm"].items()}}
 
-    def trainer(step, states, srv, sel, iters):  # type: ignore[no-untyped-def]
-        return sim.local_train(step, states, srv, sel, iters, np.random.default_rng(0))
+    def trainer(step, states, srv, sel, iters, step_at=None):  # type: ignore[no-untyped-def]
+        return sim.local_train(step, states, srv, sel, iters, np.random.default_rng(0), step_at)
 
     psi_hat = trainer(algo.local_step, algo.client_start(server, ids), server, ids, 4)["params"]["head.bias"]
     got = algo.val_params(server, ids, trainer)["head.bias"]

@@ -99,16 +99,28 @@ class BTFLDevice:
                                  **options)  # type: ignore[arg-type]
         return self.stream
 
-    def predict_one(self, x: np.ndarray) -> np.ndarray:
-        """One sample x [1, ...] -> class probabilities [C]; ``self.stream.last_weight`` is its e."""
+    def _started(self) -> tuple[BTFLStream, BTFLFit]:
         if self.stream is None or self.fit_result is None:
             raise BundleError("call fit() and start() first")
+        return self.stream, self.fit_result
+
+    def predict_one(self, x: np.ndarray) -> np.ndarray:
+        """One sample x [1, ...] -> class probabilities [C]; ``self.stream.last_weight`` is its e."""
+        stream, fit = self._started()
         z, g = self.features(x)
-        return self.stream.predict_one(z[0] @ self.fit_result.local_head.T, g[0], z[0])
+        return stream.predict_one(z[0] @ fit.local_head.T, g[0], z[0])
 
     def logits(self, x: np.ndarray) -> np.ndarray:
-        """Log-probabilities [N, C] of the interpolated prediction, one sample at a time (stream order)."""
-        return np.stack([np.log(np.maximum(self.predict_one(x[i:i + 1]), 1e-300)) for i in range(len(x))])
+        """Log-probabilities [N, C] of the interpolated prediction, samples in stream order.
+
+        One feature pass for the batch, then the stream's batch update, whose per-sample priors are those of
+        N ``predict_one`` calls (``stream.last_weights`` holds each sample's e). A single sample takes
+        ``predict_one``'s scalar path (``stream.last_weight``)."""
+        if len(x) == 1:
+            return np.log(np.maximum(self.predict_one(x), 1e-300))[None]
+        stream, fit = self._started()
+        z, g = self.features(x)
+        return np.log(np.maximum(stream.predict(z @ fit.local_head.T, g, z), 1e-300))
 
     def global_logits(self, x: np.ndarray) -> np.ndarray:
         """The received global model alone (phi + global head), for comparison."""

@@ -30,7 +30,7 @@ class LocalTrainer(Protocol):
     """What the engine offers an algorithm that must train at evaluation time (e.g. FedAvg+FT)."""
 
     def __call__(self, step_fn: StepFn, states: State, server_state: State, ids: np.ndarray,
-                 iterations: int) -> State: ...
+                 iterations: int, step_at: Callable[[int], StepFn] | None = None) -> State: ...
 
 
 class NotApplicable(RuntimeError):
@@ -83,6 +83,13 @@ class Algorithm:
         # creates the buffer ``mom``), else plain SGD
         momentum = getattr(self.hp, "local_momentum", 0.0)
         return sgd_step(client_state, grads, self.hp.lr, momentum, self.hp.weight_decay)
+
+    def local_step_at(self, t: int) -> StepFn:
+        """The step the engine applies at local iteration ``t`` of a round (every client of a round is at the
+        same t). Default: ``local_step``. A method whose step switches phase with the iteration (BTFL, MAP)
+        returns the step specialised to t's phase, which skips the other phase's zero-weighted work;
+        ``local_step`` itself, which reads the phase from the state's counter, gives the same result."""
+        return self.local_step
 
     def aggregate(self, server_state: State, ids: np.ndarray, client_states: State, weights: torch.Tensor) -> State:
         return {**server_state, "params": weighted_mean(client_states["params"], weights)}

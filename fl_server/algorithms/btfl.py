@@ -18,6 +18,7 @@ deployment they never leave the client.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from edge_sdk import btfl as btfl_math
-from fl_server.algorithms.base import Algorithm, Hyper
+from fl_server.algorithms.base import Algorithm, Hyper, StepFn
 from fl_server.algorithms.losses import entropy_from_logits
 from fl_server.functional import State, broadcast, tree_map, weighted_mean
 
@@ -77,6 +78,7 @@ class BTFL(Algorithm):
         super().__init__(*args, **kwargs)
         self.num_train_clients: int | None = None
         self._head_seed = kwargs.get("seed", 0)
+        self._phase_steps = {phase: functools.partial(self.local_step, phase=phase) for phase in ("body", "head")}
 
     def attach(self, x: torch.Tensor, y: torch.Tensor, train: list[np.ndarray]) -> None:
         self.num_train_clients = len(train)
@@ -108,22 +110,34 @@ class BTFL(Algorithm):
         return {"params": broadcast(server_state["params"], k), "local_head": server_state["local_heads"][ids_t].clone(),
                 "step": torch.zeros(k, device=ids_t.device)}
 
-    def local_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> State:
-        step = client_state["step"]
-        is_body = step % 6 != 5 if self.hp.body_iterations is None else step < self.hp.body_iterations
-        body = is_body.to(x.dtype)  # 1: local training, 0: personalization
+    def _is_body(self, step: torch.Tensor | int) -> torch.Tensor | bool:
+        """Local iteration ``step`` trains the body (else the local head on frozen features)."""
+        return step % 6 != 5 if self.hp.body_iterations is None else step < self.hp.body_iterations
+
+    def local_step_at(self, t: int) -> StepFn:
+        return self._phase_steps["body" if self._is_body(t) else "head"]
+
+    def local_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor,
+                   phase: str | None = None) -> State:
+        """One local iteration; the phase comes from the state's counter. ``phase`` ("body" / "head", what
+        ``local_step_at`` passes when every client is at the same iteration) skips the other phase's
+        zero-weighted work (the backward through the features in a head step); the result is the same."""
+        body = self._is_body(client_state["step"]).to(x.dtype)  # type: ignore[union-attr]  # 1: body, 0: head
 
         def loss(params: State, head: torch.Tensor) -> torch.Tensor:
             z = self.features(params, x)
-            ce_g = F.cross_entropy(self.global_head(params, z), y)
-            ce_l = F.cross_entropy(z.detach() @ head.T, y)  # frozen features
-            return body * ce_g + (1 - body) * ce_l
+            ce_g = body * F.cross_entropy(self.global_head(params, z), y) if phase != "head" else 0.0
+            ce_l = (1 - body) * F.cross_entropy(z.detach() @ head.T, y) if phase != "body" else 0.0  # frozen z
+            return ce_g + ce_l
 
         g_params, g_head = torch.func.grad(loss, argnums=(0, 1))(client_state["params"], client_state["local_head"])
         lr, wd = self.hp.lr, self.hp.weight_decay
         head_lr = self.hp.head_lr if self.hp.head_lr is not None else lr
-        params = tree_map(lambda p, g: p - body * lr * (g + wd * p), client_state["params"], g_params)
-        head = client_state["local_head"] - (1 - body) * head_lr * (g_head + wd * client_state["local_head"])
+        params, head = client_state["params"], client_state["local_head"]
+        if phase != "head":
+            params = tree_map(lambda p, g: p - body * lr * (g + wd * p), params, g_params)
+        if phase != "body":
+            head = head - (1 - body) * head_lr * (g_head + wd * head)
         return {"params": params, "local_head": head, "step": client_state["step"] + 1}
 
     def aggregate(self, server_state: State, ids: np.ndarray, client_states: State, weights: torch.Tensor) -> State:

@@ -64,21 +64,32 @@ class FedTTA(Algorithm):
     # --------------------------------------------------------------- the math
     def personalization_loss(self, psi: State, phi: State, x: torch.Tensor) -> torch.Tensor:
         """l_per = || g(f(X; psi); phi) ||_2 over the batch (UPFL Eq. 4), at the reference batch size."""
-        scores = self.g(phi, self.forward(psi, x))
+        return self.personalization_loss_and_logits(psi, phi, x)[0]
+
+    def personalization_loss_and_logits(self, psi: State, phi: State,
+                                        x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(l_per, f(X; psi)): the logits come with the loss, so callers that need them too pay one forward."""
+        logits = self.forward(psi, x)
+        scores = self.g(phi, logits)
         if self.hp.loss_batch is None:
-            return torch.linalg.vector_norm(scores)
+            return torch.linalg.vector_norm(scores), logits
         # sqrt(B * mean g^2) == ||g||_2 when N == B; mean() keeps N symbolic for the ONNX export
-        return torch.sqrt(self.hp.loss_batch * scores.square().mean())
+        return torch.sqrt(self.hp.loss_batch * scores.square().mean()), logits
 
     def adapt_step(self, psi: State, phi: State, x: torch.Tensor) -> State:
         """psi~ = psi - eta_inner grad_psi l_per (Eq. 5); differentiable w.r.t. psi and phi."""
-        grads = torch.func.grad(self.personalization_loss)(psi, phi, x)
-        return sgd(psi, grads, self.hp.inner_lr)
+        return self.adapt_step_and_logits(psi, phi, x)[0]
+
+    def adapt_step_and_logits(self, psi: State, phi: State, x: torch.Tensor) -> tuple[State, torch.Tensor]:
+        """(psi~ of Eq. 5, f(X; psi)): the step's own forward pass, still differentiable w.r.t. psi."""
+        grads, logits = torch.func.grad(self.personalization_loss_and_logits, has_aux=True)(psi, phi, x)
+        return sgd(psi, grads, self.hp.inner_lr), logits
 
     def meta_loss(self, psi: State, phi: State, psi_server: State, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(self.forward(self.adapt_step(psi, phi, x), x), y)
-        if self.hp.mu:  # Eq. 13
-            kl = kl_from_logits(self.forward(psi, x), self.forward(psi_server, x).detach())
+        adapted, logits = self.adapt_step_and_logits(psi, phi, x)
+        loss = F.cross_entropy(self.forward(adapted, x), y)
+        if self.hp.mu:  # Eq. 13, on the inner step's f(X; psi) (no second forward of psi)
+            kl = kl_from_logits(logits, self.forward(psi_server, x).detach())
             loss = loss + self.hp.mu * kl.mean()
         return loss
 
@@ -108,15 +119,17 @@ class FedTTA(Algorithm):
         """FedTTA++: iterate Eq. 5, keep the iterate of lowest mean prediction entropy on ``x``."""
         stopper = EntropyEarlyStopping(self.hp.patience, self.hp.max_steps, self.hp.first_candidate)
         best, current = psi, psi
-        with torch.no_grad():
-            stop = stopper.update(float(entropy_from_logits(self.forward(psi, x)).mean()))
-        while not stop:
-            current = {k: v.detach() for k, v in self.adapt_step(current, phi, x).items()}
-            with torch.no_grad():
-                stop = stopper.update(float(entropy_from_logits(self.forward(current, x)).mean()))
+        while True:
+            # one forward of the iterate serves both its entropy and, if the stopper goes on, its Eq. 5 step
+            (loss, logits), pullback = torch.func.vjp(lambda p: self.personalization_loss_and_logits(p, phi, x),
+                                                      current)
+            stop = stopper.update(float(entropy_from_logits(logits.detach()).mean()))
             if stopper.best_step == len(stopper.history) - 1:
                 best = current
-        return best, stopper
+            if stop:
+                return best, stopper
+            (grads,) = pullback((torch.ones_like(loss), torch.zeros_like(logits)))
+            current = {k: v.detach() for k, v in sgd(current, grads, self.hp.inner_lr).items()}
 
 
 class FedTTAProx(FedTTA):

@@ -45,11 +45,10 @@ def public_logits(alg: FedTTA, psi: State, phi: State, chunks: torch.Tensor) -> 
     """One client's (f(X_p | psi), f(X_p | psi~)) on every chunk: two [n_chunks, B, C] tensors, no graph."""
     base, per = [], []
     for x in chunks:  # n_chunks, small
+        adapted, logits = alg.adapt_step_and_logits(psi, phi, x)  # logits = f(X_p | psi), from the step's pass
+        base.append(logits.detach())
         with torch.no_grad():
-            base.append(alg.forward(psi, x))
-        adapted = {k: v.detach() for k, v in alg.adapt_step(psi, phi, x).items()}
-        with torch.no_grad():
-            per.append(alg.forward(adapted, x))
+            per.append(alg.forward({k: v.detach() for k, v in adapted.items()}, x))
     return torch.stack(base), torch.stack(per)
 
 
@@ -67,10 +66,10 @@ def kd_loss(alg: FedTTA, psi: State, phi: State, x: torch.Tensor, teacher_base: 
     """Eq. 14 on a chunk x [B, ...] with the consensus logits [B, C] of that chunk, averaged over the chunk
     (Eq. 14 sums over D_p; the mean keeps the step size of a CE step). lam = 0: the vanilla end-to-end KD.
     Differentiable in psi (both terms) and phi (first term, through psi~ of Eq. 5)."""
-    adapted = alg.adapt_step(psi, phi, x)
+    adapted, logits = alg.adapt_step_and_logits(psi, phi, x)  # logits = f(x | psi), differentiable in psi
     loss = kl_from_logits(alg.forward(adapted, x), teacher_per).mean()
     if lam:
-        loss = loss + lam * kl_from_logits(alg.forward(psi, x), teacher_base).mean()
+        loss = loss + lam * kl_from_logits(logits, teacher_base).mean()
     return loss
 
 

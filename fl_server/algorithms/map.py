@@ -31,6 +31,7 @@ extractor -- what BTFL uses as its local head.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fl_server.algorithms.base import Algorithm, Hyper, LocalTrainer
+from fl_server.algorithms.base import Algorithm, Hyper, LocalTrainer, StepFn
 from fl_server.functional import State, broadcast, get_params, index, tree_map, weighted_mean
 from fl_server.models import Classifier
 
@@ -114,6 +115,7 @@ class MAP(Algorithm):
     def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0, **overrides: Any) -> None:
         super().__init__(model, config, seed, **overrides)
         self.observed: torch.Tensor | None = None  # [K, C] 0/1, set by attach
+        self._phase_steps = {phase: functools.partial(self.local_step, phase=phase) for phase in ("stage1", "stage2")}
 
     def attach(self, x: torch.Tensor, y: torch.Tensor, train: list[np.ndarray]) -> None:
         """Each training client's observed classes (the client knows its own label set)."""
@@ -146,26 +148,36 @@ class MAP(Algorithm):
         return int(round(self.hp.stage1_fraction * self.hp.local_iterations))
 
     def client_loss(self, params: State, client_state: State, server_state: State, x: torch.Tensor,
-                    y: torch.Tensor, stage1: torch.Tensor) -> torch.Tensor:
+                    y: torch.Tensor, stage1: torch.Tensor, phase: str | None = None) -> torch.Tensor:
+        """stage1 * RS loss + (1 - stage1) * (CE + KD from the HPM); ``phase`` ("stage1" / "stage2") leaves
+        out the term whose weight is 0 (the teacher's forward in stage 1)."""
         logits = self.forward(params, x)
-        rs = F.cross_entropy(restricted_softmax_logits(logits, client_state["observed"], self.hp.alpha), y)
-        stage2 = F.cross_entropy(logits, y)
-        if self.hp.hpm:  # (the teacher's forward is skipped for methods without an HPM)
-            teacher = self.forward(client_state["hpm"], x).detach()
-            lam = self.hp.kd_lambda * client_state["kd"]
-            kd = kd_loss if self.hp.kd_form == "kl" else kd_soft_ce
-            stage2 = (1 - lam) * stage2 + lam * kd(logits, teacher, self.hp.kd_tau)
-        loss = stage1 * rs + (1 - stage1) * stage2
+        loss: torch.Tensor | float = 0.0
+        if phase != "stage2":
+            loss = stage1 * F.cross_entropy(restricted_softmax_logits(logits, client_state["observed"], self.hp.alpha), y)
+        if phase != "stage1":
+            stage2 = F.cross_entropy(logits, y)
+            if self.hp.hpm:  # (the teacher's forward is skipped for methods without an HPM)
+                teacher = self.forward(client_state["hpm"], x).detach()
+                lam = self.hp.kd_lambda * client_state["kd"]
+                kd = kd_loss if self.hp.kd_form == "kl" else kd_soft_ce
+                stage2 = (1 - lam) * stage2 + lam * kd(logits, teacher, self.hp.kd_tau)
+            loss = loss + (1 - stage1) * stage2
         if self.hp.prox_mu:
             prox = sum(((p - q) ** 2).sum() for p, q in zip(params.values(), server_state["params"].values()))
             loss = loss + 0.5 * self.hp.prox_mu * prox
         return loss
 
-    def local_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> State:
+    def local_step_at(self, t: int) -> StepFn:
+        return self._phase_steps["stage1" if t < self._stage1_iterations() else "stage2"]
+
+    def local_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor,
+                   phase: str | None = None) -> State:
+        """One local iteration; the stage comes from the state's counter (``phase``: see client_loss)."""
         s1 = self._stage1_iterations()
         stage1 = (client_state["step"] < s1).to(x.dtype)
         params = client_state["params"]
-        grads = torch.func.grad(self.client_loss)(params, client_state, server_state, x, y, stage1)
+        grads = torch.func.grad(self.client_loss)(params, client_state, server_state, x, y, stage1, phase)
         wd, m, lr = self.hp.weight_decay, self.hp.momentum, self.hp.lr
         previous = client_state["mom"]
         if self.hp.stage2_fresh_momentum:  # stage 2 starts a new optimiser (the authors' code)
@@ -227,7 +239,8 @@ class MAP(Algorithm):
         returns as the client's model: "psi^k <- psi_p,T+1^k ... the personalization model for each local
         client" (the authors' FedPHP / MAP code scores the HPM as well)."""
         states = self.client_start(server_state, ids)
-        personal = trainer(self.local_step, states, server_state, ids, self.hp.local_iterations)["params"]
+        personal = trainer(self.local_step, states, server_state, ids, self.hp.local_iterations,
+                           self.local_step_at)["params"]
         if not self.hp.hpm:
             return personal
         return index(self._update_hpm(server_state, ids, personal)[0], ids)

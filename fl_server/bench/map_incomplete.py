@@ -49,9 +49,10 @@ MAP_METHODS: dict[str, dict[str, Any]] = {
 AUTHORS_CODE_METHODS = {"MAP (code)"}
 
 
-def run_map_seed(protocol: "Protocol", method: str, seed: int, run_dir: Path | None, device: str = "auto",
-                 mode: str = "auto", progress: bool = True, data_root: str | None = None,
-                 fed: FederatedData | None = None) -> dict[str, Any]:
+def build_map_simulation(protocol: "Protocol", method: str, seed: int, run_dir: Path | None, device: str = "auto",
+                         mode: str = "auto", progress: bool = True, data_root: str | None = None,
+                         fed: FederatedData | None = None) -> Simulation:
+    """The engine run of one map-incomplete method and seed (the method's MAP configuration)."""
     from fl_server.bench.runner import build_federated  # runner imports the experiments
 
     if method not in MAP_METHODS:
@@ -65,8 +66,14 @@ def run_map_seed(protocol: "Protocol", method: str, seed: int, run_dir: Path | N
         hp.update(authors_code_procedure(protocol.local_iterations))
         protocol = dataclasses.replace(protocol, local_iterations=hp["local_iterations"])
     algo = MAP(model, seed=seed, **hp)
-    cfg = protocol.run_config(seed, str(run_dir) if run_dir else None, device, mode, progress)
-    sim = Simulation(algo, fed, cfg)
+    return Simulation(algo, fed, protocol.run_config(seed, str(run_dir) if run_dir else None, device, mode, progress))
+
+
+def run_map_seed(protocol: "Protocol", method: str, seed: int, run_dir: Path | None, device: str = "auto",
+                 mode: str = "auto", progress: bool = True, data_root: str | None = None,
+                 fed: FederatedData | None = None) -> dict[str, Any]:
+    sim = build_map_simulation(protocol, method, seed, run_dir, device, mode, progress, data_root, fed)
+    algo = sim.algorithm
     result = sim.run()
     t0 = time.perf_counter()
     test = load_dataset(protocol.dataset, root=data_root, split="test")

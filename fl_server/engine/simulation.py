@@ -14,7 +14,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -85,20 +85,26 @@ def client_batches(client_indices: list[np.ndarray], iterations: int, batch_size
 
 
 def run_local_steps(step_fn: StepFn, states: State, server_state: State, x: torch.Tensor, y: torch.Tensor,
-                    batches: torch.Tensor, mode: str, chunk_size: int | None = None) -> State:
-    """Apply ``step_fn`` for every client (leading axis of ``states``) over its batches [K, T, B]."""
+                    batches: torch.Tensor, mode: str, chunk_size: int | None = None,
+                    step_at: Callable[[int], StepFn] | None = None) -> State:
+    """Apply the local step for every client (leading axis of ``states``) over its batches [K, T, B]:
+    ``step_fn``, or ``step_at(t)`` at iteration t when given (``Algorithm.local_step_at``)."""
+    at = step_at or (lambda t: step_fn)
     if mode == "vmap":
-        vstep = torch.vmap(step_fn, in_dims=(0, None, 0, 0), chunk_size=chunk_size)
+        vmapped: dict[StepFn, StepFn] = {}  # one vmapped function per distinct step (phase)
         for t in range(batches.shape[1]):
+            fn = at(t)
+            if fn not in vmapped:
+                vmapped[fn] = torch.vmap(fn, in_dims=(0, None, 0, 0), chunk_size=chunk_size)
             idx = batches[:, t]
-            states = vstep(states, server_state, x[idx], y[idx])
+            states = vmapped[fn](states, server_state, x[idx], y[idx])
         return states
     if mode == "loop":
         out = []
         for k, state in enumerate(unstack(states)):
             for t in range(batches.shape[1]):
                 idx = batches[k, t]
-                state = step_fn(state, server_state, x[idx], y[idx])
+                state = at(t)(state, server_state, x[idx], y[idx])
             out.append(state)
         return stack(out)
     raise ValueError(f"unknown mode {mode!r}; use 'vmap' or 'loop'")
@@ -232,10 +238,11 @@ class Simulation:
         return np.sort(self._rng(round_, _SAMPLE).choice(k, size=m, replace=False))
 
     def local_train(self, step_fn: StepFn, states: State, server_state: State, ids: np.ndarray,
-                    iterations: int, rng: np.random.Generator) -> State:
+                    iterations: int, rng: np.random.Generator,
+                    step_at: Callable[[int], StepFn] | None = None) -> State:
         batches = client_batches([self.fed.train[i] for i in ids], iterations, self.cfg.batch_size, rng)
         return run_local_steps(step_fn, states, server_state, self.x, self.y,
-                               torch.from_numpy(batches).to(self.device), self.mode, self.cfg.chunk_size)
+                               torch.from_numpy(batches).to(self.device), self.mode, self.cfg.chunk_size, step_at)
 
     def run_round(self, round_: int) -> tuple[np.ndarray, State]:
         """One round; returns the selected client ids and their local states before aggregation (for methods
@@ -243,7 +250,7 @@ class Simulation:
         ids = self.select_clients(round_)
         states = self.algorithm.client_start(self.server_state, ids)
         states = self.local_train(self.algorithm.local_step, states, self.server_state, ids,
-                                  self.cfg.local_iterations, self._rng(round_, _BATCHES))
+                                  self.cfg.local_iterations, self._rng(round_, _BATCHES), self.algorithm.local_step_at)
         self.server_state = self.algorithm.aggregate(self.server_state, ids, states, self.train_sizes[ids])
         return ids, states
 
@@ -284,7 +291,8 @@ class Simulation:
         rng = self._rng(round_, _EVAL)
         params = self.algorithm.val_params(
             self.server_state, ids,
-            lambda step, states, server, sel, iters: self.local_train(step, states, server, sel, iters, rng))
+            lambda step, states, server, sel, iters, step_at=None: self.local_train(step, states, server, sel, iters,
+                                                                                    rng, step_at))
         if self._is_stacked(params):
             accs = [self._accuracy(p, self.fed.val[k]) for k, p in enumerate(unstack(params))]
             return float(np.mean(accs))

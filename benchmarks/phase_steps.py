@@ -1,0 +1,83 @@
+"""Phase-specialised local steps (``Algorithm.local_step_at``) against the counter-read step they replace, in
+one run: one round's local training of the selected clients, the two variants' calls alternating.
+
+- BTFL (btgfl protocol: 20 clients, 48 steps of B = 32, BTFL CNN): a local-head step (1 in 6) skips the
+  backward through the features that its zero weight discarded;
+- MAP and MAP (code) (map-incomplete paper protocol: 20 of 100 clients, E = 5 epochs, MLP 2x512): a stage-1
+  step skips the inherited private model's (teacher's) forward.
+
+``identical`` records that both variants give the same client states bit for bit. Rows are merged into
+docs/benchmarks/phase-steps.json by (what, device).
+
+    python benchmarks/phase_steps.py [--device cpu|cuda] [--repeats 3] [--data-dir DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+
+import numpy as np
+import torch
+
+from fl_server.bench.experiments import get_experiment
+from fl_server.bench.map_incomplete import build_map_simulation
+from fl_server.bench.rows import merge_rows
+from fl_server.bench.runner import build_simulation
+from fl_server.device import describe
+from fl_server.functional import State
+
+from timing import interleaved_median_ms, run_fields
+
+CASES = [("BTFL round, btgfl fashion_mnist", "btgfl", "fashion_mnist", "BTFL"),
+         ("MAP round, map-incomplete fashion_mnist-paper", "map-incomplete", "fashion_mnist-paper", "MAP"),
+         ("MAP (code) round, map-incomplete fashion_mnist-paper", "map-incomplete", "fashion_mnist-paper", "MAP (code)")]
+
+
+def leaves(state: State) -> list[torch.Tensor]:
+    return [t for v in state.values() for t in (leaves(v) if isinstance(v, dict) else [v])]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--out", default="docs/benchmarks/phase-steps.json")
+    args = ap.parse_args()
+    command = "python benchmarks/phase_steps.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    rows = []
+    for label, experiment, dataset, method in CASES:
+        protocol = get_experiment(experiment).protocols[dataset]
+        build = build_map_simulation if experiment == "map-incomplete" else build_simulation
+        sim = build(protocol, method, 0, None, device=args.device, progress=False, data_root=args.data_dir)
+        alg, server = sim.algorithm, sim.server_state
+        ids = sim.select_clients(0)
+        start = alg.client_start(server, ids)
+        iterations = sim.cfg.local_iterations
+
+        def train(step_at):  # type: ignore[no-untyped-def]
+            def run() -> State:
+                out = sim.local_train(alg.local_step, start, server, ids, iterations, np.random.default_rng(0), step_at)
+                if sim.device.type == "cuda":
+                    torch.cuda.synchronize()
+                return out
+            return run
+
+        variants = {"phased": train(alg.local_step_at), "counter": train(None)}
+        identical = all(torch.equal(a, b) for a, b in zip(leaves(variants["phased"]()), leaves(variants["counter"]())))
+        ms = interleaved_median_ms(variants, args.repeats, warmup=1)
+        row = {"benchmark": "phase-steps", "what": label, "metric": "speedup",
+               "value": round(ms["counter"] / ms["phased"], 3), "phased_s": round(ms["phased"] / 1e3, 3),
+               "counter_s": round(ms["counter"] / 1e3, 3), "identical": identical, "clients": len(ids),
+               "local_iterations": iterations, "batch_size": protocol.batch_size, "mode": sim.mode,
+               **run_fields(describe(sim.device), args.repeats, command)}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    merge_rows(args.out, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
