@@ -32,7 +32,8 @@ from timing import interleaved_median_ms, run_fields
 
 CASES = [("BTFL round, btgfl fashion_mnist", "btgfl", "fashion_mnist", "BTFL"),
          ("MAP round, map-incomplete fashion_mnist-paper", "map-incomplete", "fashion_mnist-paper", "MAP"),
-         ("MAP (code) round, map-incomplete fashion_mnist-paper", "map-incomplete", "fashion_mnist-paper", "MAP (code)")]
+         ("MAP (code) round, map-incomplete fashion_mnist-paper", "map-incomplete", "fashion_mnist-paper",
+          "MAP (code)")]
 
 
 def leaves(state: State) -> list[torch.Tensor]:

@@ -177,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="CI-sized protocol: results in runs/quick/results, run dirs in runs/quick/runs")
     p.add_argument("--results-dir", default=None, help="default: docs/results (runs/quick/results with --quick)")
-    p.add_argument("--runs-dir", default=None, help="run dirs, resumable (default: runs/bench; runs/quick/runs with --quick)")
+    p.add_argument("--runs-dir", default=None,
+                   help="run dirs, resumable (default: runs/bench; runs/quick/runs with --quick)")
     _add_run_flags(p)
     p.set_defaults(func=cmd_bench)
 

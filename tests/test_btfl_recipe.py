@@ -133,7 +133,7 @@ def test_local_step_trains_body_then_only_the_local_head(mnist_all) -> None:  # 
 
 
 @pytest.mark.parametrize("body", [None, 2])
-def test_phase_specialised_steps_give_the_counter_steps_result_exactly(mnist_all, body) -> None:  # type: ignore[no-untyped-def]
+def test_phase_steps_equal_the_counter_steps(mnist_all, body) -> None:  # type: ignore[no-untyped-def]
     """The engine's per-iteration steps (local_step_at: a head step skips the backward through the features)
     reproduce local_step, which reads the phase from the counter, bit for bit, under vmap and in the loop."""
     alg, server, x, y, train = _small_btfl(mnist_all, body)

@@ -33,7 +33,7 @@ def _one_procedure(fashion, name="MAP", **hp):  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("mode", ["vmap", "loop"])
-def test_phase_specialised_steps_give_the_counter_steps_result_exactly(fashion_all, mode: str) -> None:  # type: ignore[no-untyped-def]
+def test_phase_steps_equal_the_counter_steps(fashion_all, mode: str) -> None:  # type: ignore[no-untyped-def]
     """The engine's per-iteration steps (local_step_at: stage 1 without the teacher, stage 2 without the RS
     term) reproduce local_step, which reads the stage from the counter, bit for bit (MAP, MAP (code))."""
     for hp in ({}, {"kd_form": "soft_ce", "stage2_fresh_momentum": True, "stage2_lr_scale": 0.2}):

@@ -154,7 +154,8 @@ class MAP(Algorithm):
         logits = self.forward(params, x)
         loss: torch.Tensor | float = 0.0
         if phase != "stage2":
-            loss = stage1 * F.cross_entropy(restricted_softmax_logits(logits, client_state["observed"], self.hp.alpha), y)
+            restricted = restricted_softmax_logits(logits, client_state["observed"], self.hp.alpha)
+            loss = stage1 * F.cross_entropy(restricted, y)
         if phase != "stage1":
             stage2 = F.cross_entropy(logits, y)
             if self.hp.hpm:  # (the teacher's forward is skipped for methods without an HPM)
