@@ -154,6 +154,31 @@ def test_fedicon_online_memory_keeps_its_size_and_takes_the_arriving_samples(mni
         assert memory.shape == training.shape and bool(present(x[start:start + 16], memory).all())
 
 
+@pytest.mark.parametrize("chunk, memory_rows", [(1, 40), (16, 10), (7, 0)])
+def test_fedicon_online_equals_drawing_at_every_chunk(mnist_all, chunk: int, memory_rows: int) -> None:  # type: ignore[no-untyped-def]
+    """online() draws every chunk's augmentation keys and memory slots up front (no host-to-device copy per
+    streamed sample on a GPU); it equals the plain loop that draws them as each chunk arrives, bit for bit."""
+    x = torch.from_numpy(mnist_all.x[:300])
+    algo = build_algorithm("FedICON", build_model("btfl_cnn", (1, 28, 28), 10, seed=0), 4, seed=3,
+                           tta_mode="online", memory_size=32, tta_lr=0.01)
+    state = algo.init_state(torch.float32, torch.device("cpu"))
+    stream, memory = x[:60], x[200:200 + memory_rows].clone()
+    params, logits = algo.online(state["params"], state["proj"], stream, memory, chunk=chunk)
+
+    ref, proj, rng, out = state["params"], state["proj"], np.random.default_rng([3, 17]), []
+    memory = memory[:32]  # online() keeps at most memory_size of the samples it starts with
+    for i, start in enumerate(range(0, len(stream), chunk)):
+        xb = stream[start:start + chunk]
+        if len(memory):
+            ref, proj = algo.online_step(ref, proj, xb, memory, algo._uniforms(xb, len(xb), i))
+            ref, proj = {k: v.detach() for k, v in ref.items()}, {k: v.detach() for k, v in proj.items()}
+        with torch.no_grad():
+            out.append(algo.forward(ref, xb))
+        memory = algo.remember(memory, xb, rng)
+    assert torch.equal(logits, torch.cat(out))
+    assert all(torch.equal(params[k], ref[k]) for k in ref)
+
+
 def test_fedicon_shift_online_memory_is_the_clients_training_data(mnist_all) -> None:  # type: ignore[no-untyped-def]
     from fl_server.bench.shift import _online_memories
 

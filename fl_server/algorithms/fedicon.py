@@ -159,8 +159,10 @@ class FedICON(Algorithm):
         g_enc, g_proj = torch.func.grad(self.tta_objective, argnums=(0, 1))(enc, proj, x, u)
         return {**sgd(enc, g_enc, self.hp.tta_lr), **head}, sgd(proj, g_proj, self.hp.tta_lr)
 
-    def _uniforms(self, x: torch.Tensor, n: int, tag: int) -> torch.Tensor:
-        key = torch.tensor(self.seed * 7_919 + tag, dtype=torch.int64, device=x.device)
+    def _uniforms(self, x: torch.Tensor, n: int, tag: int | torch.Tensor) -> torch.Tensor:
+        """[n, K] uniforms for views of x's images, a pure function of (seed, tag); a device tensor ``tag`` (the
+        online stream's precomputed keys) needs no host-to-device copy."""
+        key = torch.as_tensor(tag, dtype=torch.int64, device=x.device) + self.seed * 7_919
         return hash_uniform(key, n, num_uniforms(x.shape[1:])).to(x.dtype)
 
     def personalize(self, server_state: State, x: torch.Tensor) -> State:
@@ -205,26 +207,46 @@ class FedICON(Algorithm):
         chunk = chunk or self.hp.online_chunk
         rng = np.random.default_rng([self.seed, 17])
         memory = memory[: self.hp.memory_size].clone()
+        starts = range(0, len(stream), chunk)
+        # every chunk's random draws made up front and sent to the device once (the same draws in the same order
+        # as at each chunk): the loop then never waits on a host-to-device copy, which on a GPU would stall the
+        # queue once per streamed sample
+        plan, filled = [], len(memory)
+        for start in starts:
+            filled, slots = self._slots(filled, min(chunk, len(stream) - start), rng)
+            plan.append(slots)
+        all_slots = torch.from_numpy(np.concatenate([np.empty(0, np.int64), *plan])).to(stream.device)
+        bounds = np.cumsum([0, *(len(s) for s in plan)]).tolist()
+        keys = torch.arange(len(starts), dtype=torch.int64, device=stream.device)
         out = []
-        for i, start in enumerate(range(0, len(stream), chunk)):  # samples arrive one chunk at a time
+        for i, start in enumerate(starts):  # samples arrive one chunk at a time
             xb = stream[start:start + chunk]
             if len(memory):
-                params, proj = self.online_step(params, proj, xb, memory, self._uniforms(xb, len(xb), i))
+                params, proj = self.online_step(params, proj, xb, memory, self._uniforms(xb, len(xb), keys[i]))
                 params, proj = {k: v.detach() for k, v in params.items()}, {k: v.detach() for k, v in proj.items()}
             with torch.no_grad():
                 out.append(self.forward(params, xb))
-            memory = self.remember(memory, xb, rng)
+            memory = self._place(memory, xb, all_slots[bounds[i]:bounds[i + 1]])
         return params, torch.cat(out)
 
     def remember(self, memory: torch.Tensor, xb: torch.Tensor, rng: np.random.Generator) -> torch.Tensor:
         """The memory after the samples ``xb`` arrive: they fill it up to ``memory_size``, then each of the
         rest replaces a random entry (distinct entries; of a chunk longer than the memory, its last samples)."""
-        room = max(self.hp.memory_size - len(memory), 0)
-        memory = torch.cat([memory, xb[:room]])
-        rest = xb[room:]
-        rest = rest[len(rest) - min(len(rest), len(memory)):]
-        if len(rest):
-            memory[torch.from_numpy(rng.choice(len(memory), size=len(rest), replace=False))] = rest
+        slots = self._slots(len(memory), len(xb), rng)[1]
+        return self._place(memory, xb, torch.from_numpy(slots).to(memory.device))
+
+    def _slots(self, filled: int, arriving: int, rng: np.random.Generator) -> tuple[int, np.ndarray]:
+        """(the memory's size once ``arriving`` samples have filled it up to ``memory_size``, the entries that
+        the remaining ones overwrite, drawn from ``rng``)."""
+        size = filled + min(max(self.hp.memory_size - filled, 0), arriving)
+        rest = min(arriving - (size - filled), size)
+        return size, (rng.choice(size, size=rest, replace=False) if rest else np.empty(0, np.int64))
+
+    def _place(self, memory: torch.Tensor, xb: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """``xb``'s first samples fill the memory up to ``memory_size``; its last ``len(slots)`` overwrite those."""
+        memory = torch.cat([memory, xb[:max(self.hp.memory_size - len(memory), 0)]])
+        if len(slots):
+            memory[slots] = xb[len(xb) - len(slots):]
         return memory
 
 
