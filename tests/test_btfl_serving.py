@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from coordinator_proc import REPO, Coordinator, auth, join, start
+from coordinator_proc import ADMIN, REPO, Coordinator, auth, join, start
 from edge_sdk import btfl
 
 pytestmark = pytest.mark.timeout(600)
@@ -124,3 +124,30 @@ def test_btfl_device_batch_logits_follow_the_stream_order(server: Coordinator, t
     np.testing.assert_allclose(batched, one_by_one, atol=1e-5)  # float32 features of batch 60 vs batch 1
     np.testing.assert_allclose(e_batched, e_one_by_one, atol=1e-5)
     assert len(set(np.round(e_batched, 3))) > 5  # the prior moves along the stream: the order matters
+
+
+def test_a_dle_of_another_shape_stored_before_the_btfl_bundle_does_not_break_the_view(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Without a BTFL bundle any shape is accepted; once a BTFL bundle of another shape is served, that row is
+    left out of the aggregate (it used to make every GET and POST of /v1/btfl/dle a 500)."""
+    coord = start(tmp_path_factory.mktemp("btfl-late") / "store", methods="TENT", rounds=1, workers=1)
+    try:
+        coord.wait_bundles(1)
+        early = join(coord.url)  # no BTFL bundle yet
+        url = f"{coord.url}/v1/btfl/dle"
+        odd = btfl.fit_dle(np.random.default_rng(0).exponential(size=(20, 3)))  # [3, 2]: not the bundle's shape
+        assert httpx.post(url, json={"freqs": odd.tolist(), "num_samples": 20}, headers=_auth(early),
+                          timeout=10).status_code == 200
+        job = httpx.post(f"{coord.url}/v1/jobs", json={"method": "BTFL", "rounds": 2}, headers=auth(ADMIN), timeout=10)
+        assert job.status_code == 201, job.text
+        coord.wait_bundles(2)
+        view = httpx.get(url, headers=_auth(early), timeout=10)
+        assert view.status_code == 200, view.text
+        body = view.json()
+        assert body["clients"] == 0 and body["base"] is not None and body["dims"] != 3  # the odd row is left out
+        late = _join(coord)
+        dle = btfl.fit_dle(np.random.default_rng(1).exponential(size=(40, body["dims"])))
+        r = httpx.post(url, json={"freqs": dle.tolist(), "num_samples": 40}, headers=_auth(late), timeout=10)
+        assert r.status_code == 200 and r.json()["clients"] == 1, r.text
+    finally:
+        coord.stop()

@@ -142,9 +142,14 @@ async def generate(body: S.GenerateRequest, request: Request, _: Principal = Dep
 
 def _dle_view(svc: Service, client_id: str) -> dict[str, Any]:
     """Global DLE = sample-weighted average of the BTFL bundle's training-time DLE (when a BTFL bundle is
-    served) and every client's latest upload; ``others_dle`` leaves the caller's own upload out."""
+    served) and every client's latest upload of that shape; ``others_dle`` leaves the caller's own upload out."""
     rows = svc.store.dles()
     base = svc.btfl_base()
+    if rows or base is not None:
+        # only DLEs of the current shape (the served bundle's, else the newest upload's) are aggregated: a row
+        # stored before a BTFL bundle of another shape was served must not make every later view fail
+        shape = tuple(base[1].shape) if base is not None else (rows[-1]["dims"], rows[-1]["levels"])
+        rows = [r for r in rows if (r["dims"], r["levels"]) == shape]
     freqs = [np.asarray(r["freqs"]) for r in rows]
     weights = [r["num_samples"] for r in rows]
     own = [r["client_id"] == client_id for r in rows]
