@@ -77,18 +77,25 @@ class Personalizer:
             self.gamma = {f"gamma.{k}": v for k, v in bundle.weights("enc").items()}
             self.kind = "ODPFL-HN"
         self._psi_inputs = [i.name for i in self.forward.get_inputs() if i.name.startswith("psi.")]
-        self._checked: Weights | None = None  # the last weight set that passed check_weights
+        self._checked: Weights | None = None  # the last weight set that passed check_weights ...
+        self._checked_copy: Weights = {}  # ... and the copy of it that was checked and is what runs
 
     def predict(self, x: np.ndarray, weights: Weights | None = None) -> np.ndarray:
-        """Logits [N, C] of the model with ``weights`` (default: the received base model)."""
+        """Logits [N, C] of the model with ``weights`` (default: the received base model). A weight set is
+        validated and copied on its first use here; pass a new dict to predict with changed weights."""
         if weights is None and self.frozen_int8 is not None:
             x = check_batch(x, self.frozen_int8)
             return check_logits(self.frozen_int8.run(["logits"], {"x": x})[0], x)
         x = check_batch(x, self.forward)
         w = self.base if weights is None else weights
-        if w is not self.base and w is not self._checked:  # checked once per weight set
-            check_weights(w, self.forward)
-            self._checked = w
+        if w is not self.base:
+            if w is not self._checked:
+                # a weight set is checked once, on a copy that is then what runs: changing the caller's arrays
+                # afterwards cannot send unchecked values to onnxruntime (pass a new dict to use new weights)
+                copy = {k: np.array(v) if isinstance(v, np.ndarray) else v for k, v in w.items()} \
+                    if isinstance(w, dict) else w
+                self._checked_copy, self._checked = check_weights(copy, self.forward), w
+            w = self._checked_copy
         feeds = {"x": x, **{n: w[n[len("psi."):]] for n in self._psi_inputs}}
         return check_logits(self.forward.run(["logits"], feeds)[0], x)
 
@@ -126,7 +133,6 @@ class Personalizer:
                 w = check_weights({n[len("psi."):]: v for n, v in w.items() if n.startswith("psi.")}, self.forward)
             except ValueError as exc:
                 raise ValueError(f"the generated weights do not fit this bundle's model: {exc}") from None
-            self._checked = w
             return Personalized(w, 1)
         if self.runner is None:
             return Personalized(self.base, 0, [float(entropy(self.predict(x)).mean())])

@@ -128,6 +128,26 @@ def test_bad_generated_weights_are_refused(runners: dict[str, Personalizer], x: 
            runner="ODPFL-HN personalise")
 
 
+@pytest.mark.parametrize("change", ["NaN written in place", "array reshaped in place"])
+def test_weights_changed_after_their_check_never_reach_onnxruntime(runners: dict[str, Personalizer], x: np.ndarray,
+                                                                  change: str) -> None:
+    """predict checks a weight set once and runs the copy it checked: changing the caller's arrays afterwards
+    changes nothing (a new dict is checked again)."""
+    p = runners["TENT"]
+    weights = {k: v.copy() for k, v in p.personalize(x).weights.items()}
+    before = p.predict(x, weights)
+    name = next(k for k, v in weights.items() if v.ndim == 2)
+    if change == "NaN written in place":
+        weights[name][0, 0] = np.nan
+    else:
+        weights[name].shape = (weights[name].size,)
+    np.testing.assert_array_equal(p.predict(x, weights), before)
+    with pytest.raises(ValueError, match="NaN or inf|has shape"):
+        p.predict(x, dict(weights))  # another weight set: checked, refused
+    record("bad-input", f"weights changed after their check ({change})", "ignored (the checked copy runs); "
+           "a new dict with them is refused", runner="TENT predict")
+
+
 # ------------------------------------------------------------------ BTFL stream
 @pytest.fixture(scope="module")
 def stream_args() -> tuple[np.ndarray, np.ndarray]:
