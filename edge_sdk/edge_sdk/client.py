@@ -144,7 +144,7 @@ class EdgeClient:
             raise EdgeClientError(f"{method} {path}: HTTP {r.status_code}: {_detail(r)}", r.status_code)
         try:
             return r.json()
-        except ValueError:
+        except (ValueError, RecursionError):
             raise EdgeClientError(f"{method} {self.url}{path}: the reply is not JSON (HTTP {r.status_code}, "
                                   f"{r.headers.get('content-type', 'no content type')}, starts {r.content[:40]!r})",
                                   r.status_code) from None
@@ -335,9 +335,11 @@ class EdgeClient:
                 return tensors.decode(r.content)[0]
             except ValueError as exc:
                 raise EdgeClientError(f"generate: malformed weights reply ({exc})") from None
-        body = r.json()
-        return {k: np.frombuffer(base64.b64decode(t["data"]), dtype="<f4").reshape(t["shape"]).astype(np.float32)
-                for k, t in body["params"].items()}
+        try:  # the JSON reply of an older coordinator
+            return {k: np.frombuffer(base64.b64decode(t["data"]), dtype="<f4").reshape(t["shape"]).astype(np.float32)
+                    for k, t in r.json()["params"].items()}
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:  # base64 errors: ValueError
+            raise EdgeClientError(f"generate: malformed weights reply ({type(exc).__name__}: {exc})") from None
 
     def upload_dle(self, freqs: np.ndarray, num_samples: int) -> dict[str, Any]:
         """BTFL: upload this client's local DLE [D, levels]; returns the re-aggregated global DLE."""

@@ -11,6 +11,7 @@ weights on either side.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Mapping
 
@@ -53,11 +54,13 @@ def decode(body: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         raise ValueError(f"weights header length {n} does not fit a body of {len(body)} bytes")
     try:
         header = json.loads(body[8:8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ValueError(f"weights header is not JSON: {exc}") from None
     if not isinstance(header, dict):
         raise ValueError("weights header must be a JSON object")
     meta = header.pop("__metadata__", {}) or {}
+    if not isinstance(meta, dict):
+        raise ValueError("weights header's __metadata__ must be a JSON object")
     data = memoryview(body)[8 + n:]
     out: dict[str, np.ndarray] = {}
     for name, t in header.items():
@@ -68,7 +71,7 @@ def decode(body: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"tensor {name!r}: need dtype F32, shape and data_offsets") from None
         if min(shape, default=1) < 0 or not 0 <= begin <= end <= len(data) \
-                or end - begin != dtype.itemsize * int(np.prod(shape, dtype=np.int64)):
+                or end - begin != dtype.itemsize * math.prod(shape):  # exact: no int64 overflow
             raise ValueError(f"tensor {name!r}: offsets {begin}..{end} do not match shape {shape} in "
                              f"{len(data)} data bytes")
         out[name] = np.frombuffer(data[begin:end], dtype=dtype).reshape(shape).astype(np.float32)

@@ -35,7 +35,10 @@ def test_truncated_or_malformed_bodies_are_refused(cut: int) -> None:
         tensors.decode(body[:cut] if cut else b"")
     n = struct.unpack_from("<Q", body)[0]
     for header in (b'{"a": {"dtype": "F64", "shape": [4, 4], "data_offsets": [0, 64]}}',
-                   b'{"a": {"dtype": "F32", "shape": [4, 5], "data_offsets": [0, 64]}}', b"[1, 2]", b"not json"):
+                   b'{"a": {"dtype": "F32", "shape": [4, 5], "data_offsets": [0, 64]}}', b"[1, 2]", b"not json",
+                   b'{"a": {"dtype": "F32", "shape": [1180591620717411303424], "data_offsets": [0, 64]}}',
+                   b'{"a": {"dtype": ["F32"], "shape": [4, 4], "data_offsets": [0, 64]}}',
+                   b'{"__metadata__": "text"}', b'{"__metadata__": [1]}', b"[" * 50_000 + b"]" * 50_000):
         with pytest.raises(ValueError):
             tensors.decode(struct.pack("<Q", len(header)) + header + body[8 + n:])
 
