@@ -249,3 +249,24 @@ def test_local_test_sets_follow_each_clients_label_mix() -> None:
     assert sorted(np.concatenate(parts).tolist()) == list(range(600))  # every test sample, exactly once
     got = np.stack([np.bincount(labels[p], minlength=3) for p in parts])
     assert got.tolist() == [[25, 0, 150], [75, 100, 0], [0, 100, 150]]
+
+
+def test_without_projection_the_losses_act_on_the_encoder_output(mnist_all) -> None:  # type: ignore[no-untyped-def]
+    """projection="none" is Eq. 3 as written: z = normalize(h(x)), no projection parameters; training and the
+    test-time step run on an empty projection state and move the encoder the classifier reads."""
+    x, y = torch.from_numpy(mnist_all.x[:64]), torch.from_numpy(mnist_all.y[:64]).long()
+    algo = build_algorithm("FedICON", build_model("mlp", (1, 28, 28), 10, seed=0), 4, seed=0, projection="none")
+    state = algo.init_state(torch.float32, torch.device("cpu"))
+    assert state["proj"] == {}
+    enc = {k: v for k, v in state["params"].items() if k.startswith("features.")}
+    feats = algo.features_forward({k[len("features."):]: v for k, v in enc.items()}, x)
+    torch.testing.assert_close(algo.represent(enc, state["proj"], x), torch.nn.functional.normalize(feats, dim=1))
+    clients = algo.client_start(state, np.arange(2))
+    stepped = torch.vmap(algo.local_step, in_dims=(0, None, 0, 0))(clients, state, x[None].expand(2, -1, -1, -1, -1),
+                                                                   y[None].expand(2, -1))
+    assert stepped["proj"] == {} and not torch.equal(stepped["params"]["features.1.weight"][0],
+                                                     state["params"]["features.1.weight"])
+    adapted = algo.personalize(state, x)
+    assert not torch.equal(adapted["features.1.weight"], state["params"]["features.1.weight"])
+    with pytest.raises(ValueError, match="projection must be 'mlp' or 'none'"):
+        build_algorithm("FedICON", build_model("mlp", (1, 28, 28), 10, seed=0), 4, projection="linear")

@@ -20,7 +20,7 @@ The TTA step :meth:`FedICON.tta_step` is a pure function (weights, batch, unifor
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -42,6 +42,9 @@ class FedICONConfig(Hyper):
     weight_decay: float = 5e-4
     tau: float = 0.1
     proj_dim: int = 64
+    # "mlp": z = normalize(g(h(x))) with the SupCon/SimCLR projection g (D -> D -> proj_dim); "none": the paper's
+    # literal Eq. 3, z = normalize(h(x)), the encoder output the classifier reads (D-dimensional)
+    projection: str = field(default="mlp", metadata={"fingerprint": "omit_default"})
     encoder_rounds: int = 80  # the remaining rounds train the federated classifier
     ft_iterations: int = 20  # personalisation of the classifier on the client's training data
     tta: bool = True
@@ -76,10 +79,13 @@ class FedICON(Algorithm):
         super().__init__(model, config, seed, **overrides)
         if self.hp.tta_mode not in ("batch", "online"):
             raise ValueError(f"tta_mode must be 'batch' or 'online', got {self.hp.tta_mode!r}")
+        if self.hp.projection not in ("mlp", "none"):
+            raise ValueError(f"projection must be 'mlp' or 'none', got {self.hp.projection!r}")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed + 104729)
             d = model.feature_dim
-            self.projection = nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Linear(d, self.hp.proj_dim))
+            self.projection = nn.Sequential(nn.Linear(d, d), nn.ReLU(), nn.Linear(d, self.hp.proj_dim)) \
+                if self.hp.projection == "mlp" else nn.Identity()  # "none": no parameters, an empty "proj" state
         self.proj_forward = make_forward(self.projection)
         self.features_forward = make_forward(model.features)
         self.head_forward = make_forward(model.head)

@@ -3,7 +3,7 @@
 State: ``params`` = base model psi, ``phi`` = adaptation model g (C -> 32 -> 32 -> 32 -> 1).
 Local meta-training step on a batch (X, Y):
   psi~ = psi - eta_inner * grad_psi ||g(f(X; psi); phi)||_2                 (Eq. 5, differentiable)
-  L    = CE(f(X; psi~), Y) + mu * KL(softmax(f(X; psi)) || softmax(f(X; psi_server)))   (Eq. 6, 12)
+  L    = CE(f(X; psi~), Y) + mu * KL(softmax(f(X; psi)) || softmax(f(X; psi_server)))   (Eqs. 7, 13)
   psi <- psi - eta_outer * dL/dpsi   (second order: through psi~),   phi <- phi - eta_adapt * dL/dphi
 Server: both psi and phi averaged, weighted by the clients' training-set sizes.
 New client with unlabeled D: FedTTA takes one step of Eq. 5 on the full D; FedTTA++ takes up to E steps
