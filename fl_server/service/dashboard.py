@@ -51,12 +51,13 @@ def dashboard(svc: Service = Depends(service)) -> HTMLResponse:
                     f'<td>{e(spec["method"])}</td><td>{e(spec["dataset"])} / {e(spec["partition"])}</td>'
                     f'<td class="{e(j["status"])}">{e(j["status"])}</td><td>{len(rounds)} / {spec["rounds"]}</td>'
                     f'<td>{curve_svg(rounds, spec["rounds"])}</td>'
-                    f'<td>{e((j["error"] or "")[-200:])}</td></tr>')
+                    # the page is public: a failure's log tail (paths, tracebacks) is for the admin API only
+                    f'<td>{"see GET /v1/jobs/" + e(j["id"]) + " (admin)" if j["error"] else ""}</td></tr>')
     bundles = [f'<tr><td><code>{e(b["id"][:16])}</code></td><td>{e(b["method"])}</td><td>{e(b["dataset"])}</td>'
                f'<td>{len(b["manifest"]["artifacts"])}</td><td>{sum(a["size"] for a in b["manifest"]["artifacts"]):,}'
                f'</td><td>{_ago(b["created"])}</td></tr>' for b in svc.store.bundles()]
     clients = [f'<tr><td><code>{e(c["id"][:12])}</code></td><td>{e(c["method"] or "")}</td>'
-               f'<td>{_ago(c["created"])}</td><td>{e(c["user_agent"] or "")}</td></tr>' for c in svc.store.clients(50)]
+               f'<td>{_ago(c["created"])}</td></tr>' for c in svc.store.clients(50)]
     live = any(j["status"] in ("queued", "running") for j in jobs)
     body = f"""<!doctype html><html><head><meta charset="utf-8"><title>fl-edge coordinator</title>
 {'<meta http-equiv="refresh" content="3">' if live else ''}<style>{CSS}</style></head><body>
@@ -66,6 +67,6 @@ def dashboard(svc: Service = Depends(service)) -> HTMLResponse:
 <th>validation accuracy per round</th><th>error</th></tr>{''.join(rows)}</table>
 <h2>Bundles</h2><table><tr><th>bundle</th><th>method</th><th>data set</th><th>artifacts</th><th>bytes</th>
 <th>created</th></tr>{''.join(bundles)}</table>
-<h2>Clients (latest 50)</h2><table><tr><th>client</th><th>method</th><th>joined</th><th>user agent</th></tr>
+<h2>Clients (latest 50)</h2><table><tr><th>client</th><th>method</th><th>joined</th></tr>
 {''.join(clients)}</table></body></html>"""
     return HTMLResponse(body)
