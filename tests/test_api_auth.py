@@ -110,3 +110,18 @@ def test_a_client_cannot_touch_another_clients_dle(server: Coordinator) -> None:
     with sqlite3.connect(f"file:{server.store / 'coordinator.sqlite3'}?mode=ro", uri=True) as con:
         owners = {cid: n for cid, n in con.execute("SELECT client_id, num_samples FROM dles")}
     assert owners == {a["client_id"]: 10, b["client_id"]: 30}
+
+
+def test_a_replaced_admin_token_stops_working(tmp_path: Path) -> None:
+    """The operator's admin token is the only one: setting another revokes it; client tokens stay."""
+    store = Store(tmp_path / "s.sqlite3")
+    try:
+        old, client = "old-operator-token-0123", store.add_token("client", "c1")
+        generated = store.add_token("admin")
+        store.set_admin_token(old)
+        assert store.lookup_token(old) == ("admin", None) and store.lookup_token(generated) is None
+        store.set_admin_token("new-operator-token-4567")
+        assert store.lookup_token(old) is None and store.lookup_token("new-operator-token-4567") == ("admin", None)
+        assert store.lookup_token(client) == ("client", "c1")
+    finally:
+        store.close()

@@ -45,7 +45,7 @@ class ServiceConfig:
             raise ValueError(f"cannot serve {unknown}; servable methods: {', '.join(SERVABLE_METHODS)}")
         if self.default_rounds < 1 or self.workers < 1:
             raise ValueError("FL_SERVE_ROUNDS and FL_SERVE_WORKERS must be >= 1")
-        if self.admin_token and len(self.admin_token) > 512:
-            raise ValueError("FL_ADMIN_TOKEN must have at most 512 characters")
+        if self.admin_token and not 16 <= len(self.admin_token) <= 512:
+            raise ValueError("FL_ADMIN_TOKEN must have 16 to 512 characters (it guards every admin route)")
         if min(self.token_rate, self.token_burst, self.join_rate, self.join_burst) < 0:
             raise ValueError("FL_SERVE_{TOKEN,JOIN}_{RATE,BURST} must be >= 0 (a rate of 0 disables the limit)")

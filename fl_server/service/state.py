@@ -79,6 +79,8 @@ class Service:
             fd = os.open(self.admin_token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "w") as fh:
                 fh.write(token + "\n")
+        # the file's token is the only admin token: an earlier FL_ADMIN_TOKEN or a deleted file's token is revoked
+        self.store.set_admin_token(self.admin_token_file.read_text().strip())
         log.info("admin token: %s", self.admin_token_file)
 
     # -------------------------------------------------------------- bundles

@@ -89,8 +89,10 @@ class Store:
         return token
 
     def set_admin_token(self, token: str) -> None:
-        """Register an operator-chosen admin token (idempotent)."""
-        self._run("INSERT OR IGNORE INTO tokens VALUES (?, 'admin', NULL, ?)", (hash_token(token), time.time()))
+        """Make ``token`` the only admin token (idempotent): one the operator replaced stops working."""
+        digest = hash_token(token)
+        self._run("DELETE FROM tokens WHERE scope = 'admin' AND hash != ?", (digest,))
+        self._run("INSERT OR IGNORE INTO tokens VALUES (?, 'admin', NULL, ?)", (digest, time.time()))
 
     def lookup_token(self, token: str) -> tuple[str, str | None] | None:
         """(scope, client_id) of a presented token, or None. The row is found by the token's hash and the
