@@ -183,6 +183,14 @@ def test_label_payload_shorter_than_header(tmp_path: Path) -> None:
     _assert_names(err, "t10k-labels-idx1-ubyte.gz")
 
 
+@pytest.mark.parametrize("dims", [(70_000, 1_000, 1_000), (2**22, 2**21, 2**21)])  # 70 GB; wraps int64
+def test_implausible_image_header_is_refused_before_reading(tmp_path: Path, dims: tuple[int, ...]) -> None:
+    (tmp_path / "t10k-images-idx3-ubyte").write_bytes(_idx_bytes(0x00000803, dims, bytes(64)))
+    with pytest.raises(DataFileError, match="implausible size") as err:
+        read_idx(tmp_path / "t10k-images-idx3-ubyte")
+    assert "t10k-images-idx3-ubyte" in str(err.value)
+
+
 def test_label_count_differs_from_expected(tmp_path: Path) -> None:
     (tmp_path / "t10k-labels-idx1-ubyte").write_bytes(_idx_bytes(0x00000801, (9_999,), bytes(9_999)))
     with pytest.raises(DataFileError, match="9999 labels, expected 10000") as err:
