@@ -92,7 +92,7 @@ def load_bundle(root: str | os.PathLike, public_key: PublicKey | None = None) ->
         raise BundleError(f"{manifest_path}: malformed manifest ({exc})") from None
     for a in artifacts:
         file = a.get("file", "")
-        if not file or Path(file).name != file:  # no paths, no traversal
+        if not file or Path(file).name != file or file in (".", "..", MANIFEST):  # no paths, no traversal
             raise BundleError(f"{manifest_path}: artifact {a.get('name')!r} has an invalid file name {file!r}")
         path = root / file
         if not path.is_file():

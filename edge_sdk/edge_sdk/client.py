@@ -46,8 +46,9 @@ from edge_sdk.bundle import MANIFEST, Bundle, load_bundle, sha256_file
 from edge_sdk.errors import BundleSignatureError
 from edge_sdk.signing import PublicKey, parse_public_key, verify_manifest, write_signature
 
-_SHA = re.compile(r"^[0-9a-f]{64}$")
-_SAFE = re.compile(r"^[A-Za-z0-9._+-]{1,64}$")
+_SHA = re.compile(r"[0-9a-f]{64}")  # used with fullmatch: "$" would also accept a trailing newline
+_SAFE = re.compile(r"[A-Za-z0-9._+-]{1,64}")
+_RESERVED = {".", "..", MANIFEST, "manifest.sig"}  # an artifact must not land on these in the bundle folder
 
 
 class EdgeClientError(RuntimeError):
@@ -229,7 +230,7 @@ class EdgeClient:
         and each sha256, and return the bundle as a verified :class:`edge_sdk.bundle.Bundle` in the cache."""
         m = manifest if manifest is not None else self.manifest(method)
         bundle_id = str(m.get("bundle_id", ""))
-        if not _SHA.match(bundle_id):
+        if not _SHA.fullmatch(bundle_id):
             raise EdgeClientError(f"manifest has no valid bundle_id: {bundle_id[:80]!r}")
         key = self.trusted_key()
         root = self.cache / "bundles" / bundle_id
@@ -250,7 +251,7 @@ class EdgeClient:
         if not same:
             raise EdgeClientError(f"bundle {bundle_id}: the served manifest does not match its signed bytes")
         for a in listed["artifacts"]:
-            if not _SAFE.match(str(a.get("file", ""))):
+            if not _SAFE.fullmatch(str(a.get("file", ""))) or a.get("file") in _RESERVED:
                 raise EdgeClientError(f"bundle {bundle_id}: invalid artifact file name {a.get('file')!r}")
             _link(self.fetch(a["sha256"], a.get("size")), root / a["file"])
         write_signature(root, m["signature"])
@@ -259,7 +260,7 @@ class EdgeClient:
 
     def fetch(self, sha256: str, size: int | None = None) -> Path:
         """One artifact by content address into ``cache/objects`` (resuming a partial download), verified."""
-        if not _SHA.match(sha256):
+        if not _SHA.fullmatch(sha256):
             raise EdgeClientError(f"not a sha256: {sha256[:80]!r}")
         path = self.cache / "objects" / sha256
         if path.is_file():

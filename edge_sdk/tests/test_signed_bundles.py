@@ -109,3 +109,11 @@ def test_refused_before_onnxruntime_is_loaded(bundle: Path, key: str) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "refused:" in out and "onnxruntime loaded: False" in out, out
     record("signature", "tampered manifest loaded in a fresh interpreter", "refused; onnxruntime never imported")
+
+
+@pytest.mark.parametrize("name", ["..", ".", "manifest.json", "../x", "/etc/passwd"])
+def test_an_artifact_file_name_that_is_not_a_plain_file_is_refused(tmp_path: Path, name: str) -> None:
+    manifest = {"method": "TENT", "artifacts": [{"name": "forward", "file": name, "size": 1, "sha256": "0" * 64}]}
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(BundleError, match="invalid file name"):
+        load_bundle(tmp_path)
