@@ -176,3 +176,12 @@ def test_personalization_loss_is_the_paper_norm_at_batch_b_and_invariant_to_set_
     raw_one, raw_four = raw.adapt_step(psi, phi, x), raw.adapt_step(psi, phi, x4)  # the paper's: 2x the step
     ratio = [float(((raw_four[k] - psi[k]).norm() / (raw_one[k] - psi[k]).norm())) for k in psi]
     np.testing.assert_allclose(ratio, 2.0, rtol=1e-9)
+
+
+def test_fedtta_plus_plus_ends_at_an_overflowing_iterate_with_the_best_finite_one() -> None:
+    """An Eq. 5 step whose entropy overflows ends adaptation (the device's rule): the received model stays."""
+    alg, s, x, _ = _tiny(patience=3, max_steps=10)
+    alg.hp.inner_lr = 1e300  # the first step sends the weights to inf
+    best, stopper = alg.personalize_early_stopping(s["params"], s["phi"], x)
+    assert stopper.history and stopper.best_step == 0 and len(stopper.history) == 1
+    assert all(torch.equal(best[k], s["params"][k]) for k in best)

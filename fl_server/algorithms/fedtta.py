@@ -11,6 +11,7 @@ with entropy early stopping (:class:`edge_sdk.EntropyEarlyStopping`).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -116,14 +117,20 @@ class FedTTA(Algorithm):
         return self.personalize_early_stopping(psi, phi, x)[0]
 
     def personalize_early_stopping(self, psi: State, phi: State, x: torch.Tensor) -> tuple[State, EntropyEarlyStopping]:
-        """FedTTA++: iterate Eq. 5, keep the iterate of lowest mean prediction entropy on ``x``."""
+        """FedTTA++: iterate Eq. 5, keep the iterate of lowest mean prediction entropy on ``x``. An iterate whose
+        entropy overflows ends the adaptation with the best finite one (the device's rule, edge_sdk.steps)."""
         stopper = EntropyEarlyStopping(self.hp.patience, self.hp.max_steps, self.hp.first_candidate)
         best, current = psi, psi
         while True:
             # one forward of the iterate serves both its entropy and, if the stopper goes on, its Eq. 5 step
             (loss, logits), pullback = torch.func.vjp(lambda p: self.personalization_loss_and_logits(p, phi, x),
                                                       current)
-            stop = stopper.update(float(entropy_from_logits(logits.detach()).mean()))
+            h = float(entropy_from_logits(logits.detach()).mean())
+            if not math.isfinite(h) and stopper.history:
+                if stopper.best_step < 0:  # no candidate iterate yet: keep the received model
+                    stopper.best_step, stopper.best_entropy = 0, stopper.history[0]
+                return best, stopper
+            stop = stopper.update(h)
             if stopper.best_step == len(stopper.history) - 1:
                 best = current
             if stop:
