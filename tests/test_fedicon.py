@@ -268,5 +268,8 @@ def test_without_projection_the_losses_act_on_the_encoder_output(mnist_all) -> N
                                                      state["params"]["features.1.weight"])
     adapted = algo.personalize(state, x)
     assert not torch.equal(adapted["features.1.weight"], state["params"]["features.1.weight"])
+    restored = {k: v for k, v in state.items() if k != "proj"}  # a checkpoint keeps no empty sub-state
+    assert all(torch.equal(a, b) for a, b in zip(algo.personalize(restored, x).values(), adapted.values()))
+    assert algo.client_start(restored, np.arange(2))["proj"] == {}
     with pytest.raises(ValueError, match="projection must be 'mlp' or 'none'"):
         build_algorithm("FedICON", build_model("mlp", (1, 28, 28), 10, seed=0), 4, projection="linear")

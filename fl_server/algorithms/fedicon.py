@@ -104,6 +104,12 @@ class FedICON(Algorithm):
         return {"params": get_params(self.model, dtype, device), "proj": get_params(self.projection, dtype, device),
                 "round": torch.zeros((), dtype=torch.int64, device=device)}
 
+    @staticmethod
+    def projection_state(state: State) -> State:
+        """The projection's weights of a server state; {} for ``projection="none"`` (an empty sub-state has no
+        key in a checkpoint's flat file, so a restored state lacks it)."""
+        return state.get("proj", {})
+
     def client_start(self, server_state: State, ids: np.ndarray) -> State:
         round_ = int(server_state["round"])
         self._phase = "encoder" if round_ < self.hp.encoder_rounds else "head"
@@ -111,7 +117,8 @@ class FedICON(Algorithm):
         keys = torch.as_tensor((self.seed * 1_000_033 + round_) * 100_003 + np.asarray(ids, dtype=np.int64),
                                dtype=torch.int64, device=device)
         return {"params": broadcast(server_state["params"], len(ids)),
-                "proj": broadcast(server_state["proj"], len(ids)), "key": keys, "step": torch.zeros(len(ids), dtype=torch.int64, device=device)}
+                "proj": broadcast(self.projection_state(server_state), len(ids)), "key": keys,
+                "step": torch.zeros(len(ids), dtype=torch.int64, device=device)}
 
     # ------------------------------------------------------------ local steps
     def supcon_objective(self, enc: State, proj: State, x: torch.Tensor, y: torch.Tensor,
@@ -173,7 +180,7 @@ class FedICON(Algorithm):
 
     def personalize(self, server_state: State, x: torch.Tensor) -> State:
         """Batch-mode TTA of ``server_state['params']`` on unlabeled ``x``; identity when ``tta`` is off."""
-        params, proj = server_state["params"], server_state["proj"]
+        params, proj = server_state["params"], self.projection_state(server_state)
         if not self.hp.tta:
             return params
         if self.hp.tta_mode == "online":

@@ -128,7 +128,7 @@ def _mean_accuracy(algo: Any, state: dict, params: Any, stacked: bool, xs: list[
             continue
         xt = torch.from_numpy(x).to(device, dtype)
         if memories is not None:
-            logits = algo.online(p, state["proj"], xt, memories[i])[1]
+            logits = algo.online(p, algo.projection_state(state), xt, memories[i])[1]
         else:
             adapted = algo.personalize({**state, "params": p}, xt)
             with torch.no_grad():
