@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 
 import torch
@@ -30,7 +29,7 @@ from fl_server.device import describe, pick_device
 from fl_server.functional import State, tree_map
 from fl_server.models import build_model
 
-from timing import interleaved_median_ms, run_fields
+from timing import interleaved_median_ms, run_fields, sync
 
 CLIENTS, BATCH, NEW_CLIENT_SAMPLES = 10, 64, 500
 
@@ -93,7 +92,7 @@ def meta_step_row(model_name: str, device: torch.device, repeats: int, data_dir:
             g_psi, g_phi = torch.func.grad(loss, argnums=(0, 1))(c["params"], c["phi"], s["params"], xb, yb)
             return alg.apply_gradients(c, g_psi, g_phi)
         batched = torch.vmap(one, in_dims=(0, None, 0, 0))
-        return lambda: sync(batched(clients, server, x, y), device)
+        return lambda: (batched(clients, server, x, y), sync(device))
 
     ms = interleaved_median_ms({"reused": step(alg.meta_loss),
                                 "two_forwards": step(lambda *a: meta_loss_two_forwards(alg, *a))}, repeats)
@@ -110,18 +109,12 @@ def early_stopping_row(model_name: str, device: torch.device, repeats: int, data
     alg, state, _, _, _, new_x = setup(model_name, torch.float32, device, data_dir)
     psi, phi = state["params"], state["phi"]
     ms = interleaved_median_ms(
-        {"one_forward": lambda: sync(alg.personalize_early_stopping(psi, phi, new_x)[0], device),
-         "two_forwards": lambda: sync(early_stopping_two_forwards(alg, psi, phi, new_x), device)}, repeats)
+        {"one_forward": lambda: (alg.personalize_early_stopping(psi, phi, new_x), sync(device)),
+         "two_forwards": lambda: (early_stopping_two_forwards(alg, psi, phi, new_x), sync(device))}, repeats)
     return {"what": f"FedTTA++ early-stopping personalization, {model_name}", "metric": "speedup",
             "value": round(ms["two_forwards"] / ms["one_forward"], 3), "one_forward_ms": round(ms["one_forward"], 2),
             "two_forwards_ms": round(ms["two_forwards"], 2), "max_abs_diff_float64": diff,
             "iterates": len(stopper.history), "samples": NEW_CLIENT_SAMPLES}
-
-
-def sync(state: State, device: torch.device) -> State:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return state
 
 
 def main() -> int:
@@ -135,12 +128,11 @@ def main() -> int:
     device = pick_device(args.device)
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
-    command = "python benchmarks/fedtta_step.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     rows = []
     for model_name in args.models:
         for make in (meta_step_row, early_stopping_row):
             row = {"benchmark": "fedtta-step", **make(model_name, device, args.repeats, args.data_dir),
-                   **run_fields(describe(device), args.repeats, command)}
+                   **run_fields(describe(device), args.repeats)}
             print(json.dumps(row), flush=True)
             rows.append(row)
     merge_rows(args.out, rows)

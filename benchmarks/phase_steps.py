@@ -15,29 +15,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 
 import numpy as np
-import torch
 
 from fl_server.bench.experiments import get_experiment
 from fl_server.bench.map_incomplete import build_map_simulation
 from fl_server.bench.rows import merge_rows
 from fl_server.bench.runner import build_simulation
 from fl_server.device import describe
-from fl_server.functional import State
+from fl_server.functional import State, to_numpy_flat
 
-from timing import interleaved_median_ms, run_fields
+from timing import interleaved_median_ms, run_fields, sync
 
 CASES = [("BTFL round, btgfl fashion_mnist", "btgfl", "fashion_mnist", "BTFL"),
          ("MAP round, map-incomplete fashion_mnist-paper", "map-incomplete", "fashion_mnist-paper", "MAP"),
          ("MAP (code) round, map-incomplete fashion_mnist-paper", "map-incomplete", "fashion_mnist-paper",
           "MAP (code)")]
-
-
-def leaves(state: State) -> list[torch.Tensor]:
-    return [t for v in state.values() for t in (leaves(v) if isinstance(v, dict) else [v])]
 
 
 def main() -> int:
@@ -47,7 +41,6 @@ def main() -> int:
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--out", default="docs/benchmarks/phase-steps.json")
     args = ap.parse_args()
-    command = "python benchmarks/phase_steps.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     rows = []
     for label, experiment, dataset, method in CASES:
         protocol = get_experiment(experiment).protocols[dataset]
@@ -61,19 +54,19 @@ def main() -> int:
         def train(step_at):  # type: ignore[no-untyped-def]
             def run() -> State:
                 out = sim.local_train(alg.local_step, start, server, ids, iterations, np.random.default_rng(0), step_at)
-                if sim.device.type == "cuda":
-                    torch.cuda.synchronize()
+                sync(sim.device)
                 return out
             return run
 
         variants = {"phased": train(alg.local_step_at), "counter": train(None)}
-        identical = all(torch.equal(a, b) for a, b in zip(leaves(variants["phased"]()), leaves(variants["counter"]())))
+        phased, counter = to_numpy_flat(variants["phased"]()), to_numpy_flat(variants["counter"]())
+        identical = phased.keys() == counter.keys() and all(np.array_equal(phased[k], counter[k]) for k in phased)
         ms = interleaved_median_ms(variants, args.repeats, warmup=1)
         row = {"benchmark": "phase-steps", "what": label, "metric": "speedup",
                "value": round(ms["counter"] / ms["phased"], 3), "phased_s": round(ms["phased"] / 1e3, 3),
                "counter_s": round(ms["counter"] / 1e3, 3), "identical": identical, "clients": len(ids),
                "local_iterations": iterations, "batch_size": protocol.batch_size, "mode": sim.mode,
-               **run_fields(describe(sim.device), args.repeats, command)}
+               **run_fields(describe(sim.device), args.repeats)}
         print(json.dumps(row), flush=True)
         rows.append(row)
     merge_rows(args.out, rows)

@@ -33,11 +33,28 @@ def interleaved_median_ms(fns: dict[str, Callable[[], object]], repeats: int, wa
     return {name: 1e3 * statistics.median(t) for name, t in times.items()}
 
 
-def run_fields(device_description: str, repeats: int, command: str) -> dict[str, object]:
+def sync(device: object) -> None:
+    """Wait for the GPU's queued work (a no-op elsewhere), so that a timing covers it."""
+    import torch
+
+    if getattr(device, "type", None) == "cuda":
+        torch.cuda.synchronize(device)  # type: ignore[arg-type]
+
+
+def command_line() -> str:
+    """The command that reproduces this benchmark run, as its rows record it."""
+    import shlex
+    import sys
+    from pathlib import Path
+
+    return f"python benchmarks/{Path(sys.argv[0]).name} " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def run_fields(device_description: str, repeats: int) -> dict[str, object]:
     """The fields every benchmark row records about its run (the machine's load at the time included)."""
     import os
 
     import torch
 
     return {"repeats": repeats, "device": device_description, "load_average_1min": round(os.getloadavg()[0], 2),
-            "torch": torch.__version__, "command": command}
+            "torch": torch.__version__, "command": command_line()}

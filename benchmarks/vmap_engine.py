@@ -26,6 +26,8 @@ from fl_server.device import describe, pick_device
 from fl_server.engine import RunConfig, Simulation
 from fl_server.models import build_model
 
+from timing import sync
+
 CASES = [  # (label, method, model, hyperparameters)
     ("FedAvg round, MLP 2x200", "FedAvg", "mlp", {"lr": 0.1}),
     ("FedTTA round, MLP 2x200", "FedTTA", "mlp", FEDTTA_HP["mnist"]["FedTTA"]),
@@ -52,11 +54,6 @@ def parity(fed, method: str, model: str, hp: dict, dtype: str, device: str, loca
     for s in sims.values():
         s.run_round(0)
     return max_diff({"p": sims["vmap"].server_state["params"]}, {"p": sims["loop"].server_state["params"]})
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def time_round(sim: Simulation, repeats: int) -> float:

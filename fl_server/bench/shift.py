@@ -165,9 +165,7 @@ def run_shift_seed(protocol: "Protocol", method: str, seed: int, run_dir: Path |
     state = sim.server_state
     ids = np.arange(fed.num_train_clients)
     rng = np.random.default_rng([seed, 7])
-    params = algo.val_params(state, ids,
-                             lambda step, st, server, sel, it, step_at=None: sim.local_train(step, st, server, sel,
-                                                                                             it, rng, step_at))
+    params = algo.val_params(state, ids, sim.trainer(rng))
     stacked = sim._is_stacked(params)
     conditions = _conditions(protocol, fed, seed, data_root)
     memories = _online_memories(algo, fed, seed, sim.device, sim.dtype)

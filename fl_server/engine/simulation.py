@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from fl_server.algorithms.base import Algorithm, NotApplicable, StepFn
+from fl_server.algorithms.base import Algorithm, LocalTrainer, NotApplicable, StepFn
 from fl_server.data.federated import FederatedData
 from fl_server.device import pick_device
 from fl_server.functional import State, from_numpy_flat, stack, to_numpy_flat, tree_map, unstack
@@ -244,6 +244,12 @@ class Simulation:
         return run_local_steps(step_fn, states, server_state, self.x, self.y,
                                torch.from_numpy(batches).to(self.device), self.mode, self.cfg.chunk_size, step_at)
 
+    def trainer(self, rng: np.random.Generator) -> LocalTrainer:
+        """:meth:`local_train` with the batch draws of ``rng``: what an algorithm that trains at evaluation time
+        (``val_params``) is given."""
+        return lambda step, states, server, sel, iters, step_at=None: self.local_train(step, states, server, sel,
+                                                                                       iters, rng, step_at)
+
     def run_round(self, round_: int) -> tuple[np.ndarray, State]:
         """One round; returns the selected client ids and their local states before aggregation (for methods
         that also communicate something else, e.g. HeteroFedTTA's logits on the public set)."""
@@ -289,10 +295,7 @@ class Simulation:
             return self._personalized_accuracy(self.fed.val)
         ids = np.arange(self.fed.num_train_clients)
         rng = self._rng(round_, _EVAL)
-        params = self.algorithm.val_params(
-            self.server_state, ids,
-            lambda step, states, server, sel, iters, step_at=None: self.local_train(step, states, server, sel, iters,
-                                                                                    rng, step_at))
+        params = self.algorithm.val_params(self.server_state, ids, self.trainer(rng))
         if self._is_stacked(params):
             accs = [self._accuracy(p, self.fed.val[k]) for k, p in enumerate(unstack(params))]
             return float(np.mean(accs))
