@@ -387,6 +387,35 @@ def test_fetch_mnist_over_http(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, 
     assert len(load_dataset("mnist", dest, split="test")) == 10_000
 
 
+@needs_mnist
+def test_fetch_refuses_a_mirror_with_other_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mirror whose files are valid IDX but not MNIST's bytes (one test label changed) is refused by the
+    pinned content sha256; the next mirror, with the real files, is used."""
+    altered = tmp_path / "altered"
+    altered.mkdir()
+    for p in MNIST_DIR.glob("*.gz"):
+        shutil.copyfile(p, altered / p.name)
+    labels = bytearray(gzip.decompress((MNIST_DIR / "t10k-labels-idx1-ubyte.gz").read_bytes()))
+    labels[8] = (labels[8] + 1) % 10  # the first label, right after the 8-byte header
+    (altered / "t10k-labels-idx1-ubyte.gz").write_bytes(gzip.compress(bytes(labels)))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
+    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), _quiet_handler(d)) for d in (altered, MNIST_DIR)]
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    bad, good = (f"http://127.0.0.1:{s.server_address[1]}/" for s in servers)
+    try:
+        with pytest.raises(FetchError, match=r"t10k-labels-idx1-ubyte.gz: content sha256 [0-9a-f]{16}\.\.\. is "
+                                             r"not the canonical mnist file's ff7bcfd416de3373\.\.\."):
+            fetch("mnist", tmp_path / "data", mirrors=[bad], timeout=5)
+        out = fetch("mnist", tmp_path / "data", mirrors=[bad, good], timeout=5)
+        assert len(load_dataset("mnist", out.parent, split="test")) == 10_000
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+
+
 @needs_fashion
 def test_fetch_fashion_from_installed_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))

@@ -49,6 +49,36 @@ def test_wait_join_download(server: Coordinator, tmp_path: Path) -> None:
             c.manifest("NoSuchMethod")
 
 
+def test_download_checks_the_asked_method(server: Coordinator, tmp_path: Path) -> None:
+    """A signed bundle of another method (say, one replayed by a man in the middle) is refused when the caller
+    asked for a method; 'none' (plain inference) takes any bundle."""
+    with EdgeClient(server.url, cache_dir=tmp_path) as c:
+        m = c.manifest()
+        with pytest.raises(EdgeClientError, match=rf"^bundle {m['bundle_id']}: a 'TENT' bundle, not the "
+                                                  r"'FedTTA' bundle that was asked for$"):
+            c.download(m, method="FedTTA")
+        assert c.download(m, method="TENT").method == "TENT"
+        assert c.download(m, method="none").method == "TENT"
+
+
+def test_bundle_runs_the_bytes_it_verified(server: Coordinator, tmp_path: Path) -> None:
+    """Weights and sessions come from the bytes load_bundle hashed: a cache file replaced afterwards (same
+    size, other values) does not reach numpy or onnxruntime."""
+    with EdgeClient(server.url, cache_dir=tmp_path) as c:
+        bundle = c.download(c.manifest())
+    before = bundle.weights("params")
+    path = bundle.path("params")
+    tampered = {k: np.full_like(v, 7.0) for k, v in before.items()}
+    path.unlink()  # the bundle folder links the shared object; write a separate file in its place
+    with open(path, "wb") as fh:
+        np.savez(fh, **tampered)
+    after = bundle.weights("params")
+    assert sorted(after) == sorted(before) and all(np.array_equal(after[k], before[k]) for k in before)
+    assert bundle.session("forward") is not None
+    with pytest.raises(BundleError, match="does not match the manifest"):
+        load_bundle(bundle.root)  # a fresh load does see the change
+
+
 def test_resume_partial_download(server: Coordinator, tmp_path: Path) -> None:
     seen: list[dict[str, str]] = []
     hooks = {"request": [lambda req: seen.append(dict(req.headers))]}

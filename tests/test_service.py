@@ -12,7 +12,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from coordinator_proc import ADMIN, Coordinator, auth, join, start
+from coordinator_proc import ADMIN, Coordinator, auth, join, start, start_copy
 from edge_sdk import btfl, tensors
 
 pytestmark = pytest.mark.timeout(600)
@@ -57,17 +57,32 @@ def test_join_and_manifest(server: Coordinator, client: dict) -> None:
     assert r.status_code == 422
 
 
-def test_artifact_download_range_and_etag(server: Coordinator) -> None:
+@pytest.fixture(scope="module")
+def streaming_server(trained_store: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A coordinator that keeps no artifact in memory: every download is streamed from disk."""
+    coord = start_copy(trained_store, tmp_path_factory.mktemp("stream") / "store",
+                       env={"FL_SERVE_ARTIFACT_CACHE_FILE_MAX": "0"})
+    yield coord
+    coord.stop()
+
+
+@pytest.fixture(params=["in-memory", "streamed"])
+def artifact_server(request: pytest.FixtureRequest) -> Coordinator:
+    return request.getfixturevalue("server" if request.param == "in-memory" else "streaming_server")
+
+
+def test_artifact_download_range_and_etag(artifact_server: Coordinator) -> None:
+    server = artifact_server
     m = httpx.get(f"{server.url}/v1/manifest", timeout=10).json()
     a = next(a for a in m["artifacts"] if a["name"] == "params")
     url = server.url + a["url"]
     full = httpx.get(url, timeout=10)
-    assert full.status_code == 200 and len(full.content) == a["size"]
+    assert full.status_code == 200 and len(full.content) == a["size"] == int(full.headers["Content-Length"])
     assert hashlib.sha256(full.content).hexdigest() == a["sha256"]
     assert full.headers["ETag"] == f'"{a["sha256"]}"' and full.headers["Accept-Ranges"] == "bytes"
     assert httpx.get(url, headers={"If-None-Match": full.headers["ETag"]}, timeout=10).status_code == 304
     part = httpx.get(url, headers={"Range": "bytes=100-999"}, timeout=10)
-    assert part.status_code == 206 and part.content == full.content[100:1000]
+    assert part.status_code == 206 and part.content == full.content[100:1000] and part.headers["Content-Length"] == "900"
     assert part.headers["Content-Range"] == f"bytes 100-999/{a['size']}"
     tail = httpx.get(url, headers={"Range": "bytes=-50"}, timeout=10)
     assert tail.status_code == 206 and tail.content == full.content[-50:]
@@ -82,9 +97,11 @@ def test_artifact_download_range_and_etag(server: Coordinator) -> None:
     assert httpx.get(f"{server.url}/v1/artifacts/..%2Fcoordinator.sqlite3", timeout=10).status_code == 404
 
 
-def test_artifact_fast_path_answers_like_the_route(server: Coordinator) -> None:
+def test_artifact_fast_path_answers_like_the_route(artifact_server: Coordinator) -> None:
     """A plain GET is answered by fastpath.ArtifactFastPath, the same GET with an If-Range that matches by the
-    documented route (a full 200 as well): same status, bytes and headers, for an artifact and a manifest."""
+    documented route (a full 200 as well): same status, bytes and headers, for an artifact and a manifest.
+    Streamed from disk (a server that caches nothing), the same bytes and headers again."""
+    server = artifact_server
     m = httpx.get(f"{server.url}/v1/manifest", timeout=10).json()
     for sha in (m["bundle_id"], *(a["sha256"] for a in m["artifacts"])):
         url = f"{server.url}/v1/artifacts/{sha}"

@@ -1,6 +1,8 @@
 """Load an artifact bundle on the device: check the manifest's Ed25519 signature against a pinned key
 (:mod:`edge_sdk.signing`), verify every file's sha256 and size before use, load weights without pickle,
-open ONNX sessions. Nothing unverified is ever executed.
+open ONNX sessions. Nothing unverified is ever executed: each file is read once, its bytes hashed and kept,
+and weights and sessions are built from those bytes (a file changed in the cache after the check never
+reaches onnxruntime or numpy).
 
 Without a pinned key (``public_key=None``) only the sha256 hashes are checked: that catches corruption, not
 an attacker who rewrites the manifest too. ``EdgeClient`` always passes a key (pinned, or trusted on first
@@ -8,9 +10,10 @@ use)."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,7 @@ class Bundle:
     root: Path
     manifest: dict[str, Any]
     signed_by: bytes | None = None  # the pinned key the manifest was verified with (None: hashes only)
+    verified: dict[str, bytes] = field(default_factory=dict, repr=False)  # artifact name -> the hashed bytes
 
     @property
     def method(self) -> str:
@@ -56,8 +60,13 @@ class Bundle:
     def path(self, name: str) -> Path:
         return self.root / self.artifact(name)["file"]
 
+    def data(self, name: str) -> bytes:
+        """An artifact's bytes as verified by :func:`load_bundle` (not read again from the file)."""
+        self.artifact(name)
+        return self.verified[name]
+
     def weights(self, name: str) -> dict[str, np.ndarray]:
-        with np.load(self.path(name), allow_pickle=False) as arrays:
+        with np.load(io.BytesIO(self.data(name)), allow_pickle=False) as arrays:
             return {k: arrays[k] for k in arrays.files}
 
     def session(self, name: str, threads: int | None = None):  # type: ignore[no-untyped-def]
@@ -65,7 +74,7 @@ class Bundle:
 
         if self.artifact(name)["kind"] != "onnx":
             raise BundleError(f"artifact {name!r} is not an ONNX graph")
-        return load_session(self.path(name), threads)
+        return load_session(self.data(name), threads)
 
 
 def load_bundle(root: str | os.PathLike, public_key: PublicKey | None = None) -> Bundle:
@@ -90,6 +99,7 @@ def load_bundle(root: str | os.PathLike, public_key: PublicKey | None = None) ->
             raise TypeError("'artifacts' must be a list of objects")
     except (ValueError, KeyError, TypeError) as exc:  # JSON and UTF-8 decoding errors are ValueErrors
         raise BundleError(f"{manifest_path}: malformed manifest ({exc})") from None
+    verified: dict[str, bytes] = {}
     for a in artifacts:
         file = a.get("file", "")
         if not file or Path(file).name != file or file in (".", "..", MANIFEST):  # no paths, no traversal
@@ -99,6 +109,8 @@ def load_bundle(root: str | os.PathLike, public_key: PublicKey | None = None) ->
             raise BundleError(f"{path}: listed in the manifest but missing")
         if path.stat().st_size != a.get("size"):
             raise BundleError(f"{path}: size {path.stat().st_size} does not match the manifest ({a.get('size')})")
-        if sha256_file(path) != a.get("sha256"):
+        data = path.read_bytes()
+        if len(data) != a.get("size") or hashlib.sha256(data).hexdigest() != a.get("sha256"):
             raise BundleError(f"{path}: sha256 does not match the manifest; refusing to use it")
-    return Bundle(root, manifest, trusted)
+        verified[str(a.get("name"))] = data
+    return Bundle(root, manifest, trusted, verified)

@@ -48,7 +48,8 @@ from edge_sdk.signing import PublicKey, parse_public_key, verify_manifest, write
 
 _SHA = re.compile(r"[0-9a-f]{64}")  # used with fullmatch: "$" would also accept a trailing newline
 _SAFE = re.compile(r"[A-Za-z0-9._+-]{1,64}")
-_RESERVED = {".", "..", MANIFEST, "manifest.sig"}  # an artifact must not land on these in the bundle folder
+_RESERVED = {".", "..", MANIFEST, "manifest.sig"}
+ANY_METHOD = "none"  # the coordinator's plain-inference method: any bundle serves it  # an artifact must not land on these in the bundle folder
 
 
 class EdgeClientError(RuntimeError):
@@ -227,7 +228,8 @@ class EdgeClient:
     # ------------------------------------------------------------ bundles
     def download(self, manifest: dict[str, Any] | None = None, method: str | None = None) -> Bundle:
         """Fetch (or reuse from the cache) every artifact of ``manifest``, verify the manifest's signature
-        and each sha256, and return the bundle as a verified :class:`edge_sdk.bundle.Bundle` in the cache."""
+        and each sha256, and return the bundle as a verified :class:`edge_sdk.bundle.Bundle` in the cache.
+        With ``method``, the signed manifest must be that method's (``"none"``: any bundle)."""
         m = manifest if manifest is not None else self.manifest(method)
         bundle_id = str(m.get("bundle_id", ""))
         if not _SHA.fullmatch(bundle_id):
@@ -250,6 +252,9 @@ class EdgeClient:
             raise EdgeClientError(f"bundle {bundle_id}: malformed manifest ({exc})") from None
         if not same:
             raise EdgeClientError(f"bundle {bundle_id}: the served manifest does not match its signed bytes")
+        if method not in (None, ANY_METHOD) and listed.get("method") != method:  # e.g. a replayed signed bundle
+            raise EdgeClientError(f"bundle {bundle_id}: a {str(listed.get('method'))[:64]!r} bundle, not the "
+                                  f"{method!r} bundle that was asked for")
         for a in listed["artifacts"]:
             if not _SAFE.fullmatch(str(a.get("file", ""))) or a.get("file") in _RESERVED:
                 raise EdgeClientError(f"bundle {bundle_id}: invalid artifact file name {a.get('file')!r}")

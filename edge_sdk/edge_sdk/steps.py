@@ -24,12 +24,14 @@ from edge_sdk.numerics import entropy
 Weights = dict[str, np.ndarray]
 
 
-def load_session(path: str | os.PathLike, threads: int | None = None) -> ort.InferenceSession:
+def load_session(path: str | os.PathLike | bytes, threads: int | None = None) -> ort.InferenceSession:
+    """An onnxruntime CPU session from a file or from the model's bytes."""
     options = ort.SessionOptions()
     if threads is not None:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
-    return ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
+    model = path if isinstance(path, bytes) else str(path)
+    return ort.InferenceSession(model, sess_options=options, providers=["CPUExecutionProvider"])
 
 
 def check_batch(x: np.ndarray, session: ort.InferenceSession) -> np.ndarray:

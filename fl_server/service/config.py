@@ -30,6 +30,9 @@ class ServiceConfig:
     admin_token: str | None = field(default_factory=lambda: os.environ.get("FL_ADMIN_TOKEN"))
     retry_after_s: int = 5
     max_body_bytes: int = 1 << 20  # 1 MiB: an embedding or a DLE is far smaller
+    # artifacts up to this size are kept in memory (256 MiB in all); larger ones are streamed from disk
+    artifact_cache_file_max: int = field(default_factory=lambda: int(os.environ.get(
+        "FL_SERVE_ARTIFACT_CACHE_FILE_MAX", str(16 << 20))))
     poll_s: float = 0.5  # job runner: how often progress is read from the run directory
     # rate limits (token buckets): requests/s sustained and burst, per bearer token and per IP for joining;
     # a rate of 0 disables. Generous: 200 devices joining at once from one IP are not throttled.
@@ -47,5 +50,7 @@ class ServiceConfig:
             raise ValueError("FL_SERVE_ROUNDS and FL_SERVE_WORKERS must be >= 1")
         if self.admin_token and not 16 <= len(self.admin_token) <= 512:
             raise ValueError("FL_ADMIN_TOKEN must have 16 to 512 characters (it guards every admin route)")
+        if self.artifact_cache_file_max < 0:
+            raise ValueError("FL_SERVE_ARTIFACT_CACHE_FILE_MAX must be >= 0 (0: stream every artifact from disk)")
         if min(self.token_rate, self.token_burst, self.join_rate, self.join_burst) < 0:
             raise ValueError("FL_SERVE_{TOKEN,JOIN}_{RATE,BURST} must be >= 0 (a rate of 0 disables the limit)")

@@ -4,8 +4,8 @@ Artifacts are content-addressed and immutable, and a joining device fetches ever
 7 requests of an ODPFL-HN join), so under a burst of devices they are most of the coordinator's requests.
 Through FastAPI (routing, dependency injection, header parameters, Response) one took ~0.4 ms in the server;
 here ~0.09 ms (server-side means, docs/benchmarks/coordinator-load-series.json). Only the plain case is taken: a GET of a lower-case hex address the service publishes, with
-no Range, If-Range or If-None-Match header. Everything else (ranges, conditional requests, HEAD, unknown
-addresses, errors) goes to the documented route in ``routes.py``, which uses the same :func:`artifact_headers`;
+no Range, If-Range or If-None-Match header, of an artifact held in memory. Everything else (ranges, conditional
+requests, HEAD, files streamed from disk, unknown addresses, errors) goes to the documented route in ``routes.py``, which uses the same :func:`artifact_headers`;
 a test checks both paths answer the same bytes and headers. It sits inside :class:`GuardMiddleware`, so body
 limits and the /metrics histograms cover it like any other request."""
 from __future__ import annotations
@@ -42,7 +42,9 @@ class ArtifactFastPath:
         # published addresses are lower-case sha256 hex, so the set lookup is the whole address check
         if not self.svc.is_public(sha256) or any(name in _CONDITIONAL for name, _ in scope["headers"]):
             return await self.app(scope, receive, send)
-        data = self.svc.artifact_bytes(sha256)
+        data = self.svc.cached_artifact(sha256)
+        if data is None:  # too large to keep in memory: the route streams it from disk
+            return await self.app(scope, receive, send)
         headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
                    for k, v in artifact_headers(self.svc, sha256).items()]
         headers += [(b"content-length", str(len(data)).encode()), (b"content-type", b"application/octet-stream")]

@@ -2,15 +2,18 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from edge_sdk import btfl, tensors
 from fl_server.service import schemas as S
 from fl_server.service.auth import Principal, require_admin, require_client
+from fl_server.service.dle import ShapeMismatch, view_json
 from fl_server.service.errors import AUTH, BODY, documented
 from fl_server.service.fastpath import artifact_headers
 from fl_server.service.ratelimit import limit_join
@@ -97,18 +100,34 @@ async def artifact(sha256: str, range_: str | None = Header(None, alias="range")
     headers = artifact_headers(svc, sha256)  # plain GETs are answered by fastpath.ArtifactFastPath
     if if_none_match is not None and etag in [t.strip() for t in if_none_match.split(",")] + ['"*"', "*"]:
         return Response(status_code=304, headers=headers)
-    data = svc.artifact_bytes(sha256)
-    size = len(data)
+    data = svc.cached_artifact(sha256)
+    path = svc.artifacts.path(sha256)
+    size = len(data) if data is not None else path.stat().st_size
     try:
         span = parse_range(range_, size) if if_range in (None, etag) else None
     except Unsatisfiable:
         return JSONResponse({"detail": f"range {range_[:80]!r} is outside the artifact's {size} bytes"},
                             status_code=416, headers={**headers, "Content-Range": f"bytes */{size}"})
-    if span is None:
-        return Response(data, media_type="application/octet-stream", headers=headers)
-    first, last = span
-    return Response(data[first:last + 1], status_code=206, media_type="application/octet-stream",
-                    headers={**headers, "Content-Range": f"bytes {first}-{last}/{size}"})
+    status, (first, last) = (200, (0, size - 1)) if span is None else (206, span)
+    if span is not None:
+        headers["Content-Range"] = f"bytes {first}-{last}/{size}"
+    if data is not None:
+        return Response(data[first:last + 1], status_code=status, media_type="application/octet-stream",
+                        headers=headers)
+    # content-addressed files are written once, atomically: reading by path gives the addressed bytes
+    return StreamingResponse(_file_chunks(path, first, last), status_code=status,
+                             media_type="application/octet-stream",
+                             headers={**headers, "Content-Length": str(last - first + 1)})
+
+
+def _file_chunks(path: Path, first: int, last: int, chunk: int = 1 << 20) -> Iterator[bytes]:
+    """Bytes first..last (inclusive) of a file, 1 MiB at a time (run in a worker thread by Starlette)."""
+    with open(path, "rb") as fh:
+        fh.seek(first)
+        left = last - first + 1
+        while left > 0 and (block := fh.read(min(chunk, left))):
+            left -= len(block)
+            yield block
 
 
 # ----------------------------------------------------------------- methods
@@ -143,26 +162,11 @@ async def generate(body: S.GenerateRequest, request: Request, _: Principal = Dep
 def _dle_view(svc: Service, client_id: str) -> dict[str, Any]:
     """Global DLE = sample-weighted average of the BTFL bundle's training-time DLE (when a BTFL bundle is
     served) and every client's latest upload of that shape; ``others_dle`` leaves the caller's own upload out."""
-    rows = svc.store.dles()
     base = svc.btfl_base()
-    if rows or base is not None:
-        # only DLEs of the current shape (the served bundle's, else the newest upload's) are aggregated: a row
-        # stored before a BTFL bundle of another shape was served must not make every later view fail
-        shape = tuple(base[1].shape) if base is not None else (rows[-1]["dims"], rows[-1]["levels"])
-        rows = [r for r in rows if (r["dims"], r["levels"]) == shape]
-    freqs = [np.asarray(r["freqs"]) for r in rows]
-    weights = [r["num_samples"] for r in rows]
-    own = [r["client_id"] == client_id for r in rows]
-    if base is not None:
-        freqs, weights, own = [base[1], *freqs], [base[2], *weights], [False, *own]
-    if not freqs:
+    view = svc.dles.view(client_id, base)
+    if view is None:
         raise HTTPException(404, "no DLE yet: no BTFL bundle is served and no client has uploaded one")
-    others = [i for i, mine in enumerate(own) if not mine]
-    g = btfl.average_dles(freqs, weights)
-    o = btfl.average_dles([freqs[i] for i in others], [weights[i] for i in others]) if others else None
-    return {"clients": len(rows), "dims": g.shape[0], "levels": g.shape[1], "global_dle": g.tolist(),
-            "others_dle": None if o is None else o.tolist(),
-            "base": None if base is None else {"bundle_id": base[0], "num_samples": base[2]}}
+    return view_json(view, base)
 
 
 @router.post("/v1/btfl/dle", response_model=S.DLEResponse, tags=["methods"],
@@ -182,19 +186,10 @@ def upload_dle(body: S.DLEUpload, who: Principal = Depends(require_client),
         raise HTTPException(422, f"invalid DLE: {exc}") from None
     if freqs.shape[1] > S.MAX_DLE_LEVELS:
         raise HTTPException(422, f"a DLE has at most {S.MAX_DLE_LEVELS} levels, got {freqs.shape[1]}")
-    with svc.dle_lock:  # check and write together: concurrent first uploads must not mix shapes
-        # a served BTFL bundle fixes the shape; else the other clients' DLEs do (the caller's own previous
-        # DLE is replaced, so it does not)
-        base = svc.btfl_base()
-        others = [r for r in svc.store.dles() if r["client_id"] != who.client_id]
-        if base is not None:
-            shape, whose = tuple(base[1].shape), "the served BTFL bundle's"
-        else:
-            shape = (others[0]["dims"], others[0]["levels"]) if others else freqs.shape
-            whose = "the other clients'"
-        if shape != freqs.shape:
-            raise HTTPException(422, f"DLE shape {list(freqs.shape)} differs from {whose} {list(shape)}")
-        svc.store.put_dle(who.client_id, body.freqs, body.num_samples)
+    try:
+        svc.dles.put(who.client_id, body.freqs, body.num_samples, svc.btfl_base())
+    except ShapeMismatch as exc:
+        raise HTTPException(422, str(exc)) from None
     return _dle_view(svc, who.client_id)
 
 

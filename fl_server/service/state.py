@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from fl_server.service.artifacts import ArtifactStore
+from fl_server.service.dle import DLEAggregate
 from fl_server.service.config import DEFAULT_METHODS, ServiceConfig
 from fl_server.service.hypernet import GenerateBatcher, HypernetCache
 from fl_server.service.jobs import JobRunner
@@ -21,7 +22,7 @@ from fl_server.signing import ManifestSigner
 
 log = logging.getLogger("fl_server.service")
 NONE_METHOD = "none"  # plain inference with any bundle's forward graph and weights
-BLOB_MAX, BLOB_BUDGET = 16 << 20, 256 << 20  # artifact memory cache: per file, in all
+BLOB_BUDGET = 256 << 20  # artifact memory cache, in all (per file: ServiceConfig.artifact_cache_file_max)
 
 
 class Service:
@@ -45,7 +46,7 @@ class Service:
         self._blob_bytes = 0
         self._btfl_base: dict[str, tuple[str, np.ndarray, int]] = {}
         self._lock = threading.Lock()
-        self.dle_lock = threading.Lock()  # BTFL DLE uploads: shape check and write are one step
+        self.dles = DLEAggregate(self.store)  # BTFL: running sums of the clients' DLEs
         self.admin_token_file = cfg.store_dir / "admin_token"
         self.signer = ManifestSigner.load_or_create(cfg.store_dir)
         self._signatures: dict[str, dict[str, str]] = {}
@@ -168,15 +169,24 @@ class Service:
             self._btfl_base[bundle["id"]] = cached
         return cached
 
-    def artifact_bytes(self, sha256: str) -> bytes:
-        """An artifact's bytes, from memory when it is small enough to keep (content never changes)."""
+    def cached_artifact(self, sha256: str) -> bytes | None:
+        """An artifact's bytes from memory, read in once if it fits the cache (content never changes); None
+        for a file over ``cfg.artifact_cache_file_max`` or the cache budget: stream it from disk."""
         data = self._blobs.get(sha256)
-        if data is None:
-            data = self.artifacts.path(sha256).read_bytes()
-            if len(data) <= BLOB_MAX and self._blob_bytes + len(data) <= BLOB_BUDGET:
-                self._blobs[sha256] = data
-                self._blob_bytes += len(data)
+        if data is not None:
+            return data
+        path = self.artifacts.path(sha256)
+        size = path.stat().st_size
+        if size > self.cfg.artifact_cache_file_max or self._blob_bytes + size > BLOB_BUDGET:
+            return None
+        data = self._blobs[sha256] = path.read_bytes()
+        self._blob_bytes += len(data)
         return data
+
+    def artifact_bytes(self, sha256: str) -> bytes:
+        """An artifact's whole bytes (a manifest to sign, a small file): cached, else read."""
+        data = self.cached_artifact(sha256)
+        return self.artifacts.path(sha256).read_bytes() if data is None else data
 
     def pending_default(self) -> dict[str, Any]:
         """Progress of the training that will produce the first bundle (for 503 bodies)."""

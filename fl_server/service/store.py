@@ -201,6 +201,10 @@ class Store:
         self._run("INSERT OR REPLACE INTO dles VALUES (?, ?, ?, ?, ?, ?)",
                   (client_id, len(freqs), len(freqs[0]), num_samples, json.dumps(freqs), time.time()))
 
+    def dle(self, client_id: str) -> dict[str, Any] | None:
+        rows = self._run("SELECT * FROM dles WHERE client_id = ?", (client_id,))
+        return {**dict(rows[0]), "freqs": json.loads(rows[0]["freqs"])} if rows else None
+
     def dles(self) -> list[dict[str, Any]]:
         rows = self._run("SELECT * FROM dles ORDER BY updated")
         return [{**dict(r), "freqs": json.loads(r["freqs"])} for r in rows]
