@@ -1,7 +1,7 @@
 """Device adaptation step on onnxruntime against the torch eager step, one CPU core, same run.
 
 For the MLP 2x200 and the ConvNet: FedTTA's adaptation step (UPFL Eq. 5) and TENT's entropy step on a batch
-of real MNIST images; also the plain forward. Median over repeats after warm-up. Rows merged into
+of real MNIST images; also the plain forward. Median over repeats after warm-up, the ORT and torch calls alternating. Rows merged into
 docs/benchmarks/edge-sdk.json by (what, device).
 
     python benchmarks/edge_step_speed.py [--batch 64] [--repeats 50] [--data-dir DIR]
@@ -19,10 +19,11 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
 
 from edge_sdk.steps import load_session  # noqa: E402
-from timing import median_ms  # noqa: E402
+from timing import interleaved_median_ms  # noqa: E402
 from export import export_spec, fedtta_step_spec, forward_spec, tent_step_spec  # noqa: E402
 from fl_server.algorithms import build_algorithm  # noqa: E402
 from fl_server.algorithms.fedtta import FEDTTA_HP  # noqa: E402
@@ -56,12 +57,15 @@ def main() -> int:
                 path = export_spec(spec, Path(tmp) / f"{model_name}-{label.replace(' ', '_')}.onnx")
                 session = load_session(path, threads=1)
                 feeds = dict(zip(spec.input_names, [x.numpy(), *(w.detach().numpy() for w in spec.example[1:])]))
-                ort_ms = median_ms(lambda: session.run(None, feeds), args.repeats)
-                torch_ms = median_ms(lambda: spec.fn(x, *spec.example[1:]), args.repeats)
+                # alternating calls: load on a shared machine hits both alike
+                ms = interleaved_median_ms({"ort": lambda: session.run(None, feeds),
+                                            "torch": lambda: spec.fn(x, *spec.example[1:])}, args.repeats)
+                ort_ms, torch_ms = ms["ort"], ms["torch"]
                 row = {"benchmark": "edge-sdk", "what": f"{label}, {model_name}, batch {args.batch}",
                        "metric": "speedup_ort_vs_torch", "value": round(torch_ms / ort_ms, 2),
                        "ort_ms": round(ort_ms, 3), "torch_eager_ms": round(torch_ms, 3),
-                       "device": "cpu:1 thread", "torch": torch.__version__, "command": command}
+                       "device": "cpu:1 thread", "torch": torch.__version__, "onnxruntime": ort.__version__,
+                       "load_average_1min": round(os.getloadavg()[0], 2), "command": command}
                 print(json.dumps(row))
                 rows.append(row)
     merge_rows(args.out, rows)

@@ -47,7 +47,7 @@ def command_line() -> str:
     import sys
     from pathlib import Path
 
-    return f"python benchmarks/{Path(sys.argv[0]).name} " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    return " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *(shlex.quote(a) for a in sys.argv[1:])])
 
 
 def run_fields(device_description: str, repeats: int) -> dict[str, object]:

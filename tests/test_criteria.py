@@ -99,3 +99,15 @@ def test_report_feeds_the_edge_sdk_benchmark_to_the_verdicts(tmp_path: Path) -> 
     report = write_report(docs).read_text()
     assert "| #7 | edge_sdk new-client parity with torch within 0.1 point: TENT MNIST | not met |" in report
     assert "| #7 | edge_sdk new-client parity with torch within 0.1 point: TENT Fashion-MNIST | missing |" in report
+
+
+def test_committed_results_md_is_current(tmp_path: Path) -> None:
+    """docs/RESULTS.md is what `fl-server report` writes from the committed tables and benchmarks (a table or
+    benchmark committed without regenerating it fails here)."""
+    import shutil
+
+    docs = tmp_path / "docs"
+    for sub in ("results", "benchmarks"):
+        shutil.copytree(REPO / "docs" / sub, docs / sub, ignore=shutil.ignore_patterns("raw"))
+    regenerated = write_report(docs).read_text()
+    assert regenerated == (REPO / "docs" / "RESULTS.md").read_text(), "run `fl-server report` and commit docs/RESULTS.md"
