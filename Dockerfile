@@ -25,7 +25,7 @@ RUN python3 -m venv /opt/venv \
 
 # ---- runtime stage
 FROM ${BASE_IMAGE}
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH FL_SERVE_ROUNDS=30 OMP_NUM_THREADS=1
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH FL_SERVE_ROUNDS=60 OMP_NUM_THREADS=1
 COPY --from=build /opt/venv /opt/venv
 RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin fl && mkdir -p /data && chown fl /data
 USER fl

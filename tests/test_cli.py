@@ -24,6 +24,11 @@ def test_train_on_embedded_digits(tmp_path: Path) -> None:
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [0, 1, 2, 3, 4] and rows[-1]["val"] > 0.3
     assert (tmp_path / "checkpoint.npz").exists() and (tmp_path / "best.npz").exists()
+    # another run refused on this directory leaves its run.json alone (export reads it to label best.npz)
+    other = fl_server("train", "--dataset", "digits", "--method", "FedAvg", "--rounds", "5", "--out", str(tmp_path),
+                      "--no-progress")
+    assert other.returncode != 0 and "holds a checkpoint of a different run" in other.stderr
+    assert json.loads((tmp_path / "run.json").read_text())["method"] == "TENT"
 
 
 def test_bench_quick_writes_schema_rows(tmp_path: Path, data_root: Path) -> None:

@@ -5,7 +5,8 @@ and weights and sessions are built from those bytes (a file changed in the cache
 reaches onnxruntime or numpy).
 
 Without a pinned key (``public_key=None``) only the sha256 hashes are checked: that catches corruption, not
-an attacker who rewrites the manifest too. ``EdgeClient`` always passes a key (pinned, or trusted on first
+an attacker who rewrites the manifest too; a bundle that carries a signature then warns
+(:class:`UnverifiedSignatureWarning`), since its signature goes unchecked. ``EdgeClient`` always passes a key (pinned, or trusted on first
 use)."""
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import hashlib
 import io
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,8 +24,13 @@ import numpy as np
 from edge_sdk.errors import BundleError, BundleSignatureError
 from edge_sdk.signing import SIGNATURE_FILE, PublicKey, parse_public_key, verify_manifest
 
-__all__ = ["MANIFEST", "Bundle", "BundleError", "BundleSignatureError", "load_bundle", "sha256_file"]
+__all__ = ["MANIFEST", "Bundle", "BundleError", "BundleSignatureError", "UnverifiedSignatureWarning", "load_bundle",
+           "sha256_file"]
 MANIFEST = "manifest.json"
+
+
+class UnverifiedSignatureWarning(UserWarning):
+    """A signed bundle was loaded without a public key: only its hashes were checked, not its signature."""
 
 
 def sha256_file(path: Path) -> str:
@@ -91,6 +98,10 @@ def load_bundle(root: str | os.PathLike, public_key: PublicKey | None = None) ->
         trusted = parse_public_key(public_key)
         sig_path = root / SIGNATURE_FILE
         verify_manifest(raw, sig_path.read_bytes() if sig_path.is_file() else None, trusted, str(root))
+    elif (root / SIGNATURE_FILE).is_file():
+        warnings.warn(UnverifiedSignatureWarning(
+            f"{root} is signed, but no public key was given: its signature is not checked (only its sha256 "
+            "hashes); pass public_key= (the coordinator's key, GET /v1/signing-key) to verify it"), stacklevel=2)
     try:
         manifest = json.loads(raw)
         artifacts = manifest["artifacts"]

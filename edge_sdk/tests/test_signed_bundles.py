@@ -7,11 +7,12 @@ import json
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
-from edge_sdk.bundle import BundleError, BundleSignatureError, load_bundle
+from edge_sdk.bundle import BundleError, BundleSignatureError, UnverifiedSignatureWarning, load_bundle
 from reliability_log import record
 
 OTHER_KEY = "d75a980182b10ab7d54bfed3c964073a0ee172f3daa62325af021a68f707511a"  # RFC 8032 TEST 1's
@@ -38,7 +39,17 @@ def test_signed_bundles_load_with_the_pinned_key(sdk_fixture: Path, key: str) ->
         b = load_bundle(sdk_fixture / name, public_key=key)
         assert b.signed_by == bytes.fromhex(key)
     assert load_bundle(sdk_fixture / "tent", public_key=bytes.fromhex(key)).method == "TENT"
-    assert load_bundle(sdk_fixture / "tent").signed_by is None  # no key: hashes only
+    with pytest.warns(UnverifiedSignatureWarning, match=r"is signed, but no public key was given"):
+        assert load_bundle(sdk_fixture / "tent").signed_by is None  # no key: hashes only, and a warning
+
+
+def test_a_signed_bundle_loaded_with_its_key_or_unsigned_does_not_warn(sdk_fixture: Path, key: str,
+                                                                       bundle: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_bundle(sdk_fixture / "tent", public_key=key)
+        (bundle / "manifest.sig").unlink()
+        assert load_bundle(bundle).signed_by is None  # nothing to check: no warning
 
 
 def _edit_manifest(root: Path) -> None:

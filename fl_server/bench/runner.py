@@ -47,7 +47,7 @@ def build_simulation(protocol: Protocol, method: str, seed: int, run_dir: Path |
                      mode: str = "auto", progress: bool = True, data_root: str | None = None,
                      fed: FederatedData | None = None, test_at_best_only: bool = True,
                      checkpoint_every: int = 10) -> Simulation:
-    """The engine run of one method and seed under ``protocol`` (writes ``run.json`` into ``run_dir``)."""
+    """The engine run of one method and seed under ``protocol`` (its ``run()`` writes ``run.json`` into ``run_dir``)."""
     fed = fed if fed is not None else build_federated(protocol, seed, data_root)
     shape = fed.dataset.x.shape[1:]
     model = build_model(protocol.model, shape, fed.dataset.num_classes, seed=seed)
@@ -58,14 +58,11 @@ def build_simulation(protocol: Protocol, method: str, seed: int, run_dir: Path |
                     eval_every=protocol.eval_every_for(method), seed=seed, mode=mode, device=device,
                     out_dir=str(run_dir) if run_dir else None, progress=progress,
                     test_at_best_only=test_at_best_only, checkpoint_every=checkpoint_every)
-    sim = Simulation(algorithm, fed, cfg)
-    if run_dir is not None:  # what `fl-server export` needs to rebuild the model around best.npz
-        run_dir.mkdir(parents=True, exist_ok=True)
-        describe_run = {"method": method, "hyper": dataclasses.asdict(algorithm.hp), "model": protocol.model,
-                        "dataset": protocol.dataset, "input_shape": list(shape),
-                        "num_classes": fed.dataset.num_classes, "seed": seed, "protocol": dataclasses.asdict(protocol)}
-        (run_dir / "run.json").write_text(json.dumps(describe_run, indent=1, default=str))
-    return sim
+    # what `fl-server export` needs to rebuild the model around best.npz (run.json, written by Simulation.run)
+    description = {"method": method, "hyper": dataclasses.asdict(algorithm.hp), "model": protocol.model,
+                   "dataset": protocol.dataset, "input_shape": list(shape), "num_classes": fed.dataset.num_classes,
+                   "seed": seed, "protocol": dataclasses.asdict(protocol)}
+    return Simulation(algorithm, fed, cfg, description)
 
 
 def seed_record(protocol: Protocol, method: str, seed: int, sim: Simulation, result: RunResult) -> dict[str, Any]:

@@ -181,8 +181,12 @@ def fingerprint_hp(hp: Any) -> dict[str, Any]:
 class Simulation:
     """One federated run of ``algorithm`` on ``fed`` under ``cfg``."""
 
-    def __init__(self, algorithm: Algorithm, fed: FederatedData, cfg: RunConfig) -> None:
+    def __init__(self, algorithm: Algorithm, fed: FederatedData, cfg: RunConfig,
+                 description: dict[str, Any] | None = None) -> None:
+        """``description``: written to ``out_dir/run.json`` once the run directory is known to hold this run
+        (a refused resume leaves the directory's own run.json, which ``fl-server export`` reads, untouched)."""
         self.algorithm, self.fed, self.cfg = algorithm, fed, cfg
+        self.description = description
         self.device = pick_device(cfg.device)
         self.dtype = getattr(torch, cfg.dtype)
         self.x = torch.from_numpy(fed.dataset.x).to(self.device, self.dtype)
@@ -393,6 +397,8 @@ class Simulation:
         if self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         start_round = self._resume(result)
+        if self.out_dir is not None and self.description is not None:
+            _atomic_write(self.out_dir / "run.json", json.dumps(self.description, indent=1, default=str).encode())
         if result.history:
             result.last = result.history[-1]
         if (0 < start_round == self.cfg.rounds and result.last.get("round") == start_round - 1

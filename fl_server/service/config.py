@@ -23,7 +23,7 @@ class ServiceConfig:
     # jobs started on the embedded digits when the store is empty; FL_SERVE_DEFAULT_METHODS="" disables them
     default_methods: tuple[str, ...] = field(default_factory=lambda: _env_list("FL_SERVE_DEFAULT_METHODS",
                                                                                DEFAULT_METHODS))
-    default_rounds: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_ROUNDS", "30")))
+    default_rounds: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_ROUNDS", "60")))
     workers: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_WORKERS", "1")))
     worker_threads: int = 1  # torch threads per training subprocess (the API keeps the other cores)
     data_dir: str | None = field(default_factory=lambda: os.environ.get("FL_DATA_DIR"))
