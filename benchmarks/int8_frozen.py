@@ -61,7 +61,7 @@ def measure(run_dir: Path, data_dir: str | None, work: Path, command: str) -> di
             "bytes_fp32": fp32.stat().st_size, "bytes_int8": int8.stat().st_size,
             "ms_fp32_batch64": round(ms["fp32"], 3), "ms_int8_batch64": round(ms["int8"], 3),
             "device": "cpu:1 thread", "run": str(run_dir), **checkpoint_rounds(run_dir),
-            "torch": torch.__version__, "command": command}
+            "torch": torch.__version__, "command": command, "trained_by": run.get("command", "not recorded")}
 
 
 def main() -> int:

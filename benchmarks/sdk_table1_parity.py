@@ -53,7 +53,7 @@ def measure(run_dir: Path, data_dir: str | None, work: Path, command: str) -> di
             "prediction_agreement": round(100 * float(np.mean(agree)), 3), "new_clients": len(fed.new),
             "protocol_rounds": run["protocol"]["rounds"],
             "device_kind": device.kind, "run": str(run_dir), "device": "cpu", "torch": torch.__version__,
-            "command": command}
+            "command": command, "trained_by": run.get("command", "not recorded")}
 
 
 def main() -> int:

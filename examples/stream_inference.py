@@ -36,6 +36,20 @@ METHODS = {"btfl": "BTFL", "fedtta++": "FedTTA++", "odpfl-hn": "ODPFL-HN", "tent
 PHASES = ("in-distribution", "corrupted", "external classes")
 
 
+_last_progress: list[tuple] = []
+
+
+def _print_progress(detail: dict) -> None:
+    """While the coordinator trains: one line each time a job passes another tenth of its rounds."""
+    jobs = [j for j in detail.get("jobs") or [] if isinstance(j, dict)]
+    tenths = tuple((j.get("method"), 10 * int(j.get("rounds_done") or 0) // max(1, int(j.get("rounds") or 1)))
+                   for j in jobs)
+    if jobs and _last_progress[-1:] != [tenths]:
+        _last_progress.append(tenths)
+        print("training: " + ", ".join(f"{j.get('method')} {j.get('rounds_done')}/{j.get('rounds')} rounds"
+                                       for j in jobs), flush=True)
+
+
 def build_stream(manifest: dict, client: int, warmup: int, per_phase: int, corruption: str, severity: int,
                  seed: int, data_dir: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(warm-up x, warm-up y, stream x, stream y, stream phase id) for held-out new client ``client`` of the
@@ -104,7 +118,8 @@ def save_plot(path: Path, acc: np.ndarray, phase: np.ndarray, title: str, e: np.
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--server", required=True, help="coordinator URL, e.g. http://127.0.0.1:8000")
-    ap.add_argument("--method", default="tent", choices=list(METHODS))
+    ap.add_argument("--method", default="tent", choices=list(METHODS), type=str.lower,
+                    help="any letter case (TENT, FedTTA++ ...)")
     ap.add_argument("--client", type=int, default=0, help="which held-out new client this device is")
     ap.add_argument("--warmup", type=int, default=32, help="unlabeled samples used to personalise")
     ap.add_argument("--per-phase", type=int, default=200, help="stream samples per phase (at most)")
@@ -127,7 +142,7 @@ def main() -> int:
 
     with EdgeClient(args.server, cache_dir=args.cache, public_key=args.public_key) as client:
         try:
-            client.wait_ready(None if method == "none" else method, timeout=args.wait)
+            client.wait_ready(None if method == "none" else method, timeout=args.wait, on_wait=_print_progress)
             info = client.join(None if method == "none" else method)
         except EdgeClientError as exc:
             if exc.status == 404 and method == "BTFL":

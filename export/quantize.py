@@ -7,6 +7,8 @@ per-tensor scales and quantizes activations on the fly.
 """
 from __future__ import annotations
 
+import logging
+
 import os
 from pathlib import Path
 
@@ -43,9 +45,13 @@ def quantize_int8(src: str | os.PathLike, dest: str | os.PathLike) -> Path:
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     options.optimized_model_filepath = str(folded)
     ort.InferenceSession(str(src), options, providers=["CPUExecutionProvider"])
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # its "Please consider to run pre-processing" hint is not for our users
     try:
         quantize_dynamic(str(folded), str(dest), weight_type=QuantType.QInt8,
                          op_types_to_quantize=["MatMul", "Gemm", "Conv"])
     finally:
+        root.setLevel(level)
         folded.unlink(missing_ok=True)
     return Path(dest)

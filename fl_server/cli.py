@@ -18,14 +18,17 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="auto", choices=("auto", "vmap", "loop"),
                    help="step same-architecture clients together (vmap) or one by one (reference loop); "
                         "auto: vmap on CUDA and for conv-free models on CPU")
-    p.add_argument("--data-dir", default=None, help="directory with the IDX files (default: $FL_DATA_DIR)")
+    p.add_argument("--data-dir", default=None,
+                   help="directory with the IDX files (default: $FL_DATA_DIR, else ~/.cache/fl-edge/data)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from fl_server.algorithms import canonical_method
     from fl_server.bench.experiments import get_experiment
     from fl_server.bench.runner import build_federated, run_seed
 
+    args.method = canonical_method(args.method)  # before any data is built: a typo fails at once
     protocol = get_experiment("upfl-table1").protocols.get(args.dataset)
     if protocol is None:
         raise SystemExit(f"error: no default protocol for dataset {args.dataset!r}")
@@ -67,6 +70,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from fl_server.bench.report import split_label, write_report
     from fl_server.bench.runner import run_experiment
 
+    if args.experiment == "list":
+        from fl_server.bench.experiments import EXPERIMENTS
+
+        for name, e in EXPERIMENTS.items():
+            print(f"{name:<22} {', '.join(e.protocols)}")
+        return 0
     exp = get_experiment(args.experiment)
     datasets = args.dataset or [d for d in exp.protocols if d != "digits"]
     methods = args.methods or list(exp.methods)
@@ -101,7 +110,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from fl_server.bench.report import write_report
 
-    print(f"wrote {write_report(Path(args.docs))}")
+    docs = Path(args.docs)
+    if not (docs / "results").is_dir():
+        raise FileNotFoundError(f"{docs} has no results/ folder (the docs directory of this repository)")
+    print(f"wrote {write_report(docs)}")
     return 0
 
 
@@ -111,7 +123,10 @@ def cmd_data(args: argparse.Namespace) -> int:
 
     if args.action == "fetch":
         path = fetch(args.name, resolve_root(args.dir))
-        print(f"{args.name}: files in {path}")
+        from fl_server.data.fetch import NO_FETCH_NEEDED
+
+        key = args.name.strip().lower().replace("-", "_")
+        print(NO_FETCH_NEEDED[key] if key in NO_FETCH_NEEDED else f"{args.name}: files in {path}")
         return 0
     for split in ("train", "test"):
         ds = load_dataset(args.name, root=args.dir, split=split)
@@ -158,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train one method on one data set (default: FedAvg on the embedded digits)")
     p.add_argument("--dataset", default="digits", choices=("digits", "mnist", "fashion_mnist"))
-    p.add_argument("--method", default="FedAvg")
+    p.add_argument("--method", default="FedAvg", help="method name, any letter case (fl-server train --method tent)")
     p.add_argument("--model", default=None, help="model from the zoo (default: the protocol's)")
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--clients", type=int, default=None, help="number of clients (default: the protocol's)")
@@ -168,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("bench", help="run a named experiment and write docs/results/<experiment>.json")
-    p.add_argument("experiment")
+    p.add_argument("experiment", help="e.g. upfl-table1, btgfl, fedicon-shift, map-incomplete, odpfl-dirichlet "
+                                      "(`fl-server bench list` names them all)")
     p.add_argument("--dataset", action="append", help="repeatable; default: every paper data set of the experiment")
     p.add_argument("--methods", nargs="+", default=None)
     p.add_argument("--seeds", type=int, default=3, help="run seeds 0..SEEDS-1 (default 3)")

@@ -9,7 +9,10 @@ def pick_device(requested: str | None = None) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if requested.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {requested!r} requested but CUDA is not available on this machine")
-    return torch.device(requested)
+    try:
+        return torch.device(requested)
+    except RuntimeError:
+        raise ValueError(f"unknown device {requested!r}; use auto, cpu, cuda or cuda:N") from None
 
 
 def describe(device: torch.device) -> str:

@@ -17,8 +17,8 @@ def fl_server(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subproce
 
 
 def test_train_on_embedded_digits(tmp_path: Path) -> None:
-    out = fl_server("train", "--dataset", "digits", "--method", "TENT", "--rounds", "5", "--out", str(tmp_path),
-                    "--no-progress")
+    out = fl_server("train", "--dataset", "digits", "--method", "tent", "--rounds", "5", "--out", str(tmp_path),
+                    "--no-progress")  # method names in any letter case
     assert out.returncode == 0, out.stderr
     assert "TENT on digits: best val" in out.stdout
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -91,6 +91,11 @@ def test_bench_quick_keeps_its_run_dirs_apart_from_full_runs(tmp_path: Path, dat
 def test_unknown_method_is_one_clear_line(tmp_path: Path) -> None:
     out = fl_server("train", "--method", "Nope", "--rounds", "1", "--out", str(tmp_path))
     assert out.returncode == 2 and "unknown method 'Nope'" in out.stderr
+    assert "Building" not in out.stdout and "clients" not in out.stdout  # refused before the data set is built
+    gpu = fl_server("train", "--device", "gpu", "--rounds", "1", "--out", str(tmp_path))
+    assert gpu.returncode == 2 and gpu.stderr == "error: unknown device 'gpu'; use auto, cpu, cuda or cuda:N\n"
+    listed = fl_server("bench", "list")
+    assert listed.returncode == 0 and listed.stdout.startswith("upfl-table1")
 
 
 def test_train_export_and_personalize_on_device(tmp_path: Path) -> None:

@@ -354,8 +354,10 @@ class EdgeClient:
         body["global_dle"] = np.asarray(body["global_dle"])
         return body
 
-    def wait_ready(self, method: str | None = None, timeout: float = 600.0, poll: float = 2.0) -> dict[str, Any]:
-        """Block until the coordinator serves a bundle for ``method``; returns its manifest."""
+    def wait_ready(self, method: str | None = None, timeout: float = 600.0, poll: float = 2.0,
+                   on_wait: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """Block until the coordinator serves a bundle for ``method``; returns its manifest. ``on_wait`` gets
+        each 503 reply's ``detail`` (the training jobs' progress: method, rounds_done, rounds)."""
         deadline = time.monotonic() + timeout
         params = {"method": method} if method else None
         while True:
@@ -371,6 +373,13 @@ class EdgeClient:
             if r.status_code != 503 or time.monotonic() > deadline:
                 raise EdgeClientError(f"no bundle for {method or 'the default method'}: HTTP {r.status_code} "
                                       f"{_detail(r)}", r.status_code)
+            if on_wait is not None:
+                try:
+                    detail = r.json().get("detail")
+                except (ValueError, AttributeError):
+                    detail = None
+                if isinstance(detail, dict):
+                    on_wait(detail)
             time.sleep(min(poll, _retry_after(r, poll)))
 
     # ----------------------------------------------------------------- cache

@@ -21,6 +21,16 @@ ALGORITHMS: dict[str, type[Algorithm]] = {a.name: a for a in (FedAvg, FedProx, F
                                                                 FedICON, FedICONNoTTA, MAP, FedRS, FedPHP)}
 
 
+def canonical_method(name: str) -> str:
+    """The display name of a method given in any letter case (``"tent"`` -> ``"TENT"``)."""
+    if name in ALGORITHMS:
+        return name
+    matches = [m for m in ALGORITHMS if m.lower() == name.strip().lower()]
+    if len(matches) != 1:
+        raise ValueError(f"unknown method {name!r}; choose one of {', '.join(ALGORITHMS)}")
+    return matches[0]
+
+
 def build_algorithm(name: str, model: Classifier, num_train_clients: int, seed: int = 0, **hyper: Any) -> Algorithm:
     """Instantiate a method by its display name (e.g. ``"FedAvg"``, ``"TENT"``); ``seed`` fixes the init of
     the modules a method adds to ``model``."""
@@ -36,4 +46,4 @@ def build_algorithm(name: str, model: Classifier, num_train_clients: int, seed: 
     return cls(model, seed=seed, **hyper)
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "Hyper", "NotApplicable", "build_algorithm"]
+__all__ = ["ALGORITHMS", "Algorithm", "Hyper", "NotApplicable", "build_algorithm", "canonical_method"]

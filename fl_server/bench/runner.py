@@ -8,6 +8,8 @@ import dataclasses
 import importlib
 import json
 import platform
+import shlex
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -61,8 +63,16 @@ def build_simulation(protocol: Protocol, method: str, seed: int, run_dir: Path |
     # what `fl-server export` needs to rebuild the model around best.npz (run.json, written by Simulation.run)
     description = {"method": method, "hyper": dataclasses.asdict(algorithm.hp), "model": protocol.model,
                    "dataset": protocol.dataset, "input_shape": list(shape), "num_classes": fed.dataset.num_classes,
-                   "seed": seed, "protocol": dataclasses.asdict(protocol)}
+                   "seed": seed, "protocol": dataclasses.asdict(protocol), "command": invocation()}
     return Simulation(algorithm, fed, cfg, description)
+
+
+def invocation() -> str:
+    """This process's command line, as a user would type it (``fl-server train ...``): recorded in run.json so
+    that a benchmark measuring a run directory can say how it was trained."""
+    prog = Path(sys.argv[0]).name
+    head = ["fl-server"] if prog in ("fl-server", "cli.py") else ["python", sys.argv[0]]
+    return " ".join([*head, *(shlex.quote(a) for a in sys.argv[1:])])
 
 
 def seed_record(protocol: Protocol, method: str, seed: int, sim: Simulation, result: RunResult) -> dict[str, Any]:
