@@ -85,7 +85,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     runs = Path(args.runs_dir or ("runs/quick/runs" if args.quick else "runs/bench"))
     rows = run_experiment(exp, datasets, methods, seeds, results, runs, args.quick,
                           args.device, args.mode, not args.no_progress, args.data_dir, command)
-    for r in rows:
+    for r in (r for r in rows if r["dataset"] in datasets and r["method"] in methods):  # the table holds every row
         paper = "" if r["paper"] is None else f" (paper {r['paper']:.2f})"
         print(f"{r['dataset']:>14} {r['method']:>10} {split_label(r):>4}: {r['mean']:.2f} +- {r['std']:.2f} "
               f"over {r['seeds']} seed(s){paper}")

@@ -232,5 +232,5 @@ def _methods_present(exp: Experiment, folder: Path) -> list[tuple[str, str]]:
     if not folder.exists():
         return []
     found = {p.name for p in folder.iterdir() if p.is_dir()}
-    names = [(m, safe_name(m)) for m in exp.methods]
+    names = [(m, safe_name(m)) for m in (*exp.methods, *exp.optional_methods)]
     return [n for n in names if n[1] in found]

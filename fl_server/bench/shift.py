@@ -25,7 +25,7 @@ import dataclasses
 import platform
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -38,8 +38,9 @@ from fl_server.data.federated import FederatedData
 from fl_server.data.shifts import resize
 from fl_server.device import describe
 from fl_server.engine import Simulation
-from fl_server.functional import unstack
+from fl_server.functional import make_forward, unstack
 from fl_server.models import build_model
+from fl_server.models.norm import calibrate, norm_mode, stat_norms
 
 if TYPE_CHECKING:
     from fl_server.bench.experiments import Protocol
@@ -49,7 +50,13 @@ SHIFT_METHODS: dict[str, tuple[str, str]] = {
     "FedAvg": ("FedAvg", "FedAvg"), "FedAvg-FT": ("FedAvg", "FedAvg+FT"), "TENT": ("FedAvg", "TENT"),
     "FedICON w/o TTA": ("FedICON", "FedICON w/o TTA"), "FedICON": ("FedICON", "FedICON"),
     "FedICON online": ("FedICON", "FedICON"),
+    # batch-normalised encoders only (the -bn protocols): FedICON w/o TTA predicting with the client's test-batch
+    # statistics instead of the training population's -- the part of a TTA gain that needs no Eq. 7 step
+    "FedICON BN-stats": ("FedICON", "FedICON w/o TTA"),
 }
+# with a batch-normalised model, these predict with the test batch's statistics (BatchNorm in train mode, as TENT
+# and FedICON's test-time step run); the others with the training population's (fl_server.models.norm)
+BATCH_STATS_AT_TEST = ("TENT", "FedICON", "FedICON online", "FedICON BN-stats")
 
 
 def assign_by_label(labels: np.ndarray, client_counts: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
@@ -137,6 +144,26 @@ def _mean_accuracy(algo: Any, state: dict, params: Any, stacked: bool, xs: list[
     return float(np.mean(accs))
 
 
+def _tune_and_evaluate(protocol: "Protocol", grid: dict[str, Any], algo: Any,
+                       evaluate: Callable[[str], list[dict[str, Any]]], chosen: dict[str, Any],
+                       results: list[dict[str, Any]]) -> None:
+    """Test-time hyperparameters chosen on the validation conditions (mean over them), then tested once; the
+    covariate-s<k> rows are the means over the corruptions at severity k."""
+    for name, values in grid.items():
+        scores = []
+        for v in values:
+            setattr(algo.hp, name, v)
+            scores.append(float(np.mean([r["value"] for r in evaluate("val")])))
+        chosen[name] = values[int(np.argmax(scores))]
+        setattr(algo.hp, name, chosen[name])
+        results += [{"split": "val-tuning", "shift": f"{name}={v}", "value": sc} for v, sc in zip(values, scores)]
+    results += evaluate("val") + evaluate("test")
+    for sev in protocol.options.get("severities", ()):
+        vals = [r["value"] for r in results if r["split"] == "test" and r["shift"].endswith(f"-{sev}")]
+        if vals:
+            results.append({"split": "test", "shift": f"covariate-s{sev}", "value": float(np.mean(vals))})
+
+
 def run_shift_seed(protocol: "Protocol", method: str, seed: int, run_dir: Path | None, device: str = "auto",
                    mode: str = "auto", progress: bool = True, data_root: str | None = None,
                    fed: FederatedData | None = None) -> dict[str, Any]:
@@ -163,6 +190,10 @@ def run_shift_seed(protocol: "Protocol", method: str, seed: int, run_dir: Path |
         eval_hp.pop("tta", None)
     algo = build_algorithm(eval_name, model, fed.num_train_clients, seed=seed, **eval_hp)
     state = sim.server_state
+    if stat_norms(model):  # population statistics of the final global model over the training clients' data
+        forward = make_forward(model)
+        calibrate(model, lambda xb: forward(state["params"], xb),
+                  (sim.x[torch.as_tensor(t[i:i + 256])] for t in fed.train for i in range(0, len(t), 256)))
     ids = np.arange(fed.num_train_clients)
     rng = np.random.default_rng([seed, 7])
     params = algo.val_params(state, ids, sim.trainer(rng))
@@ -176,23 +207,12 @@ def run_shift_seed(protocol: "Protocol", method: str, seed: int, run_dir: Path |
                                                memories)}
                 for sp, shift, xs, ys in conditions if sp == split]
 
-    # test-time hyperparameters chosen on the validation conditions (mean over them), then tested once
     chosen: dict[str, Any] = {}
     grid = protocol.options.get("tune", {}).get(method, {})
     results: list[dict[str, Any]] = []
-    for name, values in grid.items():
-        scores = []
-        for v in values:
-            setattr(algo.hp, name, v)
-            scores.append(float(np.mean([r["value"] for r in evaluate("val")])))
-        chosen[name] = values[int(np.argmax(scores))]
-        setattr(algo.hp, name, chosen[name])
-        results += [{"split": "val-tuning", "shift": f"{name}={v}", "value": sc} for v, sc in zip(values, scores)]
-    results += evaluate("val") + evaluate("test")
-    for sev in protocol.options.get("severities", ()):
-        vals = [r["value"] for r in results if r["split"] == "test" and r["shift"].endswith(f"-{sev}")]
-        if vals:
-            results.append({"split": "test", "shift": f"covariate-s{sev}", "value": float(np.mean(vals))})
+    test_mode = "batch" if method in BATCH_STATS_AT_TEST else "population"
+    with norm_mode(model, test_mode):  # a no-op for models without batch normalisation
+        _tune_and_evaluate(protocol, grid, algo, evaluate, chosen, results)
     by = {(r["split"], r["shift"]): r["value"] for r in results}
     return {
         "dataset": protocol.dataset, "method": method, "seed": seed, "model": protocol.model,

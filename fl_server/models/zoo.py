@@ -5,6 +5,8 @@ Architectures follow the papers (see ../shared/SPEC.md):
 - ``convnet``: McMahan et al. (2017) CNN, conv5x5(32)-pool-conv5x5(64)-pool-FC512-head. UPFL App. G calls
   this the *medium* model; ``convnet_small`` / ``convnet_big`` use 16-32 / 64-128 channels.
 - ``btfl_cnn``: BTFL's simple CNN, conv32-conv64 (k5, no padding) + FC64 + FC64 (D = 64), ReLU before the head.
+- ``btfl_cnn_bn``: the same with batch normalisation after each convolution (:mod:`fl_server.models.norm`: the
+  statistics live outside the functional state), as the CNNs of FedICON's and FedBN's Digit-5 experiments.
 - ``mlp_2x512``: MAP's MLPNet; ``lenet``: LeNet-5 style (MAP).
 - :class:`AdaptationMLP`: FedTTA's adaptation model g, C -> w -> w -> w -> 1.
 """
@@ -14,6 +16,8 @@ from typing import Callable, Sequence
 
 import torch
 from torch import nn
+
+from fl_server.models.norm import StatBatchNorm2d
 
 InputShape = tuple[int, int, int]  # (C, H, W)
 
@@ -68,6 +72,15 @@ def _btfl_features(input_shape: InputShape) -> tuple[nn.Module, int]:
     return nn.Sequential(*conv, nn.Linear(flat, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU()), 64
 
 
+def _btfl_bn_features(input_shape: InputShape) -> tuple[nn.Module, int]:
+    conv = nn.Sequential(
+        nn.Conv2d(input_shape[0], 32, 5), StatBatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 5), StatBatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+    )
+    flat = _flat_dim(conv, input_shape)
+    return nn.Sequential(*conv, nn.Linear(flat, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU()), 64
+
+
 def _lenet_features(input_shape: InputShape) -> tuple[nn.Module, int]:
     conv = nn.Sequential(
         nn.Conv2d(input_shape[0], 6, 5, padding=2), nn.ReLU(), nn.MaxPool2d(2),
@@ -84,6 +97,7 @@ _FEATURES: dict[str, Callable[[InputShape], tuple[nn.Module, int]]] = {
     "convnet_small": lambda s: _convnet_features(s, (16, 32), 512),
     "convnet_big": lambda s: _convnet_features(s, (64, 128), 512),
     "btfl_cnn": _btfl_features,
+    "btfl_cnn_bn": _btfl_bn_features,
     "lenet": _lenet_features,
 }
 MODELS: tuple[str, ...] = tuple(_FEATURES)
