@@ -1,8 +1,8 @@
 """Device adaptation step on onnxruntime against the torch eager step, one CPU core, same run.
 
 For the MLP 2x200 and the ConvNet: FedTTA's adaptation step (UPFL Eq. 5) and TENT's entropy step on a batch
-of real MNIST images; also the plain forward. Median over repeats after warm-up, the ORT and torch calls alternating. Rows merged into
-docs/benchmarks/edge-sdk.json by (what, device).
+of real MNIST images; also the plain forward. Median over repeats after warm-up, the ORT and torch calls
+alternating. Rows merged into docs/benchmarks/edge-sdk.json by (what, device).
 
     python benchmarks/edge_step_speed.py [--batch 64] [--repeats 50] [--data-dir DIR]
 """

@@ -221,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--store", default="runs/store", help="state directory: SQLite, artifacts, job runs")
-    p.add_argument("--rounds", type=int, default=None, help="rounds of the default jobs (default: $FL_SERVE_ROUNDS or 60)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds of the default jobs (default: $FL_SERVE_ROUNDS or 60)")
     p.add_argument("--workers", type=int, default=None, help="concurrent training jobs (default: $FL_SERVE_WORKERS or 1)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--backlog", type=int, default=4096, help="listen backlog (a burst of device connections)")

@@ -6,8 +6,8 @@ reaches onnxruntime or numpy).
 
 Without a pinned key (``public_key=None``) only the sha256 hashes are checked: that catches corruption, not
 an attacker who rewrites the manifest too; a bundle that carries a signature then warns
-(:class:`UnverifiedSignatureWarning`), since its signature goes unchecked. ``EdgeClient`` always passes a key (pinned, or trusted on first
-use)."""
+(:class:`UnverifiedSignatureWarning`), since its signature goes unchecked. ``EdgeClient`` always passes a key
+(pinned, or trusted on first use)."""
 from __future__ import annotations
 
 import hashlib

@@ -48,8 +48,8 @@ from edge_sdk.signing import PublicKey, parse_public_key, verify_manifest, write
 
 _SHA = re.compile(r"[0-9a-f]{64}")  # used with fullmatch: "$" would also accept a trailing newline
 _SAFE = re.compile(r"[A-Za-z0-9._+-]{1,64}")
-_RESERVED = {".", "..", MANIFEST, "manifest.sig"}
-ANY_METHOD = "none"  # the coordinator's plain-inference method: any bundle serves it  # an artifact must not land on these in the bundle folder
+_RESERVED = {".", "..", MANIFEST, "manifest.sig"}  # an artifact must not land on these in the bundle folder
+ANY_METHOD = "none"  # the coordinator's plain-inference method: any bundle serves it
 
 
 class EdgeClientError(RuntimeError):

@@ -3,9 +3,10 @@
 Artifacts are content-addressed and immutable, and a joining device fetches every one of its bundle (4 of the
 7 requests of an ODPFL-HN join), so under a burst of devices they are most of the coordinator's requests.
 Through FastAPI (routing, dependency injection, header parameters, Response) one took ~0.4 ms in the server;
-here ~0.09 ms (server-side means, docs/benchmarks/coordinator-load-series.json). Only the plain case is taken: a GET of a lower-case hex address the service publishes, with
-no Range, If-Range or If-None-Match header, of an artifact held in memory. Everything else (ranges, conditional
-requests, HEAD, files streamed from disk, unknown addresses, errors) goes to the documented route in ``routes.py``, which uses the same :func:`artifact_headers`;
+here ~0.09 ms (server-side means, docs/benchmarks/coordinator-load-series.json). Only the plain case is taken:
+a GET of a lower-case hex address the service publishes, with no Range, If-Range or If-None-Match header, of an
+artifact held in memory. Everything else (ranges, conditional requests, HEAD, files streamed from disk, unknown
+addresses, errors) goes to the documented route in ``routes.py``, which uses the same :func:`artifact_headers`;
 a test checks both paths answer the same bytes and headers. It sits inside :class:`GuardMiddleware`, so body
 limits and the /metrics histograms cover it like any other request."""
 from __future__ import annotations
