@@ -1,8 +1,9 @@
 """Trace pure functions of (inputs, weights) into ONNX graphs with a dynamic batch axis.
 
 The gradient steps a device needs are traced with ``make_fx`` (symbolic shapes) over ``torch.func.grad``,
-with :mod:`export.decompositions` so ConvNets lower, then exported by the dynamo ONNX exporter. Every
-weight is a graph input, so the device feeds the weights it holds and receives the updated ones.
+with :mod:`export.decompositions` so ConvNets lower, then exported by the dynamo ONNX exporter (and rewritten
+where :mod:`export.rewrites` finds a cheaper equal form). Every weight is a graph input, so the device feeds
+the weights it holds and receives the updated ones.
 """
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import warnings
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+import onnx
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from export.decompositions import DECOMPOSITIONS
+from export.rewrites import pool_plane_offsets
 
 OPSET = 18
 
@@ -67,5 +70,8 @@ def _export(fn: Callable[..., tuple[torch.Tensor, ...]], example: Sequence[torch
                                      input_names=list(input_names), output_names=list(output_names),
                                      dynamic_shapes=dynamic, opset_version=OPSET, verbose=False)
     onnx_program.save(str(tmp))
+    model = onnx.load(str(tmp))
+    if pool_plane_offsets(model):
+        onnx.save(model, str(tmp))
     os.replace(tmp, path)
     return path

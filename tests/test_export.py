@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 import torch
@@ -55,6 +56,10 @@ def test_tent_step_parity(model_name: str, batches, tmp_path: Path) -> None:  # 
     alg = build_algorithm("TENT", build_model(model_name, (1, 28, 28), 10, seed=0), 1, seed=0, lr=0.1)
     state = alg.init_state(torch.float32, torch.device("cpu"))
     _check(tent_step_spec(alg, state["params"]), tmp_path / "tent_step.onnx", batches)
+    pools = [n for n in onnx.load(str(tmp_path / "tent_step.onnx")).graph.node if n.op_type == "MaxPool"]
+    # export.rewrites.pool_plane_offsets replaced the exporter's whole-input 1x1 MaxPool (parity above holds)
+    assert not [n for n in pools if [a.ints for a in n.attribute if a.name == "kernel_shape"][0] == [1, 1]]
+    assert len(pools) == (4 if model_name == "convnet" else 0)  # 2x2 pools: the step's forward and the final one
 
 
 def test_step_lowers_entropy_on_device(batches, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

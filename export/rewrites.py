@@ -1,0 +1,85 @@
+"""Rewrites of exported ONNX graphs that keep every output bit for bit and cost less on onnxruntime's CPU kernels.
+
+``pool_plane_offsets``. The exporter lowers ``max_pool2d_with_indices`` to ONNX MaxPool, whose indices count over
+the whole [N, C, H, W] tensor, and turns them into torch's per-plane indices by subtracting each plane's first
+flat index -- which it obtains from a second MaxPool, kernel 1x1 with indices, over the whole input, sliced to
+[:, :, :1, :1]. That pass computes N*C*H*W indices to keep N*C of them: for a [64, 32, 28, 28] input it took
+about as long as the 2x2 pooling itself. The plane offsets are (n * C + c) * H * W, so the pair
+MaxPool(1x1) -> Slice is replaced by Range(0, N * C) * (H * W) reshaped to [N, C, 1, 1] (C, H, W static, N read
+from the input's shape at run time).
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+
+def _ints(node: onnx.NodeProto, name: str) -> list[int] | None:
+    for a in node.attribute:
+        if a.name == name:
+            return list(a.ints)
+    return None
+
+
+def _static_chw(model: onnx.ModelProto, name: str) -> tuple[int, int, int] | None:
+    infos = [*model.graph.value_info, *model.graph.input]
+    info = next((v for v in infos if v.name == name), None)
+    if info is None:
+        return None
+    dims = info.type.tensor_type.shape.dim
+    if len(dims) != 4 or not all(d.HasField("dim_value") for d in dims[1:]):
+        return None
+    return dims[1].dim_value, dims[2].dim_value, dims[3].dim_value
+
+
+def pool_plane_offsets(model: onnx.ModelProto) -> int:
+    """Apply the rewrite in place wherever the exact pattern occurs; returns how many were rewritten."""
+    g = model.graph
+    constants = {i.name: numpy_helper.to_array(i) for i in g.initializer}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in g.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    graph_outputs = {o.name for o in g.output}
+    rewritten = 0
+    for pool in [n for n in g.node if n.op_type == "MaxPool"]:
+        if (_ints(pool, "kernel_shape") != [1, 1] or _ints(pool, "strides") not in (None, [1, 1])
+                or len(pool.output) != 2 or consumers.get(pool.output[0]) or pool.output[0] in graph_outputs):
+            continue
+        users = consumers.get(pool.output[1], [])
+        if len(users) != 1 or users[0].op_type != "Slice" or len(users[0].input) != 4:
+            continue
+        cut = users[0]
+        starts, ends, axes = (constants.get(name) for name in cut.input[1:4])
+        if (starts is None or ends is None or axes is None or starts.tolist() != [0, 0] or ends.tolist() != [1, 1]
+                or axes.tolist() != [2, 3]):
+            continue
+        chw = _static_chw(model, pool.input[0])
+        if chw is None:
+            continue
+        c, h, w = chw
+        p = f"{pool.name}_plane_offsets"
+        g.initializer.extend([numpy_helper.from_array(np.array([c], np.int64), f"{p}_c"),
+                              numpy_helper.from_array(np.array(0, np.int64), f"{p}_zero"),
+                              numpy_helper.from_array(np.array(1, np.int64), f"{p}_one"),
+                              numpy_helper.from_array(np.array(h * w, np.int64), f"{p}_hw"),
+                              numpy_helper.from_array(np.array([-1, c, 1, 1], np.int64), f"{p}_shape")])
+        nodes = [helper.make_node("Shape", [pool.input[0]], [f"{p}_n"], start=0, end=1, name=f"{p}_shape_of_x"),
+                 helper.make_node("Mul", [f"{p}_n", f"{p}_c"], [f"{p}_nc"], name=f"{p}_times_c"),
+                 helper.make_node("Squeeze", [f"{p}_nc"], [f"{p}_nc_scalar"], name=f"{p}_scalar"),
+                 helper.make_node("Range", [f"{p}_zero", f"{p}_nc_scalar", f"{p}_one"], [f"{p}_planes"],
+                                  name=f"{p}_range"),
+                 helper.make_node("Mul", [f"{p}_planes", f"{p}_hw"], [f"{p}_flat"], name=f"{p}_times_hw"),
+                 helper.make_node("Reshape", [f"{p}_flat", f"{p}_shape"], [cut.output[0]], name=f"{p}_reshape")]
+        at = list(g.node).index(pool)
+        g.node.remove(cut)
+        g.node.remove(pool)
+        for k, node in enumerate(nodes):
+            g.node.insert(at + k, node)
+        rewritten += 1
+    if rewritten:  # the Slice's starts / ends / axes, unless something else reads them
+        used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+        for init in [i for i in g.initializer if i.name not in used]:
+            g.initializer.remove(init)
+    return rewritten
