@@ -134,7 +134,9 @@ class Job(BaseModel):
     error: str | None = None
     bundle_id: str | None = None
     rounds_done: int = 0
-    rounds: list[RoundRow] | None = None
+    rounds: list[RoundRow] | None = Field(None, description="the round curve (validation / new-client accuracy per "
+                                                             "round): in GET /v1/jobs/{id}; null in the job list. "
+                                                             "The planned number of rounds is spec.rounds")
 
 
 class Health(BaseModel):
