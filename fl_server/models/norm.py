@@ -9,6 +9,8 @@ inside vmapped or differentiated steps). So the normalisation statistics live ou
   statistics estimate), as BatchNorm in eval mode;
 - ``mode="collect"``: batch statistics, and the input's sums are accumulated for :func:`calibrate`.
 The statistics are recomputed from the weights and the training data, so they need no place in checkpoints.
+An exported graph (``export``) normalises with the batch's statistics: population statistics are not part of a
+bundle, and no served method uses a batch-normalised model.
 """
 from __future__ import annotations
 
