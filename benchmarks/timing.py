@@ -43,11 +43,9 @@ def sync(device: object) -> None:
 
 def command_line() -> str:
     """The command that reproduces this benchmark run, as its rows record it."""
-    import shlex
-    import sys
-    from pathlib import Path
+    from fl_server.bench.rows import invocation
 
-    return " ".join(["python", f"benchmarks/{Path(sys.argv[0]).name}", *(shlex.quote(a) for a in sys.argv[1:])])
+    return invocation()
 
 
 def run_fields(device_description: str, repeats: int) -> dict[str, object]:

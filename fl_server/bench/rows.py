@@ -4,7 +4,26 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import sys
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def invocation() -> str:
+    """This process's command line as a user would type it: ``fl-server train ...``, or ``python
+    benchmarks/x.py ...`` (a script inside the repository named from its root). Recorded with results (run.json,
+    benchmark rows) so that they say how they were produced."""
+    script = Path(sys.argv[0])
+    if script.name in ("fl-server", "cli.py"):
+        head = ["fl-server"]
+    else:
+        try:
+            head = ["python", script.resolve().relative_to(REPO).as_posix()]
+        except ValueError:  # outside the repository: as given
+            head = ["python", sys.argv[0]]
+    return " ".join([*head, *(shlex.quote(a) for a in sys.argv[1:])])
 
 
 def write_atomic(path: str | os.PathLike, text: str) -> None:

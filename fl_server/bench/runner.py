@@ -8,8 +8,6 @@ import dataclasses
 import importlib
 import json
 import platform
-import shlex
-import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -17,7 +15,7 @@ import numpy as np
 
 from fl_server.algorithms import ALGORITHMS, build_algorithm
 from fl_server.bench.experiments import Experiment, Protocol
-from fl_server.bench.rows import write_atomic
+from fl_server.bench.rows import invocation, write_atomic
 from fl_server.data import load_dataset
 from fl_server.data.federated import (FederatedData, hold_out_validation_clients, make_federated,
                                      rotation_concept_shift)
@@ -66,13 +64,6 @@ def build_simulation(protocol: Protocol, method: str, seed: int, run_dir: Path |
                    "seed": seed, "protocol": dataclasses.asdict(protocol), "command": invocation()}
     return Simulation(algorithm, fed, cfg, description)
 
-
-def invocation() -> str:
-    """This process's command line, as a user would type it (``fl-server train ...``): recorded in run.json so
-    that a benchmark measuring a run directory can say how it was trained."""
-    prog = Path(sys.argv[0]).name
-    head = ["fl-server"] if prog in ("fl-server", "cli.py") else ["python", sys.argv[0]]
-    return " ".join([*head, *(shlex.quote(a) for a in sys.argv[1:])])
 
 
 def seed_record(protocol: Protocol, method: str, seed: int, sim: Simulation, result: RunResult) -> dict[str, Any]:
