@@ -34,7 +34,7 @@ def direct_view(store: Store, client_id: str, base: tuple[str, np.ndarray, int])
     """The replaced route body: every row decoded, the aggregate computed from scratch."""
     rows = [r for r in store.dles() if (r["dims"], r["levels"]) == SHAPE]
     freqs = [base[1], *(np.asarray(r["freqs"]) for r in rows)]
-    weights = [base[2], *(r["num_samples"] for r in rows)]
+    weights = [base[2], *(1 for _ in rows)]  # one weight per client; the bundle counts as its clients
     others = [i for i, r in enumerate(rows, start=1) if r["client_id"] != client_id]
     return (btfl.average_dles(freqs, weights),
             btfl.average_dles([freqs[0], *(freqs[i] for i in others)], [weights[0], *(weights[i] for i in others)]))
@@ -46,7 +46,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
     rng = np.random.default_rng(0)
-    base = ("bundle", btfl.fit_dle(rng.exponential(size=(500, SHAPE[0]))), 50_000)
+    base = ("bundle", btfl.fit_dle(rng.exponential(size=(500, SHAPE[0]))), 90)
     rows = []
     for n in args.clients:
         with tempfile.TemporaryDirectory() as tmp:

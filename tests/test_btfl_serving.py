@@ -38,7 +38,7 @@ def _auth(client: dict) -> dict[str, str]:
 def _bundle_dle(server: Coordinator, manifest: dict) -> tuple[np.ndarray, int]:
     url = next(a["url"] for a in manifest["artifacts"] if a["name"] == "btfl")
     with np.load(io.BytesIO(httpx.get(server.url + url, timeout=10).content)) as arrays:
-        return arrays["global_dle"], int(arrays["dle_samples"][0])
+        return arrays["global_dle"], int(arrays["dle_clients"][0])
 
 
 def test_btfl_bundle_and_training_dle(server: Coordinator) -> None:
@@ -46,11 +46,11 @@ def test_btfl_bundle_and_training_dle(server: Coordinator) -> None:
     m = c["manifest"]
     assert m["method"] == "BTFL" and "BTFL" in c["methods"]
     assert {"features", "forward", "params", "btfl"} <= {a["name"] for a in m["artifacts"]}
-    dle, samples = _bundle_dle(server, m)
-    assert dle.ndim == 2 and dle.shape[1] == m["hyperparameters"]["dle_levels"] and samples > 0
+    dle, clients = _bundle_dle(server, m)
+    assert dle.ndim == 2 and dle.shape[1] == m["hyperparameters"]["dle_levels"] and clients > 1
     np.testing.assert_allclose(dle.sum(1), 1.0, atol=1e-12)  # rows are level frequencies
     view = httpx.get(f"{server.url}/v1/btfl/dle", headers=_auth(c), timeout=10).json()
-    assert view["base"] == {"bundle_id": m["bundle_id"], "num_samples": samples}
+    assert view["base"] == {"bundle_id": m["bundle_id"], "clients": clients}
 
 
 def test_dle_upload_changes_the_served_global_dle(server: Coordinator) -> None:
@@ -65,14 +65,14 @@ def test_dle_upload_changes_the_served_global_dle(server: Coordinator) -> None:
     dle_b = btfl.fit_dle(rng.exponential(0.3, size=(60, base.shape[0])))
     r = httpx.post(url, json={"freqs": dle_a.tolist(), "num_samples": 40}, headers=_auth(a), timeout=10)
     assert r.status_code == 200, r.text
-    np.testing.assert_allclose(r.json()["global_dle"], btfl.average_dles([base, dle_a], [n_base, 40]), atol=1e-12)
+    np.testing.assert_allclose(r.json()["global_dle"], btfl.average_dles([base, dle_a], [n_base, 1]), atol=1e-12)
     np.testing.assert_allclose(r.json()["others_dle"], base, atol=1e-12)  # a's global DLE: everyone else's
     r = httpx.post(url, json={"freqs": dle_b.tolist(), "num_samples": 60}, headers=_auth(b), timeout=10)
     assert r.json()["clients"] == 2
-    np.testing.assert_allclose(r.json()["global_dle"], btfl.average_dles([base, dle_a, dle_b], [n_base, 40, 60]),
+    np.testing.assert_allclose(r.json()["global_dle"], btfl.average_dles([base, dle_a, dle_b], [n_base, 1, 1]),
                                atol=1e-12)
     seen_by_a = httpx.get(url, headers=_auth(a), timeout=10).json()  # b's upload reached a's global DLE
-    np.testing.assert_allclose(seen_by_a["others_dle"], btfl.average_dles([base, dle_b], [n_base, 60]), atol=1e-12)
+    np.testing.assert_allclose(seen_by_a["others_dle"], btfl.average_dles([base, dle_b], [n_base, 1]), atol=1e-12)
     wrong = np.full((base.shape[0] + 1, base.shape[1]), 1.0 / base.shape[1])
     bad = httpx.post(url, json={"freqs": wrong.tolist(), "num_samples": 5}, headers=_auth(a), timeout=10)
     assert bad.status_code == 422  # must match the bundle's [D, levels]

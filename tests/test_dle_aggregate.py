@@ -1,6 +1,7 @@
 """The coordinator's running DLE sums (fl_server/service/dle.py) against a direct re-computation with
-edge_sdk.btfl.average_dles over every client's latest row, on a real SQLite store, through uploads,
-replacements, a shape change and a restart."""
+edge_sdk.btfl.average_dles over every client's latest row (one weight per client; a served bundle's DLE weighs
+as many as its training clients), on a real SQLite store, through uploads, replacements, a shape change and a
+restart."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,7 +15,7 @@ from fl_server.service.store import Store
 
 
 def _direct(latest: dict[str, tuple[np.ndarray, int]], exclude: str | None, base: tuple | None) -> np.ndarray | None:
-    rows = [(f, n) for cid, (f, n) in latest.items() if cid != exclude]
+    rows = [(f, 1) for cid, (f, _) in latest.items() if cid != exclude]  # the claimed sample count is no weight
     if base is not None:
         rows.insert(0, (base[1], base[2]))
     return btfl.average_dles([f for f, _ in rows], [n for _, n in rows]) if rows else None
@@ -29,7 +30,7 @@ def _random_dle(rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray:
 def test_running_sums_equal_a_direct_average(tmp_path: Path, with_base: bool) -> None:
     rng = np.random.default_rng(0)
     shape = (6, 3)
-    base = ("bundle", _random_dle(rng, shape), 5000) if with_base else None
+    base = ("bundle", _random_dle(rng, shape), 12) if with_base else None
     store = Store(tmp_path / "db.sqlite3")
     agg = DLEAggregate(store)
     assert agg.view("nobody", None) is None

@@ -218,10 +218,11 @@ def test_btfl_dle_upload_and_reaggregation(server: Coordinator) -> None:
     assert r.status_code == 200, r.text
     assert r.json()["clients"] == 1 and r.json()["others_dle"] is None
     np.testing.assert_allclose(r.json()["global_dle"], dle_a)
-    r = httpx.post(url, json={"freqs": dle_b.tolist(), "num_samples": 150}, headers=auth(b["token"]), timeout=10)
+    # b claims 10^9 samples: every client weighs the same (BTFL Sec. 4.1), so the claim cannot outweigh a
+    r = httpx.post(url, json={"freqs": dle_b.tolist(), "num_samples": 10**9}, headers=auth(b["token"]), timeout=10)
     body = r.json()
     assert body["clients"] == 2 and (body["dims"], body["levels"]) == (16, 2)
-    np.testing.assert_allclose(body["global_dle"], btfl.average_dles([dle_a, dle_b], [50, 150]), atol=1e-12)
+    np.testing.assert_allclose(body["global_dle"], (dle_a + dle_b) / 2, atol=1e-12)
     np.testing.assert_allclose(body["others_dle"], dle_a)
     bad_rows = np.full((16, 2), 0.7)
     for bad in ({"freqs": bad_rows.tolist(), "num_samples": 5}, {"freqs": dle_a[:8].tolist(), "num_samples": 5},

@@ -160,8 +160,9 @@ async def generate(body: S.GenerateRequest, request: Request, _: Principal = Dep
 
 
 def _dle_view(svc: Service, client_id: str) -> dict[str, Any]:
-    """Global DLE = sample-weighted average of the BTFL bundle's training-time DLE (when a BTFL bundle is
-    served) and every client's latest upload of that shape; ``others_dle`` leaves the caller's own upload out."""
+    """Global DLE = per-client average of the BTFL bundle's training-time DLE (when a BTFL bundle is served;
+    it counts as its training clients) and every client's latest upload of that shape; ``others_dle`` leaves
+    the caller's own upload out."""
     base = svc.btfl_base()
     view = svc.dles.view(client_id, base)
     if view is None:
@@ -175,8 +176,8 @@ def _dle_view(svc: Service, client_id: str) -> dict[str, Any]:
 def upload_dle(body: S.DLEUpload, who: Principal = Depends(require_client),
                svc: Service = Depends(service)) -> dict[str, Any]:
     """BTFL: a participating client uploads its local DLE (replacing its previous one); the global DLE is
-    re-aggregated as the sample-weighted average of every client's latest DLE and, when a BTFL bundle is
-    served, its training clients' DLE (BTFL Sec. 4.1)."""
+    re-aggregated as the average of every client's latest DLE and, when a BTFL bundle is served, its
+    training clients' DLE (BTFL Sec. 4.1; every client weighs the same, whatever its num_samples)."""
     assert who.client_id is not None
     if len({len(row) for row in body.freqs}) != 1:
         raise HTTPException(422, "invalid DLE: every row of freqs must have the same number of levels")

@@ -87,12 +87,13 @@ class DLEUpload(Strict):
                                 description="local DLE [D, levels]: per-dimension level frequencies "
                                             "(edge_sdk.btfl.fit_dle); every row has the same length and "
                                             "sums to 1; D and levels must match the other clients' DLEs")
-    num_samples: int = Field(ge=1, le=10**9, description="samples the DLE was fitted on (aggregation weight)")
+    num_samples: int = Field(ge=1, le=10**9, description="samples the DLE was fitted on (recorded; not a weight: "
+                                                          "every client weighs the same in the global DLE)")
 
 
 class DLEBase(BaseModel):
     bundle_id: str = Field(description="the served BTFL bundle whose training clients' DLE is in the aggregate")
-    num_samples: int = Field(description="training samples behind that DLE (its weight)")
+    clients: int = Field(description="training clients behind that DLE (it counts as that many clients)")
 
 
 class DLEResponse(BaseModel):

@@ -155,8 +155,9 @@ class Service:
         return cached
 
     def btfl_base(self) -> tuple[str, np.ndarray, int] | None:
-        """(bundle id, global DLE [D, L], samples) of the newest BTFL bundle: the training clients' DLE that
-        every device's upload is averaged with (POST /v1/btfl/dle); None without a BTFL bundle."""
+        """(bundle id, global DLE [D, L], clients) of the newest BTFL bundle: its training clients' average DLE,
+        counted as that many clients in the average with every device's upload (POST /v1/btfl/dle); None
+        without a BTFL bundle."""
         bundle = self.bundle_for("BTFL")
         if bundle is None:
             return None
@@ -165,7 +166,8 @@ class Service:
             sha = next(a["sha256"] for a in bundle["manifest"]["artifacts"] if a["name"] == "btfl")
             with np.load(self.artifacts.path(sha), allow_pickle=False) as arrays:
                 cached = (bundle["id"], np.asarray(arrays["global_dle"], dtype=np.float64),
-                          int(arrays["dle_samples"].reshape(-1)[0]))
+                          # older bundles carry dle_samples (a sample-weighted DLE) instead: it counts once
+                          int(arrays["dle_clients"].reshape(-1)[0]) if "dle_clients" in arrays.files else 1)
             self._btfl_base[bundle["id"]] = cached
         return cached
 
