@@ -44,6 +44,26 @@ def test_tent_lowers_entropy_and_helps_pathological_new_clients(mnist_fed) -> No
     assert h1 < h0
 
 
+def test_tent_norm_affine_moves_only_the_normalisation_scale_and_shift(mnist_fed) -> None:
+    """The original TENT's parameters on a batch-normalised model: every other weight stays bit-identical and
+    the entropy of the client's predictions (test-batch statistics) falls."""
+    model = build_model("btfl_cnn_bn", (1, 28, 28), 10, seed=0)
+    tent = build_algorithm("TENT", model, 1, seed=0, adapt="norm_affine", tent_lr=0.5, batch_size=64)
+    params = tent.init_state(torch.float32, torch.device("cpu"))["params"]
+    x = torch.from_numpy(mnist_fed.dataset.x[mnist_fed.new[0][:256]]).float()
+    adapted = tent.personalize({"params": params}, x)
+    affine = {f"{name}.{p}" for name, m in model.named_modules() if type(m).__name__ == "StatBatchNorm2d"
+              for p in ("weight", "bias")}
+    assert affine and {n for n in params if not torch.equal(params[n], adapted[n])} == affine
+    with torch.no_grad():
+        before, after = (entropy_from_logits(tent.predict(p, x)).mean() for p in (params, adapted))
+    assert after < before
+    with pytest.raises(ValueError, match=r"^TENT adapt='norm_affine' needs a batch-normalised model"):
+        build_algorithm("TENT", build_model("mlp", (1, 28, 28), 10), 1, adapt="norm_affine")
+    with pytest.raises(ValueError, match=r"^TENT adapt must be one of all, norm_affine, got 'bn'$"):
+        build_algorithm("TENT", build_model("mlp", (1, 28, 28), 10), 1, adapt="bn")
+
+
 def test_fedprox_large_mu_stays_near_server(mnist_fed) -> None:
     a, _ = _run(mnist_fed, "FedAvg", rounds=1)
     p, _ = _run(mnist_fed, "FedProx", rounds=1, mu=100.0, lr=0.005)

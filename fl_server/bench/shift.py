@@ -53,10 +53,12 @@ SHIFT_METHODS: dict[str, tuple[str, str]] = {
     # batch-normalised encoders only (the -bn protocols): FedICON w/o TTA predicting with the client's test-batch
     # statistics instead of the training population's -- the part of a TTA gain that needs no Eq. 7 step
     "FedICON BN-stats": ("FedICON", "FedICON w/o TTA"),
+    # batch-normalised models only: the original TENT's parameters (normalisation affine scale and shift)
+    "TENT (BN affine)": ("FedAvg", "TENT"),
 }
 # with a batch-normalised model, these predict with the test batch's statistics (BatchNorm in train mode, as TENT
 # and FedICON's test-time step run); the others with the training population's (fl_server.models.norm)
-BATCH_STATS_AT_TEST = ("TENT", "FedICON", "FedICON online", "FedICON BN-stats")
+BATCH_STATS_AT_TEST = ("TENT", "TENT (BN affine)", "FedICON", "FedICON online", "FedICON BN-stats")
 
 
 def assign_by_label(labels: np.ndarray, client_counts: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
