@@ -2,6 +2,7 @@
 and a real server driven past its limits (429 with Retry-After, then recovery)."""
 from __future__ import annotations
 
+import sqlite3
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -10,7 +11,7 @@ import httpx
 import pytest
 from fastapi import HTTPException
 
-from coordinator_proc import ADMIN, Coordinator, auth, join, start_copy
+from coordinator_proc import ADMIN, Coordinator, auth, join, start, start_copy
 from fl_server.service.config import ServiceConfig
 from fl_server.service.ratelimit import Buckets, Limit
 
@@ -47,6 +48,12 @@ def test_bucket_disabled_and_bounded() -> None:
     b = Buckets(Limit(1.0, 1), max_keys=2, clock=clock)
     b.take("a"), b.take("b"), b.take("c")  # "a" (least recently used) is dropped: its bucket is full again
     assert b.take("a") == 0.0 and b.take("c") > 0
+
+
+def test_client_cap_setting(tmp_path: Path) -> None:
+    assert ServiceConfig(store_dir=tmp_path, default_methods=()).max_clients == 1_000_000
+    with pytest.raises(ValueError, match=r"^FL_SERVE_MAX_CLIENTS must be >= 0 \(0: no cap\)$"):
+        ServiceConfig(store_dir=tmp_path, default_methods=(), max_clients=-1)
 
 
 def test_defaults_do_not_throttle_the_load_benchmark(tmp_path: Path) -> None:
@@ -120,3 +127,29 @@ def test_edge_client_waits_out_a_429(server: Coordinator, tmp_path: Path) -> Non
                     event_hooks={"response": [lambda r: seen.append(r.status_code)]}) as c:
         info = c.join()
     assert seen[0] == 429 and seen[-1] == 201 and info.token.startswith("flc_")
+
+
+def test_joins_stop_at_the_client_cap_and_survive_a_restart(trained_store: Path,
+                                                             tmp_path_factory: pytest.TempPathFactory) -> None:
+    """FL_SERVE_MAX_CLIENTS bounds the registry (joining needs no credential); the count is the store's, so a
+    restarted coordinator keeps refusing."""
+    store = tmp_path_factory.mktemp("cap") / "store"
+    with sqlite3.connect(trained_store / "coordinator.sqlite3") as db:
+        existing = db.execute("SELECT COUNT(*) FROM clients").fetchone()[0]
+    env = {"FL_SERVE_MAX_CLIENTS": str(existing + 2)}
+    coord = start_copy(trained_store, store, env=env)
+    try:
+        joined = [join(coord.url) for _ in range(2)]
+        r = httpx.post(f"{coord.url}/v1/clients", json={}, timeout=30)
+        assert r.status_code == 503
+        assert r.json() == {"detail": f"the coordinator has registered its maximum of {existing + 2} clients "
+                                      "(FL_SERVE_MAX_CLIENTS)"}
+        url = f"{coord.url}/v1/btfl/dle"  # the registered clients keep working
+        assert httpx.get(url, headers=auth(joined[0]["token"]), timeout=30).status_code in (200, 404)
+    finally:
+        coord.stop()
+    again = start(store, env=env)
+    try:
+        assert httpx.post(f"{again.url}/v1/clients", json={}, timeout=30).status_code == 503
+    finally:
+        again.stop()

@@ -40,6 +40,9 @@ class ServiceConfig:
     token_burst: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_TOKEN_BURST", "200")))
     join_rate: float = field(default_factory=lambda: float(os.environ.get("FL_SERVE_JOIN_RATE", "20")))
     join_burst: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_JOIN_BURST", "500")))
+    # registered clients at most (0: no cap): joining is unauthenticated, so the per-IP rate alone would let one
+    # address add 1.7M clients a day; past the cap a join gets 503
+    max_clients: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_MAX_CLIENTS", "1000000")))
 
     def __post_init__(self) -> None:
         self.store_dir = Path(self.store_dir)
@@ -54,3 +57,5 @@ class ServiceConfig:
             raise ValueError("FL_SERVE_ARTIFACT_CACHE_FILE_MAX must be >= 0 (0: stream every artifact from disk)")
         if min(self.token_rate, self.token_burst, self.join_rate, self.join_burst) < 0:
             raise ValueError("FL_SERVE_{TOKEN,JOIN}_{RATE,BURST} must be >= 0 (a rate of 0 disables the limit)")
+        if self.max_clients < 0:
+            raise ValueError("FL_SERVE_MAX_CLIENTS must be >= 0 (0: no cap)")

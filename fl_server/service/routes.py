@@ -19,7 +19,7 @@ from fl_server.service.fastpath import artifact_headers
 from fl_server.service.ratelimit import limit_join
 from fl_server.service.ranges import Unsatisfiable, parse_range
 from fl_server.service.state import NONE_METHOD, Service
-from fl_server.service.store import JOB_STATES
+from fl_server.service.store import JOB_STATES, RegistryFull
 
 router = APIRouter()
 
@@ -68,8 +68,11 @@ async def signing_key(svc: Service = Depends(service)) -> dict[str, str]:
 async def join(body: S.JoinRequest, request: Request, svc: Service = Depends(service)) -> Response:
     """Join as a new client: a client id, a bearer token, the methods served now and the bundle's manifest."""
     bundle = _bundle_or_503(svc, body.method)
-    client_id, token = svc.store.add_client(body.method or bundle["method"], bundle["id"],
-                                            request.headers.get("user-agent", ""))
+    try:
+        client_id, token = svc.store.add_client(body.method or bundle["method"], bundle["id"],
+                                                request.headers.get("user-agent", ""), svc.cfg.max_clients)
+    except RegistryFull as exc:
+        raise HTTPException(503, str(exc)) from None
     head = json.dumps({"client_id": client_id, "token": token, "methods": svc.methods()})
     return Response(head[:-1].encode() + b', "manifest": ' + svc.manifest_json(bundle) + b"}", status_code=201,
                     media_type="application/json")

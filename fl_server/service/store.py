@@ -39,6 +39,10 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 JOB_STATES = ("queued", "running", "done", "failed")
 
 
+class RegistryFull(RuntimeError):
+    """A join past ``FL_SERVE_MAX_CLIENTS`` registered clients."""
+
+
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -55,6 +59,7 @@ class Store:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA wal_autocheckpoint=0")  # checkpoints: _checkpoint_loop, off the request path
             self._db.executescript(SCHEMA)
+            self._num_clients = int(self._db.execute("SELECT COUNT(*) FROM clients").fetchone()[0])
         self._closed = threading.Event()
         self._checkpointer = threading.Thread(target=self._checkpoint_loop, args=(path, checkpoint_s),
                                               name="sqlite-checkpoint", daemon=True)
@@ -104,15 +109,22 @@ class Store:
         return rows[0]["scope"], rows[0]["client_id"]
 
     # --------------------------------------------------------------- clients
-    def add_client(self, method: str, bundle_id: str, user_agent: str = "") -> tuple[str, str]:
+    def add_client(self, method: str, bundle_id: str, user_agent: str = "",
+                   max_clients: int = 0) -> tuple[str, str]:
+        """Register a client: (client id, bearer token). Raises :class:`RegistryFull` when ``max_clients``
+        (> 0) clients are registered already (counted in memory: one process owns the store)."""
         client_id = uuid.uuid4().hex
         with self._lock:
+            if 0 < max_clients <= self._num_clients:
+                raise RegistryFull(f"the coordinator has registered its maximum of {max_clients} clients "
+                                   "(FL_SERVE_MAX_CLIENTS)")
             self._db.execute("BEGIN")
             self._db.execute("INSERT INTO clients VALUES (?, ?, ?, ?, ?)",
                              (client_id, time.time(), method, bundle_id, user_agent[:200]))
             token = f"flc_{secrets.token_urlsafe(32)}"
             self._db.execute("INSERT INTO tokens VALUES (?, 'client', ?, ?)", (hash_token(token), client_id, time.time()))
             self._db.execute("COMMIT")
+            self._num_clients += 1
         return client_id, token
 
     def clients(self, limit: int = 100) -> list[dict[str, Any]]:
