@@ -100,7 +100,7 @@ class DLEResponse(BaseModel):
     clients: int = Field(description="clients whose latest uploaded DLE is in the aggregate")
     dims: int
     levels: int
-    global_dle: list[list[float]] = Field(description="sample-weighted average of all clients' DLEs")
+    global_dle: list[list[float]] = Field(description="average of all clients' DLEs, one weight per client")
     others_dle: list[list[float]] | None = Field(
         None, description="the same average without the caller's own DLE (what BTFL's authors use); "
                           "null while the caller's is the only one")
