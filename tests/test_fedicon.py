@@ -216,6 +216,18 @@ def test_fedicon_shift_quick_experiment(tmp_path, data_root) -> None:  # type: i
     assert by[("FedAvg", "clean")] > by[("FedAvg", "digits")]  # the domain shift costs accuracy
 
 
+def test_bn_affine_tent_is_refused_without_batch_normalisation(tmp_path, data_root) -> None:  # type: ignore[no-untyped-def]
+    """Before training anything (no run folder is written)."""
+    from fl_server.bench.experiments import get_experiment
+    from fl_server.bench.shift import run_shift_seed
+
+    protocol = get_experiment("fedicon-shift").protocols["mnist"].quick()
+    with pytest.raises(ValueError, match=r"^TENT \(BN affine\) needs a batch-normalised model and mlp has none"):
+        run_shift_seed(protocol, "TENT (BN affine)", 0, tmp_path / "runs" / "TENT_BN_affine" / "seed0",
+                       device="cpu", progress=False, data_root=str(data_root))
+    assert not (tmp_path / "runs").exists()
+
+
 def test_tta_step_exports_to_onnx_with_parity(tmp_path, trained) -> None:  # type: ignore[no-untyped-def]
     """The Eq. 7 step is a pure graph (x, u, weights) -> weights: ONNX on onnxruntime matches torch at
     another batch size than the traced one."""

@@ -181,6 +181,9 @@ def run_shift_seed(protocol: "Protocol", method: str, seed: int, run_dir: Path |
     if train_name == "FedICON":
         hp["encoder_rounds"] = int(round(protocol.options.get("encoder_fraction", 0.8) * protocol.rounds))
     model = build_model(protocol.model, shape, fed.dataset.num_classes, seed=seed)
+    if protocol.method_hp.get(method, {}).get("adapt") == "norm_affine" and not stat_norms(model):
+        raise ValueError(f"{method} needs a batch-normalised model and {protocol.model} has none "
+                         "(run it on a -bn protocol)")
     train_algo = build_algorithm(train_name, model, fed.num_train_clients, seed=seed, **hp)
     train_dir = None if run_dir is None else run_dir.parent.parent / safe_name(train_name) / run_dir.name
     cfg = protocol.run_config(seed, str(train_dir) if train_dir else None, device, mode, progress)
