@@ -31,7 +31,8 @@ SHAPE = (64, 2)
 
 
 def direct_view(store: Store, client_id: str, base: tuple[str, np.ndarray, int]) -> tuple[np.ndarray, np.ndarray]:
-    """The replaced route body: every row decoded, the aggregate computed from scratch."""
+    """What the running sums replaced: every row decoded, the aggregate computed from scratch (with today's
+    per-client weights, so that the two views can be checked equal)."""
     rows = [r for r in store.dles() if (r["dims"], r["levels"]) == SHAPE]
     freqs = [base[1], *(np.asarray(r["freqs"]) for r in rows)]
     weights = [base[2], *(1 for _ in rows)]  # one weight per client; the bundle counts as its clients

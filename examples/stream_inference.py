@@ -169,7 +169,7 @@ def main() -> int:
             device.start(reply["others_dle"] if reply["others_dle"] is not None else reply["global_dle"])
             predict, base_predict, steps = device.logits, device.global_logits, 1
             btfl_info = {"local_head_train_accuracy": round(100 * fit.train_accuracy, 2),
-                         "dle_clients": reply["clients"], "dle_base": reply.get("base")}
+                         "dle_uploaders": reply["clients"], "dle_base": reply.get("base")}
             what = (f"trained its local head on {len(warm)} labeled samples (train acc "
                     f"{100 * fit.train_accuracy:.1f}%), uploaded its DLE ({reply['clients']} client DLE(s) + "
                     f"{'the bundle' if reply.get('base') else 'no'} training-time DLE in the aggregate)")

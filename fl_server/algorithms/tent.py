@@ -4,8 +4,9 @@ the new client's unlabeled data before predicting.
 Which parameters (``adapt``): ``"all"`` (default) -- as in UPFL's re-implementation for models without
 BatchNorm -- adapts every parameter with plain SGD at the FedAvg learning rate; ``"norm_affine"`` is the
 original TENT's choice for a batch-normalised model (``btfl_cnn_bn``): only the normalisation layers' affine
-scale and shift move, the rest of the gradient is dropped, and the forward normalises with the test batch's
-statistics. The original steps those with Adam (CIFAR) or SGD with momentum (ImageNet); here plain SGD at
+scale and shift move (the gradient is taken for them alone). Which statistics the normalisation uses is the
+caller's choice (``fl_server.models.norm.norm_mode``; the fedicon-shift benchmark uses the test batch's, as the
+original TENT). The original steps those parameters with Adam (CIFAR) or SGD with momentum (ImageNet); here plain SGD at
 ``tent_lr``, which the benchmarks choose on validation (one pass of a few batches per client, where momentum
 changes little). ``steps`` full-batch steps on the client's whole unlabeled set (default 1), or mini-batches
 of ``batch_size`` for one pass when set.
@@ -44,17 +45,17 @@ class Tent(FedAvg):
         super().__init__(model, config, seed, **overrides)
         if self.hp.adapt not in ADAPT:
             raise ValueError(f"TENT adapt must be one of {', '.join(ADAPT)}, got {self.hp.adapt!r}")
-        affine = {f"{name}.{p}" for name, m in self.model.named_modules() if isinstance(m, StatBatchNorm2d)
-                  for p in ("weight", "bias")}
-        if self.hp.adapt == "norm_affine" and not affine:
+        self._affine = [f"{name}.{p}" for name, m in self.model.named_modules() if isinstance(m, StatBatchNorm2d)
+                        for p in ("weight", "bias")]
+        if self.hp.adapt == "norm_affine" and not self._affine:
             raise ValueError("TENT adapt='norm_affine' needs a batch-normalised model (e.g. btfl_cnn_bn)")
-        self._frozen = set() if self.hp.adapt == "all" else set(dict(self.model.named_parameters())) - affine
 
     def entropy_step(self, params: State, x: torch.Tensor) -> State:
+        """One SGD step on the mean prediction entropy of ``x``, over the parameters ``hp.adapt`` names."""
         lr = self.hp.tent_lr if self.hp.tent_lr is not None else self.hp.lr
-        grads = torch.func.grad(lambda p: entropy_from_logits(self.forward(p, x)).mean())(params)
-        grads = {n: torch.zeros_like(g) if n in self._frozen else g for n, g in grads.items()}
-        return sgd(params, grads, lr)
+        moving = params if self.hp.adapt == "all" else {n: params[n] for n in self._affine}
+        grads = torch.func.grad(lambda m: entropy_from_logits(self.forward({**params, **m}, x)).mean())(moving)
+        return {**params, **sgd(moving, grads, lr)}
 
     def personalize(self, server_state: State, x: torch.Tensor) -> State:
         params = server_state["params"]

@@ -246,7 +246,8 @@ _SHIFT_CNN_PROTOCOL = replace(_SHIFT_PROTOCOL, model="btfl_cnn",
                               note="BTFL CNN, 100 rounds x 20 steps (paper: CNN, 100 rounds x 5 epochs); CPU budget")
 # The same with batch normalisation after each convolution (btfl_cnn_bn; the CNNs of FedICON's and FedBN's Digit-5
 # experiments normalise): predictions of FedAvg, FedAvg-FT and FedICON w/o TTA use the training population's
-# statistics, TENT's, FedICON's and FedICON BN-stats' the test batch's (shift.BATCH_STATS_AT_TEST)
+# statistics, TENT's, TENT (BN affine)'s, FedICON's and FedICON BN-stats' the test batch's
+# (shift.BATCH_STATS_AT_TEST)
 _SHIFT_BN_PROTOCOL = replace(_SHIFT_PROTOCOL, model="btfl_cnn_bn",
                              note="BTFL CNN with batch normalisation, 100 rounds x 20 steps (paper: CNN, 100 rounds "
                                   "x 5 epochs); CPU budget")
