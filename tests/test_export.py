@@ -62,6 +62,22 @@ def test_tent_step_parity(model_name: str, batches, tmp_path: Path) -> None:  # 
     assert len(pools) == (4 if model_name == "convnet" else 0)  # 2x2 pools: the step's forward and the final one
 
 
+def test_bn_affine_tent_step_parity(batches, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The original TENT on a batch-normalised CNN: the exported step (test-batch statistics, batches of 64
+    and 17) matches torch and moves only the normalisation scale and shift."""
+    alg = build_algorithm("TENT", build_model("btfl_cnn_bn", (1, 28, 28), 10, seed=0), 1, seed=0,
+                          adapt="norm_affine", tent_lr=1.0)
+    spec = tent_step_spec(alg, alg.init_state(torch.float32, torch.device("cpu"))["params"])
+    export_spec(spec, tmp_path / "tent_bn_step.onnx")
+    for x in batches:  # 5e-5: torch and onnxruntime reduce the batch variance in different orders (float32)
+        outputs = zip(spec.output_names, _run(tmp_path / "tent_bn_step.onnx", spec, x), spec.fn(x, *spec.example[1:]))
+        for name, got, want in outputs:
+            np.testing.assert_allclose(got, want.detach().numpy(), rtol=1e-5, atol=5e-5, err_msg=name)
+    moved = [n for n, new, old in zip(spec.output_names, _run(tmp_path / "tent_bn_step.onnx", spec, batches[0]),
+                                       spec.example[1:]) if not np.array_equal(new, old.detach().numpy())]
+    assert moved and all(n.startswith("new.features.") and n.split(".")[2] in ("1", "5") for n in moved)
+
+
 def test_step_lowers_entropy_on_device(batches, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Iterating the exported TENT step on onnxruntime alone lowers the prediction entropy."""
     alg = build_algorithm("TENT", build_model("mlp", (1, 28, 28), 10, seed=0), 1, seed=0, lr=0.5)
