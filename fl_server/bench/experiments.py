@@ -367,7 +367,7 @@ EXPERIMENTS["fedicon-shift"] = Experiment(
                 "at a rate validation picks from a grid up to 100): below the whole-model TENT on MNIST, it still "
                 "leads FedICON on Fashion-MNIST at every severity and on MNIST at severity 5, so which TENT is "
                 "the baseline does not change the reading. FedICON online on -bn (MNIST; 16 test samples per "
-                "step, normalised with the chunk's statistics) is within a few tenths of batch-mode FedICON, "
+                "step, normalised with the chunk's statistics) is within about half a point of batch-mode FedICON, "
                 "and validation again picks the lowest Eq. 7 rate.",
 )
 
