@@ -59,7 +59,7 @@ class Store:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA wal_autocheckpoint=0")  # checkpoints: _checkpoint_loop, off the request path
             self._db.executescript(SCHEMA)
-            self._num_clients = int(self._db.execute("SELECT COUNT(*) FROM clients").fetchone()[0])
+        self._num_clients = self.count("clients")  # add_client keeps it: one process owns the store
         self._closed = threading.Event()
         self._checkpointer = threading.Thread(target=self._checkpoint_loop, args=(path, checkpoint_s),
                                               name="sqlite-checkpoint", daemon=True)
@@ -112,7 +112,7 @@ class Store:
     def add_client(self, method: str, bundle_id: str, user_agent: str = "",
                    max_clients: int = 0) -> tuple[str, str]:
         """Register a client: (client id, bearer token). Raises :class:`RegistryFull` when ``max_clients``
-        (> 0) clients are registered already (counted in memory: one process owns the store)."""
+        (> 0) clients are registered already."""
         client_id = uuid.uuid4().hex
         with self._lock:
             if 0 < max_clients <= self._num_clients:
