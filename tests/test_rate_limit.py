@@ -15,6 +15,7 @@ from fastapi import HTTPException
 from coordinator_proc import ADMIN, Coordinator, auth, join, start, start_copy
 from fl_server.service.config import ServiceConfig
 from fl_server.service.ratelimit import Buckets, Limit
+from fl_server.service.store import RegistryFull, Store
 
 pytestmark = pytest.mark.timeout(600)  # the first test of a session trains the shared store
 
@@ -55,6 +56,38 @@ def test_client_cap_setting(tmp_path: Path) -> None:
     assert ServiceConfig(store_dir=tmp_path, default_methods=()).max_clients == 1_000_000
     with pytest.raises(ValueError, match=r"^FL_SERVE_MAX_CLIENTS must be >= 0 \(0: no cap\)$"):
         ServiceConfig(store_dir=tmp_path, default_methods=(), max_clients=-1)
+    assert ServiceConfig(store_dir=tmp_path, default_methods=()).unused_client_ttl_s == 86400
+    with pytest.raises(ValueError, match=r"^FL_SERVE_UNUSED_CLIENT_TTL_S must be >= 0 \(0: never reclaim unused "
+                                         r"clients\)$"):
+        ServiceConfig(store_dir=tmp_path, default_methods=(), unused_client_ttl_s=float("nan"))
+
+
+def test_a_full_registry_reclaims_only_old_unused_clients(tmp_path: Path) -> None:
+    """At the cap a join deletes the clients (and tokens) that never authenticated and joined over the TTL ago;
+    one that used its token stays; a store of the previous version counts its clients as used (no column)."""
+    path = tmp_path / "old.sqlite3"
+    with closing(sqlite3.connect(path)) as db:  # the previous version's clients table: no first_used
+        db.execute("CREATE TABLE clients (id TEXT PRIMARY KEY, created REAL NOT NULL, method TEXT, bundle_id TEXT, "
+                   "user_agent TEXT)")
+        db.execute("INSERT INTO clients VALUES ('old', 1.0, 'TENT', 'b', '')")
+        db.commit()
+    store = Store(path)
+    try:
+        used, _ = store.add_client("TENT", "b", max_clients=3)
+        unused, unused_token = store.add_client("TENT", "b", max_clients=3)
+        store.mark_used(used)
+        time.sleep(0.3)
+        with pytest.raises(RegistryFull):  # all three joined under 1 s ago: nothing to reclaim
+            store.add_client("TENT", "b", max_clients=3, unused_ttl_s=1.0)
+        time.sleep(1.0)  # past the TTL and past the one-pass-per-min(ttl, 60) s guard
+        store.add_client("TENT", "b", max_clients=3, unused_ttl_s=1.0)
+        ids = {c["id"] for c in store.clients()}
+        assert "old" in ids and used in ids and unused not in ids and len(ids) == 3
+        assert store.lookup_token(unused_token) is None
+        with pytest.raises(RegistryFull):
+            store.add_client("TENT", "b", max_clients=3, unused_ttl_s=1.0)
+    finally:
+        store.close()
 
 
 def test_defaults_do_not_throttle_the_load_benchmark(tmp_path: Path) -> None:
@@ -154,3 +187,26 @@ def test_joins_stop_at_the_client_cap_and_survive_a_restart(trained_store: Path,
         assert httpx.post(f"{again.url}/v1/clients", json={}, timeout=30).status_code == 503
     finally:
         again.stop()
+
+
+def test_a_full_coordinator_reclaims_clients_that_never_used_their_token(
+        trained_store: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """FL_SERVE_UNUSED_CLIENT_TTL_S: at the cap, a join reclaims the clients that never made an authenticated
+    request and joined over the TTL ago; a client that did keeps its token."""
+    store = tmp_path_factory.mktemp("reclaim") / "store"
+    with closing(sqlite3.connect(f"file:{trained_store / 'coordinator.sqlite3'}?mode=ro", uri=True)) as db:
+        existing = db.execute("SELECT COUNT(*) FROM clients").fetchone()[0]
+    coord = start_copy(trained_store, store, env={"FL_SERVE_MAX_CLIENTS": str(existing + 2),
+                                                  "FL_SERVE_UNUSED_CLIENT_TTL_S": "2"})
+    try:
+        active, idle = join(coord.url), join(coord.url)
+        dle = f"{coord.url}/v1/btfl/dle"
+        assert httpx.get(dle, headers=auth(active["token"]), timeout=30).status_code == 404  # authenticated
+        assert httpx.post(f"{coord.url}/v1/clients", json={}, timeout=30).status_code == 503  # both too young
+        time.sleep(2.5)
+        assert httpx.post(f"{coord.url}/v1/clients", json={}, timeout=30).status_code == 201
+        r = httpx.get(dle, headers=auth(idle["token"]), timeout=30)
+        assert (r.status_code, r.json()) == (401, {"detail": "unknown bearer token"})
+        assert httpx.get(dle, headers=auth(active["token"]), timeout=30).status_code == 404
+    finally:
+        coord.stop()

@@ -33,6 +33,8 @@ def _principal(request: Request, creds: HTTPAuthorizationCredentials | None, sco
     if found[0] != scope:
         raise HTTPException(403, hint)
     svc.token_limits.check(hash_token(creds.credentials), "this token")
+    if found[1] is not None:  # a client in use is never reclaimed (FL_SERVE_UNUSED_CLIENT_TTL_S)
+        svc.store.mark_used(found[1])
     return Principal(*found)
 
 

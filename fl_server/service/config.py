@@ -43,6 +43,10 @@ class ServiceConfig:
     # registered clients at most (0: no cap): joining is unauthenticated, so the per-IP rate alone would let one
     # address add 1.7M clients a day; past the cap a join gets 503
     max_clients: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_MAX_CLIENTS", "1000000")))
+    # at the cap, a join first reclaims clients that never used their token and joined over this many seconds
+    # ago (0: never; a client that authenticated once is kept for good)
+    unused_client_ttl_s: float = field(default_factory=lambda: float(os.environ.get(
+        "FL_SERVE_UNUSED_CLIENT_TTL_S", "86400")))
 
     def __post_init__(self) -> None:
         self.store_dir = Path(self.store_dir)
@@ -59,3 +63,5 @@ class ServiceConfig:
             raise ValueError("FL_SERVE_{TOKEN,JOIN}_{RATE,BURST} must be >= 0 (a rate of 0 disables the limit)")
         if self.max_clients < 0:
             raise ValueError("FL_SERVE_MAX_CLIENTS must be >= 0 (0: no cap)")
+        if not self.unused_client_ttl_s >= 0:
+            raise ValueError("FL_SERVE_UNUSED_CLIENT_TTL_S must be >= 0 (0: never reclaim unused clients)")

@@ -70,7 +70,8 @@ async def join(body: S.JoinRequest, request: Request, svc: Service = Depends(ser
     bundle = _bundle_or_503(svc, body.method)
     try:
         client_id, token = svc.store.add_client(body.method or bundle["method"], bundle["id"],
-                                                request.headers.get("user-agent", ""), svc.cfg.max_clients)
+                                                request.headers.get("user-agent", ""), svc.cfg.max_clients,
+                                                svc.cfg.unused_client_ttl_s)
     except RegistryFull as exc:
         raise HTTPException(503, str(exc)) from None
     head = json.dumps({"client_id": client_id, "token": token, "methods": svc.methods()})

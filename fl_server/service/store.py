@@ -23,7 +23,7 @@ from typing import Any
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS clients (id TEXT PRIMARY KEY, created REAL NOT NULL, method TEXT, bundle_id TEXT,
-                                    user_agent TEXT);
+                                    user_agent TEXT, first_used REAL);
 CREATE TABLE IF NOT EXISTS tokens (hash TEXT PRIMARY KEY, scope TEXT NOT NULL, client_id TEXT, created REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, spec TEXT NOT NULL, status TEXT NOT NULL, created REAL NOT NULL,
                                  started REAL, finished REAL, error TEXT, bundle_id TEXT, is_default INTEGER NOT NULL);
@@ -36,6 +36,9 @@ CREATE TABLE IF NOT EXISTS dles (client_id TEXT PRIMARY KEY, dims INTEGER NOT NU
                                  num_samples INTEGER NOT NULL, freqs TEXT NOT NULL, updated REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
+# clients that never used their token, oldest first: what a join at the cap may reclaim (created after the
+# migration below, which adds first_used to a store of an older version)
+UNUSED_INDEX = "CREATE INDEX IF NOT EXISTS clients_unused ON clients (created) WHERE first_used IS NULL"
 JOB_STATES = ("queued", "running", "done", "failed")
 
 
@@ -59,11 +62,25 @@ class Store:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA wal_autocheckpoint=0")  # checkpoints: _checkpoint_loop, off the request path
             self._db.executescript(SCHEMA)
+            self._add_first_used_column()
+            self._db.execute(UNUSED_INDEX)
         self._num_clients = self.count("clients")  # add_client keeps it: one process owns the store
+        self._used: set[str] = set()  # clients whose first use is recorded (mark_used writes once per client)
+        self._last_reclaim = -float("inf")  # time.monotonic() of the last reclaim pass
         self._closed = threading.Event()
         self._checkpointer = threading.Thread(target=self._checkpoint_loop, args=(path, checkpoint_s),
                                               name="sqlite-checkpoint", daemon=True)
         self._checkpointer.start()
+
+    def _add_first_used_column(self) -> None:
+        """Stores of an older version have no ``clients.first_used``: add it and count their clients as used
+        (the old version did not record use, and a client that did use its token must never be reclaimed)."""
+        columns = {row["name"] for row in self._db.execute("PRAGMA table_info(clients)")}
+        if "first_used" not in columns:
+            self._db.execute("BEGIN")
+            self._db.execute("ALTER TABLE clients ADD COLUMN first_used REAL")
+            self._db.execute("UPDATE clients SET first_used = created")
+            self._db.execute("COMMIT")
 
     def _checkpoint_loop(self, path: Path, every_s: float) -> None:
         db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
@@ -109,23 +126,49 @@ class Store:
         return rows[0]["scope"], rows[0]["client_id"]
 
     # --------------------------------------------------------------- clients
-    def add_client(self, method: str, bundle_id: str, user_agent: str = "",
-                   max_clients: int = 0) -> tuple[str, str]:
-        """Register a client: (client id, bearer token). Raises :class:`RegistryFull` when ``max_clients``
-        (> 0) clients are registered already."""
+    def add_client(self, method: str, bundle_id: str, user_agent: str = "", max_clients: int = 0,
+                   unused_ttl_s: float = 0.0) -> tuple[str, str]:
+        """Register a client: (client id, bearer token). At ``max_clients`` (> 0) registered clients, first
+        reclaims those that never used their token and joined over ``unused_ttl_s`` (> 0) seconds ago (one pass
+        per min(ttl, 60) s at most), then raises :class:`RegistryFull` if the registry is still full."""
         client_id = uuid.uuid4().hex
         with self._lock:
+            if 0 < max_clients <= self._num_clients and unused_ttl_s > 0:
+                self._reclaim_unused(unused_ttl_s)
             if 0 < max_clients <= self._num_clients:
                 raise RegistryFull(f"the coordinator has registered its maximum of {max_clients} clients "
                                    "(FL_SERVE_MAX_CLIENTS)")
             self._db.execute("BEGIN")
-            self._db.execute("INSERT INTO clients VALUES (?, ?, ?, ?, ?)",
+            self._db.execute("INSERT INTO clients (id, created, method, bundle_id, user_agent) VALUES (?, ?, ?, ?, ?)",
                              (client_id, time.time(), method, bundle_id, user_agent[:200]))
             token = f"flc_{secrets.token_urlsafe(32)}"
             self._db.execute("INSERT INTO tokens VALUES (?, 'client', ?, ?)", (hash_token(token), client_id, time.time()))
             self._db.execute("COMMIT")
             self._num_clients += 1
         return client_id, token
+
+    def _reclaim_unused(self, ttl_s: float) -> None:
+        """Delete the clients (and their tokens) that never used their token and joined over ``ttl_s`` seconds
+        ago: joins that nobody followed up, e.g. a flood of unauthenticated joins. A client that never
+        authenticated has uploaded nothing, so no DLE row refers to it. Caller holds the lock."""
+        now = time.monotonic()
+        if now - self._last_reclaim < min(ttl_s, 60.0):  # a full registry of used clients: no scan per join
+            return
+        self._last_reclaim = now
+        stale = "SELECT id FROM clients WHERE first_used IS NULL AND created < ?"
+        cutoff = (time.time() - ttl_s,)
+        self._db.execute("BEGIN")
+        self._db.execute(f"DELETE FROM tokens WHERE scope = 'client' AND client_id IN ({stale})", cutoff)
+        removed = self._db.execute("DELETE FROM clients WHERE first_used IS NULL AND created < ?", cutoff).rowcount
+        self._db.execute("COMMIT")
+        self._num_clients -= removed
+
+    def mark_used(self, client_id: str) -> None:
+        """Record a client's first authenticated request (one write per client and process)."""
+        if client_id in self._used:
+            return
+        self._run("UPDATE clients SET first_used = ? WHERE id = ? AND first_used IS NULL", (time.time(), client_id))
+        self._used.add(client_id)
 
     def clients(self, limit: int = 100) -> list[dict[str, Any]]:
         return [dict(r) for r in self._run("SELECT * FROM clients ORDER BY created DESC LIMIT ?", (limit,))]
