@@ -257,6 +257,7 @@ def test_metrics_and_dashboard(server: Coordinator) -> None:
     page = httpx.get(f"{server.url}/", timeout=10)
     assert page.status_code == 200 and "<svg" in page.text and "ODPFL-HN" in page.text
     assert "python-httpx" not in page.text  # public page: no client user agents (nor job log tails)
+    assert "<th>first authenticated request</th>" in page.text
     paths = httpx.get(f"{server.url}/openapi.json", timeout=10).json()["paths"]
     assert {"/healthz", "/v1/clients", "/v1/manifest", "/v1/artifacts/{sha256}", "/v1/hypernetwork/generate",
             "/v1/btfl/dle", "/v1/jobs", "/v1/jobs/{job_id}", "/metrics"} <= set(paths)

@@ -57,7 +57,7 @@ def dashboard(svc: Service = Depends(service)) -> HTMLResponse:
                f'<td>{len(b["manifest"]["artifacts"])}</td><td>{sum(a["size"] for a in b["manifest"]["artifacts"]):,}'
                f'</td><td>{_ago(b["created"])}</td></tr>' for b in svc.store.bundles()]
     clients = [f'<tr><td><code>{e(c["id"][:12])}</code></td><td>{e(c["method"] or "")}</td>'
-               f'<td>{_ago(c["created"])}</td></tr>' for c in svc.store.clients(50)]
+               f'<td>{_ago(c["created"])}</td><td>{_ago(c["first_used"])}</td></tr>' for c in svc.store.clients(50)]
     live = any(j["status"] in ("queued", "running") for j in jobs)
     body = f"""<!doctype html><html><head><meta charset="utf-8"><title>fl-edge coordinator</title>
 {'<meta http-equiv="refresh" content="3">' if live else ''}<style>{CSS}</style></head><body>
@@ -67,6 +67,6 @@ def dashboard(svc: Service = Depends(service)) -> HTMLResponse:
 <th>validation accuracy per round</th><th>error</th></tr>{''.join(rows)}</table>
 <h2>Bundles</h2><table><tr><th>bundle</th><th>method</th><th>data set</th><th>artifacts</th><th>bytes</th>
 <th>created</th></tr>{''.join(bundles)}</table>
-<h2>Clients (latest 50)</h2><table><tr><th>client</th><th>method</th><th>joined</th></tr>
+<h2>Clients (latest 50)</h2><table><tr><th>client</th><th>method</th><th>joined</th><th>first authenticated request</th></tr>
 {''.join(clients)}</table></body></html>"""
     return HTMLResponse(body)
