@@ -400,3 +400,32 @@ def test_standardized_encoder_personalises_new_clients(mnist_fed, one_thread) ->
     shared = float(np.mean([sim._accuracy(mean_model, idx) for idx in mnist_fed.new]))
     # measured (seed 0, 20 training / 20 new clients): own 0.615, mean embedding 0.530
     assert own > shared + 0.05, (own, shared)
+
+
+def test_target_head_init_starts_the_hypernetwork_at_the_target_models_init() -> None:
+    """``hn_head_init="target"``: with head scale 0 every embedding is served exactly the target model's own
+    init (FedAvg's starting point); with scale s the client-dependent part is s times the default init's, and
+    the heads' weights are s times the default heads' weights (same RNG draw)."""
+    model = build_model("lenet", (1, 28, 28), 10, seed=3)
+    target = {n: p.detach().clone() for n, p in model.named_parameters()}
+    e = torch.randn(4, 32, generator=torch.Generator().manual_seed(0))
+
+    def generated(**hp):  # type: ignore[no-untyped-def]
+        alg = build_algorithm("ODPFL-HN", model, 1, seed=0, **hp)
+        return alg, alg.generate(alg.init_state(torch.float32, torch.device("cpu"))["hn"], e)
+
+    _, w0 = generated(hn_head_init="target", hn_head_scale=0.0)
+    for n, t in target.items():
+        assert torch.equal(w0[n], t.expand_as(w0[n])), n
+    base, wd = generated()
+    alg, ws = generated(hn_head_init="target", hn_head_scale=0.1)
+    for head_d, head_s in zip(base.hypernet.heads, alg.hypernet.heads):
+        assert torch.allclose(head_s.weight, 0.1 * head_d.weight)
+    for n, t in target.items():  # w = bias + W h: the e-dependent part scales with W
+        spread_default = (wd[n] - wd[n].mean(0)).abs().max()
+        spread_scaled = (ws[n] - ws[n].mean(0)).abs().max()
+        assert torch.allclose(spread_scaled, 0.1 * spread_default, rtol=1e-3), n
+    with pytest.raises(ValueError, match="hn_head_init must be 'default' or 'target', got 'zeros'"):
+        build_algorithm("ODPFL-HN", model, 1, seed=0, hn_head_init="zeros")
+    with pytest.raises(ValueError, match="hn_head_scale must be >= 0, got -1.0"):
+        build_algorithm("ODPFL-HN", model, 1, seed=0, hn_head_init="target", hn_head_scale=-1.0)

@@ -95,6 +95,13 @@ class ODPFLHNConfig(Hyper):
     # hypernetwork memorising the training clients' embeddings; in the units of the embedding (with
     # ``standardize_init`` the clients' spread is ~1 per dimension). 0: none (the paper)
     embedding_noise: float = field(default=0.0, metadata={"fingerprint": "omit_default"})
+    # init of the hypernetwork's output heads. "default": nn.Linear's (pFedHN), which serves every client weights of
+    # one scale (std ~0.07 for the LeNet target, 2.5x its fully connected layers' own init, 0.6x its first conv's).
+    # "target": each head's bias is the target model's own init (the model FedAvg starts from) and its weight is
+    # nn.Linear's times ``hn_head_scale``, so f_theta(e) starts at that model plus a small client-dependent part,
+    # and the gradient reaching the hidden layers through the heads is ``hn_head_scale`` times smaller
+    hn_head_init: str = field(default="default", metadata={"fingerprint": "omit_default"})
+    hn_head_scale: float = field(default=1.0, metadata={"fingerprint": "omit_default"})
 
 
 class SetEncoder(nn.Module):
@@ -165,6 +172,16 @@ class HyperNetwork(nn.Module):
         self.shapes = [tuple(target_shapes[n]) for n in self.names]
         self.heads = nn.ModuleList(nn.Linear(width, math.prod(s)) for s in self.shapes)
 
+    @torch.no_grad()
+    def start_at(self, target: dict[str, torch.Tensor], head_scale: float) -> None:
+        """Heads' biases := the target params (flattened), heads' weights *= head_scale: f_theta(e) is then the
+        target model plus a client-dependent part of ``head_scale`` times the default init's size."""
+        if not head_scale >= 0:
+            raise ValueError(f"hn_head_scale must be >= 0, got {head_scale}")
+        for name, head in zip(self.names, self.heads):
+            head.bias.copy_(target[name].detach().reshape(-1))
+            head.weight.mul_(head_scale)
+
     def forward(self, e: torch.Tensor) -> dict[str, torch.Tensor]:
         h = self.body(e)
         lead = tuple(e.shape[:-1])
@@ -194,6 +211,10 @@ class ODPFLHN(Algorithm):
             self.encoder = SetEncoder(enc_model.features, enc_model.feature_dim, hp.embed_dim, hp.set_width, hp.dp)
             shapes = {n: p.shape for n, p in model.named_parameters()}
             self.hypernet = HyperNetwork(hp.embed_dim, shapes, hp.hn_width, hp.hn_layers)
+        if hp.hn_head_init == "target":
+            self.hypernet.start_at(dict(model.named_parameters()), hp.hn_head_scale)
+        elif hp.hn_head_init != "default":
+            raise ValueError(f"hn_head_init must be 'default' or 'target', got {hp.hn_head_init!r}")
         self.enc_fn = make_forward(self.encoder)  # (gamma, x [N, ...]) -> e [E]
         self.hn_fn = make_forward(self.hypernet)  # (theta, e [.., E]) -> w
         self.dp_rng = np.random.default_rng([seed, 7])
