@@ -73,9 +73,9 @@ def test_a_full_registry_reclaims_only_old_unused_clients(tmp_path: Path) -> Non
         db.commit()
     store = Store(path)
     try:
-        used, _ = store.add_client("TENT", "b", max_clients=3)
+        used, used_token = store.add_client("TENT", "b", max_clients=3)
         unused, unused_token = store.add_client("TENT", "b", max_clients=3)
-        store.mark_used(used)
+        assert store.lookup_token(used_token, record_use=True) == ("client", used)
         time.sleep(0.3)
         with pytest.raises(RegistryFull):  # all three joined under 1 s ago: nothing to reclaim
             store.add_client("TENT", "b", max_clients=3, unused_ttl_s=1.0)
@@ -83,7 +83,7 @@ def test_a_full_registry_reclaims_only_old_unused_clients(tmp_path: Path) -> Non
         store.add_client("TENT", "b", max_clients=3, unused_ttl_s=1.0)
         ids = {c["id"] for c in store.clients()}
         assert "old" in ids and used in ids and unused not in ids and len(ids) == 3
-        assert store.lookup_token(unused_token) is None
+        assert store.lookup_token(unused_token) is None and store.lookup_token(used_token) == ("client", used)
         with pytest.raises(RegistryFull):
             store.add_client("TENT", "b", max_clients=3, unused_ttl_s=1.0)
     finally:

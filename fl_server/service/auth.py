@@ -27,14 +27,12 @@ def _principal(request: Request, creds: HTTPAuthorizationCredentials | None, sco
         raise HTTPException(401, f"unknown bearer token (over {MAX_TOKEN_CHARS} characters)",
                             headers={"WWW-Authenticate": "Bearer"})
     svc = request.app.state.service
-    found = svc.store.lookup_token(creds.credentials)
+    found = svc.store.lookup_token(creds.credentials, record_use=True)  # a client in use is never reclaimed
     if found is None:
         raise HTTPException(401, "unknown bearer token", headers={"WWW-Authenticate": "Bearer"})
     if found[0] != scope:
         raise HTTPException(403, hint)
     svc.token_limits.check(hash_token(creds.credentials), "this token")
-    if found[1] is not None:  # a client in use is never reclaimed (FL_SERVE_UNUSED_CLIENT_TTL_S)
-        svc.store.mark_used(found[1])
     return Principal(*found)
 
 

@@ -65,7 +65,6 @@ class Store:
             self._add_first_used_column()
             self._db.execute(UNUSED_INDEX)
         self._num_clients = self.count("clients")  # add_client keeps it: one process owns the store
-        self._used: set[str] = set()  # clients whose first use is recorded (mark_used writes once per client)
         self._last_reclaim = -float("inf")  # time.monotonic() of the last reclaim pass
         self._closed = threading.Event()
         self._checkpointer = threading.Thread(target=self._checkpoint_loop, args=(path, checkpoint_s),
@@ -116,14 +115,19 @@ class Store:
         self._run("DELETE FROM tokens WHERE scope = 'admin' AND hash != ?", (digest,))
         self._run("INSERT OR IGNORE INTO tokens VALUES (?, 'admin', NULL, ?)", (digest, time.time()))
 
-    def lookup_token(self, token: str) -> tuple[str, str | None] | None:
+    def lookup_token(self, token: str, record_use: bool = False) -> tuple[str, str | None] | None:
         """(scope, client_id) of a presented token, or None. The row is found by the token's hash and the
-        hash is compared again in constant time."""
+        hash is compared again in constant time. ``record_use``: a client's first authenticated request is
+        written to ``clients.first_used`` (one write per client: such a client is never reclaimed)."""
         digest = hash_token(token)
-        rows = self._run("SELECT hash, scope, client_id FROM tokens WHERE hash = ?", (digest,))
+        rows = self._run("SELECT t.hash, t.scope, t.client_id, c.first_used FROM tokens t "
+                         "LEFT JOIN clients c ON c.id = t.client_id WHERE t.hash = ?", (digest,))
         if not rows or not hmac.compare_digest(rows[0]["hash"], digest):
             return None
-        return rows[0]["scope"], rows[0]["client_id"]
+        scope, client_id = rows[0]["scope"], rows[0]["client_id"]
+        if record_use and client_id is not None and rows[0]["first_used"] is None:
+            self._run("UPDATE clients SET first_used = ? WHERE id = ? AND first_used IS NULL", (time.time(), client_id))
+        return scope, client_id
 
     # --------------------------------------------------------------- clients
     def add_client(self, method: str, bundle_id: str, user_agent: str = "", max_clients: int = 0,
@@ -162,13 +166,6 @@ class Store:
         removed = self._db.execute("DELETE FROM clients WHERE first_used IS NULL AND created < ?", cutoff).rowcount
         self._db.execute("COMMIT")
         self._num_clients -= removed
-
-    def mark_used(self, client_id: str) -> None:
-        """Record a client's first authenticated request (one write per client and process)."""
-        if client_id in self._used:
-            return
-        self._run("UPDATE clients SET first_used = ? WHERE id = ? AND first_used IS NULL", (time.time(), client_id))
-        self._used.add(client_id)
 
     def clients(self, limit: int = 100) -> list[dict[str, Any]]:
         return [dict(r) for r in self._run("SELECT * FROM clients ORDER BY created DESC LIMIT ?", (limit,))]
