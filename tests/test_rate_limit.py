@@ -15,7 +15,7 @@ from fastapi import HTTPException
 from coordinator_proc import ADMIN, Coordinator, auth, join, start, start_copy
 from fl_server.service.config import ServiceConfig
 from fl_server.service.ratelimit import Buckets, Limit
-from fl_server.service.store import RegistryFull, Store
+from fl_server.service.store import RECLAIM_BATCH, RegistryFull, Store
 
 pytestmark = pytest.mark.timeout(600)  # the first test of a session trains the shared store
 
@@ -187,6 +187,26 @@ def test_joins_stop_at_the_client_cap_and_survive_a_restart(trained_store: Path,
         assert httpx.post(f"{again.url}/v1/clients", json={}, timeout=30).status_code == 503
     finally:
         again.stop()
+
+
+def test_a_reclaim_pass_removes_the_oldest_batch_only(tmp_path: Path) -> None:
+    """One pass reclaims at most RECLAIM_BATCH clients, the oldest first, and their tokens with them."""
+    store = Store(tmp_path / "s.sqlite3")
+    try:
+        n = RECLAIM_BATCH + 5
+        with closing(sqlite3.connect(tmp_path / "s.sqlite3")) as db:
+            db.executemany("INSERT INTO clients (id, created, method, bundle_id, user_agent) VALUES (?, ?, 'TENT', "
+                           "'b', '')", [(f"c{i}", 1.0 + i) for i in range(n)])
+            db.executemany("INSERT INTO tokens VALUES (?, 'client', ?, 1.0)", [(f"h{i}", f"c{i}") for i in range(n)])
+            db.commit()
+        store._num_clients = n  # the rows came in behind the store's back
+        store.add_client("TENT", "b", max_clients=n, unused_ttl_s=1.0)
+        assert store.count("clients") == 6
+        assert {c["id"] for c in store.clients()} >= {f"c{i}" for i in range(RECLAIM_BATCH, n)}
+        rows = store._run("SELECT COUNT(*) AS n FROM tokens WHERE scope = 'client'")
+        assert rows[0]["n"] == 6
+    finally:
+        store.close()
 
 
 def test_a_full_coordinator_reclaims_clients_that_never_used_their_token(

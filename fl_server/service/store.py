@@ -25,6 +25,7 @@ SCHEMA = """
 CREATE TABLE IF NOT EXISTS clients (id TEXT PRIMARY KEY, created REAL NOT NULL, method TEXT, bundle_id TEXT,
                                     user_agent TEXT, first_used REAL);
 CREATE TABLE IF NOT EXISTS tokens (hash TEXT PRIMARY KEY, scope TEXT NOT NULL, client_id TEXT, created REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS tokens_client ON tokens (client_id);
 CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, spec TEXT NOT NULL, status TEXT NOT NULL, created REAL NOT NULL,
                                  started REAL, finished REAL, error TEXT, bundle_id TEXT, is_default INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS rounds (job_id TEXT NOT NULL, round INTEGER NOT NULL, val REAL, test REAL, wall_s REAL,
@@ -39,6 +40,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 # clients that never used their token, oldest first: what a join at the cap may reclaim (created after the
 # migration below, which adds first_used to a store of an older version)
 UNUSED_INDEX = "CREATE INDEX IF NOT EXISTS clients_unused ON clients (created) WHERE first_used IS NULL"
+RECLAIM_BATCH = 10_000  # clients reclaimed per pass at most (a pass a minute: 14M a day, past any join rate)
 JOB_STATES = ("queued", "running", "done", "failed")
 
 
@@ -154,16 +156,19 @@ class Store:
     def _reclaim_unused(self, ttl_s: float) -> None:
         """Delete the clients (and their tokens) that never used their token and joined over ``ttl_s`` seconds
         ago: joins that nobody followed up, e.g. a flood of unauthenticated joins. A client that never
-        authenticated has uploaded nothing, so no DLE row refers to it. Caller holds the lock."""
+        authenticated has uploaded nothing, so no DLE row refers to it. The oldest ``RECLAIM_BATCH`` per pass
+        (the join waits for it, so a pass stays short), and one pass per min(ttl, 60) s at most, so that a
+        registry full of used clients is not scanned on every join. Caller holds the lock."""
         now = time.monotonic()
-        if now - self._last_reclaim < min(ttl_s, 60.0):  # a full registry of used clients: no scan per join
+        if now - self._last_reclaim < min(ttl_s, 60.0):
             return
         self._last_reclaim = now
-        stale = "SELECT id FROM clients WHERE first_used IS NULL AND created < ?"
+        stale = ("SELECT id FROM clients WHERE first_used IS NULL AND created < ? ORDER BY created LIMIT "
+                 f"{RECLAIM_BATCH}")  # the partial index clients_unused serves it
         cutoff = (time.time() - ttl_s,)
         self._db.execute("BEGIN")
         self._db.execute(f"DELETE FROM tokens WHERE scope = 'client' AND client_id IN ({stale})", cutoff)
-        removed = self._db.execute("DELETE FROM clients WHERE first_used IS NULL AND created < ?", cutoff).rowcount
+        removed = self._db.execute(f"DELETE FROM clients WHERE id IN ({stale})", cutoff).rowcount
         self._db.execute("COMMIT")
         self._num_clients -= removed
 
