@@ -32,3 +32,11 @@ def test_renders_a_section_per_file(tmp_path: Path) -> None:
     assert "| join | 1000 | 0 |" in out and "artifact \\| flipped" in out  # tables, pipes escaped
     assert "- faults_injected: 3" in out and "- tests_failed: 1" in out and "| failed test | u |" in out
     assert "python scripts/reliability_report.py" in out
+
+
+def test_committed_report_is_the_rendering_of_its_sources(tmp_path: Path) -> None:
+    """docs/reliability.md is generated: an edit made there instead of in docs/reliability/ is lost at the next
+    render (it happened once), so the committed file must equal a fresh render of the committed sources."""
+    docs = SCRIPT.parents[1] / "docs"
+    fresh = _module().render(docs / "reliability", tmp_path / "reliability.md").read_text()
+    assert (docs / "reliability.md").read_text() == fresh
