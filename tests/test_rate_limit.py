@@ -219,6 +219,9 @@ def test_a_full_coordinator_reclaims_clients_that_never_used_their_token(
     coord = start_copy(trained_store, store, env={"FL_SERVE_MAX_CLIENTS": str(existing + 2),
                                                   "FL_SERVE_UNUSED_CLIENT_TTL_S": "2"})
     try:
+        with closing(sqlite3.connect(store / "coordinator.sqlite3")) as db:  # other tests' joins: not reclaimable
+            db.execute("UPDATE clients SET first_used = created WHERE first_used IS NULL")
+            db.commit()
         active, idle = join(coord.url), join(coord.url)
         dle = f"{coord.url}/v1/btfl/dle"
         assert httpx.get(dle, headers=auth(active["token"]), timeout=30).status_code == 404  # authenticated
