@@ -416,8 +416,8 @@ EXPERIMENTS["odpfl-dirichlet"] = Experiment(
                 "some clients and loses large on others. At Dir(1) the clients' label mixes are close and the "
                 "hypernetwork serves nearly one model; started at the target model's own init (hn_head_init "
                 "\"target\", with noise of std 1 on the training embeddings; chosen on the validation clients) it "
-                "is a tenth of a point below FedAvg's global model on the mean, within the seed spread; with pFedHN's default init it stayed "
-                "about 2 points below (docs/architecture.md, ODPFL-HN). The default init with noise alone: "
+                "is a tenth of a point below FedAvg's global model on the mean, within the seed spread; with "
+                "pFedHN's default init it stayed about 2 points below (docs/architecture.md, ODPFL-HN). The default init with noise alone: "
                 "odpfl-dirichlet-noise.",
 )
 EXPERIMENTS["odpfl-dirichlet-noise"] = Experiment(

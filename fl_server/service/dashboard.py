@@ -67,6 +67,7 @@ def dashboard(svc: Service = Depends(service)) -> HTMLResponse:
 <th>validation accuracy per round</th><th>error</th></tr>{''.join(rows)}</table>
 <h2>Bundles</h2><table><tr><th>bundle</th><th>method</th><th>data set</th><th>artifacts</th><th>bytes</th>
 <th>created</th></tr>{''.join(bundles)}</table>
-<h2>Clients (latest 50)</h2><table><tr><th>client</th><th>method</th><th>joined</th><th>first authenticated request</th></tr>
+<h2>Clients (latest 50)</h2><table><tr><th>client</th><th>method</th><th>joined</th>
+<th>first authenticated request</th></tr>
 {''.join(clients)}</table></body></html>"""
     return HTMLResponse(body)

@@ -163,12 +163,14 @@ class Store:
         if now - self._last_reclaim < min(ttl_s, 60.0):
             return
         self._last_reclaim = now
-        stale = ("SELECT id FROM clients WHERE first_used IS NULL AND created < ? ORDER BY created LIMIT "
-                 f"{RECLAIM_BATCH}")  # the partial index clients_unused serves it
-        cutoff = (time.time() - ttl_s,)
         self._db.execute("BEGIN")
-        self._db.execute(f"DELETE FROM tokens WHERE scope = 'client' AND client_id IN ({stale})", cutoff)
-        removed = self._db.execute(f"DELETE FROM clients WHERE id IN ({stale})", cutoff).rowcount
+        # the batch is chosen once (the partial index clients_unused serves it), then both tables lose it
+        self._db.execute("CREATE TEMP TABLE IF NOT EXISTS reclaim (id TEXT PRIMARY KEY)")
+        self._db.execute("INSERT INTO reclaim SELECT id FROM clients WHERE first_used IS NULL AND created < ? "
+                         "ORDER BY created LIMIT ?", (time.time() - ttl_s, RECLAIM_BATCH))
+        self._db.execute("DELETE FROM tokens WHERE scope = 'client' AND client_id IN (SELECT id FROM reclaim)")
+        removed = self._db.execute("DELETE FROM clients WHERE id IN (SELECT id FROM reclaim)").rowcount
+        self._db.execute("DELETE FROM reclaim")
         self._db.execute("COMMIT")
         self._num_clients -= removed
 
