@@ -96,7 +96,7 @@ class ODPFLHNConfig(Hyper):
     # ``standardize_init`` the clients' spread is ~1 per dimension). 0: none (the paper)
     embedding_noise: float = field(default=0.0, metadata={"fingerprint": "omit_default"})
     # init of the hypernetwork's output heads. "default": nn.Linear's (pFedHN), which serves every client weights of
-    # one scale (std ~0.07 for the LeNet target, 2.5x its fully connected layers' own init, 0.6x its first conv's).
+    # one scale in every layer (the heads' fan-in is 100), not each layer's own fan-in scale as the target's init.
     # "target": each head's bias is the target model's own init (the model FedAvg starts from) and its weight is
     # nn.Linear's times ``hn_head_scale``, so f_theta(e) starts at that model plus a small client-dependent part,
     # and the gradient reaching the hidden layers through the heads is ``hn_head_scale`` times smaller
