@@ -9,7 +9,9 @@ the fraction of hypernetwork hidden units alive (non-zero for at least one train
 how much the generated weights vary across clients (std across clients / mean |w|, averaged over tensors), and
 the embeddings likewise (std across clients / mean |e|), and the validation accuracy when every client is
 served f_theta(mean embedding): the gap to the personalised accuracy is what the embedding buys.
-``--set KEY=VALUE`` (JSON value) overrides any other ODPFL-HN hyperparameter for every probed hn_lr.
+``--set KEY=VALUE`` (JSON value) overrides any other ODPFL-HN hyperparameter for every probed hn_lr; the command
+recorded with a row adds ``--set`` for each of the protocol's other ODPFL-HN rates, so it reproduces the row after
+the protocol's rates change.
 ``--holdout-clients K`` also holds the first K training clients out of training (all their samples) and scores
 the served model on them at every evaluation: a client-level validation, which sees what the per-sample
 validation split of the training clients cannot, a hypernetwork that memorises the training clients.
@@ -136,6 +138,10 @@ def main() -> None:
                        + ([f"holdout_clients={args.holdout_clients}"] if args.holdout_clients else [])) or None
     torch.set_num_threads(1)
     protocol = get_experiment(args.experiment).protocols[args.dataset]
+    # the recorded command pins the protocol's other ODPFL-HN rates with --set, so that it still reproduces the
+    # row after the protocol's rates change
+    base = {k: v for k, v in protocol.method_hp["ODPFL-HN"].items() if k not in overrides and k != "hn_lr"}
+    command += "".join(f" --set {shlex.quote(f'{k}={json.dumps(v)}')}" for k, v in sorted(base.items()))
     # the probe holds clients out itself (--holdout-clients), not through the protocol's validation clients
     protocol = dataclasses.replace(protocol, options={k: v for k, v in protocol.options.items() if k != "val_clients"})
     fed = build_federated(protocol, args.seed)
