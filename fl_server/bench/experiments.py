@@ -179,8 +179,8 @@ EXPERIMENTS["btgfl"] = Experiment(
                 "(orig IND = held-out local data, shifted IND, orig EXD = other clients' held-out data, shifted "
                 "EXD; shift = half corruptions, half rotation; synthetic = even mix), each a fresh stream. One "
                 "training run serves every method (FedAvg = global head, FedAvg+FT = the client's local head on the "
-                "global features; FedTHE-code = FedTHE with the authors' code's feature history, which freezes at batch "
-                "size 1); accuracy = mean over clients. BTFL paper Table 2 (CIFAR-10, "
+                "global features; FedTHE-code = FedTHE with the authors' code's feature history, which freezes at "
+                "batch size 1); accuracy = mean over clients. BTFL paper Table 2 (CIFAR-10, "
                 "avg): FedAvg 58.67, FedAvg+FT 56.88, FedTHE 66.15, BTFL 68.03. See fl_server/bench/btgfl.py.",
     runner="fl_server.bench.btgfl:run_btgfl",
 )
@@ -359,9 +359,10 @@ EXPERIMENTS["fedicon-shift"] = Experiment(
                 "BN-stats (w/o Eq. 7 steps) with the client's test batch's. Reading their rows (3 seeds): a TTA "
                 "gain appears at severity 5 on both data sets (several points) and at every severity on "
                 "Fashion-MNIST (on MNIST's milder severities the test-batch statistics cost one to two tenths of a "
-                "point, on the 8x8 digits about one point), but FedICON BN-stats equals FedICON to a few hundredths: all of the gain comes from the "
-                "test-batch statistics, and validation again picks the lowest Eq. 7 rates. TENT, whose entropy steps use the same "
-                "statistics, leads FedICON on Fashion-MNIST at every severity and on MNIST at severity 5; FedICON "
+                "point, on the 8x8 digits about one point), but FedICON BN-stats equals FedICON to a few "
+                "hundredths: all of the gain comes from the test-batch statistics, and validation again picks the "
+                "lowest Eq. 7 rates. TENT, whose entropy steps use the same statistics, leads FedICON on "
+                "Fashion-MNIST at every severity and on MNIST at severity 5; FedICON "
                 "keeps its lead on the 8x8 digits and on MNIST at severities 1 and 3. The optional row TENT (BN "
                 "affine) is the original TENT on these models (only the normalisation scale and shift move; SGD "
                 "at a rate validation picks from a grid up to 100): below the whole-model TENT on both data sets, "
