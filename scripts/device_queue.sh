@@ -15,9 +15,8 @@
 # without the gate ran the H100 out of memory within a minute). Between device calls the machine stays warm
 # only for a few seconds, so keep calling `status` (with a sleep) while rows run.
 # scripts/device_rows.tsv lists the GPU rows still missing from docs/results (keep it current as rows land).
-# Before starting the queue, on the idle GPU (its speed ratios need one): python benchmarks/vmap_engine.py
-# --device cuda --repeats 5 (docs/benchmarks/vmap-engine.json still lacks the GPU FedTTA row) and
-# python benchmarks/odpfl_round.py --device cuda (decides ODPFL-HN's ENCODE_CHUNK_SAMPLES["cuda"], unmeasured).
+# Speed-ratio benchmarks need the GPU to themselves: run them before the queue (scripts/device_session.sh does,
+# and is the script for a short lease: benchmarks first, then rows side by side until a deadline).
 # Data: carry a copy of ../shared/data (mnist/, fashion-mnist/) as .gpu_data, or set FL_DATA_DIR.
 # Merge here: python scripts/merge_device_results.py results.tgz (adds the new raw files to docs/results,
 # re-aggregates the touched tables and rewrites docs/RESULTS.md).

@@ -16,7 +16,7 @@ from pathlib import Path
 from fl_server.bench.experiments import get_experiment
 from fl_server.bench.report import write_report
 from fl_server.bench.rows import write_atomic
-from fl_server.bench.runner import aggregate
+from fl_server.bench.runner import aggregate_experiment
 
 
 def table_command(command: str) -> str:
@@ -61,7 +61,7 @@ def main() -> None:
             touched.add(parts[2])
             print(f"added {out}")
     for name in sorted(touched):
-        aggregate(get_experiment(name), results)
+        aggregate_experiment(get_experiment(name), results)
     print(f"re-aggregated {', '.join(sorted(touched)) or 'nothing'}; wrote {write_report(Path(args.docs))}")
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from fl_server.bench.criteria import (CRITERIA, SDK_BENCHMARK, Criterion, at_least, beats, sdk_parity,
-                                      status_section, table_complete, within)
+from fl_server.bench.criteria import (CRITERIA, SDK_BENCHMARK, VMAP_BENCHMARK, Criterion, at_least, beats,
+                                      sdk_parity, status_section, table_complete, vmap_engine, within)
 from fl_server.bench.report import write_report
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,6 +87,21 @@ def test_sdk_parity_reads_the_edge_sdk_rows() -> None:
     rows.append(parity("new-client parity SDK vs torch, FedTTA++ mnist seed 2", 0.101))
     assert check({SDK_BENCHMARK: rows}).status == "not met"  # any run outside the tolerance fails
     assert check({}).status == "missing"
+
+
+def test_vmap_engine_reads_speedup_and_parity_of_its_device() -> None:
+    def bench(device: str, value: float, f64: float = 1e-12, f32: float = 1e-8, **short) -> dict:
+        return {"benchmark": "vmap-engine", "what": "FedTTA round, MLP 2x200", "metric": "speedup", "value": value,
+                "device": device, "max_abs_diff_float64": f64, "max_abs_diff_float32": f32, **short}
+    check = vmap_engine("FedTTA round, MLP 2x200", "cuda", 10.0)
+    assert check({VMAP_BENCHMARK: [bench("cpu:2 threads", 50.0)]}).status == "missing"  # not a GPU row
+    assert check({VMAP_BENCHMARK: [bench("cuda:H200", 9.9)]}).status == "not met"
+    assert check({VMAP_BENCHMARK: [bench("cuda:H200", 40.0, f64=2e-10)]}).status == "not met"
+    # FedTTA's short-horizon float32 parity replaces the 20-iteration one when the row has it
+    short = bench("cuda:H200", 40.0, f32=3e-3, max_abs_diff_float32_5_iterations=4e-8)
+    verdict = check({VMAP_BENCHMARK: [short]})
+    assert verdict.status == "met" and "float32 diff 4.0e-08 (after 1 and 5 local iterations)" in verdict.measured
+    assert check({VMAP_BENCHMARK: [bench("cuda:H200", 40.0, f32=3e-3)]}).status == "not met"
 
 
 def test_report_feeds_the_edge_sdk_benchmark_to_the_verdicts(tmp_path: Path) -> None:

@@ -73,3 +73,26 @@ def test_table_command_drops_queue_folders_and_every_method() -> None:
     recorded = ("fl-server bench fedicon-shift --dataset mnist-paper --methods FedAvg FedAvg-FT 'FedICON w/o TTA' "
                 "--device cuda --results-dir /root/queue/results --runs-dir /root/queue/runs --seeds 3")
     assert table_command(recorded) == "fl-server bench fedicon-shift --dataset mnist-paper --device cuda --seeds 3"
+
+
+def test_merge_aggregates_btgfl_with_its_own_columns(tmp_path: Path) -> None:
+    """btgfl's raw records hold stream columns, not the harness's splits: the merge must re-aggregate them with
+    btgfl's own aggregation and keep the data sets already in the table."""
+    raw = ROOT / "docs" / "results" / "raw" / "btgfl"
+    if not (raw / "mnist").is_dir() or not (raw / "fashion_mnist").is_dir():
+        pytest.skip("the repository's btgfl raw records are absent")
+    docs = tmp_path / "docs"
+    shutil.copytree(raw / "mnist", docs / "results" / "raw" / "btgfl" / "mnist")  # already merged earlier
+    archive = tmp_path / "rows.tgz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for f in sorted((raw / "fashion_mnist").glob("*/seed0.json")):
+            tar.add(f, arcname=f"results/raw/btgfl/fashion_mnist/{f.parent.name}/seed0.json")
+    merged = subprocess.run([sys.executable, "scripts/merge_device_results.py", str(archive), "--docs", str(docs)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert merged.returncode == 0, merged.stderr
+    table = json.loads((docs / "results" / "btgfl.json").read_text())
+    assert {r["dataset"] for r in table} == {"mnist", "fashion_mnist"}
+    record = json.loads((raw / "fashion_mnist" / "BTFL_bs32" / "seed0.json").read_text())
+    row = next(r for r in table if r["dataset"] == "fashion_mnist" and r["method"] == "BTFL (bs=32)"
+               and r["column"] == "avg")
+    assert row["seeds"] == 1 and row["mean"] == round(record["avg"], 2)

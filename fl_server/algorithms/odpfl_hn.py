@@ -58,7 +58,8 @@ from fl_server.models import Classifier, build_model
 # activations a pass keeps for the encoder's backward; a client larger than this is encoded alone). On the CPU one
 # pass per client is fastest (docs/benchmarks/odpfl-round.json: concatenating 8,192 samples is ~2x slower, the big
 # activations cost more than the per-pass overhead saved), so 0 there; on a GPU, where a client's ~600-sample pass
-# is launch-bound, they are concatenated (not yet measured: python benchmarks/odpfl_round.py --device cuda).
+# is launch-bound, they are concatenated: on an H200, 1.7x faster than one pass per client (embedding and
+# backprop of 50 clients, 0.09 s against 0.15 s; same file, `python benchmarks/odpfl_round.py --device cuda`).
 ENCODE_CHUNK_SAMPLES = {"cpu": 0, "cuda": 8192}
 
 

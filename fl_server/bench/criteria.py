@@ -137,6 +137,30 @@ def sdk_parity(what: str, tol: float = 0.1) -> Callable[[Results], Verdict]:
     return check
 
 
+VMAP_BENCHMARK = "benchmark:vmap-engine"  # docs/benchmarks/vmap-engine.json
+
+
+def vmap_engine(what: str, device: str, min_speedup: float) -> Callable[[Results], Verdict]:
+    """The vmap-engine row ``what`` on devices starting with ``device`` (the newest such row): vmap at least
+    ``min_speedup`` x the per-client loop, parameters equal within 1e-10 in float64 and 1e-4 in float32. FedTTA's
+    float32 parity is read after 1 and 5 local iterations: its g/||g|| step amplifies rounding over 20
+    (benchmarks/vmap_engine.py, SHORT_PARITY_ITERATIONS; the 20-iteration figure stays in the row)."""
+    def check(results: Results) -> Verdict:
+        rows = [r for r in results.get(VMAP_BENCHMARK, [])
+                if r.get("what") == what and str(r.get("device", "")).startswith(device)]
+        if not rows:
+            return _missing(f"vmap-engine {what!r} on {device}")
+        r = rows[-1]
+        short = [v for k, v in r.items() if k.startswith("max_abs_diff_float32_")]
+        f32 = max(short or [r["max_abs_diff_float32"]])
+        ok = r["value"] >= min_speedup and r["max_abs_diff_float64"] <= 1e-10 and f32 <= 1e-4
+        return Verdict("met" if ok else "not met",
+                       f"{r['device']}: {r['value']:.2f}x vs >= {min_speedup:g}x; float64 diff "
+                       f"{r['max_abs_diff_float64']:.1e}, float32 diff {f32:.1e}"
+                       + (" (after 1 and 5 local iterations)" if short else ""))
+    return check
+
+
 _COVARIATE = tuple({"shift": f"covariate-s{s}"} for s in (1, 3, 5))
 
 CRITERIA: tuple[Criterion, ...] = (
@@ -145,6 +169,12 @@ CRITERIA: tuple[Criterion, ...] = (
               at_least("upfl-table1", "fashion_mnist", "FedAvg", 84.99)),
     Criterion(2, "UPFL Table 1 MNIST: TENT new clients >= 97.0", at_least("upfl-table1", "mnist", "TENT", 97.0)),
     Criterion(2, "UPFL Table 1 Fashion-MNIST: TENT new clients >= 93.0", at_least("upfl-table1", "fashion_mnist", "TENT", 93.0)),
+    *(Criterion(2, f"vmap-engine {what} on the {name}: vmap >= {x:g}x the per-client loop, parity in float64 "
+                   "and float32", vmap_engine(what, device, x))
+      for what, device, name, x in (("FedAvg round, MLP 2x200", "cpu", "CPU", 0.9),
+                                    ("FedTTA round, MLP 2x200", "cpu", "CPU", 0.9),
+                                    ("FedAvg round, MLP 2x200", "cuda", "GPU", 10.0),
+                                    ("FedTTA round, MLP 2x200", "cuda", "GPU", 10.0))),
     Criterion(3, "UPFL Table 1 MNIST: FedTTA++ new clients >= 98.0", at_least("upfl-table1", "mnist", "FedTTA++", 98.0)),
     Criterion(3, "UPFL Table 1 Fashion-MNIST: FedTTA++ new clients >= 95.0",
               at_least("upfl-table1", "fashion_mnist", "FedTTA++", 95.0)),
@@ -201,7 +231,8 @@ def status_section(results: Results, criteria: Iterable[Criterion] = CRITERIA) -
     lines = ["## Reproduction status", "",
              "Each issue's measurable acceptance criteria, checked by `fl_server/bench/criteria.py` against the "
              f"tables below (means over seeds; met = holds with {SEEDS} seeds; partial = fewer seeds so far; "
-             "the device-parity rows of #7 are single runs from docs/benchmarks/edge-sdk.json).", "",
+             "the vmap-engine rows of #2 and the device-parity rows of #7 are single runs from "
+             "docs/benchmarks/vmap-engine.json and edge-sdk.json).", "",
              "| issue | criterion | status | measured |", "|---|---|---|---|"]
     for c in criteria:
         v = c.check(results)

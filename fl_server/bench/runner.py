@@ -178,8 +178,16 @@ def run_experiment(exp: Experiment, datasets: list[str], methods: list[str], see
     return aggregate(exp, results_dir, command)
 
 
+def aggregate_experiment(exp: Experiment, results_dir: Path, command: str = "") -> list[dict]:
+    """``exp``'s table from its raw seed files by the aggregation that wrote it: an experiment with its own runner
+    (btgfl, whose records hold stream columns) has its own ``aggregate`` in the runner's module."""
+    if exp.runner is not None:
+        return importlib.import_module(exp.runner.split(":")[0]).aggregate(exp, results_dir, command)
+    return aggregate(exp, results_dir, command)
+
+
 def aggregate(exp: Experiment, results_dir: Path, command: str = "") -> list[dict]:
-    """Rows in the DESIGN.md schema from every raw seed file of ``exp``."""
+    """Rows in the DESIGN.md schema from every raw seed file of ``exp`` (the harness's own record schema)."""
     rows: list[dict] = []
     base = results_dir / "raw" / exp.name
     for dataset in exp.protocols:
