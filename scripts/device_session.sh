@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # One device call sized for a 15-minute lease (the machine's start takes one to two of them): what a short lease
 # can finish, then a measurement that sizes the next ones.
-#  1. On the idle GPU (speed ratios need it to themselves): the FedTTA round of benchmarks/vmap_engine.py (the
-#     GPU row #2 still lacks) and benchmarks/odpfl_round.py (ENCODE_CHUNK_SAMPLES["cuda"]).
+#  1. With BENCHMARKS=1, on the idle GPU (speed ratios need it to themselves): the FedTTA round of
+#     benchmarks/vmap_engine.py and benchmarks/odpfl_round.py (both measured on an H200 in session 23).
 #  2. Until BUDGET_S seconds after the start: the first step of each row named in ROWS (scripts/device_rows.tsv),
 #     side by side, each cut off at the deadline. Their metrics.jsonl (round, cumulative wall_s) tell how many
 #     GPU-minutes a whole row needs; a row that finishes leaves its raw result file.
-# Sizing, session 23 on an H200 (four rows side by side for 300 s, then two for 365 s on the warm machine): FedTTA
-# Fashion-MNIST reached round 67 of 300, FedTTA++ 53 of 300 (it validates with adaptation), btgfl-paper 55 of 130
-# (then finished: 586 s of training), fedicon-shift fashion_mnist-paper 43 of 100 (then FedICON and w/o TTA
-# finished, 470 s of training; the online row did not). A FedTTA-family Fashion-MNIST row needs 23-29
-# GPU-minutes shared four ways: more than one 15-minute lease, so those rows need checkpoints carried across leases.
-# Everything lands in $OUT: log.txt, vmap-engine.json, odpfl-round.json, rows.tgz (logs, metrics, results).
+# Sizing, session 23 on an H200 (four rows side by side for 300 s, then two resumed for 365 s on the warm machine):
+# FedTTA Fashion-MNIST reached round 67 of 300, FedTTA++ 53 of 300 (it validates with adaptation), btgfl-paper 55 of
+# 130 (then finished: 586 s of training), fedicon-shift fashion_mnist-paper 43 of 100 (then FedICON and w/o TTA
+# finished, 470 s of training; the online row did not). A FedTTA-family Fashion-MNIST row needs 23-29 GPU-minutes
+# shared four ways: more than one 15-minute lease, so those rows need checkpoints carried across leases.
+# Everything lands in $OUT: log.txt, rows.tgz (logs, metrics, results), with BENCHMARKS=1 vmap-engine.json and
+# odpfl-round.json.
 #
 #   bash scripts/device_session.sh      # carry .gpu_data: a copy of ../shared/data's mnist/ and fashion-mnist/
 # Merge here (DIR: the call's files_at): python scripts/merge_device_results.py DIR/rows.tgz for finished rows;
@@ -23,13 +24,14 @@ start=$(date +%s)
 deadline=$(( start + ${BUDGET_S:-450} ))
 export PYTHONPATH="$PWD:$PWD/edge_sdk" FL_DATA_DIR="${FL_DATA_DIR:-$PWD/.gpu_data}" PYTHONUNBUFFERED=1
 LOG="$O/log.txt"
-ROWS=${ROWS:-"t1-fedtta-s0 t1-fedttapp-s0 btgfl-paper-s0 fic-fashion_mnist-paper-fedicon-s0"}
+# default: rows that one lease can finish (btgfl-paper about 10 GPU-minutes, a fedicon-shift paper row about 8)
+ROWS=${ROWS:-"btgfl-paper-s1 fic-fashion_mnist-paper-fedicon-s1 btgfl-paper-s2"}
 say() { echo "== $(( $(date +%s) - start )) s: $*" | tee -a "$LOG"; }
 
 say "$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1)"
 python3 -c "import torch, onnxruntime; print('torch', torch.__version__, torch.cuda.get_device_name())" >> "$LOG" 2>&1
 
-if [ -z "${SKIP_BENCHMARKS:-}" ]; then  # set it when a warm machine resumes the rows
+if [ -n "${BENCHMARKS:-}" ]; then
 say "vmap_engine FedTTA round"
 timeout 240 python3 benchmarks/vmap_engine.py --device cuda --repeats 5 --cases 1 --out "$O/vmap-engine.json" \
     >> "$LOG" 2>&1 || say "vmap_engine exit $?"
