@@ -62,5 +62,5 @@ say "rows ended"
 for m in $(find "$Q/runs" -name metrics.jsonl | sort); do
     echo "${m#"$Q/runs/"}: $(tail -1 "$m")" >> "$LOG"
 done
-(cd "$Q" && tar czf "$O/rows.tgz" logs results $(find runs -name metrics.jsonl -o -name '*.json' | grep -v '\.npz'))
+(cd "$Q" && tar czf "$O/rows.tgz" logs results $(find runs -name metrics.jsonl -o -name '*.json'))
 say "done"

@@ -138,6 +138,8 @@ def sdk_parity(what: str, tol: float = 0.1) -> Callable[[Results], Verdict]:
 
 
 VMAP_BENCHMARK = "benchmark:vmap-engine"  # docs/benchmarks/vmap-engine.json
+# docs/benchmarks/<name>.json files that criteria read, by the key status_section gets them under
+BENCHMARK_INPUTS = {"edge-sdk": SDK_BENCHMARK, "vmap-engine": VMAP_BENCHMARK}
 
 
 def vmap_engine(what: str, device: str, min_speedup: float) -> Callable[[Results], Verdict]:

@@ -373,8 +373,9 @@ EXPERIMENTS["fedicon-shift"] = Experiment(
                 "reading. FedICON online on -bn (16 test samples per step, normalised with the chunk's "
                 "statistics; 3 seeds on each data set) is within about half a point of batch-mode FedICON; "
                 "validation picks the lowest Eq. 7 rate on MNIST and, on Fashion-MNIST, the second lowest on every "
-                "seed, at most 0.03 points above the lowest. The fashion_mnist-paper protocol (the BTFL CNN, 100 rounds x 400 "
-                "steps; seed 0 on an H200, FedICON and FedICON w/o TTA so far) reads as the CPU protocols do: "
+                "seed, at most 0.03 points above the lowest. The fashion_mnist-paper protocol (the BTFL CNN, 100 "
+                "rounds x 400 steps; seed 0 on an H200, FedICON and FedICON w/o TTA so far) reads as the CPU "
+                "protocols do: "
                 "validation picks the lowest Eq. 7 rate (larger ones lower its accuracy) and FedICON is within "
                 "0.35 points of FedICON w/o TTA on every test condition, below it on all but two.",
 )

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fl_server.bench.criteria import SDK_BENCHMARK, VMAP_BENCHMARK, status_section
+from fl_server.bench.criteria import BENCHMARK_INPUTS, status_section
 from fl_server.bench.experiments import EXPERIMENTS
 from fl_server.bench.plots import PLOTS
 from fl_server.bench.rows import write_atomic
@@ -76,10 +76,8 @@ def write_report(docs: Path = Path("docs")) -> Path:
     tables = {path.stem: json.loads(path.read_text()) for path in sorted((docs / "results").glob("*.json"))}
     benchmarks = {path.stem: json.loads(path.read_text()) for path in sorted((docs / "benchmarks").glob("*.json"))}
     verdict_inputs = {k: v for k, v in tables.items() if all("mean" in r for r in v)}
-    if isinstance(sdk := benchmarks.get("edge-sdk"), list):
-        verdict_inputs[SDK_BENCHMARK] = sdk
-    if isinstance(vmap := benchmarks.get("vmap-engine"), list):
-        verdict_inputs[VMAP_BENCHMARK] = vmap
+    verdict_inputs.update({key: rows for name, key in BENCHMARK_INPUTS.items()
+                           if isinstance(rows := benchmarks.get(name), list)})
     parts = [HEADER, status_section(verdict_inputs)]
     for name, rows in tables.items():
         path = docs / "results" / f"{name}.json"

@@ -148,8 +148,7 @@ def run_experiment(exp: Experiment, datasets: list[str], methods: list[str], see
     ``seeds`` is a count (seeds 0..n-1) or explicit seed numbers, so that seeds can run as separate
     processes or sessions; the table is aggregated from every raw seed file present either way."""
     if exp.runner is not None:  # an experiment with its own protocol (e.g. btgfl)
-        module, func = exp.runner.split(":")
-        return getattr(importlib.import_module(module), func)(
+        return getattr(_runner_module(exp), exp.runner.split(":")[1])(
             exp, datasets, methods, seeds, results_dir, runs_dir, quick, device, mode, progress, data_root, command)
     for dataset in datasets:
         if dataset not in exp.protocols:
@@ -182,8 +181,13 @@ def aggregate_experiment(exp: Experiment, results_dir: Path, command: str = "") 
     """``exp``'s table from its raw seed files by the aggregation that wrote it: an experiment with its own runner
     (btgfl, whose records hold stream columns) has its own ``aggregate`` in the runner's module."""
     if exp.runner is not None:
-        return importlib.import_module(exp.runner.split(":")[0]).aggregate(exp, results_dir, command)
+        return _runner_module(exp).aggregate(exp, results_dir, command)
     return aggregate(exp, results_dir, command)
+
+
+def _runner_module(exp: Experiment) -> Any:
+    """The module of ``exp.runner`` ("module:function")."""
+    return importlib.import_module(exp.runner.split(":")[0])  # type: ignore[union-attr]
 
 
 def aggregate(exp: Experiment, results_dir: Path, command: str = "") -> list[dict]:
