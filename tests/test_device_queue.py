@@ -1,4 +1,4 @@
-"""scripts/device_queue.sh and scripts/merge_device_results.py end to end, on the CPU with the embedded digits:
+"""scripts/research/device_queue.sh and scripts/research/merge_device_results.py end to end, on the CPU with the embedded digits:
 rows run detached from a copy of the tree, a two-step row runs its steps in turn, a failing row records its
 exit code, `status` packs the raw results, and the merge adds them to a docs folder with the table command."""
 from __future__ import annotations
@@ -35,7 +35,7 @@ def test_queue_runs_rows_and_merge_adds_them(tmp_path: Path) -> None:
     rows.write_text(f"two\tbench upfl-table1 {QUICK} --methods FedAvg && bench upfl-table1 {QUICK} --methods TENT\n"
                     f"bad\tbench upfl-table1 {QUICK} --methods 'No Such Method'\n")
     env = _env(queue, out)
-    start = subprocess.run(["bash", "scripts/device_queue.sh", "start", str(rows)], cwd=ROOT, env=env,
+    start = subprocess.run(["bash", "scripts/research/device_queue.sh", "start", str(rows)], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=120)
     assert start.returncode == 0, start.stderr
     assert not (queue / "repo" / ".venv").exists() and (queue / "repo" / "fl_server").is_dir()
@@ -48,14 +48,14 @@ def test_queue_runs_rows_and_merge_adds_them(tmp_path: Path) -> None:
     raw = queue / "results" / "raw" / "upfl-table1" / "digits"
     assert (raw / "FedAvg" / "seed0.json").exists() and (raw / "TENT" / "seed0.json").exists()
 
-    status = subprocess.run(["bash", "scripts/device_queue.sh", "status"], cwd=ROOT, env=env, capture_output=True,
+    status = subprocess.run(["bash", "scripts/research/device_queue.sh", "status"], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=60)
     assert status.returncode == 0 and "done two: exit, seconds = 0" in status.stdout
     with tarfile.open(out / "results.tgz") as tar:
         assert "results/raw/upfl-table1/digits/TENT/seed0.json" in tar.getnames()
 
     docs = tmp_path / "docs"
-    merged = subprocess.run([sys.executable, "scripts/merge_device_results.py", str(out / "results.tgz"),
+    merged = subprocess.run([sys.executable, "scripts/research/merge_device_results.py", str(out / "results.tgz"),
                              "--docs", str(docs)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert merged.returncode == 0, merged.stderr
     table = json.loads((docs / "results" / "upfl-table1.json").read_text())
@@ -67,7 +67,7 @@ def test_queue_runs_rows_and_merge_adds_them(tmp_path: Path) -> None:
 
 
 def test_table_command_drops_queue_folders_and_every_method() -> None:
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts" / "research"))
     from merge_device_results import table_command
 
     recorded = ("fl-server bench fedicon-shift --dataset mnist-paper --methods FedAvg FedAvg-FT 'FedICON w/o TTA' "
@@ -87,7 +87,7 @@ def test_merge_aggregates_btgfl_with_its_own_columns(tmp_path: Path) -> None:
     with tarfile.open(archive, "w:gz") as tar:
         for f in sorted((raw / "fashion_mnist").glob("*/seed0.json")):
             tar.add(f, arcname=f"results/raw/btgfl/fashion_mnist/{f.parent.name}/seed0.json")
-    merged = subprocess.run([sys.executable, "scripts/merge_device_results.py", str(archive), "--docs", str(docs)],
+    merged = subprocess.run([sys.executable, "scripts/research/merge_device_results.py", str(archive), "--docs", str(docs)],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert merged.returncode == 0, merged.stderr
     table = json.loads((docs / "results" / "btgfl.json").read_text())

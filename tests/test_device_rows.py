@@ -1,4 +1,4 @@
-"""scripts/device_rows.tsv, the GPU queue's rows: every step of every row is a `bench` command that names a
+"""scripts/research/device_rows.tsv, the GPU queue's rows: every step of every row is a `bench` command that names a
 known experiment, one of its data sets and its methods (a malformed row fails only on the lent GPU, hours later)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 from fl_server.bench.experiments import get_experiment
 
-ROWS = Path(__file__).resolve().parents[1] / "scripts" / "device_rows.tsv"
+ROWS = Path(__file__).resolve().parents[1] / "scripts" / "research" / "device_rows.tsv"
 
 
 def _option_values(args: list[str], flag: str) -> list[str]:

@@ -132,7 +132,7 @@ def test_fedtta_plus_plus_returns_the_lowest_entropy_iterate() -> None:
 
 
 def test_first_candidate_skips_the_unadapted_model() -> None:
-    """first_candidate = 1 (docs/fedttapp-diagnosis.md): iterate 0 is recorded but never returned, and
+    """first_candidate = 1 (docs/research/fedttapp-diagnosis.md): iterate 0 is recorded but never returned, and
     patience counts from the first candidate."""
     stop = EntropyEarlyStopping(patience=1, first_candidate=1)
     assert [stop.update(h) for h in (0.5, 0.6, 0.7)] == [False, False, True]  # 0.5 is lowest, not a candidate

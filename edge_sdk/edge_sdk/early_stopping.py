@@ -5,7 +5,7 @@ entropy H = -sum p log p of the personalised model on the client's data; adaptat
 has not decreased for ``patience`` consecutive steps (or after ``max_steps``), and the iterate with the
 lowest entropy is the answer. Iterates before ``first_candidate`` are recorded but never chosen: with 1, the
 one-step model that FedTTA's meta-training targets is the starting point and the un-adapted model (not
-trained to predict on its own) is not an answer (docs/fedttapp-diagnosis.md; 0 is SPEC.md's reading).
+trained to predict on its own) is not an answer (docs/research/fedttapp-diagnosis.md; 0 is SPEC.md's reading).
 (The authors' code computes ``p * log2(prob)`` with ``p`` the patience counter, which always returns
 iterate 0 -- SPEC.md section 1.)
 """

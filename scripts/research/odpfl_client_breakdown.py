@@ -4,7 +4,7 @@ on each new client and each validation client, from the best-validation checkpoi
 label mixes differ a lot, so the 10-client mean of either method moves by several points with which clients
 happen to be new; this shows how the two methods' wins and losses are spread over the clients.
 
-    python scripts/odpfl_client_breakdown.py --dataset fashion_mnist-a0.1 --seed 0 --runs-dir runs
+    python scripts/research/odpfl_client_breakdown.py --dataset fashion_mnist-a0.1 --seed 0 --runs-dir runs
 """
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def main() -> None:
             per_method["ODPFL-HN mean embedding"] = {
                 group: [round(100 * sim._accuracy(mean_model, c), 2) for c in clients]
                 for group, clients in (("new", fed.new), ("validation", fed.val_clients))}
-    command = "python scripts/odpfl_client_breakdown.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = "python scripts/research/odpfl_client_breakdown.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     rows = []
     for group, clients in (("new", fed.new), ("validation", fed.val_clients)):
         fedavg, odpfl = (np.array(per_method[m][group]) for m in METHODS)

@@ -3,8 +3,8 @@
 # pack whatever finished. One result file per (experiment, dataset, method, seed), so a row cut off by the end
 # of the lease is simply missing and runs again later; a failed row keeps its log and is retried by `start`.
 #
-#   bash scripts/device_queue.sh start JOBS    # copy the tree to $QUEUE_DIR, start MPS, start the queue, return
-#   bash scripts/device_queue.sh status        # progress of every row; packs $OUT/results.tgz (raw results, logs)
+#   bash scripts/research/device_queue.sh start JOBS    # copy the tree to $QUEUE_DIR, start MPS, start the queue, return
+#   bash scripts/research/device_queue.sh status        # progress of every row; packs $OUT/results.tgz (raw results, logs)
 #
 # JOBS holds one row per line, "NAME<TAB>bench ARGS [&& bench ARGS ...]", in priority order, e.g.
 #   t1-fedttapp-s0	bench upfl-table1 --dataset fashion_mnist --methods FedTTA++ --seed 0 && bench upfl-data-size ...
@@ -14,14 +14,14 @@
 # compute, is what runs out first (a FedTTA ConvNet row on Fashion-MNIST holds about 8.5 GB; a 20-wide start
 # without the gate ran the H100 out of memory within a minute). Between device calls the machine stays warm
 # only for a few seconds, so keep calling `status` (with a sleep) while rows run.
-# scripts/device_rows.tsv lists the GPU rows still missing from docs/results (keep it current as rows land).
-# Speed-ratio benchmarks need the GPU to themselves: run them before the queue (scripts/device_session.sh does,
+# scripts/research/device_rows.tsv lists the GPU rows still missing from docs/results (keep it current as rows land).
+# Speed-ratio benchmarks need the GPU to themselves: run them before the queue (scripts/research/device_session.sh does,
 # and is the script for a short lease: benchmarks first, then rows side by side until a deadline).
 # Data: carry a copy of ../shared/data (mnist/, fashion-mnist/) as .gpu_data, or set FL_DATA_DIR.
-# Merge here: python scripts/merge_device_results.py results.tgz (adds the new raw files to docs/results,
+# Merge here: python scripts/research/merge_device_results.py results.tgz (adds the new raw files to docs/results,
 # re-aggregates the touched tables and rewrites docs/RESULTS.md).
 set -uo pipefail
-Q=${QUEUE_DIR:-/root/queue}
+Q=${QUEUE_DIR:-$HOME/fl-edge-queue}
 MAX_JOBS=${MAX_JOBS:-16}
 MIN_FREE_MB=${MIN_FREE_MB:-14000}
 
@@ -74,7 +74,7 @@ start)
     export PYTHONPATH="$Q/repo:$Q/repo/edge_sdk" FL_DATA_DIR="${FL_DATA_DIR:-$Q/repo/.gpu_data}"
     export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1 QUEUE_DIR=$Q MAX_JOBS MIN_FREE_MB DEVICE=${DEVICE:-cuda}
     # MPS lets the rows' small kernels share the GPU instead of time-slicing it; skipped when it does not start
-    export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+    export CUDA_MPS_PIPE_DIRECTORY="$Q/mps-pipe" CUDA_MPS_LOG_DIRECTORY="$Q/mps-log"
     mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
     if ! { nvidia-cuda-mps-control -d 2>/dev/null \
            && timeout 60 python3 -c "import torch; torch.zeros(1, device='cuda')" 2>/dev/null; }; then
@@ -95,8 +95,8 @@ status)
         echo "round $(tail -1 "$m" | sed 's/.*"round": \([0-9]*\).*/\1/') ${m#"$Q/runs/"}"
     done
     grep -l Traceback "$Q"/logs/*.log 2>/dev/null | while read -r l; do echo "--- $l"; tail -3 "$l"; done
-    mkdir -p "${OUT:-/tmp/out}"
-    tar czf "${OUT:-/tmp/out}/results.tgz" -C "$Q" results logs done queue.log 2>/dev/null
+    mkdir -p "${OUT:-$Q/out}"
+    tar czf "${OUT:-$Q/out}/results.tgz" -C "$Q" results logs done queue.log 2>/dev/null
     ;;
 *)
     sed -n '2,20p' "$0"; exit 2

@@ -10,9 +10,9 @@ and trains nothing), rebuilds the streams exactly as ``fl_server.bench.btgfl`` d
 Test numbers here are diagnostics only; nothing is selected on them. ``--val`` adds the same methods on
 validation streams built from the held-out TRAIN split (per client: its own val samples = IND, as many of the
 other clients' val samples = EXD, and a half/half shuffled mix), the only place an option may be chosen.
-``scripts/sweep_btgfl_options.py`` runs BTFL's options on these streams (``load_seed``).
+``scripts/research/sweep_btgfl_options.py`` runs BTFL's options on these streams (``load_seed``).
 
-    python scripts/probe_btgfl.py fashion_mnist 0 1 2 --runs runs --val   (per seed, then the mean over seeds)
+    python scripts/research/probe_btgfl.py fashion_mnist 0 1 2 --runs runs --val   (per seed, then the mean over seeds)
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""Merge the raw result files a device run packed (`scripts/device_queue.sh status` -> results.tgz) into
+"""Merge the raw result files a device run packed (`scripts/research/device_queue.sh status` -> results.tgz) into
 docs/results: each record's "command" loses the queue's own --results-dir / --runs-dir and its --methods (one
 table command covers every method), records already present are kept, the touched experiments are
 re-aggregated and docs/RESULTS.md is rewritten.
 
-    python scripts/merge_device_results.py /work/.device/N/results.tgz [--docs docs]
+    python scripts/research/merge_device_results.py DIR/results.tgz [--docs docs]
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Does FedTTA++'s base model need FedTTA's eta_adapt? Train FedTTA++ on the UPFL Table-1 MNIST protocol with
-other (eta_adapt, mu) pairs and print each run's best VALIDATION accuracy (issue 3, docs/fedttapp-diagnosis.md).
+other (eta_adapt, mu) pairs and print each run's best VALIDATION accuracy (issue 3, docs/research/fedttapp-diagnosis.md).
 
 Why: with Table 4's FedTTA-Prox rates (eta_adapt 0.001, mu 0.01) the trained base model psi alone scores
 28-57% on new clients and the early-stopping rule follows falling entropy into falling accuracy, while FedTTA's
@@ -7,7 +7,7 @@ models (eta_adapt 0.01, mu 0) score 92-94% un-adapted (docs/results/fedttaprox-s
 searched eta_adapt and mu per method, so both are hyperparameters to choose on validation; the test accuracy
 at the best validation round is recorded in the run's record but must not be used to choose.
 
-    python scripts/probe_fedttapp_adapt_lr.py --seeds 0 --adapt-lr 0.01 --mu 0.01 [--device cpu]
+    python scripts/research/probe_fedttapp_adapt_lr.py --seeds 0 --adapt-lr 0.01 --mu 0.01 [--device cpu]
         (run dirs: runs/probe/fedttapp-adapt-lr/<eta_adapt>-<mu>/seed<k>, resumable; one JSON line per run)
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "edge_sdk")]
 from fl_server.bench.experiments import get_experiment  # noqa: E402
 from fl_server.bench.runner import run_seed  # noqa: E402

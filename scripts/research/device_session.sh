@@ -2,11 +2,11 @@
 # One device call sized for a 15-minute lease (the machine's start takes one to two of them): what a short lease
 # can finish, then a measurement that sizes the next ones.
 #  1. With BENCHMARKS=1, on the idle GPU (speed ratios need it to themselves): the FedTTA round of
-#     benchmarks/vmap_engine.py and benchmarks/odpfl_round.py (both measured on an H200 in session 23).
-#  2. Until BUDGET_S seconds after the start: the first step of each row named in ROWS (scripts/device_rows.tsv),
+#     benchmarks/vmap_engine.py and benchmarks/odpfl_round.py (both measured on an H200 with this script).
+#  2. Until BUDGET_S seconds after the start: the first step of each row named in ROWS (scripts/research/device_rows.tsv),
 #     side by side, each cut off at the deadline. Their metrics.jsonl (round, cumulative wall_s) tell how many
 #     GPU-minutes a whole row needs; a row that finishes leaves its raw result file.
-# Sizing, session 23 on an H200 (four rows side by side for 300 s, then two resumed for 365 s on the warm machine):
+# Sizing on an H200 (four rows side by side for 300 s, then two resumed for 365 s on the warm machine):
 # FedTTA Fashion-MNIST reached round 67 of 300, FedTTA++ 53 of 300 (it validates with adaptation), btgfl-paper 55 of
 # 130 (then finished: 586 s of training), fedicon-shift fashion_mnist-paper 43 of 100 (then FedICON and w/o TTA
 # finished, 470 s of training; the online row did not). A FedTTA-family Fashion-MNIST row needs 23-29 GPU-minutes
@@ -14,11 +14,11 @@
 # Everything lands in $OUT: log.txt, rows.tgz (logs, metrics, results), with BENCHMARKS=1 vmap-engine.json and
 # odpfl-round.json.
 #
-#   bash scripts/device_session.sh      # carry .gpu_data: a copy of ../shared/data's mnist/ and fashion-mnist/
-# Merge here (DIR: the call's files_at): python scripts/merge_device_results.py DIR/rows.tgz for finished rows;
+#   bash scripts/research/device_session.sh      # carry .gpu_data: a copy of ../shared/data's mnist/ and fashion-mnist/
+# Merge here (DIR: the call's files_at): python scripts/research/merge_device_results.py DIR/rows.tgz for finished rows;
 # the benchmark rows with fl_server.bench.rows.merge_rows into docs/benchmarks/ (key: what, device).
 set -uo pipefail
-O=${OUT:-/tmp/device-out}
+O=${OUT:-$PWD/runs/device-out}
 mkdir -p "$O"
 start=$(date +%s)
 deadline=$(( start + ${BUDGET_S:-450} ))
@@ -40,10 +40,10 @@ timeout 120 python3 benchmarks/odpfl_round.py --device cuda --out "$O/odpfl-roun
     || say "odpfl_round exit $?"
 fi
 
-Q=/tmp/rows
+Q=${QUEUE_DIR:-$PWD/runs/device-rows}
 mkdir -p "$Q"/{logs,results,runs}
 for name in $ROWS; do
-    line=$(grep -P "^$name\t" scripts/device_rows.tsv) || { say "no row $name"; continue; }
+    line=$(grep -P "^$name\t" scripts/research/device_rows.tsv) || { say "no row $name"; continue; }
     step=${line#*$'\t'}
     step=${step%%&&*}  # the row's first step only
     eval "set -- $step"  # shell quoting inside a row, e.g. --methods 'HeteroFedTTA (no KD)'

@@ -12,7 +12,7 @@ the best mean over the datasets, and the paper defaults are kept if none wins. E
 here: the verdict is printed for a human decision. Test numbers are printed in a separate block, as
 diagnostics only; nothing reads them.
 
-    python scripts/sweep_btgfl_options.py --datasets fashion_mnist mnist --seeds 0 1 2 --runs runs
+    python scripts/research/sweep_btgfl_options.py --datasets fashion_mnist mnist --seeds 0 1 2 --runs runs
 """
 from __future__ import annotations
 

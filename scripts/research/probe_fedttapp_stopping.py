@@ -9,7 +9,7 @@ mean prediction entropy and the accuracy. Reports the accuracy of the iterate th
 iterate over all steps (no early stop), and of the per-client best iterate (oracle), plus where the rule
 stops. Nothing here is used to choose a hyperparameter on the test split.
 
-    python scripts/probe_fedttapp_stopping.py RUN_DIR [RUN_DIR ...] [--split val|test] [--patience 1 5]
+    python scripts/research/probe_fedttapp_stopping.py RUN_DIR [RUN_DIR ...] [--split val|test] [--patience 1 5]
         [--max-steps 50] [--out docs/results/fedttapp-stopping-probe.json]
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "edge_sdk"), str(REPO / "benchmarks")]
 from edge_sdk import EntropyEarlyStopping  # noqa: E402
 from fl_server.algorithms import build_algorithm  # noqa: E402
@@ -95,7 +95,7 @@ def main() -> int:
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--out", default=None, help="JSON rows (default: print only)")
     args = ap.parse_args()
-    command = "python scripts/probe_fedttapp_stopping.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = "python scripts/research/probe_fedttapp_stopping.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     rows = []
     for r in args.runs:
         run = json.loads((Path(r) / "run.json").read_text())

@@ -6,7 +6,7 @@ sqrt(N/B) = 3.3 times larger than any step seen in training. This probe decides 
 each training client adapts on its whole local set (train + val, N ~ 700, used unlabeled, like a new client)
 and is scored on its validation labels only. The new clients' test split is never touched.
 
-    python scripts/probe_fedtta_step.py runs/bench/upfl-table1/mnist/FedTTApp/seed0/best.npz \
+    python scripts/research/probe_fedtta_step.py runs/bench/upfl-table1/mnist/FedTTApp/seed0/best.npz \
         --method FedTTA++ --dataset mnist --seed 0
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ def main() -> None:
     sizes = [len(t) + len(v) for t, v in zip(fed.train, fed.val)]
     print(f"{args.method} {args.dataset} seed {args.seed}: {len(sizes)} training clients, adaptation set N = "
           f"{min(sizes)}..{max(sizes)}, scored on the validation labels")
-    command = "python scripts/probe_fedtta_step.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = "python scripts/research/probe_fedtta_step.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     rows = []
     for name, loss_batch in variants.items():
         alg = build_algorithm(args.method, model, fed.num_train_clients, seed=args.seed, **{**hp, "loss_batch": loss_batch})

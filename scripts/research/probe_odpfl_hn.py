@@ -19,9 +19,9 @@ validation split of the training clients cannot, a hypernetwork that memorises t
 its validation curve, the same diagnostics of its last checkpoint and the classes its generated models
 predict on the training clients' validation data (a one-class model shows as a single class).
 
-    python scripts/probe_odpfl_hn.py --dataset mnist --rounds 40 --hn-lr 0.5 0.05 0.01
-    python scripts/probe_odpfl_hn.py --experiment odpfl-dirichlet --dataset fashion_mnist-a1 --rounds 100 --device cuda
-    python scripts/probe_odpfl_hn.py --experiment odpfl-dirichlet --dataset fashion_mnist-a0.1 --rounds 100 \
+    python scripts/research/probe_odpfl_hn.py --dataset mnist --rounds 40 --hn-lr 0.5 0.05 0.01
+    python scripts/research/probe_odpfl_hn.py --experiment odpfl-dirichlet --dataset fashion_mnist-a1 --rounds 100 --device cuda
+    python scripts/research/probe_odpfl_hn.py --experiment odpfl-dirichlet --dataset fashion_mnist-a0.1 --rounds 100 \
         --eval-every 10 --hn-lr 0.05 --set standardize_init=true --set encoder_lr=1e-4
 """
 from __future__ import annotations
@@ -128,7 +128,7 @@ def main() -> None:
     ap.add_argument("--diagnose-run", type=Path, metavar="DIR",
                     help="diagnose a bench run directory (its run.json, checkpoint.npz, metrics.jsonl) instead")
     args = ap.parse_args()
-    command = "python scripts/probe_odpfl_hn.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = "python scripts/research/probe_odpfl_hn.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     if args.diagnose_run is not None:
         torch.set_num_threads(1)
         diagnose_run(args.diagnose_run, args, command)
