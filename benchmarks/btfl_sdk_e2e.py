@@ -1,4 +1,4 @@
-"""BTFL on the device path, end to end, against the harness (issue 7): parity and per-sample latency.
+"""BTFL on the device path, end to end, against the harness: parity and per-sample latency.
 
 Takes a finished ``fl-server bench btgfl`` training run (its last-round checkpoint, as the benchmark evaluates),
 rebuilds the seed's clients and test streams exactly as :mod:`fl_server.bench.btgfl` does, and for every client

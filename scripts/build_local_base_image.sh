@@ -9,7 +9,7 @@ TAG=${1:-fl-edge/python:3.11-slim-local}
 SUITE=${SUITE:-bookworm}
 MIRROR=${MIRROR:-http://deb.debian.org/debian}
 command -v debootstrap >/dev/null || { echo "debootstrap missing: apt-get install -y debootstrap"; exit 1; }
-ROOT=$(mktemp -d /tmp/fl-edge-base.XXXXXX)
+ROOT=$(mktemp -d -t fl-edge-base.XXXXXX)
 trap 'rm -rf "$ROOT"' EXIT
 echo "debootstrap $SUITE ($MIRROR) -> $ROOT"
 debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates \

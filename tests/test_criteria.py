@@ -6,7 +6,7 @@ from pathlib import Path
 
 from fl_server.bench.criteria import (CRITERIA, SDK_BENCHMARK, VMAP_BENCHMARK, Criterion, at_least, beats,
                                       sdk_parity, status_section, table_complete, vmap_engine, within)
-from fl_server.bench.report import write_report
+from fl_server.bench.report import DETAIL_PAGE, write_report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -126,3 +126,16 @@ def test_committed_results_md_is_current(tmp_path: Path) -> None:
         shutil.copytree(REPO / "docs" / sub, docs / sub, ignore=shutil.ignore_patterns("raw"))
     regenerated = write_report(docs).read_text()
     assert regenerated == (REPO / "docs" / "RESULTS.md").read_text(), "run `fl-server report` and commit docs/RESULTS.md"
+    detail = (docs / DETAIL_PAGE).read_text()
+    assert detail == (REPO / "docs" / DETAIL_PAGE).read_text(), f"run `fl-server report` and commit docs/{DETAIL_PAGE}"
+
+
+def test_results_md_is_a_page_a_person_reads() -> None:
+    """docs/RESULTS.md stays under 500 lines: the status first, then one compact table per experiment with each
+    data set's command once; every row's note and the probe tables are on the research page."""
+    text = (REPO / "docs" / "RESULTS.md").read_text()
+    assert len(text.splitlines()) < 500
+    assert text.index("## Reproduction status") < min(text.index(f"## {name}") for name in ("upfl-table1", "btgfl"))
+    assert "## probe:" not in text and "## probe:" in (REPO / "docs" / DETAIL_PAGE).read_text()
+    table1 = text[text.index("## upfl-table1"):text.index("## btgfl")]
+    assert table1.count("`fl-server bench upfl-table1 --dataset mnist") == 1  # the command once, not per row

@@ -71,7 +71,7 @@ def test_table_command_drops_queue_folders_and_every_method() -> None:
     from merge_device_results import table_command
 
     recorded = ("fl-server bench fedicon-shift --dataset mnist-paper --methods FedAvg FedAvg-FT 'FedICON w/o TTA' "
-                "--device cuda --results-dir /root/queue/results --runs-dir /root/queue/runs --seeds 3")
+                "--device cuda --results-dir queue/results --runs-dir queue/runs --seeds 3")
     assert table_command(recorded) == "fl-server bench fedicon-shift --dataset mnist-paper --device cuda --seeds 3"
 
 

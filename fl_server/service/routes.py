@@ -1,4 +1,4 @@
-"""The API routers. Endpoint names are a contract (issue 8); shapes are in :mod:`schemas`."""
+"""The API routers. Endpoint names are a contract (clients depend on them); shapes are in :mod:`schemas`."""
 from __future__ import annotations
 
 import json

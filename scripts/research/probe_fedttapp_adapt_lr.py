@@ -1,5 +1,5 @@
 """Does FedTTA++'s base model need FedTTA's eta_adapt? Train FedTTA++ on the UPFL Table-1 MNIST protocol with
-other (eta_adapt, mu) pairs and print each run's best VALIDATION accuracy (issue 3, docs/research/fedttapp-diagnosis.md).
+other (eta_adapt, mu) pairs and print each run's best VALIDATION accuracy (docs/research/fedttapp-diagnosis.md).
 
 Why: with Table 4's FedTTA-Prox rates (eta_adapt 0.001, mu 0.01) the trained base model psi alone scores
 28-57% on new clients and the early-stopping rule follows falling entropy into falling accuracy, while FedTTA's

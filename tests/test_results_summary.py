@@ -1,0 +1,53 @@
+"""The compact tables of docs/RESULTS.md (fl_server.bench.summary), on the committed result tables."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from fl_server.bench.summary import MAX_SPLIT_COLUMNS, lead, summary_section, table_command
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+
+
+def _table(name: str) -> list[dict]:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def test_one_command_per_data_set_covers_every_method_and_the_most_seeds() -> None:
+    rows = [r for r in _table("upfl-table1") if r["dataset"] == "mnist"]
+    assert len({r["command"] for r in rows}) > 1  # recorded per method (--methods X) and per device
+    assert table_command("upfl-table1", rows) == "fl-server bench upfl-table1 --dataset mnist --seeds 3"
+    cuda = [r for r in _table("btgfl") if r["dataset"] == "fashion_mnist-paper"]  # every row ran with --device cuda
+    assert table_command("btgfl", cuda) == "fl-server bench btgfl --dataset fashion_mnist-paper --device cuda --seeds 1"
+
+
+def test_summary_cells_and_layout() -> None:
+    rows = _table("upfl-table1")
+    text = summary_section("upfl-table1", rows, "UPFL Table 1: 100 clients (Sec. 4.1). Reading the rows: more.")
+    assert "UPFL Table 1: 100 clients (Sec. 4.1). Every row" in text and "Reading the rows" not in text
+    fedavg = next(r for r in rows if (r["dataset"], r["method"], r["split"]) == ("mnist", "FedAvg", "test"))
+    line = next(ln for ln in text.splitlines() if ln.startswith("| mnist | FedAvg |"))
+    assert f"{fedavg['mean']:.2f} +- {fedavg['std']:.2f} (paper {fedavg['paper']:.2f})" in line
+    assert sum(ln.startswith("- ") for ln in text.splitlines()) == len({r["dataset"] for r in rows})
+    assert "fl-server bench" not in text.split("| dataset |")[1]  # no command inside the table
+
+    one_seed = summary_section("btgfl", [r for r in _table("btgfl") if r["seeds"] == 1])
+    assert " +- " not in one_seed.split("| dataset |")[1]  # a single run shows its value, no spread
+
+
+def test_wide_tables_are_transposed_and_detail_rows_left_out() -> None:
+    dp = _table("odpfl-dp")
+    assert len({(r["split"], r.get("setting")) for r in dp}) > MAX_SPLIT_COLUMNS
+    text = summary_section("odpfl-dp", dp)
+    assert "| dataset | split | seeds | FedAvg | ODPFL-HN |" in text
+    assert "| fashion_mnist | test: \\|D\\|=100, eps=1 |" in text
+
+    shift = summary_section("fedicon-shift", _table("fedicon-shift"))
+    assert "test covariate-s5" in shift and "contrast-5" not in shift and "tta_lr" not in shift
+    assert len(shift.splitlines()) < 120
+
+
+def test_lead_keeps_abbreviations_inside_the_first_sentence() -> None:
+    assert lead("UPFL concept shift (Sec. 4.5, App. F): 1,000 samples. Then more.") == \
+        "UPFL concept shift (Sec. 4.5, App. F): 1,000 samples."
+    assert lead("No full stop followed by a capital here") == "No full stop followed by a capital here"
