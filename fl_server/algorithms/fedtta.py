@@ -35,7 +35,7 @@ class FedTTAConfig(Hyper):
     patience: int = 0  # 0: one adaptation step (FedTTA); >= 1: entropy early stopping (FedTTA++)
     max_steps: int = 50  # E, the authors' code
     # FedTTA++: first iterate that may be returned (0: the un-adapted model too, SPEC.md's reading; 1: from the
-    # one-step model, docs/research/fedttapp-diagnosis.md). Left out of run fingerprints at its default.
+    # one-step model, docs/fedttapp-diagnosis.md). Left out of run fingerprints at its default.
     first_candidate: int = field(default=0, metadata={"fingerprint": "omit_default"})
     # Reference batch B of the personalization loss: l_per = sqrt(B * mean_i g_i^2), which is the paper's
     # ||g(Z)||_2 on a training batch of B samples, but does not grow as sqrt(N) on a new client's full set of
@@ -159,9 +159,9 @@ _TABLE4_MNIST: dict[str, dict[str, float]] = {
 }
 FEDTTA_HP: dict[str, dict[str, dict[str, float]]] = {
     # first_candidate 1 (the un-adapted base model is never an answer): chosen on the MNIST training
-    # clients' validation sets (docs/research/fedttapp-diagnosis.md); Fashion-MNIST follows by the same argument.
+    # clients' validation sets (docs/fedttapp-diagnosis.md); Fashion-MNIST follows by the same argument.
     # adapt_lr 0.01 (FedTTA's) instead of Table 4's 0.001 ("as Prox"): chosen on validation, seeds 0-1
-    # (scripts/research/probe_fedttapp_adapt_lr.py; UPFL App. C searched eta_adapt per method)
+    # (scripts/probe_fedttapp_adapt_lr.py; UPFL App. C searched eta_adapt per method)
     "mnist": {**_TABLE4_MNIST, "FedTTA++": {**_TABLE4_MNIST["FedTTA++"], "adapt_lr": 0.01, "first_candidate": 1}},
     # the embedded 8x8 digits (the default job, no paper rates): Table 4's MNIST rates and SPEC's stopping rule
     # as written; the two MNIST choices above were made on MNIST validation and are not carried over here

@@ -508,7 +508,7 @@ class ODPFLHN(Algorithm):
 
 
 # UPFL Table 4 (ODPFL-HN rows): local, encoder and hypernetwork learning rates per data set.
-# hn_lr kept at Table 4's 0.5 on validation (scripts/research/probe_odpfl_hn.py, MNIST seed 0, 60 rounds, new clients
+# hn_lr kept at Table 4's 0.5 on validation (scripts/probe_odpfl_hn.py, MNIST seed 0, 60 rounds, new clients
 # removed: best val 96.31 at 0.5, 95.56 at 0.1, 94.93 at 0.05; docs/results/odpfl-hn-probe.json). At 0.5 with
 # pFedHN's momentum most hypernetwork ReLUs die (alive 13/5/33% per layer) and the generated weights barely
 # depend on the embedding (spread across clients 1e-4): the model it serves is close to one global model,
@@ -527,7 +527,7 @@ ODPFL_HP: dict[str, dict[str, dict[str, float]]] = {
 # embeddings at init (``standardize_init``) makes them differ by O(1) across clients. The standardized
 # encoder's effective step on the embeddings is 1/sigma^2 (sigma ~1e-3) times its rate, so the rate must be
 # small: 1e-4 diverges within 5 steps at Dir(1), 1e-5 is stable at both alphas. hn_lr from the paper's grid.
-# Chosen on validation only (scripts/research/probe_odpfl_hn.py, odpfl-dirichlet, seed 0, new clients removed; rows
+# Chosen on validation only (scripts/probe_odpfl_hn.py, odpfl-dirichlet, seed 0, new clients removed; rows
 # in docs/results/odpfl-hn-probe.json).
 ODPFL_PAPER_HP: dict[str, float | bool] = {"local_lr": 0.1, "encoder_lr": 1e-5, "hn_lr": 0.05,
                                           "standardize_init": True}
