@@ -43,7 +43,7 @@ from raw_http import RawConnection  # noqa: E402
 ENDPOINTS = ("join", "manifest", "artifact", "generate")
 ROUTES = {"join": "/v1/clients", "manifest": "/v1/manifest", "artifact": "/v1/artifacts/{sha256}",
           "generate": "/v1/hypernetwork/generate"}
-TARGET_MS = 200.0  # issue 8: p99 under 200 ms for join and generate
+TARGET_MS = 200.0  # the coordinator's target: p99 under 200 ms for join and generate
 JSON = {"Content-Type": "application/json"}
 JOIN_BODY = b'{"method": "ODPFL-HN"}'
 # no per-read/write timeouts: each one costs an anyio cancel scope with a timer (17% of this generator's CPU);

@@ -1,4 +1,4 @@
-"""The device path against the server path on the new clients of a finished run (issue 7, Table-1 parity).
+"""The device path against the server path on the new clients of a finished run (Table-1 parity).
 
 For each run directory (``fl-server train --out DIR`` or a ``fl-server bench`` run dir: run.json + best.npz) the
 run is exported to a bundle (``export_run``); every held-out new client of the run's protocol is personalised

@@ -1,16 +1,15 @@
 """The docs describe the software, not the history of its making: no machine-specific paths and no numbered
-work logs ("session 12", "issue 5" as history) in the README or anywhere under docs/ (results notes and
-benchmark rows included, since they are rendered into docs/RESULTS.md)."""
+work logs ("session 12", "issue 5" as history) in the README, anywhere under docs/ (results notes and
+benchmark rows included, since they are rendered into docs/RESULTS.md), or in the code and its comments."""
 from __future__ import annotations
 
 import re
 import subprocess
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
 TEXT_SUFFIXES = {".md", ".txt", ".json", ".log", ".tsv"}
+CODE_SUFFIXES = {".py", ".sh"}
 
 FORBIDDEN = {
     "machine-specific path": re.compile(r"(?<![\w.])/(?:work|tmp|root)/"),
@@ -19,15 +18,25 @@ FORBIDDEN = {
 }
 
 
-def _doc_files() -> list[Path]:
-    """README.md and every text file under docs/ that git tracks (every such file when git is unavailable)."""
+def _tracked(*pathspecs: str) -> list[Path]:
+    """The files git tracks under ``pathspecs`` (a walk of them when git is unavailable)."""
     try:
-        listed = subprocess.run(["git", "ls-files", "README.md", "docs"], cwd=REPO, capture_output=True, text=True,
+        listed = subprocess.run(["git", "ls-files", *pathspecs], cwd=REPO, capture_output=True, text=True,
                                 check=True, timeout=60).stdout.split()
-        paths = [REPO / p for p in listed]
+        return [REPO / p for p in listed if (REPO / p).is_file()]
     except (OSError, subprocess.SubprocessError):
-        paths = [REPO / "README.md", *(REPO / "docs").rglob("*")]
-    return [p for p in paths if p.is_file() and (p.suffix in TEXT_SUFFIXES or p.name == "README.md")]
+        roots = [REPO / p for p in pathspecs]
+        return [f for r in roots for f in ([r] if r.is_file() else r.rglob("*")) if f.is_file()]
+
+
+def _doc_files() -> list[Path]:
+    """README.md and every text file under docs/."""
+    return [p for p in _tracked("README.md", "docs") if p.suffix in TEXT_SUFFIXES or p.name == "README.md"]
+
+
+def _code_files() -> list[Path]:
+    """Every Python and shell file but this test (whose examples are the patterns themselves)."""
+    return [p for p in _tracked(".") if p.suffix in CODE_SUFFIXES and p != Path(__file__).resolve()]
 
 
 def offences(text: str) -> list[str]:
@@ -40,13 +49,24 @@ def offences(text: str) -> list[str]:
     return found
 
 
+def _assert_clean(files: list[Path]) -> None:
+    found = {str(p.relative_to(REPO)): hits for p in files if (hits := offences(p.read_text(errors="replace")))}
+    assert not found, "\n".join(f"{path}: {hit}" for path, hits in found.items() for hit in hits[:5])
+
+
 def test_patterns_catch_what_they_should() -> None:
     assert offences("run with --data-dir /work/shared/data") and offences("at fixes in session 21 we")
     assert offences("the target of issue 3 (98.0)") and offences("see Session #4")
     assert not offences("one trained store per session; runs/bench/x; ../shared/data; docs/tmp/x")
 
 
-@pytest.mark.parametrize("path", _doc_files(), ids=lambda p: str(p.relative_to(REPO)))
-def test_docs_have_no_machine_paths_or_work_logs(path: Path) -> None:
-    found = offences(path.read_text(errors="replace"))
-    assert not found, f"{path.relative_to(REPO)}:\n" + "\n".join(found[:10])
+def test_docs_have_no_machine_paths_or_work_logs() -> None:
+    files = _doc_files()
+    assert any(p.name == "RESULTS.md" for p in files) and any(p.name == "architecture.md" for p in files)
+    _assert_clean(files)
+
+
+def test_code_and_comments_have_no_machine_paths_or_work_logs() -> None:
+    files = _code_files()
+    assert any(p.name == "report.py" for p in files)
+    _assert_clean(files)

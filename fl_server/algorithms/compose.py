@@ -1,6 +1,6 @@
 """Recipes that combine two methods.
 
-MAP -> BTFL (issue 6, SPEC.md sections 3 and 6): MAP trained with ``head_only_stage2`` personalises only the
+MAP -> BTFL (SPEC.md sections 3 and 6): MAP trained with ``head_only_stage2`` personalises only the
 classifier on the frozen global features, so each client's HPM classifier (:meth:`MAP.local_heads`) is a linear
 head on the global feature extractor -- exactly the role of BTFL's local head. BTFL's test-time machinery
 (local and global DLEs on the global features, the heads' mean training entropies, the Bayesian interpolation

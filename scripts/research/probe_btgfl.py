@@ -1,4 +1,4 @@
-"""Diagnostic for issue 5: why is BTFL below FedTHE on the btgfl benchmark? No training, no tuning.
+"""Diagnostic: why is BTFL below FedTHE on the btgfl benchmark? No training, no tuning.
 
 Loads a finished btgfl run (``<runs>/bench/btgfl/<dataset>/seed<k>/checkpoint.npz``; the simulation resumes it
 and trains nothing), rebuilds the streams exactly as ``fl_server.bench.btgfl`` does and prints, per test column:

@@ -1,4 +1,4 @@
-"""Diagnostic for issue 3: does FedTTA's test-time step depend on the size of the adaptation set?
+"""Diagnostic: does FedTTA's test-time step depend on the size of the adaptation set?
 
 A new client adapts on its full unlabeled set (N = 700 on the Table-1 protocol) while meta-training only ever
 took steps on batches of B = 64; the paper's loss ||g(Z)||_2 grows like sqrt(N), so the full-set step is about

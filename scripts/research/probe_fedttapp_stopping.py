@@ -1,4 +1,4 @@
-"""Why is FedTTA++ seed-sensitive? Trace its entropy early stopping on a finished run (issue 3).
+"""Why is FedTTA++ seed-sensitive? Trace its entropy early stopping on a finished run.
 
 For every client of a run directory (run.json + best.npz of a FedTTA / FedTTA-Prox / FedTTA++ run), on the
 training clients' validation sets (``--split val``, for decisions) or the new clients (``--split test``,

@@ -1,4 +1,4 @@
-"""Diagnostic for issue 4: does ODPFL-HN's hypernetwork actually personalise, and at which learning rate?
+"""Diagnostic: does ODPFL-HN's hypernetwork actually personalise, and at which learning rate?
 
 With UPFL Table 4's hn_lr = 0.5 under the pFedHN optimiser (momentum 0.9, so an effective step of 5) the
 hypernetwork's ReLUs die within a few rounds: every hidden unit is zero for every client embedding, the heads

@@ -1,4 +1,4 @@
-"""Issue 5: BTFL's paper / authors'-code options on the btgfl checkpoints, selected on VALIDATION streams only.
+"""BTFL's paper / authors'-code options on the btgfl checkpoints, selected on VALIDATION streams only.
 
 For every finished seed (``<runs>/bench/btgfl/<dataset>/seed<k>``, loaded by ``probe_btgfl.load_seed``; nothing is
 trained) each option set below runs one fresh BTFL stream per client and column (batch 32, as the benchmark)
@@ -50,7 +50,7 @@ OPTION_SETS: dict[str, dict[str, Any]] = {
     "all authors' c=5": {**_AUTHORS, "restart_c": 5.0},
     "all authors' c=3000": {**_AUTHORS, "restart_c": 3000.0},
 }
-REFERENCE = "[ref] FedTHE"  # not a candidate: the method BTFL is compared with (issue 5)
+REFERENCE = "[ref] FedTHE"  # not a candidate: the method BTFL is compared with
 
 Predictor = Callable[[ClientArtifacts, np.ndarray, np.ndarray, np.ndarray], np.ndarray]
 
