@@ -70,3 +70,17 @@ def test_code_and_comments_have_no_machine_paths_or_work_logs() -> None:
     files = _code_files()
     assert any(p.name == "report.py" for p in files)
     _assert_clean(files)
+
+
+REPO_PATH = re.compile(r"(?<![\w/.-])((?:scripts|docs|fl_server|export|edge_sdk|benchmarks|examples|tests)/"
+                       r"[\w./-]*\w\.(?:py|sh|md|json|txt|tsv|png|log))")
+
+
+def test_written_docs_name_only_files_that_exist() -> None:
+    """A moved file leaves no stale path in the README or the hand-written docs (RESULTS.md and the research
+    page's detail are generated from the result files and the experiment registry)."""
+    generated = {REPO / "docs" / "RESULTS.md", REPO / "docs" / "research" / "results-detail.md"}
+    written = [p for p in _doc_files() if p.suffix == ".md" and p not in generated]
+    missing = [f"{p.relative_to(REPO)}: {m.group(1)}" for p in written for m in REPO_PATH.finditer(p.read_text())
+               if not (REPO / m.group(1)).exists()]
+    assert not missing, "\n".join(missing)
