@@ -132,7 +132,8 @@ def _table(rows: list[Row]) -> list[str]:
 
 def summary_section(name: str, rows: list[Row], description: str = "") -> str:
     """One experiment's section of docs/RESULTS.md: the protocol's first sentence, a link to every row on the
-    research page, the command of each data set once, and one compact method x split table."""
+    research page, per data set its protocol note (when all its rows share one) and its command once, and one
+    compact method x split table."""
     shown = [r for r in rows if SUMMARY_ROWS.get(name, lambda _: True)(r)]
     link = f"[research page](research/results-detail.md#{name})"
     intro = f"{lead(description)} " if description else ""
@@ -140,5 +141,7 @@ def summary_section(name: str, rows: list[Row], description: str = "") -> str:
     for ds in dict.fromkeys(r["dataset"] for r in shown):
         mine = [r for r in shown if r["dataset"] == ds]
         devices = _joined((d.strip() for r in mine for d in r["device"].split(",")), ", ")
-        lines.append(f"- {ds}: `{table_command(name, mine)}` ({devices})")
+        notes = {r.get("note", "") for r in mine}  # a note every row shares describes the protocol: shown once
+        protocol = f" {notes.pop().rstrip('.')}." if len(notes) == 1 and "" not in notes else ""
+        lines.append(f"- {ds}:{protocol} `{table_command(name, mine)}` ({devices})")
     return "\n".join([*lines, "", *_table(shown)]) + "\n"
