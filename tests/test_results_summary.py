@@ -51,3 +51,15 @@ def test_lead_keeps_abbreviations_inside_the_first_sentence() -> None:
     assert lead("UPFL concept shift (Sec. 4.5, App. F): 1,000 samples. Then more.") == \
         "UPFL concept shift (Sec. 4.5, App. F): 1,000 samples."
     assert lead("No full stop followed by a capital here") == "No full stop followed by a capital here"
+
+
+def test_a_summary_object_shows_its_first_table_and_keeps_the_rest_for_the_research_page() -> None:
+    from fl_server.bench.report import benchmark_section, benchmark_tables
+
+    series = json.loads((RESULTS.parent / "benchmarks" / "coordinator-load-series.json").read_text())
+    tables = benchmark_tables(series)
+    assert list(tables) == [" (variants)", " (runs)"] and len(tables[" (runs)"]) == len(series["runs"])
+    text = benchmark_section("coordinator-load-series (variants)", tables[" (variants)"])
+    assert "| before-raw | - | - | runs=3," in text and "| command |" not in text  # no empty columns
+    assert benchmark_tables([{"what": "a"}]) == {"": [{"what": "a"}]}
+    assert benchmark_tables({"what": "a", "value": 1}) == {"": [{"what": "a", "value": 1}]}

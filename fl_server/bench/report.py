@@ -67,26 +67,40 @@ def experiment_section(name: str, rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-_BENCH_SKIP = {"benchmark", "what", "method", "metric", "value", "device", "command"}
+_BENCH_SKIP = {"benchmark", "what", "method", "variant", "metric", "value", "device", "command"}
 
 
 def benchmark_section(name: str, rows: list[dict[str, Any]]) -> str:
     """A table of free-form rows (a benchmark or a probe): what, metric, value, the other fields as details.
     A command or device shared by every row is named once above the table instead of in a column."""
-    shared = {k: vals.pop() for k in ("command", "device") if len(vals := {str(r.get(k, "-")) for r in rows}) == 1}
+    shared = {k: vals.pop() for k in ("command", "device")
+              if len(vals := {str(r.get(k, "-")) for r in rows}) == 1 and vals != {"-"}}
     lines = [f"## benchmark: {name}", ""]
-    if "command" in shared:
-        lines += [f"Command: `{shared['command']}`" + (f" ({shared['device']})" if "device" in shared else ""), ""]
-    columns = ["what", "metric", "value", "details"] + [k for k in ("device", "command") if k not in shared]
+    head = ([f"Command: `{shared['command']}`"] if "command" in shared else []) + \
+        ([f"device: {shared['device']}"] if "device" in shared else [])
+    lines += ["; ".join(head), ""] if head else []
+    own = [k for k in ("device", "command") if k not in shared and any(k in r for r in rows)]  # per-row columns
+    columns = ["what", "metric", "value", "details", *own]
     lines += ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for r in rows:
         details = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
                             for k, v in r.items() if k not in _BENCH_SKIP)
-        cells = [r.get("what") or r.get("method", ""), r.get("metric", "-"), r.get("value", "-"), details]
-        cells += [r.get("device", "-")] if "device" not in shared else []
-        cells += [f"`{r.get('command', '')}`"] if "command" not in shared else []
+        cells = [r.get("what") or r.get("method") or r.get("variant", ""), r.get("metric", "-"), r.get("value", "-"),
+                 details]
+        cells += [r.get("device", "-")] if "device" in own else []
+        cells += [f"`{r.get('command', '')}`"] if "command" in own else []
         lines.append("| " + " | ".join(md_cell(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def benchmark_tables(data: Any) -> dict[str, list[dict[str, Any]]]:
+    """A benchmark file's tables: a list of rows is one table; a summary object holding lists of rows (e.g.
+    ``{"variants": [...], "runs": [...]}``) is one table per list, the first being its summary; any other
+    object is one row."""
+    if isinstance(data, list):
+        return {"": data}
+    lists = {k: v for k, v in data.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)}
+    return {f" ({k})": v for k, v in lists.items()} or {"": [data]}
 
 
 def _load(folder: Path) -> dict[str, Any]:
@@ -109,8 +123,13 @@ def write_report(docs: Path = Path("docs")) -> Path:
         if name in PLOTS and (png := PLOTS[name](rows, docs / f"{name}.png")) is not None:
             main.append(f"![{name}]({png.name})\n")
         detail.append(experiment_section(name, rows))
-    for name, data in benchmarks.items():
-        main.append(benchmark_section(name, data if isinstance(data, list) else [data]))
+    for name, data in benchmarks.items():  # a summary object's first table here, every table on the research page
+        tables_of = benchmark_tables(data)
+        first = next(iter(tables_of))
+        main.append(benchmark_section(name + first, tables_of[first]))
+        if len(tables_of) > 1:
+            main[-1] += f"\nEvery table of this file: [research page](research/results-detail.md).\n"
+            detail += [benchmark_section(name + suffix, rows) for suffix, rows in tables_of.items()]
     for name, rows in tables.items():
         if not _is_experiment(rows):
             detail.append(benchmark_section(name, rows).replace("## benchmark: ", "## probe: ", 1))
