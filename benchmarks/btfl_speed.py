@@ -123,15 +123,19 @@ def time_predict_one(data: dict, repeats: int) -> tuple[float, float]:
     return _median_us(times)
 
 
-def time_weight_one(ab: np.ndarray, lt: np.ndarray, repeats: int) -> tuple[float, float]:
-    triples = list(zip(ab[0].tolist(), ab[1].tolist(), lt.tolist()))
+def _time_calls(fn: Callable[..., object], calls: list[tuple], repeats: int) -> tuple[float, float]:
+    """Median over repeats of (wall, CPU) microseconds per ``fn(*args)`` call."""
     times = []
     for _ in range(repeats + 1):
         t0 = _now()
-        for a, b, t in triples:
-            btfl._weight_one(a, b, t)
-        times.append((_now() - t0) / len(triples) * 1e6)
+        for args in calls:
+            fn(*args)
+        times.append((_now() - t0) / len(calls) * 1e6)
     return _median_us(times)
+
+
+def time_weight_one(ab: np.ndarray, lt: np.ndarray, repeats: int) -> tuple[float, float]:
+    return _time_calls(btfl._weight_one, list(zip(ab[0].tolist(), ab[1].tolist(), lt.tolist())), repeats)
 
 
 def time_public_weight(ab: np.ndarray, tau: np.ndarray, repeats: int, scalar: bool) -> tuple[float, float]:
@@ -140,13 +144,7 @@ def time_public_weight(ab: np.ndarray, tau: np.ndarray, repeats: int, scalar: bo
     triples = list(zip(ab[0].tolist(), ab[1].tolist(), tau.tolist()))
     if not scalar:
         triples = [([a], [b], [t]) for a, b, t in triples]
-    times = []
-    for _ in range(repeats + 1):
-        t0 = _now()
-        for a, b, t in triples:
-            btfl.expected_global_weight(a, b, t)
-        times.append((_now() - t0) / len(triples) * 1e6)
-    return _median_us(times)
+    return _time_calls(btfl.expected_global_weight, triples, repeats)
 
 
 def stream_triples(data: dict) -> tuple[np.ndarray, np.ndarray]:
