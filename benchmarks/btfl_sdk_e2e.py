@@ -14,6 +14,7 @@ whole device pipeline is recorded (p50, p99 over every streamed sample) on one c
 docs/benchmarks/edge-sdk.json by (what, device).
 
     python benchmarks/btfl_sdk_e2e.py --dataset fashion_mnist --seed 0 --run-dir runs/bench/btgfl/fashion_mnist/seed0
+    python benchmarks/btfl_sdk_e2e.py --latency-only     # latency of bundle formats 1 vs 2, no training run
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import torch
 
 from edge_sdk.btfl import BTFLStream
 from edge_sdk.bundle import load_bundle
+from edge_sdk.steps import graph_feeds
 from export.btfl import export_btfl_client
 from fl_server.algorithms.btfl import BTFL
 from fl_server.bench import btgfl
@@ -45,37 +47,95 @@ from fl_server.engine.simulation import load_state
 from fl_server.models import build_model
 
 
-def device_stream(bundle_dir: Path, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Stream ``x`` one sample at a time through the bundle: (predicted classes [N], seconds per sample [N])."""
+def device_stream(bundle_dir: Path, x: np.ndarray, cpu: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Stream ``x`` one sample at a time through the bundle: (predicted classes [N], seconds per sample [N]).
+    ``cpu`` [N], when given, receives each sample's CPU seconds of this thread (onnxruntime runs on it with one
+    intra-op thread): what a sample costs on a core of its own, whatever else the machine is doing."""
     bundle = load_bundle(bundle_dir)
     sess = bundle.session("features", threads=1)
     state = bundle.weights("btfl")
     local_head = state["local_head"]
     local_bias = state.get("local_bias", 0.0)  # present when the local head is MAP's (fl_server.algorithms.compose)
-    feeds = {f"psi.{n}": v for n, v in bundle.weights("psi").items()}
+    feeds = graph_feeds(sess, {"x": x[:1], **{f"psi.{n}": v for n, v in bundle.weights("psi").items()}})
+    feeds.pop("x")  # none for a frozen features graph (bundle format 2): the weights are in the graph
     stream = BTFLStream.from_arrays(state)
     pred = np.empty(len(x), dtype=np.int64)
     secs = np.empty(len(x))
     for i in range(len(x)):
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         z, g = sess.run(["features", "global_logits"], {"x": x[i:i + 1], **feeds})
         z64 = z[0].astype(np.float64)
         probs = stream.predict_one(local_head @ z64 + local_bias, g[0].astype(np.float64), z64)
         pred[i] = int(np.argmax(probs))
         secs[i] = time.perf_counter() - t0
+        if cpu is not None:
+            cpu[i] = time.thread_time() - c0
     return pred, secs
+
+
+def latency_only(args: argparse.Namespace, command: str) -> None:
+    """Per-sample latency of the device pipeline alone (no training run needed: latency does not depend on
+    the weights' values): the BTFL CNN at its seeded init, client 0's state from real training samples, one
+    bundle whose ``features`` graph takes the weights as inputs (format 1) and one with them embedded
+    (format 2), both streamed over the same real test samples in one run, alternating passes."""
+    protocol = get_experiment("btgfl").protocols[args.dataset]
+    dataset = load_dataset(protocol.dataset, root=args.data_dir, split="all")
+    model = build_model(protocol.model, dataset.x.shape[1:], dataset.num_classes, seed=args.seed)
+    algorithm = BTFL(model, seed=args.seed, **protocol.method_hp.get("BTFL", {}))
+    x_train = torch.from_numpy(dataset.x[:512])
+    algorithm.attach(x_train, torch.from_numpy(dataset.y[:512]).long(), [np.arange(256), np.arange(256, 512)])
+    state = algorithm.init_state(torch.float32, torch.device("cpu"))
+    art = algorithm.client_artifacts(state, x_train, [np.arange(256), np.arange(256, 512)])[0]
+    x = dataset.x[-args.samples:]
+    secs: dict[int, list[np.ndarray]] = {1: [], 2: []}
+    cpus: dict[int, list[np.ndarray]] = {1: [], 2: []}
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = {fmt: export_btfl_client(algorithm, state["params"], art, Path(tmp) / f"format{fmt}", frozen=fmt == 2)
+                for fmt in (1, 2)}
+        preds = {}
+        for _ in range(args.repeats):
+            for fmt, d in dirs.items():
+                cpu = np.empty(len(x))
+                preds[fmt], s = device_stream(d, x, cpu)
+                secs[fmt].append(s)
+                cpus[fmt].append(cpu)
+    agree = float((preds[1] == preds[2]).mean())
+    base = {"benchmark": "edge-sdk", "device": f"cpu:1 thread, {platform.machine()}", "command": command,
+            "load_average_1min": round(os.getloadavg()[0], 2), "dataset": args.dataset,
+            "samples": int(len(x)) * args.repeats, "weights": "seeded init (latency only)",
+            "pipeline": "onnxruntime features+global head, numpy local head, BTFLStream.predict_one"}
+    rows = []
+    for fmt, how in ((1, "graph weights as inputs (format 1)"), (2, "weights embedded (format 2)")):
+        us, cpu_us = 1e6 * np.concatenate(secs[fmt]), 1e6 * np.concatenate(cpus[fmt])
+        rows.append({**base, "what": f"BTFL end-to-end latency per sample, batch 1, btfl_cnn {args.dataset}, {how}",
+                     "metric": "cpu_p50_us", "value": round(float(np.percentile(cpu_us, 50)), 1),
+                     "wall_p50_us": round(float(np.percentile(us, 50)), 1),
+                     "wall_p99_us": round(float(np.percentile(us, 99)), 1),
+                     "prediction_agreement_format1_vs_2_pct": round(100 * agree, 3)})
+        print(f"{how}: CPU p50 {rows[-1]['value']} us, wall p50 {rows[-1]['wall_p50_us']} us")
+    rows[1]["speedup_p50_vs_format1"] = round(rows[0]["value"] / rows[1]["value"], 2)
+    merge_rows(args.out, rows, key=("what", "device"))
+    print(f"agreement {100 * agree:.2f}%  speed-up (p50) {rows[1]['speedup_p50_vs_format1']}x")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dataset", default="fashion_mnist")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--run-dir", required=True, help="a btgfl training run (checkpoint.npz of the last round)")
+    ap.add_argument("--run-dir", default=None, help="a btgfl training run (checkpoint.npz of the last round)")
+    ap.add_argument("--latency-only", action="store_true",
+                    help="no training run: device latency of format-1 vs format-2 bundles at the model's init")
+    ap.add_argument("--samples", type=int, default=2000, help="--latency-only: test samples streamed per pass")
+    ap.add_argument("--repeats", type=int, default=3, help="--latency-only: passes per bundle format")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--out", default="docs/benchmarks/edge-sdk.json")
     args = ap.parse_args()
     torch.set_num_threads(1)
     command = "python benchmarks/btfl_sdk_e2e.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    if args.latency_only:
+        return latency_only(args, command)
+    if args.run_dir is None:
+        ap.error("--run-dir is required (or --latency-only)")
     protocol = get_experiment("btgfl").protocols[args.dataset]
     dataset = load_dataset(protocol.dataset, root=args.data_dir, split="all")
     data = btgfl.build_data(dataset, protocol, args.seed, btgfl.StreamConfig())
@@ -100,7 +160,7 @@ def main() -> None:
             bundle_dir = export_btfl_client(algorithm, state["params"], art, Path(tmp) / f"client{k}")
             for col, idx in streams.items():
                 y = data.y_test[idx]
-                ref, _ = btgfl._btfl_probs(art, g_all[idx], z_all[idx] @ art.local_head.T, z_all[idx], 1)
+                ref, _ = btgfl._probs_and_mean_e(art, g_all[idx], z_all[idx] @ art.local_head.T, z_all[idx], 1)
                 pred, s = device_stream(bundle_dir, data.x_test[idx])
                 acc_torch[col].append(float((ref.argmax(1) == y).mean()))
                 acc_sdk[col].append(float((pred == y).mean()))

@@ -10,6 +10,8 @@ Microseconds per sample, all measured in one run on the same seeded stream (D = 
 * ``BTFLStream.predict_one``: the batch-1 fast path (scalar Python math, one [2, D] product for both DLEs, a
   memoised grid for e), and the e step alone as it runs there (``_weight_one``);
 * ``BTFLStream.predict`` with ``integral="trapezoid100"`` (our vectorised authors' variant);
+* the public ``expected_global_weight`` called with one sample: its scalar path (floats) against the vectorised
+  path (one-element lists), per call;
 * references for e on the same (alpha, beta, tau_hat) triples: (a) scipy.integrate.quad per sample, (b) a
   re-statement of the authors' per-sample Python loop: 100-point trapezoid of Eq. 19 on [0.01, 0.99]
   (np.trapz is gone in NumPy 2.4, so the trapezoid is written out; the Beta pdf via betaln, which is cheaper
@@ -121,15 +123,28 @@ def time_predict_one(data: dict, repeats: int) -> tuple[float, float]:
     return _median_us(times)
 
 
-def time_weight_one(ab: np.ndarray, lt: np.ndarray, repeats: int) -> tuple[float, float]:
-    triples = list(zip(ab[0].tolist(), ab[1].tolist(), lt.tolist()))
+def _time_calls(fn: Callable[..., object], calls: list[tuple], repeats: int) -> tuple[float, float]:
+    """Median over repeats of (wall, CPU) microseconds per ``fn(*args)`` call."""
     times = []
     for _ in range(repeats + 1):
         t0 = _now()
-        for a, b, t in triples:
-            btfl._weight_one(a, b, t)
-        times.append((_now() - t0) / len(triples) * 1e6)
+        for args in calls:
+            fn(*args)
+        times.append((_now() - t0) / len(calls) * 1e6)
     return _median_us(times)
+
+
+def time_weight_one(ab: np.ndarray, lt: np.ndarray, repeats: int) -> tuple[float, float]:
+    return _time_calls(btfl._weight_one, list(zip(ab[0].tolist(), ab[1].tolist(), lt.tolist())), repeats)
+
+
+def time_public_weight(ab: np.ndarray, tau: np.ndarray, repeats: int, scalar: bool) -> tuple[float, float]:
+    """Per call of the public ``expected_global_weight`` with one sample: Python floats (the scalar path) or
+    one-element lists (the vectorised path, what every call cost before the scalar path)."""
+    triples = list(zip(ab[0].tolist(), ab[1].tolist(), tau.tolist()))
+    if not scalar:
+        triples = [([a], [b], [t]) for a, b, t in triples]
+    return _time_calls(btfl.expected_global_weight, triples, repeats)
 
 
 def stream_triples(data: dict) -> tuple[np.ndarray, np.ndarray]:
@@ -226,6 +241,10 @@ def main() -> int:
     )
     results.append(("e only (exact, scalar path of predict_one)", time_weight_one(ab, np.log(np.maximum(tau, 1e-300)), args.repeats),
                     {"batch": 1}))
+    results.append(("expected_global_weight, one sample per call (floats: scalar path)",
+                    time_public_weight(ab, tau, args.repeats, scalar=True), {"batch": 1}))
+    results.append(("expected_global_weight, one sample per call (1-element lists: vectorised path)",
+                    time_public_weight(ab, tau, args.repeats, scalar=False), {"batch": 1}))
     results.append(
         ("e only (exact, memo off), batch 1", time_weight(ab, tau, 1, args.repeats, memo=False), {"batch": 1})
     )

@@ -45,6 +45,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--clients", type=int, nargs="+", default=[100, 1000, 10000])
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--out", default=str(OUT))
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     base = ("bundle", btfl.fit_dle(rng.exponential(size=(500, SHAPE[0]))), 90)
@@ -74,7 +75,7 @@ def main() -> int:
                "command": command_line()}
         print(json.dumps(row), flush=True)
         rows.append(row)
-    merge_rows(OUT, rows, key=("what",))
+    merge_rows(Path(args.out), rows, key=("what",))
     return 0
 
 

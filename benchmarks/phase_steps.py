@@ -9,7 +9,7 @@ one run: one round's local training of the selected clients, the two variants' c
 ``identical`` records that both variants give the same client states bit for bit. Rows are merged into
 docs/benchmarks/phase-steps.json by (what, device).
 
-    python benchmarks/phase_steps.py [--device cpu|cuda] [--repeats 3] [--data-dir DIR]
+    python benchmarks/phase_steps.py [--device cpu|cuda] [--repeats 3] [--data-dir DIR] [--smoke]
 """
 from __future__ import annotations
 
@@ -40,10 +40,14 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--out", default="docs/benchmarks/phase-steps.json")
+    ap.add_argument("--smoke", action="store_true", help="CI-sized protocols (Protocol.quick): a run check, "
+                                                         "not a measurement")
     args = ap.parse_args()
     rows = []
     for label, experiment, dataset, method in CASES:
         protocol = get_experiment(experiment).protocols[dataset]
+        if args.smoke:
+            protocol = protocol.quick()
         build = build_map_simulation if experiment == "map-incomplete" else build_simulation
         sim = build(protocol, method, 0, None, device=args.device, progress=False, data_root=args.data_dir)
         alg, server = sim.algorithm, sim.server_state

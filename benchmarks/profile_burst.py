@@ -108,26 +108,32 @@ def main() -> int:
     ap.add_argument("--store", default="runs/load-store", help="a trained store (coordinator_load.py makes one)")
     ap.add_argument("--devices", type=int, default=200)
     ap.add_argument("--bursts", type=int, default=1)
+    ap.add_argument("--start-timeout", type=float, default=120.0, help="seconds to wait for the server's bundles")
     args = ap.parse_args()
     repo, store = Path(args.repo).resolve(), Path(args.store).resolve()
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         dump = Path(tmp) / "server.json"
         env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{repo / 'edge_sdk'}", "OMP_NUM_THREADS": "1",
-               "FL_SERVE_DEFAULT_METHODS": "TENT,ODPFL-HN", "FL_SERVE_WORKERS": "2", "FL_ADMIN_TOKEN": "profile"}
+               "FL_SERVE_DEFAULT_METHODS": "TENT,ODPFL-HN", "FL_SERVE_WORKERS": "2",
+               "FL_ADMIN_TOKEN": "profile-burst-admin-token"}  # 16+ characters, as the server requires
+        log = open(Path(tmp) / "server.log", "w+")
         proc = subprocess.Popen([sys.executable, "-c", SERVER_WRAPPER, str(port), str(store), str(dump)],
-                                cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                                cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
-            for _ in range(240):
+            deadline = time.monotonic() + args.start_timeout
+            while True:
                 try:
                     if httpx.get(f"{url}/healthz", timeout=2).json()["bundles"] >= 2:
                         break
                 except (httpx.TransportError, ValueError, KeyError):
                     pass
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    log.seek(0)
+                    raise SystemExit(f"no trained coordinator at {url} (store {store}); server output:\n"
+                                     + log.read()[-3000:])
                 time.sleep(0.5)
-            else:
-                raise SystemExit(f"no trained coordinator at {url} (store {store})")
             _, embs = load.embeddings(url, args.devices)
             for b in range(args.bursts):
                 events = asyncio.run(burst(url, embs))
@@ -138,6 +144,7 @@ def main() -> int:
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+            log.close()
     return 0
 
 

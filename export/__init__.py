@@ -1,11 +1,16 @@
 """ONNX export of frozen forward paths and gradient-step graphs (dynamic batch axis, pinned opset)."""
+from export.embed import embed_inputs
 from export.graphs import OPSET, export_function
 from export.steps import StepSpec, encoder_spec, fedtta_step_spec, forward_spec, tent_step_spec
 
 
 def export_spec(spec: StepSpec, path):  # type: ignore[no-untyped-def]
-    """Export a :class:`StepSpec` to ``path`` (atomic)."""
-    return export_function(spec.fn, spec.example, spec.input_names, spec.output_names, spec.batch_inputs, path)
+    """Export a :class:`StepSpec` to ``path`` (atomic); inputs in ``spec.embedded`` become initializers."""
+    out = export_function(spec.fn, spec.example, spec.input_names, spec.output_names, spec.batch_inputs, path)
+    if spec.embedded:
+        values = dict(zip(spec.input_names, spec.example))
+        embed_inputs(out, {n: values[n].detach().cpu().numpy() for n in spec.embedded})
+    return out
 
 
 __all__ = ["OPSET", "StepSpec", "encoder_spec", "export_function", "export_spec", "fedtta_step_spec", "forward_spec", "tent_step_spec"]

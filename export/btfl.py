@@ -33,8 +33,10 @@ from fl_server.data.federated import FederatedData, make_federated
 from fl_server.functional import State
 
 
-def btfl_features_spec(algorithm: BTFL, params: State, batch: int = 4) -> StepSpec:
-    """(x, psi) -> (features z [N, D], global logits [N, C]) with the weights as graph inputs."""
+def btfl_features_spec(algorithm: BTFL, params: State, batch: int = 4, frozen: bool = True) -> StepSpec:
+    """x -> (features z [N, D], global logits [N, C]). ``frozen``: the weights ``params`` are embedded in the
+    graph as initializers (the received global model never changes on the device; bundle format 2); else
+    they are graph inputs ``psi.*`` (format 1)."""
     names = list(params)
 
     def fn(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -43,15 +45,17 @@ def btfl_features_spec(algorithm: BTFL, params: State, batch: int = 4) -> StepSp
         return z, algorithm.global_head(p, z)
 
     return StepSpec(fn, [_example_x(algorithm.model, params, batch), *params.values()],
-                    ["x", *(f"psi.{n}" for n in names)], ["features", "global_logits"])
+                    ["x", *(f"psi.{n}" for n in names)], ["features", "global_logits"],
+                    embedded=tuple(f"psi.{n}" for n in names) if frozen else ())
 
 
 def export_btfl_client(algorithm: BTFL, params: State, artifacts: ClientArtifacts, dest: str | os.PathLike,
-                       extra: dict[str, Any] | None = None) -> Path:
-    """Write client k's bundle: graph ``features``, weights ``psi`` (global model) and ``btfl`` (its state)."""
+                       extra: dict[str, Any] | None = None, frozen: bool = True) -> Path:
+    """Write client k's bundle: graph ``features`` (the weights embedded unless ``frozen=False``), weights
+    ``psi`` (global model) and ``btfl`` (its state)."""
     params = {n: v.detach().float().cpu() for n, v in params.items()}
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
-        graphs = export_specs({"features": btfl_features_spec(algorithm, params)}, Path(tmp))
+        graphs = export_specs({"features": btfl_features_spec(algorithm, params, frozen=frozen)}, Path(tmp))
         weights = {"psi": {n: v.numpy() for n, v in params.items()}, "btfl": artifacts.arrays()}
         return write_bundle(dest, graphs, weights, algorithm.name, asdict(algorithm.hp), extra=extra)
 

@@ -23,7 +23,9 @@ from export.steps import StepSpec
 if TYPE_CHECKING:
     from fl_server.signing import ManifestSigner
 
-FORMAT_VERSION = 1
+# 1: every graph takes its weights as inputs; 2: frozen graphs may embed them (a graph's "inputs" in the
+# manifest list what a device feeds; edge_sdk.steps.graph_feeds picks them, so format-1 bundles still load)
+FORMAT_VERSION = 2
 _ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.DOUBLE: "float64",
                 onnx.TensorProto.INT64: "int64", onnx.TensorProto.INT32: "int32"}
 

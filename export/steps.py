@@ -32,6 +32,8 @@ class StepSpec:
     input_names: list[str]
     output_names: list[str]
     batch_inputs: tuple[str, ...] = ("x",)
+    # inputs baked into the graph as initializers (their example values): frozen graphs (export.embed)
+    embedded: tuple[str, ...] = ()
 
 
 def _example_x(model: Classifier, params: State, batch: int) -> torch.Tensor:

@@ -12,6 +12,9 @@ venv=$work/sdk-venv
 "$venv/bin/pip" install -q "$here/edge_sdk" "pytest>=8"
 if "$venv/bin/pip" show torch >/dev/null 2>&1; then echo "FAIL: torch was installed by edge_sdk"; exit 1; fi
 (cd "$work" && "$venv/bin/python" -c "import edge_sdk, sys; assert 'torch' not in sys.modules; print('edge_sdk', edge_sdk.__version__, 'imports without torch')")
+if "$venv/bin/pip" show scipy >/dev/null 2>&1; then echo "FAIL: scipy was installed by edge_sdk"; exit 1; fi
 "$venv/bin/pip" list --format=freeze | grep -v -i -E '^(pytest|pluggy|iniconfig|packaging|pygments)==' | sed 's/^/  /'
+# test-only dependency (the exactness reference of BTFL's weight is scipy's quad); installed after the checks above
+"$venv/bin/pip" install -q scipy
 (cd "$here" && FL_DATA_DIR=${FL_DATA_DIR:-$(cd "$here/.." && pwd)/shared/data} "$main_python" -m export.sdk_fixture "$work/fixture")
 cd "$work" && EDGE_SDK_FIXTURE="$work/fixture" "$venv/bin/python" -m pytest -q -p no:cacheprovider "$here/edge_sdk/tests"

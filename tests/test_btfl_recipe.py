@@ -267,7 +267,8 @@ def test_btfl_client_bundle_runs_on_the_device_path(mnist_all, tmp_path: Path) -
     state = bundle.weights("btfl")
     sess = bundle.session("features")
     test_x = mnist_all.x[500:540]
-    feeds = {"x": test_x, **{f"psi.{n}": v for n, v in bundle.weights("psi").items()}}
+    assert [i.name for i in sess.get_inputs()] == ["x"]  # frozen: the weights are embedded (format 2)
+    feeds = {"x": test_x}
     z, g = sess.run(["features", "global_logits"], feeds)
     with torch.no_grad():
         z_ref = alg.features(server["params"], torch.from_numpy(test_x))
@@ -281,3 +282,30 @@ def test_btfl_client_bundle_runs_on_the_device_path(mnist_all, tmp_path: Path) -
     np.testing.assert_allclose(device, ref, atol=1e-12)
     with pytest.raises(ValueError, match="lack"):
         BTFLStream.from_arrays({"local_dle": state["local_dle"]})
+
+
+def test_frozen_features_graph_equals_the_format1_graph(mnist_all, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Bundle format 2 embeds the frozen weights in ``features``; format 1 takes them as inputs. Same outputs,
+    and the device (graph_feeds) runs both."""
+    from edge_sdk.bundle import load_bundle
+    from edge_sdk.steps import graph_feeds
+    from export.btfl import export_btfl_client
+    from export.embed import embed_inputs
+
+    alg, server, x, _, train = _small_btfl(mnist_all)
+    art = alg.client_artifacts(server, x, train)[0]
+    test_x = mnist_all.x[500:517]
+    outs = {}
+    for frozen in (False, True):
+        bundle = load_bundle(export_btfl_client(alg, server["params"], art, tmp_path / f"b{frozen}", frozen=frozen))
+        sess = bundle.session("features")
+        feeds = graph_feeds(sess, {"x": test_x, **{f"psi.{n}": v for n, v in bundle.weights("psi").items()}})
+        assert (len(feeds) == 1) == frozen
+        outs[frozen] = sess.run(["features", "global_logits"], feeds)
+        assert bundle.manifest["format"] == 2
+    for a, b in zip(outs[False], outs[True]):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match=r"the graph needs inputs \['x'\]"):
+        graph_feeds(sess, {})
+    with pytest.raises(ValueError, match=r"has no inputs \['psi.nope'\] to embed"):
+        embed_inputs(bundle.path("features"), {"psi.nope": np.zeros(1)})

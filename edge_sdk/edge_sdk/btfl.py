@@ -1,4 +1,4 @@
-"""BTFL test-time head interpolation on the device (no torch: numpy; scipy only for the authors' trapezoid).
+"""BTFL test-time head interpolation on the device (numpy only: no torch, no scipy).
 
 Reference: "Bayesian Test-time Federated Learning" (BTFL, KDD '25; ``shared/seeds/btfl.txt``) and
 ``shared/SPEC.md`` section 3. Equation numbers below are the paper's.
@@ -44,7 +44,8 @@ self-normalised by the same rule applied to the density, so no Beta function is 
 absolute error against mpmath (hyp2f1 at 30 digits) / scipy quad, tau_hat log-uniform in [1e-8, 1e8]:
 <= 4e-15 for alpha, beta in [1, 20] (integers included), <= 1e-15 in [0.05, 1], <= 2e-13 in [20, 1e5],
 <= 5e-11 in [1e5, 1e7]; 32-208 nodes per sample for alpha, beta in [1, 20]. The tau-independent part
-(density on the grid) is memoised for batches of <= 4 samples, which a one-sample-at-a-time stream hits.
+(density on the grid) is memoised for batches of <= 4 samples, which a one-sample-at-a-time stream hits;
+:class:`BTFLStream` keeps a grid cache of its own, sized to the stream (``cache_size``).
 """
 
 from __future__ import annotations
@@ -244,6 +245,9 @@ def expected_global_weight(alpha: object, beta: object, tau_hat: object) -> np.n
     module docstring (absolute error <= ~1e-13). Raises ValueError for alpha <= 0, beta <= 0, non-finite
     alpha / beta, and negative or NaN tau_hat.
     """
+    one = _scalar_weight(alpha, beta, tau_hat)
+    if one is not None:
+        return one
     a, b, t = np.broadcast_arrays(
         _float_array("alpha", alpha), _float_array("beta", beta), _float_array("tau_hat", tau_hat)
     )
@@ -254,23 +258,61 @@ def expected_global_weight(alpha: object, beta: object, tau_hat: object) -> np.n
     return e.reshape(a.shape)
 
 
+def _scalar(x: object) -> tuple[float, tuple[int, ...]] | None:
+    """(value, shape) of a Python / numpy number or a one-element numeric array; None for anything else."""
+    kind = type(x)
+    if kind is float or kind is int:
+        return float(x), ()  # type: ignore[arg-type]
+    if isinstance(x, np.ndarray):
+        if x.size == 1 and x.dtype.kind in "fiu":
+            return float(x.reshape(-1)[0]), x.shape
+        return None
+    if isinstance(x, (np.floating, np.integer)):
+        return float(x), ()
+    return None
+
+
+def _scalar_weight(alpha: object, beta: object, tau_hat: object) -> np.ndarray | None:
+    """The batch-1 fast path of :func:`expected_global_weight` (same checks and messages, no array
+    machinery): None unless all three arguments are single numbers."""
+    sa, sb, st = _scalar(alpha), _scalar(beta), _scalar(tau_hat)
+    if sa is None or sb is None or st is None:
+        return None
+    (a, shape_a), (b, shape_b), (t, shape_t) = sa, sb, st
+    if not (0.0 < a < math.inf):  # NaN fails too
+        raise ValueError("alpha must be finite and > 0 (Beta(alpha, beta) prior)")
+    if not (0.0 < b < math.inf):
+        raise ValueError("beta must be finite and > 0 (Beta(alpha, beta) prior)")
+    if not (t >= 0.0):
+        raise ValueError("tau_hat must be >= 0 and not NaN (0 and inf are allowed limits)")
+    e = 1.0 if t == 0.0 else 0.0 if t == math.inf else _weight_one(a, b, math.log(t))
+    shape = shape_a if shape_a == shape_b == shape_t else np.broadcast_shapes(shape_a, shape_b, shape_t)
+    return np.full(shape, e)
+
+
 def _trapezoid(y: np.ndarray, dx: float) -> np.ndarray:
     """Composite trapezoid rule on a uniform grid along the last axis: y [..., n] -> [...]."""
     return dx * (np.sum(y, axis=-1) - 0.5 * (y[..., 0] + y[..., -1]))
 
 
+_LGAMMA = np.frompyfunc(math.lgamma, 1, 1)
+
+
+def _betaln(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """log B(a, b) = lgamma(a) + lgamma(b) - lgamma(a + b) (math.lgamma per element; a, b > 0)."""
+    return (_LGAMMA(a) + _LGAMMA(b) - _LGAMMA(a + b)).astype(np.float64)
+
+
 def _trapezoid_from_log_tau(
     alpha: np.ndarray, beta: np.ndarray, log_tau: np.ndarray, n: int = 100, lo: float = 0.01, hi: float = 0.99
 ) -> np.ndarray:
-    from scipy.special import betaln
-
     mh = np.linspace(lo, hi, n)  # grid in m_hat
     lt = np.clip(log_tau, -700.0, 700.0)[:, None]  # tau_hat = 0 / inf are not representable in Eq. 19
     log_den = np.logaddexp(np.log1p(-mh), np.log(mh) + lt)  # log(1 - m_hat + m_hat tau)
     log_m = np.log(mh) + lt - log_den  # g^{-1}(m_hat), Eq. 17
     log_1m = np.log1p(-mh) - log_den
     log_jac = lt - 2.0 * log_den  # Eq. 18
-    log_pdf = (alpha[:, None] - 1.0) * log_m + (beta[:, None] - 1.0) * log_1m - betaln(alpha, beta)[:, None]
+    log_pdf = (alpha[:, None] - 1.0) * log_m + (beta[:, None] - 1.0) * log_1m - _betaln(alpha, beta)[:, None]
     integrand = mh * np.exp(log_pdf + log_jac)  # m_hat * pdf(m_hat | z), Eq. 19
     return _trapezoid(integrand, (hi - lo) / (n - 1))
 
@@ -601,29 +643,52 @@ def _softmax_entropy(x: list[float]) -> tuple[list[float], float, float, float]:
     return ex, s, lz - sum(map(operator.mul, ex, x)) / s, lz
 
 
-_ONE: dict[tuple[float, float], tuple[np.ndarray, np.ndarray]] = {}
-_ONE_MAX_ENTRIES = 4096
+_Grid = tuple[np.ndarray, np.ndarray]
 
 
-def _one_grid(a: float, b: float) -> tuple[np.ndarray, np.ndarray]:
+class _GridCache:
+    """Least-recently-used cache of :func:`_one_grid` results, keyed by (alpha, beta). A stream revisits a
+    bounded set of Beta states (the prior strength is pruned to lambda); a 2,048-sample stream visits about
+    500, so the default holds a whole stream's states (a few MB at most: 32-208 nodes x 2 arrays each)."""
+
+    def __init__(self, size: int) -> None:
+        if not (isinstance(size, int) and size >= 1):
+            raise ValueError(f"cache_size must be an int >= 1, got {size!r}")
+        self.size = size
+        self._grids: OrderedDict[tuple[float, float], _Grid] = OrderedDict()
+
+    def get(self, a: float, b: float) -> _Grid:
+        key = (a, b)
+        hit = self._grids.get(key)
+        if hit is None:
+            hit = self._grids[key] = _one_grid(a, b)
+            if len(self._grids) > self.size:
+                self._grids.popitem(last=False)
+        else:
+            self._grids.move_to_end(key)
+        return hit
+
+    def __len__(self) -> int:
+        return len(self._grids)
+
+
+DEFAULT_CACHE_SIZE = 2048
+_SHARED_GRIDS = _GridCache(DEFAULT_CACHE_SIZE)  # for expected_global_weight's batch-1 path
+
+
+def _one_grid(a: float, b: float) -> _Grid:
     """(v / 2 on the logit grid, normalised density weights) of :func:`_logit_grid` for one (alpha, beta)."""
-    hit = _ONE.get((a, b))
-    if hit is None:
-        ab = np.array([[a], [b]])
-        v_start, step, nodes = _logit_grid(ab)
-        n = int(nodes[0])
-        _, dens, total = _group_terms(ab, v_start, step, n)
-        hit = (0.5 * (v_start[0] - step[0] * _steps(n)), dens[0] / total[0])
-        if len(_ONE) >= _ONE_MAX_ENTRIES:
-            _ONE.clear()
-        _ONE[(a, b)] = hit
-    return hit
+    ab = np.array([[a], [b]])
+    v_start, step, nodes = _logit_grid(ab)
+    n = int(nodes[0])
+    _, dens, total = _group_terms(ab, v_start, step, n)
+    return 0.5 * (v_start[0] - step[0] * _steps(n)), dens[0] / total[0]
 
 
-def _weight_one(a: float, b: float, log_tau: float) -> float:
+def _weight_one(a: float, b: float, log_tau: float, grids: _GridCache = _SHARED_GRIDS) -> float:
     """Scalar e of :func:`expected_global_weight` from log tau_hat: m_hat = 1 / (1 + e^(v + log tau)) =
     (1 - tanh((v + log tau) / 2)) / 2 on the same logit-space grid (tanh cannot overflow; weights sum to 1)."""
-    half_v, w = _one_grid(a, b)
+    half_v, w = grids.get(a, b)
     return 0.5 - 0.5 * float(w @ np.tanh(half_v + 0.5 * log_tau))
 
 
@@ -651,6 +716,14 @@ class BTFLStream:
       * ``rectify_h_global_bar``: None (the paper: H_g_bar), or the constant that replaces H_g_bar in the
         global head's rectification r_g of Eq. 15 only; the authors' code hard-codes ln(100) there. The
         inspection pi (Eq. 10) keeps H_g_bar. (``h_global_bar=math.log(100)`` would replace it in both.)
+      * ``cache_size``: Beta states whose integration grid the batch-1 path keeps (least recently used
+        out); the default holds every state of a stream of a few thousand samples.
+
+    Example::
+
+        stream = BTFLStream(local_dle, global_dle, h_local_bar, h_global_bar)
+        probs = stream.predict_one(local_logits, global_logits, features)  # one sample, [C]
+        probs = stream.predict(local_logits_b, global_logits_b, features_b)  # a batch, [B, C]
     """
 
     def __init__(
@@ -670,6 +743,7 @@ class BTFLStream:
         rectify_h_global_bar: float | None = None,
         alpha0: float = 1.0,
         beta0: float = 1.0,
+        cache_size: int = DEFAULT_CACHE_SIZE,
     ) -> None:
         loc = _check_freqs(local_dle)
         glo = _check_freqs(global_dle)
@@ -709,6 +783,7 @@ class BTFLStream:
         if self.levels == 2 and not self._tables_may_be_inf:
             self._q_base = (self._log_tables[:, :, 0].sum(1) / self.dim).tolist()
             self._q_delta = (self._log_tables[:, :, 1] - self._log_tables[:, :, 0]) / self.dim
+        self._grids = _GridCache(cache_size)  # e's grid per Beta state, for the batch-1 path
         self.alpha, self.beta = self.alpha0, self.beta0
         self.last_weights: np.ndarray | None = None  # e per sample of the last predict call, [B]
         self.last_alphas: np.ndarray | None = None  # prior alpha used per sample, [B]
@@ -750,11 +825,20 @@ class BTFLStream:
             raise ValueError(f"predict_one needs local_logits [C], global_logits [C] (C >= 2) and features "
                              f"[{self.dim}]; got {lo.shape}, {gl.shape}, {ft.shape}")
         if self._q_delta is None:
-            out = self.predict(lo[None], gl[None], ft[None])[0]
+            out = self._predict_batch(*self._validate(lo[None], gl[None], ft[None]))[0]
             self.last_weight, self.last_event = float(self.last_weights[0]), int(self.last_events[0])
             return out
         if not (0.0 <= ft.min() and ft.max() < math.inf):  # NaN fails both comparisons
             raise ValueError("features must be finite and non-negative (post-ReLU)")
+        probs, e, event, _, _, _ = self._step_one(lo, gl, ft)
+        self.last_weight, self.last_event = e, event
+        self.last_weights = self.last_alphas = self.last_betas = self.last_events = self.last_log_tau_hat = None
+        return probs
+
+    def _step_one(self, lo: np.ndarray, gl: np.ndarray, ft: np.ndarray
+                  ) -> tuple[np.ndarray, float, int, float, float, float]:
+        """The scalar path on validated inputs: (probabilities [C], e, event, prior alpha, prior beta,
+        log tau_hat); updates the prior."""
         lo_l, gl_l = lo.tolist(), gl.tolist()
         ex_l, s_l, h_l, lz_l = _softmax_entropy(lo_l)
         ex_g, s_g, h_g, lz_g = _softmax_entropy(gl_l)
@@ -778,18 +862,19 @@ class BTFLStream:
             lt = lim * math.tanh(lt / lim)
         a, b = self.alpha, self.beta
         if self.integral == "exact":
-            e = _weight_one(a, b, lt)
+            e = _weight_one(a, b, lt, self._grids)
         else:
             e = float(_trapezoid_from_log_tau(np.array([a]), np.array([b]), np.array([lt]))[0])
         if event:
             self.alpha, self.beta = hbu_update(a, b, event, self.lam, self.restart, self.restart_c)
-        self.last_weight, self.last_event = e, event
-        self.last_weights = self.last_alphas = self.last_betas = self.last_events = self.last_log_tau_hat = None
         if self.mixing == "prob":  # Eq. 21: e softmax(g) + (1 - e) softmax(l)
             c_g, c_l = e / s_g, (1.0 - e) / s_l
-            return np.array([c_g * pg + c_l * pl for pg, pl in zip(ex_g, ex_l)])
-        ex, s_mix, _, _ = _softmax_entropy([e * (g - lz_g) + (1.0 - e) * (x - lz_l) for g, x in zip(gl_l, lo_l)])
-        return np.array(ex) / s_mix
+            probs = np.array([c_g * pg + c_l * pl for pg, pl in zip(ex_g, ex_l)])
+        else:
+            ex, s_mix, _, _ = _softmax_entropy([e * (g - lz_g) + (1.0 - e) * (x - lz_l)
+                                                for g, x in zip(gl_l, lo_l)])
+            probs = np.array(ex) / s_mix
+        return probs, e, event, a, b, lt
 
     def _validate(self, local_logits: object, global_logits: object, features: object) -> tuple[np.ndarray, ...]:
         lo = _float_array("local_logits", local_logits)
@@ -813,9 +898,38 @@ class BTFLStream:
         Sets ``last_weights`` (e per sample, the weight of the global head), ``last_alphas``,
         ``last_betas`` (the prior used per sample), ``last_events`` and ``last_log_tau_hat`` (all [B]).
         Everything is vectorised over the batch except the scalar Beta recursion (:func:`hbu_sequence`);
-        e is evaluated once for the whole batch after the prior sequence is known.
+        e is evaluated once for the whole batch after the prior sequence is known. A batch of one sample
+        takes :meth:`predict_one`'s scalar path (same result to ~1e-15, a few times faster).
         """
+        if self._q_delta is not None and self._one_valid_row(local_logits, global_logits, features):
+            probs, e, event, a, b, lt = self._step_one(local_logits[0], global_logits[0], features[0])  # type: ignore[index]
+            self.last_weights, self.last_alphas, self.last_betas = np.array([e]), np.array([a]), np.array([b])
+            self.last_events, self.last_log_tau_hat = np.array([event]), np.array([lt])
+            self.last_weight, self.last_event = e, event
+            return probs[None]
         lo, gl, ft = self._validate(local_logits, global_logits, features)
+        if len(lo) == 1 and self._q_delta is not None:
+            probs, e, event, a, b, lt = self._step_one(lo[0], gl[0], ft[0])
+            self.last_weights, self.last_alphas, self.last_betas = np.array([e]), np.array([a]), np.array([b])
+            self.last_events, self.last_log_tau_hat = np.array([event]), np.array([lt])
+            self.last_weight, self.last_event = e, event
+            return probs[None]
+        return self._predict_batch(lo, gl, ft)
+
+    def _one_valid_row(self, lo: object, gl: object, ft: object) -> bool:
+        """True for one row of float arrays of the right shapes, finite logits and finite non-negative
+        features: the cheap check of predict's batch-1 path. Anything else (including input that is merely
+        unusual, e.g. logits whose sum overflows) goes through :meth:`_validate`, which names the problem."""
+        if not (type(lo) is np.ndarray and type(gl) is np.ndarray and type(ft) is np.ndarray):
+            return False
+        if not (lo.ndim == 2 and lo.shape[0] == 1 and lo.shape[1] >= 2 and gl.shape == lo.shape
+                and ft.shape == (1, self.dim) and lo.dtype.kind == gl.dtype.kind == ft.dtype.kind == "f"):
+            return False
+        f = ft[0]
+        return math.isfinite(float(lo.sum()) + float(gl.sum())) and 0.0 <= f.min() and f.max() < math.inf
+
+    def _predict_batch(self, lo: np.ndarray, gl: np.ndarray, ft: np.ndarray) -> np.ndarray:
+        """The vectorised path of :meth:`predict` on validated inputs."""
         # heads: stacked (local, global) log-probabilities [2, B, C] and entropies [2, B] (numerics.entropy)
         log_p = log_softmax(np.stack((lo, gl)))
         prob = np.exp(log_p)

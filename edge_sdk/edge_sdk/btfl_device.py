@@ -24,7 +24,7 @@ import numpy as np
 from edge_sdk.btfl import BTFLStream, fit_dle
 from edge_sdk.bundle import Bundle, BundleError
 from edge_sdk.numerics import entropy, log_softmax, softmax
-from edge_sdk.steps import check_batch
+from edge_sdk.steps import check_batch, graph_feeds
 
 
 def fit_local_head(features: np.ndarray, labels: np.ndarray, num_classes: int, epochs: int = 200,
@@ -65,7 +65,10 @@ class BTFLDevice:
             raise BundleError(f"a {bundle.method} bundle is not a BTFL bundle")
         self.bundle = bundle
         self.session = bundle.session("features", threads)
-        self.psi = {f"psi.{k}": v for k, v in bundle.weights("params").items()}
+        # the weights the features graph takes as inputs: none for a frozen graph (bundle format 2)
+        self.psi = graph_feeds(self.session, {"x": np.empty(0, np.float32),
+                                              **{f"psi.{k}": v for k, v in bundle.weights("params").items()}})
+        self.psi.pop("x")
         served = bundle.weights("btfl")
         self.training_dle = np.asarray(served["global_dle"], dtype=np.float64)
         self.levels = int(bundle.hyperparameters.get("dle_levels", self.training_dle.shape[1]))

@@ -373,14 +373,15 @@ CONFIGS = [
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("batch", [1, 7, 32])
 def test_batch_equals_one_at_a_time(batch: int, config: dict) -> None:
+    """The vectorised path on a batch of B equals B one-sample calls of it bit for bit; the public predict at
+    batch 1 (the scalar path of predict_one) agrees to ~1e-15 and follows the same prior sequence."""
     local, glob, feats, lo, gl, h_lb, h_gb = _random_setup()
     ref_stream = BTFLStream(local, glob, h_lb, h_gb, **config)
-    ref = np.concatenate([ref_stream.predict(lo[i : i + 1], gl[i : i + 1], feats[i : i + 1]) for i in range(len(lo))])
-    ref_w = []
-    one = BTFLStream(local, glob, h_lb, h_gb, **config)
-    for i in range(len(lo)):
-        one.predict(lo[i : i + 1], gl[i : i + 1], feats[i : i + 1])
-        ref_w.append(one.last_weights[0])
+    ref, ref_w = [], []
+    for i in range(len(lo)):  # the vectorised path, one sample at a time
+        ref.append(ref_stream._predict_batch(*ref_stream._validate(lo[i : i + 1], gl[i : i + 1], feats[i : i + 1])))
+        ref_w.append(ref_stream.last_weights[0])
+    ref = np.concatenate(ref)
     stream = BTFLStream(local, glob, h_lb, h_gb, **config)
     outs, weights, events = [], [], []
     for s in range(0, len(lo), batch):
@@ -389,8 +390,14 @@ def test_batch_equals_one_at_a_time(batch: int, config: dict) -> None:
         events.append(stream.last_events)
     ev = np.concatenate(events)
     assert (ev == EVENT_EXD).sum() >= 3 and (ev == EVENT_IND).sum() >= 3  # the recursion is exercised
-    np.testing.assert_array_equal(np.concatenate(outs), ref)  # bit for bit
-    np.testing.assert_array_equal(np.concatenate(weights), np.array(ref_w))
+    if batch == 1:
+        np.testing.assert_allclose(np.concatenate(outs), ref, rtol=0, atol=1e-13)
+        np.testing.assert_allclose(np.concatenate(weights), np.array(ref_w), rtol=0, atol=1e-13)
+    else:
+        sizes = [len(o) for o in outs]
+        exact = np.repeat(np.array(sizes) > 1, sizes)  # a trailing batch of one takes the scalar path
+        np.testing.assert_array_equal(np.concatenate(outs)[exact], ref[exact])  # bit for bit
+        np.testing.assert_array_equal(np.concatenate(weights)[exact], np.array(ref_w)[exact])
     assert (stream.alpha, stream.beta) == (ref_stream.alpha, ref_stream.beta)
 
 
@@ -515,3 +522,90 @@ def test_import_edge_sdk_does_not_import_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
     assert "btfl" in __import__("edge_sdk").__all__ and btfl.__name__ == "edge_sdk.btfl"
+
+
+# ------------------------------------------------------------------------------------------------ batch-1 paths
+def test_scalar_weight_path_matches_the_vectorised_path() -> None:
+    """expected_global_weight with single numbers takes a scalar path: same values (to 1e-14) and shapes."""
+    rng = np.random.default_rng(3)
+    a = rng.uniform(0.1, 30.0, 200)
+    b = rng.uniform(0.1, 30.0, 200)
+    t = np.exp(rng.uniform(-12, 12, 200))
+    vec = expected_global_weight(a, b, t)
+    one = np.array([float(expected_global_weight(float(ai), float(bi), float(ti))) for ai, bi, ti in zip(a, b, t)])
+    np.testing.assert_allclose(one, vec, rtol=0, atol=1e-14)
+    assert expected_global_weight(2.0, 3, 1.0).shape == ()
+    assert expected_global_weight(np.array([2.0]), 3.0, np.float32(1.0)).shape == (1,)
+    assert expected_global_weight(np.array([[2.0]]), np.array([3.0]), 1.0).shape == (1, 1)
+    assert float(expected_global_weight(2.0, 3.0, 1.0)) == pytest.approx(0.4, abs=1e-14)  # alpha / (alpha + beta)
+    assert float(expected_global_weight(2.0, 3.0, 0.0)) == 1.0
+    assert float(expected_global_weight(2.0, 3.0, np.inf)) == 0.0
+
+
+@pytest.mark.parametrize("alpha, beta, tau, message", [
+    (0.0, 1.0, 1.0, "alpha must be finite and > 0"),
+    (float("nan"), 1.0, 1.0, "alpha must be finite and > 0"),
+    (np.inf, 1.0, 1.0, "alpha must be finite and > 0"),
+    (1.0, -2.0, 1.0, "beta must be finite and > 0"),
+    (1.0, 1.0, -1.0, "tau_hat must be >= 0 and not NaN"),
+    (1.0, 1.0, float("nan"), "tau_hat must be >= 0 and not NaN"),
+])
+def test_scalar_weight_path_rejects_what_the_vectorised_path_rejects(alpha, beta, tau, message) -> None:  # type: ignore[no-untyped-def]
+    for args in ((alpha, beta, tau), ([alpha], [beta], [tau])):
+        with pytest.raises(ValueError, match=message):
+            expected_global_weight(*args)
+
+
+def test_predict_at_batch_one_reports_the_batch_fields() -> None:
+    local, glob, feats, lo, gl, h_lb, h_gb = _random_setup()
+    stream = BTFLStream(local, glob, h_lb, h_gb)
+    one = BTFLStream(local, glob, h_lb, h_gb)
+    for i in range(5):
+        probs = stream.predict(lo[i : i + 1], gl[i : i + 1], feats[i : i + 1])
+        a, b = one.alpha, one.beta
+        ref = one.predict_one(lo[i], gl[i], feats[i])
+        np.testing.assert_array_equal(probs[0], ref)  # the same scalar path
+        assert probs.shape == (1, len(lo[i]))
+        assert stream.last_weights.tolist() == [one.last_weight] and stream.last_events.tolist() == [one.last_event]
+        assert stream.last_alphas.tolist() == [a] and stream.last_betas.tolist() == [b]
+        assert stream.last_log_tau_hat.shape == (1,)
+
+
+def test_stream_grid_cache_is_bounded_and_validated() -> None:
+    local, glob, feats, lo, gl, h_lb, h_gb = _random_setup()
+    stream = BTFLStream(local, glob, h_lb, h_gb, cache_size=3)
+    ref = BTFLStream(local, glob, h_lb, h_gb)
+    for i in range(len(lo)):
+        np.testing.assert_array_equal(stream.predict_one(lo[i], gl[i], feats[i]), ref.predict_one(lo[i], gl[i], feats[i]))
+    assert len(stream._grids) == 3 < len(ref._grids)
+    for bad in (0, -1, 2.5, "8"):
+        with pytest.raises(ValueError, match="cache_size must be an int >= 1"):
+            BTFLStream(local, glob, h_lb, h_gb, cache_size=bad)
+
+
+def test_trapezoid_needs_no_scipy_and_matches_betaln() -> None:
+    """The authors' trapezoid variant uses math.lgamma for log B(a, b), not scipy (dropped from the SDK)."""
+    import edge_sdk.btfl as module
+
+    a = np.array([0.3, 1.0, 2.5, 17.0, 400.0])
+    b = np.array([5.0, 1.0, 0.7, 17.0, 3.0])
+    np.testing.assert_allclose(module._betaln(a, b), betaln(a, b), rtol=1e-13, atol=1e-13)
+    code = ("import sys; sys.modules['scipy'] = None\n"  # any import of scipy now fails
+            "from edge_sdk.btfl import trapezoid_global_weight, BTFLStream\n"
+            "print(float(trapezoid_global_weight(2.0, 3.0, 1.0)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert float(out) == pytest.approx(float(module.trapezoid_global_weight(2.0, 3.0, 1.0)), abs=1e-15)
+
+
+def test_import_edge_sdk_is_lazy() -> None:
+    """``import edge_sdk`` loads neither httpx nor onnxruntime (a device imports them on first use)."""
+    code = ("import sys, edge_sdk, edge_sdk.btfl\n"
+            "print(sorted(m for m in ('httpx', 'onnxruntime', 'scipy', 'torch') if m in sys.modules))\n"
+            "edge_sdk.EdgeClient; from edge_sdk import softmax, EntropyEarlyStopping\n"
+            "print('httpx' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split("\n")
+    assert out[0] == "[]" and out[1] == "True"
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        import edge_sdk
+
+        edge_sdk.nope  # noqa: B018

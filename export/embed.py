@@ -1,0 +1,50 @@
+"""Frozen graphs: turn weight inputs of an exported ONNX graph into initializers.
+
+A graph a device only runs forward with the weights it received (BTFL's ``features``: the frozen body and the
+global head) gains nothing from taking them as inputs: every call then feeds and copies each weight, and
+onnxruntime cannot fold or pre-pack them. Embedded, the weights are constants that onnxruntime pre-packs
+once at session creation. Graphs whose weights the device updates (the step graphs, ``forward`` after
+personalisation) keep them as inputs.
+
+Example::
+
+    export_spec(spec, path)
+    embed_inputs(path, {"psi.fc.weight": w, "psi.fc.bias": b})  # the graph now takes only x
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+_NP_DTYPES = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.DOUBLE: np.float64,
+              onnx.TensorProto.INT64: np.int64, onnx.TensorProto.INT32: np.int32}
+
+
+def embed_inputs(path: str | os.PathLike, values: Mapping[str, np.ndarray]) -> Path:
+    """Replace the graph inputs named in ``values`` by initializers holding those arrays (cast to the input's
+    dtype; the shape must match where the graph fixes it). Rewritten atomically in place."""
+    path = Path(path)
+    model = onnx.load(str(path))
+    inputs = {i.name: i for i in model.graph.input}
+    missing = sorted(set(values) - set(inputs))
+    if missing:
+        raise ValueError(f"{path.name} has no inputs {missing} to embed (inputs: {sorted(inputs)})")
+    kept = [i for i in model.graph.input if i.name not in values]
+    for name, value in values.items():
+        t = inputs[name].type.tensor_type
+        want = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+        arr = np.ascontiguousarray(value, dtype=_NP_DTYPES.get(t.elem_type, np.float32))
+        if len(want) != arr.ndim or any(w is not None and w != s for w, s in zip(want, arr.shape)):
+            raise ValueError(f"{name}: array of shape {list(arr.shape)} does not fit the graph's input {want}")
+        model.graph.initializer.append(numpy_helper.from_array(arr, name))
+    del model.graph.input[:]
+    model.graph.input.extend(kept)
+    tmp = path.with_name(path.name + ".tmp")
+    onnx.save(model, str(tmp))
+    os.replace(tmp, path)
+    return path
