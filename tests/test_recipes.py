@@ -250,3 +250,29 @@ def test_bad_recipe_source_is_one_line(tmp_path: Path) -> None:
     (tmp_path / "r.py").write_text(RECIPE_FILE)
     with pytest.raises(RecipeError, match=r"r\.py defines no 'nope'; recipes in it: small \(name one as r\.py:NAME\)$"):
         load_recipe(f"{tmp_path / 'r.py'}:nope")
+
+
+def test_coordinator_trains_a_recipe_from_its_recipe_directory(tmp_path: Path) -> None:
+    """An admin names FILE:NAME from FL_SERVE_RECIPES_DIR; the job trains the user's model and serves its bundle.
+    A name outside the directory's grammar or a missing file is refused before anything runs."""
+    import httpx
+    from coordinator_proc import ADMIN, auth, join, start
+
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "my_recipes.py").write_text(RECIPE_FILE)
+    coord = start(tmp_path / "store", methods="", env={"FL_SERVE_RECIPES_DIR": str(tmp_path / "recipes")})
+    try:
+        url = f"{coord.url}/v1/jobs"
+        missing = httpx.post(url, json={"method": "TENT", "recipe": "other:small"}, headers=auth(ADMIN), timeout=10)
+        assert missing.status_code == 404
+        assert "no recipe file other.py in the coordinator's recipe directory" in missing.text
+        assert httpx.post(url, json={"recipe": "../my_recipes"}, headers=auth(ADMIN), timeout=10).status_code == 422
+        job = httpx.post(url, json={"method": "TENT", "rounds": 2, "recipe": "my_recipes:small"}, headers=auth(ADMIN),
+                         timeout=10)
+        assert job.status_code == 201, job.text
+        coord.wait_bundles(1, timeout=240)
+        manifest = join(coord.url, "TENT")["manifest"]
+        assert manifest["model"] == "TinyNet" and manifest["dataset"] == "digits"
+        assert manifest["preprocess"] == Preprocess.identity().to_dict()
+    finally:
+        coord.stop()
