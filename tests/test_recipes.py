@@ -4,8 +4,6 @@ exports through the CLI."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +24,7 @@ class SmallNet(nn.Module):
     def __init__(self, input_shape: tuple[int, int, int], num_classes: int) -> None:
         super().__init__()
         self.body = nn.Sequential(nn.Conv2d(input_shape[0], 8, 3, stride=2), nn.GroupNorm(2, 8), nn.ReLU(),
-                                  nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(128, 32), nn.ReLU())
+                                  nn.Conv2d(8, 8, 3, stride=2), nn.ReLU(), nn.Flatten(), nn.Linear(288, 32), nn.ReLU())
         self.fc = nn.Linear(32, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -44,7 +42,7 @@ def fashion_raw(fashion_all):  # type: ignore[no-untyped-def]
 
 def _recipe(data: DataSpec) -> Recipe:
     return Recipe(model=ModelSpec(SmallNet, head="fc"), data=data, method="FedTTA",
-                  federation=Federation(partition="iid", num_clients=6, new_fraction=0.34), rounds=2,
+                  federation=Federation(partition="iid", num_clients=6, new_fraction=0.34), rounds=1,
                   local_iterations=3, batch_size=16, hyper={"inner_lr": 0.05, "lr": 0.1, "adapt_lr": 0.001})
 
 
@@ -88,6 +86,40 @@ def test_arrays_image_folder_and_torch_dataset_train_identically(fashion_raw, tm
                 assert torch.equal(value, weights[name][part][key]), (name, part, key)
     run = json.loads((tmp_path / "torch" / "run.json").read_text())
     assert run["preprocess"] == {"layout": "NCHW", "size": None, "scale": 1 / 255, "mean": [0.0], "std": [1.0]}
+
+    # a recipe built in Python: its run.json names no file, so export takes the recipe itself
+    from edge_sdk.bundle import load_bundle
+    from export.run import export_run
+
+    with pytest.raises(RecipeError, match=r"^the run of 'arrays' names no recipe file \(its recipe was built in "
+                                          r"Python\): pass the recipe"):
+        export_run(tmp_path / "arrays", tmp_path / "nope")
+    recipe = _recipe(sources["arrays"])
+    bundle = load_bundle(export_run(tmp_path / "arrays", tmp_path / "bundle", recipe=recipe))
+    # the device: raw uint8 NHWC images through the manifest's preprocessing, then the ONNX forward; the server:
+    # torch on its own preprocessed data. Same predictions.
+    session, params = bundle.session("forward"), bundle.weights("params")
+    feeds = {i.name: params[i.name.split(".", 1)[1]] for i in session.get_inputs() if i.name != "x"}
+    device_logits = session.run(None, {**feeds, "x": bundle.preprocess.apply(x)})[0]
+    model = recipe.build_model(0)
+    model.load_state_dict({k: v.float() for k, v in weights["arrays"]["params"].items()})
+    with torch.no_grad():
+        server_logits = model(torch.from_numpy(recipe.data.dataset(recipe.preprocess).x)).numpy()
+    device_acc, server_acc = (100 * float(np.mean(logits.argmax(1) == y)) for logits in (device_logits, server_logits))
+    assert abs(device_acc - server_acc) < 0.1
+
+
+def test_bundles_without_preprocessing_load_as_identity(tmp_path: Path) -> None:
+    from edge_sdk.bundle import load_bundle
+    from edge_sdk.errors import BundleError
+
+    (tmp_path / "manifest.json").write_text(json.dumps({"method": "FedAvg", "artifacts": []}))
+    assert load_bundle(tmp_path).preprocess == Preprocess.identity()
+    (tmp_path / "manifest.json").write_text(json.dumps({"method": "FedAvg", "artifacts": [],
+                                                        "preprocess": {"layout": "NHWC"}}))
+    with pytest.raises(BundleError, match=r"malformed manifest \(preprocess keys must be layout, size, scale, mean, "
+                                          r"std \(unknown: \[\], missing: \['mean', 'scale', 'size', 'std'\]\)\)"):
+        load_bundle(tmp_path)
 
 
 def _wrong_input_shape() -> nn.Module:
@@ -214,42 +246,26 @@ small = Recipe(model=ModelSpec(TinyNet, head="classifier"), data=DataSpec.builti
 '''
 
 
-def test_cli_trains_and_exports_a_user_module(tmp_path: Path) -> None:
+def test_cli_trains_and_exports_a_user_module(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fl_server.cli import main
+
     (tmp_path / "my_recipes.py").write_text(RECIPE_FILE)
     run_dir, bundle = tmp_path / "run", tmp_path / "bundle"
-    cli = [sys.executable, "-m", "fl_server.cli"]
-    trained = subprocess.run([*cli, "train", "--recipe", f"{tmp_path / 'my_recipes.py'}:small", "--out", str(run_dir),
-                              "--no-progress", "--device", "cpu"], capture_output=True, text=True, cwd=REPO,
-                             timeout=300)
-    assert trained.returncode == 0, trained.stderr
-    assert "TENT on digits: best val" in trained.stdout
+    assert main(["train", "--recipe", f"{tmp_path / 'my_recipes.py'}:small", "--out", str(run_dir), "--no-progress",
+                 "--device", "cpu"]) == 0
+    assert "TENT on digits: best val" in capsys.readouterr().out
     run = rundir.read_run(run_dir)
     assert run["recipe"].endswith("my_recipes.py:small") and run["model"] == "TinyNet"
-    exported = subprocess.run([*cli, "export", str(run_dir), "--out", str(bundle)], capture_output=True, text=True,
-                              cwd=REPO, timeout=300)
-    assert exported.returncode == 0, exported.stderr
+    assert main(["export", str(run_dir), "--out", str(bundle)]) == 0
     from edge_sdk.bundle import load_bundle
 
     loaded = load_bundle(bundle)
     assert loaded.method == "TENT" and loaded.preprocess == Preprocess.identity()
     assert {a["name"] for a in loaded.manifest["artifacts"]} >= {"forward", "tent_step"}
-    # the bundle's forward is the trained user model: onnxruntime agrees with torch on the run's weights
-    recipe = load_recipe(run["recipe"])
-    model = recipe.build_model(0)
-    model.load_state_dict({k: v.float() for k, v in rundir.load_best(run_dir)["params"].items()})
-    x = np.random.default_rng(1).random((5, 1, 8, 8)).astype(np.float32)
-    session = loaded.session("forward")
-    weights = loaded.weights("params")
-    feeds = {i.name: (x if i.name == "x" else weights[i.name.split(".", 1)[1]]) for i in session.get_inputs()}
-    ort = session.run(None, feeds)[0]
-    with torch.no_grad():
-        assert np.abs(ort - model(torch.from_numpy(x)).numpy()).max() < 1e-4
-
-
-def test_bad_recipe_source_is_one_line(tmp_path: Path) -> None:
-    (tmp_path / "r.py").write_text(RECIPE_FILE)
-    with pytest.raises(RecipeError, match=r"r\.py defines no 'nope'; recipes in it: small \(name one as r\.py:NAME\)$"):
-        load_recipe(f"{tmp_path / 'r.py'}:nope")
+    assert loaded.weights("params")["features.trunk.1.weight"].shape == (48, 64)  # the user's layers, by name
+    assert main(["train", "--recipe", f"{tmp_path / 'my_recipes.py'}:nope", "--out", str(run_dir)]) == 2
+    assert capsys.readouterr().err.strip().endswith("my_recipes.py defines no 'nope'; recipes in it: small "
+                                                     "(name one as my_recipes.py:NAME)")
 
 
 def test_coordinator_trains_a_recipe_from_its_recipe_directory(tmp_path: Path) -> None:

@@ -31,17 +31,17 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from fl_server.bench.protocol import Protocol
-from fl_server.bench.runner import build_federated
 from fl_server.algorithms import build_algorithm
 from fl_server.algorithms.hetero_fedtta import (SIZE_GROUPS, assign_sizes, clients_public_logits, digest,
                                                 public_chunks)
+from fl_server.bench.protocol import Protocol
+from fl_server.bench.runner import build_federated
 from fl_server.data.federated import FederatedData
 from fl_server.device import describe
 from fl_server.engine import Simulation
-from fl_server.engine.simulation import checkpoint_meta, load_state, save_state
 from fl_server.functional import State, tree_map
 from fl_server.models import build_model
+from fl_server.rundir import checkpoint_meta, load_state, save_state
 
 
 # display name -> lambda of Eq. 14 (None: no knowledge exchange)

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
+from fl_server.algorithms.map import MAP, authors_code_procedure
 from fl_server.bench.protocol import Protocol
 from fl_server.bench.runner import build_federated
-from fl_server.algorithms.map import MAP, authors_code_procedure
 from fl_server.data import load_dataset
 from fl_server.data.federated import FederatedData
 from fl_server.device import describe

@@ -30,10 +30,10 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from fl_server.bench.protocol import Protocol
-from fl_server.bench.runner import build_federated, safe_name
 from fl_server.algorithms import build_algorithm
 from fl_server.algorithms.fedicon import FedICON
+from fl_server.bench.protocol import Protocol
+from fl_server.bench.runner import build_federated, safe_name
 from fl_server.data import load_dataset
 from fl_server.data.corruptions import corrupt
 from fl_server.data.federated import FederatedData
