@@ -1,4 +1,4 @@
-"""``fl-server``: train, bench, export, report, data, serve (the coordinator)."""
+"""``fl-server``: train, bench, export, publish, report, data, serve (the coordinator)."""
 from __future__ import annotations
 
 import argparse
@@ -107,6 +107,41 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_publish(args: argparse.Namespace) -> int:
+    import os
+
+    from fl_server.service import publish
+
+    root = Path(args.bundle)
+    if not (root / "manifest.json").is_file():
+        raise FileNotFoundError(f"{root / 'manifest.json'}: not found (is {root} a bundle directory from fl-server export?)")
+    if args.server:
+        token = args.admin_token or os.environ.get("FL_ADMIN_TOKEN")
+        if not token:
+            raise ValueError("--server needs the admin token: --admin-token or $FL_ADMIN_TOKEN")
+        out = publish.upload(root, args.server, token)
+        print(f"published {out['method']} bundle {out['bundle_id']} to {args.server}; served signed with its key "
+              f"{out['signing_key']}")
+        return 0
+    from fl_server.service.artifacts import ArtifactStore
+    from fl_server.service.config import ServiceConfig
+    from fl_server.service.store import Store
+    from fl_server.signing import ManifestSigner
+
+    store_dir = Path(args.store)
+    store = Store(store_dir / "coordinator.sqlite3")
+    try:
+        out = publish.publish_dir(store, ArtifactStore(store_dir / "objects"), root,
+                                  ServiceConfig(store_dir=store_dir).max_bundle_bytes)
+    finally:
+        store.close()
+    key = ManifestSigner.load_or_create(store_dir).public_hex
+    print(f"published {out['method']} bundle {out['bundle_id']} into {store_dir}; fl-server serve --store "
+          f"{store_dir} serves it signed with {key} (a coordinator already running on this store serves it after "
+          "a restart; publish to it with --server URL instead)")
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from fl_server.bench.report import write_report
 
@@ -205,6 +240,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--signing-key", default=None,
                    help="Ed25519 private key (PEM, e.g. a coordinator store's signing_key.pem): write manifest.sig")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("publish", help="verify a bundle exported elsewhere and serve it from a coordinator")
+    p.add_argument("bundle", help="bundle directory (fl-server export --out)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--store", help="the coordinator's state directory (fl-server serve --store)")
+    where.add_argument("--server", help="a running coordinator's URL (POST /v1/bundles with the admin token)")
+    p.add_argument("--admin-token", default=None, help="with --server (default: $FL_ADMIN_TOKEN)")
+    p.set_defaults(func=cmd_publish)
 
     p = sub.add_parser("report", help="regenerate docs/RESULTS.md")
     p.add_argument("--docs", default="docs")
