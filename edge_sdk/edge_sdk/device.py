@@ -97,13 +97,24 @@ class Device:
         """Whether :meth:`personalize` needs labels (BTFL and FedTHE train a local head)."""
         return self.method in STREAM_METHODS
 
+    @property
+    def global_weight(self) -> float | None:
+        """BTFL: the weight e of the global head for the last sample predicted (None for other methods)."""
+        stream = self._btfl.stream if self._btfl is not None and self.method == "BTFL" else None
+        if stream is None:
+            return None
+        if stream.last_weight is not None:  # a one-sample call
+            return float(stream.last_weight)
+        return None if stream.last_weights is None else float(stream.last_weights[-1])
+
     def prepare(self, x: np.ndarray) -> np.ndarray:
         """The model's input for ``x``: the manifest's preprocessing applied to raw images, else ``x`` itself."""
         return x if self.preprocess is None else self.preprocess.apply(x)
 
     def personalize(self, x: np.ndarray, y: np.ndarray | None = None, *, epsilon: float = math.inf,
                     delta: float = 0.01, rng: np.random.Generator | None = None) -> Adaptation:
-        """Adapt the received model to this device's data ``x`` (labels ``y`` only for BTFL / FedTHE).
+        """Adapt the received model to this device's data ``x`` (labels ``y`` only for BTFL / FedTHE); each call
+        starts again from the received model (BTFL / FedTHE: a new local head and a new stream).
         ODPFL-HN: ``epsilon``, ``delta``, ``rng`` privatise the embedding sent to the coordinator."""
         x = self.prepare(x)
         if self._btfl is not None:
@@ -137,7 +148,7 @@ class Device:
         if self.client is not None:  # the coordinator re-aggregates the DLEs (everyone else's is ours to use)
             reply = self.client.upload_dle(fit.local_dle, fit.samples)
             global_dle = reply["others_dle"] if reply.get("others_dle") is not None else reply["global_dle"]
-            details["dle_clients"] = reply.get("clients")
+            details["dle_clients"], details["dle_base"] = reply.get("clients"), reply.get("base")
         self._btfl.start(global_dle)
         return Adaptation("BTFL", 1, len(x), details)
 
