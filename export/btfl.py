@@ -28,9 +28,8 @@ from export.bundle import export_specs, write_bundle
 from fl_server.signing import ManifestSigner
 from export.steps import StepSpec, _example_x, forward_spec
 from fl_server.algorithms.btfl import BTFL, ClientArtifacts
-from fl_server.data import load_dataset
-from fl_server.data.federated import FederatedData, make_federated
 from fl_server.functional import State
+from fl_server.recipes.run import client_data
 
 
 def btfl_features_spec(algorithm: BTFL, params: State, batch: int = 4) -> StepSpec:
@@ -56,20 +55,12 @@ def export_btfl_client(algorithm: BTFL, params: State, artifacts: ClientArtifact
         return write_bundle(dest, graphs, weights, algorithm.name, asdict(algorithm.hp), extra=extra)
 
 
-def run_partition(run: dict[str, Any], data_root: str | None = None) -> FederatedData:
-    """The clients of a training run, rebuilt from its ``run.json``."""
-    p = run["protocol"]
-    data = load_dataset(run["dataset"], root=data_root, split=p.get("split", "all"))
-    return make_federated(data, p["partition"], p["num_clients"], p["new_fraction"], p["val_fraction"],
-                          seed=run["seed"], alpha=p["alpha"])
-
-
 def training_global_dle(algorithm: BTFL, server_state: State, run: dict[str, Any],
                         data_root: str | None = None) -> tuple[np.ndarray, int, np.ndarray]:
     """(global DLE [D, L], clients, mu_global [D]): the average of every training client's local DLE on its
     training set with the final features (BTFL Sec. 4.1: every client weighs the same, as in ``btgfl`` and on
     the coordinator), and the mean of their mean features (FedTHE's global prototype, on the same bundle)."""
-    fed = run_partition(run, data_root)
+    fed = client_data(run, data_root)
     x = torch.from_numpy(fed.dataset.x).float()
     arts = algorithm.client_artifacts(server_state, x, fed.train)
     return btfl_math.average_dles([a.local_dle for a in arts]), len(arts), arts[0].mu_global

@@ -33,8 +33,8 @@ FedTHE (a BTFL bundle,      local head on labeled (x, y); per-batch head ensembl
 BTFL and FedTHE are stream methods: ``predict`` treats its batch as the next samples of the stream (their state
 moves on); the others are stateless after ``personalize``. Raw inputs: when the bundle's manifest carries a
 ``preprocess`` block (resize, scaling, mean/std written by the exporter), every ``x`` given to the device is a
-raw image batch and the device applies that preprocessing first (:attr:`Device.preprocess`); otherwise ``x``
-is already the model's float32 input. The older entry points (:class:`edge_sdk.personalize.Personalizer`,
+raw image batch (uint8 or float, the layout the recipe named) and the device applies that preprocessing first
+(:attr:`Device.preprocess`); without one (or an identity one) ``x`` is already the model's float32 NCHW input. The older entry points (:class:`edge_sdk.personalize.Personalizer`,
 :class:`edge_sdk.btfl_device.BTFLDevice`, :func:`edge_sdk.fedthe.fedthe_predict`) stay available.
 """
 from __future__ import annotations
@@ -52,6 +52,7 @@ from edge_sdk.bundle import Bundle, BundleError, load_bundle
 from edge_sdk.fedthe import feature_history, fedthe_predict
 from edge_sdk.numerics import log_softmax
 from edge_sdk.personalize import Personalizer
+from edge_sdk.preprocess import Preprocess
 from edge_sdk.signing import PublicKey
 
 if TYPE_CHECKING:
@@ -210,17 +211,7 @@ def _kind(personalizer: Personalizer, method: str) -> str:
     return method if personalizer.kind == "none" else personalizer.kind
 
 
-def _preprocess(bundle: Bundle) -> Any:
-    """The manifest's preprocessing (``edge_sdk.preprocess.Preprocess``), or None when it has none."""
-    spec = bundle.manifest.get("preprocess")
-    if spec is None:
-        return None
-    try:
-        from edge_sdk.preprocess import Preprocess
-    except ImportError:
-        raise BundleError("this bundle carries a preprocess block, which this edge_sdk version cannot apply; "
-                          "upgrade edge_sdk") from None
-    try:
-        return Preprocess.from_dict(spec)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise BundleError(f"{bundle.root}: invalid preprocess block in the manifest ({exc})") from None
+def _preprocess(bundle: Bundle) -> Preprocess | None:
+    """The manifest's preprocessing, or None when it has none or it changes nothing (inputs pass as they are)."""
+    pre = bundle.preprocess  # validated by load_bundle
+    return None if pre == Preprocess.identity() else pre
