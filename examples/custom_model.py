@@ -39,8 +39,8 @@ NUM_CLASSES = 10
 
 # ---------------------------------------------------------------------------------------------- the user's model
 def resnet(input_shape: tuple[int, int, int], num_classes: int):  # type: ignore[no-untyped-def]
-    """A small ResNet: a stem, two residual stages (the second halves the resolution), GroupNorm, global average
-    pooling and a linear head ``fc`` (the recipe names it)."""
+    """A small ResNet: a strided stem, a residual block that halves the resolution again (projection shortcut),
+    GroupNorm throughout, global average pooling and a linear head ``fc`` (the recipe names it)."""
     from torch import nn
 
     class Block(nn.Module):
@@ -61,18 +61,18 @@ def resnet(input_shape: tuple[int, int, int], num_classes: int):  # type: ignore
         def __init__(self) -> None:
             super().__init__()
             self.stem = nn.Sequential(nn.Conv2d(input_shape[0], 16, 3, 2, 1, bias=False), nn.GroupNorm(4, 16), nn.ReLU())
-            self.stages = nn.Sequential(Block(16, 16, 1), Block(16, 32, 2))
+            self.block = Block(16, 32, 2)
             self.pool = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten())
             self.fc = nn.Linear(32, num_classes)
 
         def forward(self, x):  # type: ignore[no-untyped-def]
-            return self.fc(self.pool(self.stages(self.stem(x))))
+            return self.fc(self.pool(self.block(self.stem(x))))
 
     return ResNet()
 
 
 # ---------------------------------------------------------------------------------------------- the recipes
-def _recipe(method: str, hyper: dict):  # type: ignore[no-untyped-def]
+def _recipe(method: str, hyper: dict, rounds: int, local_iterations: int):  # type: ignore[no-untyped-def]
     from fl_server.recipes import DataSpec, Federation, ModelSpec, Preprocess, Recipe
 
     folder = os.environ.get(IMAGES_ENV)
@@ -81,19 +81,19 @@ def _recipe(method: str, hyper: dict):  # type: ignore[no-untyped-def]
     return Recipe(model=ModelSpec(resnet, head="fc", name="small-resnet-gn"),
                   data=DataSpec.from_image_folder(folder),
                   federation=Federation(partition="dirichlet", alpha=0.5, num_clients=10, new_fraction=0.2),
-                  method=method, hyper=hyper, rounds=int(os.environ.get("CUSTOM_MODEL_ROUNDS", "3")),
-                  local_iterations=5, batch_size=32,
+                  method=method, hyper=hyper, rounds=rounds, local_iterations=local_iterations, batch_size=32,
                   preprocess=Preprocess(layout="NHWC", scale=1 / 255, mean=(0.286,), std=(0.353,)))
 
 
 def tent_recipe():  # type: ignore[no-untyped-def]
-    """TENT: FedAvg training; the device adapts every weight by entropy minimisation."""
-    return _recipe("TENT", {"steps": 1})
+    """TENT: FedAvg training; the device takes one entropy-minimisation step on every weight."""
+    return _recipe("TENT", {"lr": 0.3, "tent_lr": 0.01, "steps": 1}, rounds=10, local_iterations=10)
 
 
 def fedtta_recipe():  # type: ignore[no-untyped-def]
-    """FedTTA: a meta-learned adaptation step the device takes on its unlabeled data."""
-    return _recipe("FedTTA", {})
+    """FedTTA: a meta-learned adaptation step the device takes on its unlabeled data (meta-training costs
+    several times a FedAvg round: fewer, shorter rounds)."""
+    return _recipe("FedTTA", {}, rounds=4, local_iterations=5)
 
 
 # ---------------------------------------------------------------------------------------------- the steps

@@ -47,3 +47,23 @@ bundle=$(dirname "$(ls "$work"/device-cache/bundles/*/manifest.sig | head -1)")
 grep -q "signature checked" "$work/personalize.txt"
 grep -q "torch imported: False; fl_server imported: False" "$work/personalize.txt"
 echo "personalize_on_device.py ran on edge_sdk alone"
+
+# your own model and data (examples/custom_model.py): trained, exported and published on this side, the device
+# (examples/custom_model_device.py) on edge_sdk alone; needs the real Fashion-MNIST files
+export FL_DATA_DIR=${FL_DATA_DIR:-$(cd "$here/.." && pwd)/shared/data}
+if [ -d "$FL_DATA_DIR/fashion-mnist" ] || [ -d "$FL_DATA_DIR/fashion_mnist" ]; then
+  start=$SECONDS
+  (cd "$here" && OMP_NUM_THREADS=1 "$main_python" examples/custom_model.py --work "$work/custom" \
+    --device-python "$sdk_python" --json "$work/custom.json")
+  "$sdk_python" - "$work/custom.json" <<'PY'
+import json, sys
+s = json.load(open(sys.argv[1]))
+assert s["torch_imported"] is False and s["fl_server_imported"] is False, s
+assert [r["method"] for r in s["results"]] == ["TENT", "FedTTA"], s
+assert all(r["preprocess"]["layout"] == "NHWC" for r in s["results"]), s  # the device got raw uint8 images
+assert s["results"][0]["accuracy_received"] > 25, s  # chance: 10
+PY
+  echo "custom_model.py ran end to end in $((SECONDS - start))s (device part on edge_sdk alone)"
+else
+  echo "custom_model.py skipped: no Fashion-MNIST in $FL_DATA_DIR"
+fi
