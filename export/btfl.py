@@ -29,6 +29,7 @@ from fl_server.signing import ManifestSigner
 from export.steps import StepSpec, _example_x, forward_spec
 from fl_server.algorithms.btfl import BTFL, ClientArtifacts
 from fl_server.functional import State
+from fl_server.recipes import Recipe
 from fl_server.recipes.run import client_data
 
 
@@ -56,11 +57,12 @@ def export_btfl_client(algorithm: BTFL, params: State, artifacts: ClientArtifact
 
 
 def training_global_dle(algorithm: BTFL, server_state: State, run: dict[str, Any],
-                        data_root: str | None = None) -> tuple[np.ndarray, int, np.ndarray]:
+                        data_root: str | None = None, recipe: Recipe | None = None
+                        ) -> tuple[np.ndarray, int, np.ndarray]:
     """(global DLE [D, L], clients, mu_global [D]): the average of every training client's local DLE on its
     training set with the final features (BTFL Sec. 4.1: every client weighs the same, as in ``btgfl`` and on
     the coordinator), and the mean of their mean features (FedTHE's global prototype, on the same bundle)."""
-    fed = client_data(run, data_root)
+    fed = client_data(run, data_root, recipe)
     x = torch.from_numpy(fed.dataset.x).float()
     arts = algorithm.client_artifacts(server_state, x, fed.train)
     return btfl_math.average_dles([a.local_dle for a in arts]), len(arts), arts[0].mu_global
@@ -68,11 +70,11 @@ def training_global_dle(algorithm: BTFL, server_state: State, run: dict[str, Any
 
 def export_btfl_run(algorithm: BTFL, server_state: State, run: dict[str, Any], dest: str | os.PathLike,
                     extra: dict[str, Any], data_root: str | None = None,
-                    signer: ManifestSigner | None = None) -> Path:
+                    signer: ManifestSigner | None = None, recipe: Recipe | None = None) -> Path:
     """The served BTFL bundle: graphs ``features`` and ``forward``, weights ``params`` and ``btfl``."""
     params = {n: v.detach().float().cpu() for n, v in server_state["params"].items()}
     state = {"params": params, "local_heads": server_state["local_heads"].float()}
-    global_dle, clients, mu_global = training_global_dle(algorithm, state, run, data_root)
+    global_dle, clients, mu_global = training_global_dle(algorithm, state, run, data_root, recipe)
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         graphs = export_specs({"features": btfl_features_spec(algorithm, params),
                                "forward": forward_spec(algorithm.model, params)}, Path(tmp))

@@ -15,18 +15,20 @@ from fl_server.algorithms.btfl import BTFL
 from fl_server.algorithms.fedtta import FedTTA
 from fl_server.algorithms.odpfl_hn import ODPFLHN
 from fl_server.algorithms.tent import Tent
+from fl_server.recipes import Recipe
 from fl_server.recipes.run import rebuild
 from fl_server.signing import ManifestSigner
 
 
 def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_root: str | None = None,
-               signer: ManifestSigner | None = None) -> Path:
+               signer: ManifestSigner | None = None, recipe: Recipe | None = None) -> Path:
     """Build the method's device graphs around the best-validation weights of ``run_dir``; write a bundle.
     ``int8``: also ship ``forward_int8``, the received model frozen and dynamically quantized (plain inference).
     ``data_root``: where the run's data set lives (BTFL re-reads the training clients' data for their DLEs).
-    ``signer``: sign the manifest (``manifest.sig``)."""
+    ``signer``: sign the manifest (``manifest.sig``). ``recipe``: the run's recipe, needed only when it was built
+    in Python (run.json then names no recipe file to rebuild the model from)."""
     run = rundir.read_run(run_dir)
-    recipe, model, algorithm = rebuild(run, data_root)
+    recipe, model, algorithm = rebuild(run, data_root, recipe=recipe)
     extra = {"model": run["model"], "dataset": run["dataset"], "seed": run["seed"],
              "input_shape": run["input_shape"], "num_classes": run["num_classes"],
              "preprocess": recipe.preprocess.to_dict(),  # type: ignore[union-attr]
@@ -34,7 +36,7 @@ def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_r
     if isinstance(algorithm, BTFL):
         if int8:
             raise ValueError("--int8 is not available for BTFL bundles")
-        return export_btfl_run(algorithm, rundir.load_best(run_dir), run, dest, extra, data_root, signer)
+        return export_btfl_run(algorithm, rundir.load_best(run_dir), run, dest, extra, data_root, signer, recipe)
     state = {k: {n: v.float() for n, v in d.items()} for k, d in rundir.load_best(run_dir).items()
              if k in ("params", "phi", "enc")}
     specs: dict[str, StepSpec] = {"forward": forward_spec(model, state["params"])}

@@ -2,8 +2,8 @@
 hyperparameters, and the papers' reference numbers (SPEC.md)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from dataclasses import replace
+from typing import Any
 
 from fl_server.recipes.presets import FEDTTA_HP, upfl_hyper
 from fl_server.bench.data_size import FRACTIONS, run_data_size_seed
@@ -11,81 +11,7 @@ from fl_server.bench.hetero import HETERO_METHODS, run_hetero_seed
 from fl_server.bench.map_incomplete import run_map_seed
 from fl_server.bench.odpfl import DP_DELTA, run_dp_seed
 from fl_server.bench.shift import run_shift_seed
-from fl_server.engine import RunConfig
-
-
-@dataclass(frozen=True)
-class Protocol:
-    """How one dataset is federated and trained for an experiment."""
-
-    dataset: str
-    model: str
-    rounds: int
-    partition: str = "pathological"
-    num_clients: int = 100
-    new_fraction: float = 0.5
-    val_fraction: float = 0.15
-    alpha: float | None = None
-    local_iterations: int = 20
-    batch_size: int = 64
-    client_fraction: float = 1.0
-    eval_every: int = 1
-    method_hp: dict[str, dict[str, Any]] = field(default_factory=dict)
-    note: str = ""
-    # per-method validation interval where evaluation dominates the cost (FedTTA++: up to 50 adaptation steps
-    # per validation client each time); the best round is then chosen among the evaluated rounds
-    method_eval_every: dict[str, int] = field(default_factory=dict)
-    # per-method round budget where the protocol's rounds are out of reach of the hardware the rows ran on; the
-    # row states it (note_for) and the engine resumes the longer run's checkpoint (a truncated run is its prefix)
-    method_rounds: dict[str, tuple[int, str]] = field(default_factory=dict)
-
-    def eval_every_for(self, method: str) -> int:
-        return self.method_eval_every.get(method, self.eval_every)
-
-    def rounds_for(self, method: str) -> int:
-        return self.method_rounds[method][0] if method in self.method_rounds else self.rounds
-
-    def note_for(self, method: str) -> str:
-        every = self.method_eval_every.get(method)
-        extra = f"validation every {every} rounds (to save compute)" if every else ""
-        budget = ""
-        if method in self.method_rounds:
-            rounds, why = self.method_rounds[method]
-            budget = f"{rounds} rounds instead of {self.rounds} ({why})"
-        return "; ".join(n for n in (self.note, extra, budget) if n)
-    split: str = "all"  # which split of the data set the clients partition
-    options: dict[str, Any] = field(default_factory=dict)  # experiment-specific (read by its run_fn)
-
-    def run_config(self, seed: int, out_dir: str | None, device: str = "auto", mode: str = "auto",
-                   progress: bool = True) -> RunConfig:
-        """The engine configuration of one seed of this protocol, for experiments without per-method budgets
-        (``method_rounds`` and ``method_eval_every`` are read by runner.build_simulation)."""
-        if self.method_rounds:
-            raise ValueError("a protocol with method_rounds runs through fl_server.bench.runner.build_simulation")
-        return RunConfig(rounds=self.rounds, local_iterations=self.local_iterations, batch_size=self.batch_size,
-                         client_fraction=self.client_fraction, eval_every=self.eval_every, seed=seed, mode=mode,
-                         device=device, out_dir=out_dir, progress=progress)
-
-    def quick(self) -> "Protocol":
-        """A CI-sized version: about a minute per row on 2 CPU cores. ``options["quick"]`` overrides options,
-        ``options["quick_protocol"]`` fields of the quick protocol itself."""
-        small = replace(self, num_clients=20, rounds=max(3, self.rounds // 40), local_iterations=10,
-                        eval_every=1, method_eval_every={}, method_rounds={},
-                        note="--quick (smoke test, not a result)",
-                        options={**self.options, **self.options.get("quick", {})})
-        return replace(small, **self.options.get("quick_protocol", {}))
-
-
-@dataclass(frozen=True)
-class Experiment:
-    name: str
-    methods: tuple[str, ...]
-    protocols: dict[str, Protocol]
-    paper: dict[tuple[str, str, str], float]  # (dataset, method, split) -> number
-    description: str = ""
-    runner: str | None = None  # "module:function" with run_experiment's signature, for non-UPFL protocols
-    run_fn: Callable[..., dict[str, Any]] | None = None  # replaces runner.run_seed (same signature)
-    optional_methods: tuple[str, ...] = ()  # run only when named (--methods); aggregated when present
+from fl_server.bench.protocol import Experiment, Protocol
 
 
 # UPFL Table 1 (new-client "test" and training-client "val" accuracy, mean of 3 seeds).
@@ -482,7 +408,7 @@ _FMNIST_TABLE1 = EXPERIMENTS["upfl-table1"].protocols["fashion_mnist"]
 EXPERIMENTS["upfl-data-size"] = Experiment(
     name="upfl-data-size", methods=("FedAvg", "TENT", "FedTTA", "FedTTA-Prox", "FedTTA++", "ODPFL-HN"),
     protocols={"fashion_mnist": replace(
-        _FMNIST_TABLE1, options={"fractions": FRACTIONS, "train_runs": "upfl-table1",
+        _FMNIST_TABLE1, options={"fractions": FRACTIONS, "train_runs": "upfl-table1", "train_protocol": _FMNIST_TABLE1,
                                  # CPU smoke size (FedTTA++'s 50 adaptation steps dominate on a CPU)
                                  "quick_protocol": {"split": "test", "rounds": 3, "method_hp": {
                                      **_FMNIST_TABLE1.method_hp,

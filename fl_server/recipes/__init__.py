@@ -2,7 +2,7 @@
 (the CLI, the coordinator's jobs, the exporter and the bench harness).
 
 >>> import numpy as np
->>> from fl_server.recipes import DataSpec, Federation, Recipe
+>>> from fl_server.recipes import DataSpec, Federation, Recipe, train
 >>> x = (np.random.default_rng(0).random((200, 8, 8, 1)) * 255).astype(np.uint8)
 >>> y = np.arange(200) % 4
 >>> recipe = Recipe(model="mlp", data=DataSpec.from_arrays(x, y, layout="NHWC"),

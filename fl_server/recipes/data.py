@@ -62,14 +62,15 @@ class DataSpec:
             raise RecipeError("data: no samples")
         if labels.min() < 0:
             raise RecipeError(f"data: labels must be 0..K-1, got {int(labels.min())}")
-        for i, img in enumerate(images if isinstance(images, list) else [images]):
-            arr = np.asarray(img)
+        batch = [np.asarray(im)[None] for im in images] if isinstance(images, list) else [images]
+        for arr in batch:
             if arr.dtype.kind not in "uif":
                 raise RecipeError(f"data: images must be uint8 or float arrays, got dtype {arr.dtype}")
-            if arr.dtype.kind == "f" and not np.isfinite(arr).all():
-                bad = np.flatnonzero(~np.isfinite(arr.reshape(len(arr), -1)).all(axis=1)) if arr is images else [i]
-                raise RecipeError(f"data: {len(bad)} image(s) hold NaN or infinite values (first: sample {bad[0]}); "
-                                  f"drop or repair them before building the recipe")
+        finite = np.concatenate([np.isfinite(a.reshape(len(a), -1)).all(axis=1) for a in batch])
+        if not finite.all():
+            bad = np.flatnonzero(~finite)
+            raise RecipeError(f"data: {len(bad)} image(s) hold NaN or infinite values (first: sample {bad[0]}); "
+                              f"drop or repair them before building the recipe")
         if not isinstance(images, list) and images.ndim not in (3, 4):
             raise RecipeError(f"data: images must be [N, H, W, C] or [N, C, H, W] ({layout}) or [N, H, W], got "
                               f"shape {list(images.shape)}")

@@ -55,3 +55,22 @@ def load_recipe(source: str | Path):  # -> Recipe (annotated loosely: recipe.py 
     if not isinstance(recipe, Recipe):
         raise RecipeError(f"{path}:{name} is a {type(recipe).__name__}, not a Recipe")
     return dataclasses.replace(recipe, source=f"{path}:{name}", name=recipe.name or name)
+
+
+RECIPE_NAME = r"^[A-Za-z0-9_-]{1,64}(:[A-Za-z_][A-Za-z0-9_]{0,63})?$"  # FILE[:NAME] in a recipe directory
+
+
+def resolve_in_dir(directory: str | Path | None, name: str) -> str:
+    """``"FILE[:NAME]"`` -> ``"<directory>/FILE.py:NAME"``: a recipe an admin names from the directory the
+    operator configured (``FL_SERVE_RECIPES_DIR``); no path, only a file name, so nothing outside it is reached."""
+    import re
+
+    if directory is None:
+        raise RecipeError("this coordinator has no recipe directory; its operator sets FL_SERVE_RECIPES_DIR")
+    if not re.match(RECIPE_NAME, name):
+        raise RecipeError(f"recipe names are FILE or FILE:NAME (letters, digits, _ and -), got {name!r}")
+    file, _, attr = name.partition(":")
+    path = Path(directory) / f"{file}.py"
+    if not path.is_file():
+        raise RecipeError(f"no recipe file {file}.py in the coordinator's recipe directory")
+    return f"{path.resolve()}:{attr or 'recipe'}"

@@ -22,7 +22,7 @@ from fl_server.data.federated import (FederatedData, hold_out_validation_clients
 from fl_server.device import describe
 from fl_server.engine import RunConfig, Simulation
 from fl_server.models import Classifier
-from fl_server.recipes.data import DataSpec
+from fl_server.recipes.data import BUILTINS, DataSpec
 from fl_server.recipes.errors import RecipeError
 from fl_server.recipes.loader import load_recipe
 from fl_server.recipes.recipe import Federation, Recipe
@@ -101,6 +101,10 @@ def recipe_of_run(run: dict[str, Any], data_root: str | None = None) -> Recipe:
     built-in data set and zoo model it names (with its federation, or the bench's ``protocol``)."""
     if run.get("recipe"):
         return load_recipe(run["recipe"])
+    if run.get("data", {}).get("builtin") is None and run["dataset"] not in BUILTINS:
+        raise RecipeError(f"the run of {run['dataset']!r} names no recipe file (its recipe was built in Python): "
+                          f"pass the recipe (export_run(run_dir, dest, recipe=recipe)) or train with fl-server train "
+                          f"--recipe FILE.py:NAME")
     fed = run.get("federation") or run.get("protocol") or {}
     keys = {f.name for f in dataclasses.fields(Federation)}
     data = run.get("data") or {}
@@ -110,10 +114,11 @@ def recipe_of_run(run: dict[str, Any], data_root: str | None = None) -> Recipe:
                   preprocess=Preprocess.from_dict(run["preprocess"]) if run.get("preprocess") else None)
 
 
-def rebuild(run: dict[str, Any], data_root: str | None = None, num_train_clients: int = 1
-            ) -> tuple[Recipe, Classifier, Algorithm]:
-    """(recipe, model, method) of a finished run, with its recorded hyperparameters (``fl-server export``)."""
-    recipe = recipe_of_run(run, data_root)
+def rebuild(run: dict[str, Any], data_root: str | None = None, num_train_clients: int = 1,
+            recipe: Recipe | None = None) -> tuple[Recipe, Classifier, Algorithm]:
+    """(recipe, model, method) of a finished run, with its recorded hyperparameters (``fl-server export``);
+    ``recipe``: the run's recipe when its run.json names no file (built in Python)."""
+    recipe = recipe if recipe is not None else recipe_of_run(run, data_root)
     model = recipe.build_model(run["seed"])
     if list(model.input_shape or ()) != list(run["input_shape"]):  # type: ignore[arg-type]
         raise RecipeError(f"the recipe {run.get('recipe')} now builds inputs {list(model.input_shape or ())}, the "
@@ -125,9 +130,9 @@ def rebuild(run: dict[str, Any], data_root: str | None = None, num_train_clients
     return recipe, model, algorithm
 
 
-def client_data(run: dict[str, Any], data_root: str | None = None) -> FederatedData:
+def client_data(run: dict[str, Any], data_root: str | None = None, recipe: Recipe | None = None) -> FederatedData:
     """The clients of a finished run (BTFL's export averages the training clients' DLEs)."""
-    return federate(recipe_of_run(run, data_root), run["seed"], data_root)
+    return federate(recipe if recipe is not None else recipe_of_run(run, data_root), run["seed"], data_root)
 
 
 __all__ = ["client_data", "federate", "rebuild", "recipe_of_run", "simulation", "train"]

@@ -17,6 +17,7 @@ from typing import Any
 
 from edge_sdk.bundle import MANIFEST, load_bundle
 from fl_server import rundir
+from fl_server.recipes.loader import resolve_in_dir
 from fl_server.service.artifacts import ArtifactStore
 from fl_server.service.config import ServiceConfig
 from fl_server.service.store import Store
@@ -97,6 +98,8 @@ class JobRunner:
         job_dir = self.jobs_dir / job["id"]
         job_dir.mkdir(parents=True, exist_ok=True)
         spec = {**job["spec"], "data_dir": self.cfg.data_dir, "threads": self.cfg.worker_threads}
+        if spec.get("recipe"):  # FILE[:NAME] -> the file in the operator's recipe directory
+            spec["recipe"] = resolve_in_dir(self.cfg.recipes_dir, spec["recipe"])
         (job_dir / "spec.json").write_text(json.dumps(spec, indent=1))
         env = {**os.environ, "OMP_NUM_THREADS": str(self.cfg.worker_threads), "PYTHONPATH": _import_path(),
                "FL_COORDINATOR_PID": str(os.getpid())}
