@@ -64,3 +64,36 @@ def test_bad_input_is_refused(sdk_fixture: Path, key: str, ref: dict[str, np.nda
     device = edge_sdk.open_bundle(sdk_fixture / "tent", public_key=key)
     with pytest.raises(ValueError, match="must be float32"):
         device.personalize(ref["x"].astype(np.float64))
+
+
+def test_raw_images_go_through_the_manifests_preprocessing(sdk_fixture: Path, ref: dict[str, np.ndarray],
+                                                           tmp_path: Path) -> None:
+    """A bundle whose manifest carries a preprocess block takes raw uint8 NHWC images: the device applies it and
+    then runs exactly what the float32 NCHW input of the same images gives."""
+    import json
+    import shutil
+    import warnings
+
+    from edge_sdk.bundle import UnverifiedSignatureWarning
+    from edge_sdk.preprocess import Preprocess
+
+    root = Path(shutil.copytree(sdk_fixture / "tent", tmp_path / "tent"))
+    (root / "manifest.sig").unlink()
+    manifest = json.loads((root / "manifest.json").read_text())
+    pre = Preprocess(layout="NHWC", scale=1 / 255)
+    manifest["preprocess"] = pre.to_dict()
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnverifiedSignatureWarning)
+        device = edge_sdk.open_bundle(root)
+    assert device.preprocess == pre
+    raw = np.round(ref["x"].transpose(0, 2, 3, 1) * 255).astype(np.uint8)  # real images as a camera gives them
+    model_input = raw.transpose(0, 3, 1, 2).astype(np.float32) / np.float32(255)
+    plain = edge_sdk.open_bundle(load_bundle(sdk_fixture / "tent", public_key=(sdk_fixture / "signing_key.pub")
+                                             .read_text().strip()))
+    np.testing.assert_allclose(device.predict(raw), plain.predict(model_input), atol=1e-6)
+    device.personalize(raw)
+    plain.personalize(model_input)
+    np.testing.assert_allclose(device.predict(raw), plain.predict(model_input), atol=1e-5)
+    with pytest.raises(ValueError, match="batch of images"):
+        device.predict(raw[0, :, :, 0].ravel())

@@ -198,7 +198,7 @@ def upload(root: Path, url: str, admin_token: str, timeout: float = 120.0) -> di
 
     verify_bundle_dir(root, 1 << 62)  # the same checks here first: a broken bundle fails before it is sent
     r = httpx.post(f"{url.rstrip('/')}/v1/bundles", content=tar_bundle(root), timeout=timeout,
-                   headers={"Authorization": f"Bearer {admin_token}", "Content-Type": "application/x-tar"})
+                   headers={"Authorization": f"Bearer {admin_token}", "Content-Type": "application/octet-stream"})
     if r.status_code != 201:
         try:
             detail = r.json().get("detail")

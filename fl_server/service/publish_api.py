@@ -31,7 +31,7 @@ class Published(BaseModel):
                                   e413="the archive is over FL_SERVE_MAX_BUNDLE_BYTES",
                                   e422="not a valid bundle: the message says what is wrong"),
              openapi_extra={"requestBody": {"required": True, "content": {
-                 "application/x-tar": {"schema": {"type": "string", "format": "binary"}}}}})
+                 "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}}})
 async def publish(request: Request, _: Principal = Depends(require_admin)) -> dict[str, Any]:
     """Publish a bundle directory exported elsewhere (``fl-server export``), sent as a tar archive (plain or
     gzip): it is verified (names, sizes, sha256s, ONNX graphs load, weights without pickle), stored, and served
