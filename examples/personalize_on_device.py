@@ -1,12 +1,14 @@
-"""A new client personalises a downloaded bundle on the device: onnxruntime + numpy only, no torch.
+"""A new client personalises a bundle on the device: edge_sdk + numpy only (no torch, no fl_server).
 
-    python examples/personalize_on_device.py --bundle runs/bundle [--public-key HEX] [--data-dir DIR] [--show 5]
+    fl-server device-data runs/bundle --kind clients --out runs/new-clients.npz      # coordinator side
+    python examples/personalize_on_device.py --bundle runs/bundle --data runs/new-clients.npz [--public-key HEX]
 
 The bundle (``fl-server export runs/train --out runs/bundle``) is verified before use: its signature against
-``--public-key`` (the coordinator's Ed25519 key; without it only the sha256 of every file is checked). The example rebuilds the
-run's held-out new clients from the bundle's protocol to have real unlabeled data with labels for scoring;
-a real device would use its own data. TENT bundles take one entropy step per client (as in training's
-evaluation); FedTTA bundles take one adaptation step, FedTTA++ steps with entropy early stopping.
+``--public-key`` (the coordinator's Ed25519 key; without it only the sha256 of every file is checked).
+``--data`` holds the held-out new clients of the bundle's own protocol, written on the coordinator's side with
+their labels for scoring; a real device would use its own data. ``edge_sdk.open_bundle`` lets the bundle's
+method decide: TENT takes entropy steps, FedTTA one adaptation step, FedTTA++ steps with entropy early
+stopping, a bundle without a device step (FedAvg) predicts as received.
 """
 from __future__ import annotations
 
@@ -16,10 +18,8 @@ import time
 
 import numpy as np
 
+import edge_sdk
 from edge_sdk.bundle import BundleError, load_bundle
-from edge_sdk.personalize import Personalizer
-from fl_server.data import load_dataset
-from fl_server.data.federated import make_federated
 
 
 def accuracy(logits: np.ndarray, y: np.ndarray) -> float:
@@ -29,9 +29,9 @@ def accuracy(logits: np.ndarray, y: np.ndarray) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bundle", required=True, help="bundle directory (fl-server export --out)")
+    ap.add_argument("--data", required=True, help="new clients' samples: fl-server device-data BUNDLE --kind clients")
     ap.add_argument("--public-key", default=None,
                     help="hex Ed25519 key the manifest must be signed with (fl-server serve prints it)")
-    ap.add_argument("--data-dir", default=None)
     ap.add_argument("--show", type=int, default=5, help="print this many clients individually")
     args = ap.parse_args()
 
@@ -41,27 +41,26 @@ def main() -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     m = bundle.manifest
-    proto = m.get("federation") or m["protocol"]  # how the training clients were made (older bundles: protocol)
-    print(f"bundle {args.bundle}: {bundle.method} on {m['dataset']} ({m['model']}), "
-          f"{len(m['artifacts'])} artifacts verified"
-          f"{', signature checked' if bundle.signed_by else ''}")
-    fed = make_federated(load_dataset(m["dataset"], root=args.data_dir), proto["partition"], proto["num_clients"],
-                         proto["new_fraction"], proto["val_fraction"], seed=m["seed"], alpha=proto["alpha"])
-    personalizer = Personalizer(bundle)
+    print(f"bundle {args.bundle}: {bundle.method} on {m.get('dataset', 'your data')} ({m.get('model', 'your model')}), "
+          f"{len(m['artifacts'])} artifacts verified{', signature checked' if bundle.signed_by else ''}")
+    with np.load(args.data, allow_pickle=False) as arrays:
+        x, y, offsets = arrays["x"], arrays["y"], arrays["offsets"]
+    received = edge_sdk.open_bundle(bundle, method="none")
+    device = edge_sdk.open_bundle(bundle)  # personalize() starts from the received model every time
     before, after, ms = [], [], []
-    for j, idx in enumerate(fed.new):
-        x, y = fed.dataset.x[idx], fed.dataset.y[idx]
-        before.append(accuracy(personalizer.predict(x), y))
+    for j in range(len(offsets) - 1):
+        xj, yj = x[offsets[j]:offsets[j + 1]], y[offsets[j]:offsets[j + 1]]
+        before.append(accuracy(received.predict(xj), yj))
         t0 = time.perf_counter()
-        result = personalizer.personalize(x)
+        result = device.personalize(xj)
         ms.append(1e3 * (time.perf_counter() - t0))
-        after.append(accuracy(personalizer.predict(x, result.weights), y))
+        after.append(accuracy(device.predict(xj), yj))
         if j < args.show:
-            print(f"  new client {j:>2}: {len(idx):>4} samples  accuracy {100 * before[-1]:5.1f}% -> "
+            print(f"  new client {j:>2}: {len(xj):>4} samples  accuracy {100 * before[-1]:5.1f}% -> "
                   f"{100 * after[-1]:5.1f}%  ({result.steps} step(s), {ms[-1]:.1f} ms on the device)")
-    print(f"{len(fed.new)} new clients: mean accuracy {100 * np.mean(before):.2f}% (received model) -> "
-          f"{100 * np.mean(after):.2f}% ({personalizer.kind} on onnxruntime), median {np.median(ms):.1f} ms per client")
-    print(f"torch imported: {'torch' in sys.modules}")
+    print(f"{len(before)} new clients: mean accuracy {100 * np.mean(before):.2f}% (received model) -> "
+          f"{100 * np.mean(after):.2f}% ({device.method} on onnxruntime), median {np.median(ms):.1f} ms per client")
+    print(f"torch imported: {'torch' in sys.modules}; fl_server imported: {'fl_server' in sys.modules}")
     return 0
 
 

@@ -1,19 +1,22 @@
 """A mobile-like client of the coordinator: join, download, personalise, then predict on a stream.
+Device side only: imports edge_sdk and numpy (matplotlib if installed, for the plot), never fl_server or torch.
 
-    python examples/stream_inference.py --server http://127.0.0.1:8000 --method {btfl,fedtta++,odpfl-hn,tent,none}
+    fl-server device-data http://127.0.0.1:8000 --method TENT --out runs/device-stream.npz   # coordinator side
+    python examples/stream_inference.py --server http://127.0.0.1:8000 --method tent --data runs/device-stream.npz
 
-1. joins the coordinator (edge_sdk.EdgeClient; bundle downloaded with resume, every sha256 verified),
-2. personalises the bundle on a warm-up window of the device's *unlabeled* data (edge_sdk.personalize;
-   ODPFL-HN sends only its embedding and receives weights); BTFL instead does a participant's part
-   (edge_sdk.btfl_device): trains its local head on the *labeled* warm-up window over the frozen global
-   features, fits its local DLE, uploads it (POST /v1/btfl/dle) and streams with the returned global DLE,
-   interpolating the local and global heads with BTFL's weight e (plotted with the accuracy),
+1. joins the coordinator (edge_sdk.EdgeClient; bundle downloaded with resume, signature and every sha256
+   verified) and opens the bundle with ``edge_sdk.open_bundle``: the bundle's method decides what happens next,
+2. personalises on a warm-up window of the device's data (``device.personalize``): TENT / FedTTA++ on the
+   *unlabeled* window; ODPFL-HN sends only its embedding and receives weights; BTFL trains its local head on
+   the *labeled* window over the frozen global features, fits its local DLE and uploads it (POST
+   /v1/btfl/dle), then streams with the returned global DLE, interpolating the two heads with BTFL's weight e,
 3. processes a stream one sample at a time with two shifts: in-distribution (the device's own held-out
    samples) -> corrupted (the same distribution under an image corruption) -> external classes (classes
    the device never had), printing rolling accuracy and per-sample latency; a final summary and a PNG.
 
-The device's data come from the bundle's own protocol (a held-out new client of the data set it was trained
-on); labels are used only to score. No torch is imported (checked at the end).
+The samples (``--data``) are a held-out new client of the bundle's own protocol, written on the coordinator's
+side by ``fl-server device-data``; a real device has its own. Labels are used only to score (and by BTFL,
+whose participant trains its local head). No torch is imported (checked at the end).
 """
 from __future__ import annotations
 
@@ -25,12 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+import edge_sdk
 from edge_sdk import EdgeClient, EdgeClientError
-from edge_sdk.btfl_device import BTFLDevice
-from edge_sdk.personalize import personalize
-from fl_server.data import load_dataset
-from fl_server.data.corruptions import CORRUPTIONS, corrupt
-from fl_server.data.federated import make_federated
 
 METHODS = {"btfl": "BTFL", "fedtta++": "FedTTA++", "odpfl-hn": "ODPFL-HN", "tent": "TENT", "none": "none"}
 PHASES = ("in-distribution", "corrupted", "external classes")
@@ -50,30 +49,10 @@ def _print_progress(detail: dict) -> None:
                                        for j in jobs), flush=True)
 
 
-def build_stream(manifest: dict, client: int, warmup: int, per_phase: int, corruption: str, severity: int,
-                 seed: int, data_dir: str | None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(warm-up x, warm-up y, stream x, stream y, stream phase id) for held-out new client ``client`` of the
-    bundle's protocol. Phases: the client's unseen samples; its samples corrupted; samples of classes it lacks.
-    Warm-up labels are used by BTFL only (a participant trains its local head); the others ignore them."""
-    p = manifest.get("federation") or manifest["protocol"]  # older bundles: protocol
-    fed = make_federated(load_dataset(manifest["dataset"], root=data_dir), p["partition"], p["num_clients"],
-                         p["new_fraction"], p["val_fraction"], seed=manifest["seed"], alpha=p["alpha"])
-    if not 0 <= client < len(fed.new):
-        raise SystemExit(f"error: --client must be in [0, {len(fed.new)})")
-    x, y = fed.dataset.x, fed.dataset.y
-    rng = np.random.default_rng(seed)
-    own = rng.permutation(fed.new[client])
-    if len(own) < warmup + 2:
-        raise SystemExit(f"error: client {client} has {len(own)} samples; need more than --warmup {warmup}")
-    n = min(per_phase, len(own) - warmup)
-    ind = own[warmup:warmup + n]
-    shifted = rng.choice(own, size=n, replace=len(own) < n)
-    pool = np.concatenate([c for k, c in enumerate(fed.new) if k != client])
-    pool = pool[~np.isin(y[pool], np.unique(y[own]))]
-    ext = rng.choice(pool, size=n, replace=False)
-    xs = np.concatenate([x[ind], corrupt(x[shifted], corruption, severity, seed), x[ext]]).astype(np.float32)
-    ys = np.concatenate([y[ind], y[shifted], y[ext]])
-    return x[own[:warmup]].astype(np.float32), y[own[:warmup]], xs, ys, np.repeat(np.arange(3), n)
+def load_samples(path: str) -> dict[str, np.ndarray]:
+    """The device's samples (``fl-server device-data --kind stream``): plain arrays, no pickle."""
+    with np.load(path, allow_pickle=False) as arrays:
+        return {k: arrays[k] for k in arrays.files}
 
 
 def rolling(correct: np.ndarray, window: int) -> np.ndarray:
@@ -120,19 +99,13 @@ def main() -> int:
     ap.add_argument("--server", required=True, help="coordinator URL, e.g. http://127.0.0.1:8000")
     ap.add_argument("--method", default="tent", choices=list(METHODS), type=str.lower,
                     help="any letter case (TENT, FedTTA++ ...)")
-    ap.add_argument("--client", type=int, default=0, help="which held-out new client this device is")
-    ap.add_argument("--warmup", type=int, default=32, help="unlabeled samples used to personalise")
-    ap.add_argument("--per-phase", type=int, default=200, help="stream samples per phase (at most)")
-    ap.add_argument("--corruption", default="gaussian_noise", choices=CORRUPTIONS)
-    ap.add_argument("--severity", type=int, default=3)
+    ap.add_argument("--data", required=True, help="the device's samples: fl-server device-data ... --out FILE.npz")
     ap.add_argument("--window", type=int, default=20, help="rolling-accuracy window")
     ap.add_argument("--print-every", type=int, default=20)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--epsilon", type=float, default=float("inf"),
                     help="odpfl-hn: the device's privacy budget for its embedding (needs a bundle of the DP encoder)")
     ap.add_argument("--wait", type=float, default=600, help="seconds to wait for the coordinator's bundle")
     ap.add_argument("--cache", default="runs/device-cache", help="the device's artifact cache")
-    ap.add_argument("--data-dir", default=None)
     ap.add_argument("--png", default=None, help="plot path (default runs/stream-<method>.png)")
     ap.add_argument("--json", default=None, help="also write the summary here")
     ap.add_argument("--public-key", default=None, help="the coordinator's manifest signing key (hex, printed by "
@@ -158,29 +131,24 @@ def main() -> int:
         print(f"joined {args.server} as {info.client_id[:12]} (methods served: {', '.join(info.methods)}); "
               f"{bundle.method} bundle {info.manifest['bundle_id'][:12]} verified, "
               f"{len(bundle.manifest['artifacts'])} artifacts, {1e3 * t_download:.0f} ms")
-        warm, warm_y, xs, ys, phase = build_stream(bundle.manifest, args.client, args.warmup, args.per_phase,
-                                                   args.corruption, args.severity, args.seed, args.data_dir)
+        data = load_samples(args.data)
+        warm, warm_y, xs, ys, phase = (data[k] for k in ("warm_x", "warm_y", "stream_x", "stream_y", "stream_phase"))
+        device = edge_sdk.open_bundle(bundle, method="none" if method == "none" else None, client=client)
+        baseline = edge_sdk.open_bundle(bundle, method="none")  # the received model, for comparison
         t0 = time.perf_counter()
-        btfl_info: dict | None = None
-        if method == "BTFL":
-            device = BTFLDevice(bundle)
-            fit = device.fit(warm, warm_y)
-            reply = client.upload_dle(fit.local_dle, fit.samples)
-            device.start(reply["others_dle"] if reply["others_dle"] is not None else reply["global_dle"])
-            predict, base_predict, steps = device.logits, device.global_logits, 1
-            btfl_info = {"local_head_train_accuracy": round(100 * fit.train_accuracy, 2),
-                         "dle_uploaders": reply["clients"], "dle_base": reply.get("base")}
-            what = (f"trained its local head on {len(warm)} labeled samples (train acc "
-                    f"{100 * fit.train_accuracy:.1f}%), uploaded its DLE ({reply['clients']} client DLE(s) + "
-                    f"{'the bundle' if reply.get('base') else 'no'} training-time DLE in the aggregate)")
-        else:
-            dm = personalize(bundle, warm, method, generate=client.generate, epsilon=args.epsilon)
-            baseline = personalize(bundle, warm, "none")
-            predict, base_predict, steps = dm.logits, baseline.logits, dm.steps
-            what = f"personalised with {args.method} on {len(warm)} unlabeled samples"
+        result = device.personalize(warm, warm_y if device.needs_labels else None, epsilon=args.epsilon)
         t_personalize = time.perf_counter() - t0
-    print(f"{what} in {1e3 * t_personalize:.1f} ms ({steps} step(s)); streaming {len(xs)} samples: "
-          f"{' -> '.join(PHASES)} ({args.corruption}, severity {args.severity})")
+    btfl_info: dict | None = None
+    if device.method == "BTFL":
+        acc = result.details["local_head_train_accuracy"]
+        btfl_info = {"local_head_train_accuracy": round(100 * acc, 2), "dle_uploaders": result.details["dle_clients"],
+                     "dle_base": result.details["dle_base"]}
+        what = (f"trained its local head on {len(warm)} labeled samples (train acc {100 * acc:.1f}%), uploaded its "
+                f"DLE ({result.details['dle_clients']} client DLE(s) in the aggregate)")
+    else:
+        what = f"personalised with {device.method} on {len(warm)} unlabeled samples"
+    print(f"{what} in {1e3 * t_personalize:.1f} ms ({result.steps} step(s)); streaming {len(xs)} samples: "
+          f"{' -> '.join(PHASES)}")
 
     correct = np.zeros(len(xs))
     base_correct = np.zeros(len(xs))
@@ -188,19 +156,19 @@ def main() -> int:
     e = np.full(len(xs), np.nan)  # BTFL's weight of the global head per sample
     for t in range(len(xs)):  # one sample at a time, as a device sees them
         s = time.perf_counter()
-        pred = int(predict(xs[t:t + 1]).argmax())
+        pred = int(device.predict(xs[t:t + 1]).argmax())
         latency[t] = 1e3 * (time.perf_counter() - s)
         if btfl_info is not None:
-            e[t] = device.stream.last_weight  # type: ignore[union-attr]
+            e[t] = device.global_weight
         correct[t] = pred == ys[t]
-        base_correct[t] = int(base_predict(xs[t:t + 1]).argmax()) == ys[t]
+        base_correct[t] = int(baseline.predict(xs[t:t + 1]).argmax()) == ys[t]
         if (t + 1) % args.print_every == 0 or t == len(xs) - 1:
             acc = rolling(correct[:t + 1], args.window)[-1]
             print(f"  [{t + 1:>4}] {PHASES[phase[t]]:<16} rolling acc {100 * acc:5.1f}%   "
                   f"latency p50 {np.median(latency[:t + 1]):.3f} ms  p99 {np.percentile(latency[:t + 1], 99):.3f} ms")
 
     summary = {"method": args.method, "bundle_method": bundle.method, "server": args.server,
-               "dataset": bundle.manifest["dataset"], "client": args.client, "warmup": len(warm),
+               "dataset": bundle.manifest.get("dataset"), "client": int(data.get("client", -1)), "warmup": len(warm),
                "samples": len(xs), "download_ms": round(1e3 * t_download, 1),
                "personalize_ms": round(1e3 * t_personalize, 1),
                "latency_ms_p50": round(float(np.median(latency)), 4),
@@ -208,7 +176,7 @@ def main() -> int:
                "accuracy": {name: round(100 * float(correct[phase == k].mean()), 2) for k, name in enumerate(PHASES)},
                "accuracy_received_model": {name: round(100 * float(base_correct[phase == k].mean()), 2)
                                            for k, name in enumerate(PHASES)},
-               "torch_imported": "torch" in sys.modules}
+               "torch_imported": "torch" in sys.modules, "fl_server_imported": "fl_server" in sys.modules}
     if btfl_info is not None:
         summary["btfl"] = {**btfl_info, "mean_e": {name: round(float(e[phase == k].mean()), 4)
                                                    for k, name in enumerate(PHASES)}}
@@ -218,9 +186,8 @@ def main() -> int:
           + f" (received model: " + ", ".join(f"{v:.1f}%" for v in summary["accuracy_received_model"].values())
           + f"); latency p50 {summary['latency_ms_p50']:.3f} ms, p99 {summary['latency_ms_p99']:.3f} ms per sample")
     png = Path(args.png or f"runs/stream-{args.method}.png")
-    if save_plot(png, rolling(correct, args.window), phase,
-                 f"{bundle.method} on {bundle.manifest['dataset']}: rolling accuracy (window {args.window})",
-                 e if btfl_info is not None else None):
+    title = f"{bundle.method} on {bundle.manifest.get('dataset', 'your data')}: rolling accuracy (window {args.window})"
+    if save_plot(png, rolling(correct, args.window), phase, title, e if btfl_info is not None else None):
         print(f"plot: {png}")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))

@@ -5,7 +5,7 @@ state as ``.npz``.
   entropies, FedTHE prototypes), for the BTGFL benchmark's device-side checks.
 * :func:`export_btfl_run`: what the coordinator serves to any device (``export_run`` on a BTFL run): the
   global model (``params``: ``features`` and ``forward`` graphs take them as ``psi.*``) and the training
-  clients' average DLE (``btfl``: ``global_dle`` [D, L], ``dle_clients`` [1]). A device trains
+  clients' average DLE and mean feature (``btfl``: ``global_dle`` [D, L], ``dle_clients`` [1], ``mu_global`` [D]). A device trains
   its own local head and fits its own DLE on its labeled data (:mod:`edge_sdk.btfl_device`).
 
 On the device (torch-free): ``features, global_logits = session.run(...)``, ``local_logits = features @
@@ -61,14 +61,15 @@ def export_btfl_client(algorithm: BTFL, params: State, artifacts: ClientArtifact
 
 
 def training_global_dle(algorithm: BTFL, server_state: State, run: dict[str, Any],
-                        data_root: str | None = None, recipe: Recipe | None = None) -> tuple[np.ndarray, int]:
-    """(global DLE [D, L], clients): the average of every training client's local DLE on its training set
-    with the final features (BTFL Sec. 4.1: every client weighs the same, as in ``btgfl`` and on the
-    coordinator)."""
+                        data_root: str | None = None, recipe: Recipe | None = None
+                        ) -> tuple[np.ndarray, int, np.ndarray]:
+    """(global DLE [D, L], clients, mu_global [D]): the average of every training client's local DLE on its
+    training set with the final features (BTFL Sec. 4.1: every client weighs the same, as in ``btgfl`` and on
+    the coordinator), and the mean of their mean features (FedTHE's global prototype, on the same bundle)."""
     fed = client_data(run, data_root, recipe)
     x = torch.from_numpy(fed.dataset.x).float()
     arts = algorithm.client_artifacts(server_state, x, fed.train)
-    return btfl_math.average_dles([a.local_dle for a in arts]), len(arts)
+    return btfl_math.average_dles([a.local_dle for a in arts]), len(arts), arts[0].mu_global
 
 
 def export_btfl_run(algorithm: BTFL, server_state: State, run: dict[str, Any], dest: str | os.PathLike,
@@ -77,10 +78,11 @@ def export_btfl_run(algorithm: BTFL, server_state: State, run: dict[str, Any], d
     """The served BTFL bundle: graphs ``features`` and ``forward``, weights ``params`` and ``btfl``."""
     params = {n: v.detach().float().cpu() for n, v in server_state["params"].items()}
     state = {"params": params, "local_heads": server_state["local_heads"].float()}
-    global_dle, clients = training_global_dle(algorithm, state, run, data_root, recipe)
+    global_dle, clients, mu_global = training_global_dle(algorithm, state, run, data_root, recipe)
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         graphs = export_specs({"features": btfl_features_spec(algorithm, params),
                                "forward": forward_spec(algorithm.model, params)}, Path(tmp))
         weights = {"params": {n: v.numpy() for n, v in params.items()},
-                   "btfl": {"global_dle": global_dle, "dle_clients": np.array([clients], dtype=np.int64)}}
+                   "btfl": {"global_dle": global_dle, "dle_clients": np.array([clients], dtype=np.int64),
+                            "mu_global": np.asarray(mu_global, dtype=np.float64)}}
         return write_bundle(dest, graphs, weights, algorithm.name, asdict(algorithm.hp), extra=extra, signer=signer)

@@ -1,4 +1,4 @@
-"""``fl-server``: train, bench, export, report, data, serve (the coordinator)."""
+"""``fl-server``: train, bench, export, publish, report, data, serve (the coordinator)."""
 from __future__ import annotations
 
 import argparse
@@ -115,6 +115,41 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_publish(args: argparse.Namespace) -> int:
+    import os
+
+    from fl_server.service import publish
+
+    root = Path(args.bundle)
+    if not (root / "manifest.json").is_file():
+        raise FileNotFoundError(f"{root / 'manifest.json'}: not found (is {root} a bundle directory from fl-server export?)")
+    if args.server:
+        token = args.admin_token or os.environ.get("FL_ADMIN_TOKEN")
+        if not token:
+            raise ValueError("--server needs the admin token: --admin-token or $FL_ADMIN_TOKEN")
+        out = publish.upload(root, args.server, token)
+        print(f"published {out['method']} bundle {out['bundle_id']} to {args.server}; served signed with its key "
+              f"{out['signing_key']}")
+        return 0
+    from fl_server.service.artifacts import ArtifactStore
+    from fl_server.service.config import ServiceConfig
+    from fl_server.service.store import Store
+    from fl_server.signing import ManifestSigner
+
+    store_dir = Path(args.store)
+    store = Store(store_dir / "coordinator.sqlite3")
+    try:
+        out = publish.publish_dir(store, ArtifactStore(store_dir / "objects"), root,
+                                  ServiceConfig(store_dir=store_dir).max_bundle_bytes)
+    finally:
+        store.close()
+    key = ManifestSigner.load_or_create(store_dir).public_hex
+    print(f"published {out['method']} bundle {out['bundle_id']} into {store_dir}; fl-server serve --store "
+          f"{store_dir} serves it signed with {key} (a coordinator already running on this store serves it after "
+          "a restart; publish to it with --server URL instead)")
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from fl_server.bench.report import write_report
 
@@ -140,6 +175,53 @@ def cmd_data(args: argparse.Namespace) -> int:
         ds = load_dataset(args.name, root=args.dir, split=split)
         counts = np.bincount(ds.y, minlength=ds.num_classes).tolist()
         print(f"{args.name} {split}: {len(ds)} samples, images {list(ds.x.shape[1:])}, class counts {counts}")
+    return 0
+
+
+def _served_manifest(url: str, method: str | None, wait: float) -> dict:
+    """The coordinator's manifest for ``method`` (any letter case; 'none': the default bundle), waiting up to
+    ``wait`` seconds while it is still training (503)."""
+    import time
+
+    import httpx
+
+    from fl_server.algorithms import canonical_method
+
+    method = None if method is None or method.lower() == "none" else canonical_method(method)
+    deadline, told = time.monotonic() + wait, False
+    while True:
+        try:
+            r = httpx.get(f"{url.rstrip('/')}/v1/manifest", params={"method": method} if method else None, timeout=30)
+        except httpx.TransportError as exc:
+            r, problem = None, f"unreachable ({exc})"
+        if r is not None and r.status_code == 200:
+            return r.json()
+        if r is not None:
+            problem = f"HTTP {r.status_code}: {r.text[:200]}"
+        if (r is not None and r.status_code != 503) or time.monotonic() > deadline:
+            raise ValueError(f"{url}: no manifest for {method or 'the default method'} ({problem})")
+        if not told:
+            print(f"waiting for the coordinator's {method or 'default'} bundle (up to {wait:.0f}s) ...", flush=True)
+            told = True
+        time.sleep(2)
+
+
+def cmd_device_data(args: argparse.Namespace) -> int:
+    from fl_server import device_samples as ds
+
+    if args.source.startswith(("http://", "https://")):
+        manifest = _served_manifest(args.source, args.method, args.wait)
+    else:
+        path = Path(args.source)
+        path = path / "manifest.json" if path.is_dir() else path
+        manifest = json.loads(path.read_text())
+    if args.kind == "stream":
+        arrays = ds.stream_samples(manifest, args.client, args.warmup, args.per_phase, args.corruption,
+                                   args.severity, args.seed, args.data_dir)
+    else:
+        arrays = ds.client_samples(manifest, args.data_dir)
+    out = ds.write_samples(Path(args.out), arrays)
+    print(f"{args.kind} samples of {manifest['method']}'s {manifest['dataset']} new clients written to {out}")
     return 0
 
 
@@ -219,6 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Ed25519 private key (PEM, e.g. a coordinator store's signing_key.pem): write manifest.sig")
     p.set_defaults(func=cmd_export)
 
+    p = sub.add_parser("publish", help="verify a bundle exported elsewhere and serve it from a coordinator")
+    p.add_argument("bundle", help="bundle directory (fl-server export --out)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--store", help="the coordinator's state directory (fl-server serve --store)")
+    where.add_argument("--server", help="a running coordinator's URL (POST /v1/bundles with the admin token)")
+    p.add_argument("--admin-token", default=None, help="with --server (default: $FL_ADMIN_TOKEN)")
+    p.set_defaults(func=cmd_publish)
+
     p = sub.add_parser("report", help="regenerate docs/RESULTS.md")
     p.add_argument("--docs", default="docs")
     p.set_defaults(func=cmd_report)
@@ -229,6 +319,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default=None,
                    help="target/source directory (default: $FL_DATA_DIR, else ~/.cache/fl-edge/data)")
     p.set_defaults(func=cmd_data)
+
+    p = sub.add_parser("device-data", help="write a device's samples (.npz) for a bundle's protocol, for the "
+                                           "device examples")
+    p.add_argument("source", help="a bundle directory, its manifest.json, or a coordinator URL")
+    p.add_argument("--method", default=None, help="with a URL: the method whose bundle (default: the default one)")
+    p.add_argument("--wait", type=float, default=0, help="with a URL: seconds to wait while the bundle is training")
+    p.add_argument("--kind", choices=("stream", "clients"), default="stream",
+                   help="stream: one new client's warm-up + a three-phase stream; clients: every new client")
+    p.add_argument("--out", required=True, help=".npz to write")
+    p.add_argument("--client", type=int, default=0, help="stream: which held-out new client")
+    p.add_argument("--warmup", type=int, default=32, help="stream: warm-up samples")
+    p.add_argument("--per-phase", type=int, default=200, help="stream: samples per phase (at most)")
+    p.add_argument("--corruption", default="gaussian_noise", help="stream: the corrupted phase's corruption")
+    p.add_argument("--severity", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data-dir", default=None)
+    p.set_defaults(func=cmd_device_data)
 
     p = sub.add_parser("serve", help="run the coordinator API (trains the default bundles when the store is empty)")
     p.add_argument("--host", default="127.0.0.1")

@@ -18,3 +18,5 @@ if "$venv/bin/pip" show scipy >/dev/null 2>&1; then echo "FAIL: scipy was instal
 "$venv/bin/pip" install -q scipy
 (cd "$here" && FL_DATA_DIR=${FL_DATA_DIR:-$(cd "$here/.." && pwd)/shared/data} "$main_python" -m export.sdk_fixture "$work/fixture")
 cd "$work" && EDGE_SDK_FIXTURE="$work/fixture" "$venv/bin/python" -m pytest -q -p no:cacheprovider "$here/edge_sdk/tests"
+# the device examples with edge_sdk alone, against a real coordinator (the coordinator side uses $main_python)
+MAIN_PYTHON=$main_python bash "$here/scripts/run_device_examples.sh" "$venv/bin/python" "$work/examples"

@@ -50,7 +50,8 @@ echo "health: $(docker inspect -f '{{.State.Health.Status}}' "$NAME")"
 
 for m in tent odpfl-hn; do
   step "a device joins the container and streams (--method $m)"
-  "$PY" examples/stream_inference.py --server "http://127.0.0.1:$PORT" --method "$m" \
+  "$PY" -m fl_server.cli device-data "http://127.0.0.1:$PORT" --method "$m" --wait 1800 --out "runs/docker-$m.npz"
+  "$PY" examples/stream_inference.py --server "http://127.0.0.1:$PORT" --method "$m" --data "runs/docker-$m.npz" \
     --cache runs/docker-device-cache --png "runs/docker-stream-$m.png" | grep -v '^  \['
 done
 

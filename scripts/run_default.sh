@@ -24,5 +24,7 @@ echo "coordinator up at $URL (dashboard $URL/, API docs $URL/docs, log runs/coor
 echo "waiting for its default bundles (training on the embedded digits; progress on the dashboard) ..."
 for m in $METHODS; do
   echo "=== streaming device, --method $m"
-  "$BIN/python" examples/stream_inference.py --server "$URL" --method "$m"
+  # the device's samples are prepared on the coordinator's side (the example imports edge_sdk only)
+  "$BIN/fl-server" device-data "$URL" --method "$m" --wait 1800 --out "runs/device-$m.npz"
+  "$BIN/python" examples/stream_inference.py --server "$URL" --method "$m" --data "runs/device-$m.npz"
 done

@@ -82,14 +82,17 @@ def test_dle_upload_changes_the_served_global_dle(server: Coordinator) -> None:
 
 
 def test_stream_example_runs_btfl(server: Coordinator, tmp_path: Path) -> None:
-    summary, png = tmp_path / "summary.json", tmp_path / "btfl.png"
+    from fl_server.cli import main as fl_server
+
+    summary, png, data = tmp_path / "summary.json", tmp_path / "btfl.png", tmp_path / "device.npz"
+    assert fl_server(["device-data", server.url, "--method", "btfl", "--per-phase", "60", "--out", str(data)]) == 0
     r = subprocess.run([sys.executable, str(REPO / "examples" / "stream_inference.py"), "--server", server.url,
                         "--method", "btfl", "--cache", str(tmp_path / "device"), "--json", str(summary),
-                        "--png", str(png), "--per-phase", "60"], capture_output=True, text=True, timeout=300,
+                        "--png", str(png), "--data", str(data)], capture_output=True, text=True, timeout=300,
                        cwd=REPO)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     s = json.loads(summary.read_text())
-    assert s["bundle_method"] == "BTFL" and s["torch_imported"] is False
+    assert s["bundle_method"] == "BTFL" and s["torch_imported"] is False and s["fl_server_imported"] is False
     info = s["btfl"]
     assert info["dle_base"] is not None and info["dle_uploaders"] >= 1
     e = info["mean_e"]
@@ -154,3 +157,43 @@ def test_a_dle_of_another_shape_stored_before_the_btfl_bundle_does_not_break_the
         assert r.status_code == 200 and r.json()["clients"] == 1, r.text
     finally:
         coord.stop()
+
+
+def test_one_device_interface_runs_btfl_and_fedthe(server: Coordinator, tmp_path: Path) -> None:
+    """edge_sdk.open_bundle on the served BTFL bundle: BTFL (the DLE exchanged with the coordinator) gives what
+    the BTFL device class gives; FedTHE on the same bundle gives fedthe_predict over the whole stream, the
+    feature history carried from one predict call to the next."""
+    from edge_sdk import EdgeClient, log_softmax, open_bundle
+    from edge_sdk.btfl_device import BTFLDevice
+    from edge_sdk.fedthe import fedthe_predict
+    from fl_server.data import load_dataset
+
+    digits = load_dataset("digits")
+    x, y, stream = digits.x[:200], digits.y[:200], digits.x[200:260]
+    key = httpx.get(f"{server.url}/v1/signing-key", timeout=10).json()["public_key"]
+    with EdgeClient(server.url, cache_dir=tmp_path, public_key=key) as client:
+        bundle = client.download(client.join("BTFL").manifest)
+        device = open_bundle(bundle, client=client)
+        assert device.method == "BTFL" and device.needs_labels
+        with pytest.raises(ValueError, match=r"call personalize\(x, y\)"):
+            device.personalize(x)
+        result = device.personalize(x, y)
+        assert result.details["dle_clients"] >= 1 and result.details["dle_base"] is not None
+        others = httpx.get(f"{server.url}/v1/btfl/dle", headers=auth(client.token), timeout=10).json()["others_dle"]
+    reference = BTFLDevice(bundle)
+    fit = reference.fit(x, y)
+    reference.start(np.asarray(others))
+    np.testing.assert_allclose(device.predict(stream), reference.logits(stream), atol=1e-9)
+    assert 0.0 <= device.global_weight <= 1.0  # type: ignore[operator]
+
+    the = open_bundle(bundle, method="FedTHE")
+    assert the.method == "FedTHE" and the.global_weight is None
+    the.personalize(x, y)
+    streamed = np.concatenate([the.predict(stream[:30]), the.predict(stream[30:])])
+    z, g = reference.features(stream)
+    mu_global = bundle.weights("btfl")["mu_global"]
+    logits, _ = fedthe_predict(g, z @ fit.local_head.T, z, reference.features(x)[0].mean(0), mu_global, 30)
+    np.testing.assert_allclose(streamed, log_softmax(logits), atol=1e-9)
+    received = open_bundle(bundle, method="none")
+    assert (streamed.argmax(1) == digits.y[200:260]).mean() >= (received.predict(stream).argmax(1)
+                                                                 == digits.y[200:260]).mean() - 0.1

@@ -177,13 +177,18 @@ def test_stream_example_runs(server: Coordinator, tmp_path: Path) -> None:
 
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "edge_sdk")])}
-    cmd = [sys.executable, str(repo / "examples" / "stream_inference.py"), "--server", server.url,
+    from fl_server.cli import main as fl_server
+
+    data = tmp_path / "device.npz"  # the coordinator's side prepares the device's samples
+    assert fl_server(["device-data", server.url, "--method", "tent", "--wait", "300", "--out", str(data)]) == 0
+    cmd = [sys.executable, str(repo / "examples" / "stream_inference.py"), "--server", server.url, "--data", str(data),
            "--cache", str(tmp_path / "cache"), "--png", str(tmp_path / "s.png"), "--json", str(tmp_path / "s.json")]
     run = subprocess.run([*cmd, "--method", "tent"], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["samples"] > 0 and set(summary["accuracy"]) == {"in-distribution", "corrupted", "external classes"}
-    assert summary["torch_imported"] is False and (tmp_path / "s.png").stat().st_size > 1000
+    assert summary["torch_imported"] is False and summary["fl_server_imported"] is False
+    assert (tmp_path / "s.png").stat().st_size > 1000
     btfl = subprocess.run([*cmd, "--method", "btfl"], env=env, capture_output=True, text=True, timeout=300)
     assert btfl.returncode == 3 and "has no BTFL bundle and no BTFL job" in btfl.stderr  # this server trains none
 

@@ -1,12 +1,13 @@
 """edge_sdk: torch-free device SDK (numpy + onnxruntime) for federated test-time adaptation.
 
+One entry point for every method: the bundle's method decides how the device personalises and predicts::
+
+    device = edge_sdk.open_bundle("bundle/", public_key=KEY)   # any method: edge_sdk.device
+    device.personalize(x_unlabeled)
+    logits = device.predict(x_new)
+
 Submodules and names load on first use (PEP 562), so ``import edge_sdk`` stays cheap on a device: httpx is
 imported by the first use of :class:`EdgeClient`, onnxruntime by the first session.
-
-Example::
-
-    import edge_sdk
-    client = edge_sdk.EdgeClient("https://coordinator:8000", public_key="<hex key>")
 """
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ __version__ = "0.1.0"
 
 _SUBMODULES = {"btfl", "dp", "fedthe", "tensors"}
 _NAMES = {
+    "Adaptation": "edge_sdk.device",
+    "Device": "edge_sdk.device",
+    "open_bundle": "edge_sdk.device",
     "EdgeClient": "edge_sdk.client",
     "EdgeClientError": "edge_sdk.client",
     "EntropyEarlyStopping": "edge_sdk.early_stopping",

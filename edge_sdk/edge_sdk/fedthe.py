@@ -28,14 +28,16 @@ from edge_sdk.numerics import log_softmax
 __all__ = ["code_history", "feature_history", "fedthe_predict"]
 
 
-def feature_history(z: np.ndarray, decay: float = 0.9) -> np.ndarray:
-    """EMA test history over a stream: z [N, D] -> h [N, D], h_1 = z_1, h_i = (1-decay) z_i + decay h_{i-1}."""
+def feature_history(z: np.ndarray, decay: float = 0.9, initial: np.ndarray | None = None) -> np.ndarray:
+    """EMA test history over a stream: z [N, D] -> h [N, D], h_i = (1-decay) z_i + decay h_{i-1} with
+    h_0 = ``initial`` (the history of the stream's earlier samples), or h_1 = z_1 for a new stream."""
     from scipy.signal import lfilter  # lazy: scipy.signal is slow to import and only FedTHE needs it
 
     z = np.asarray(z, dtype=np.float64)
     if z.ndim != 2 or len(z) == 0:
         raise ValueError(f"features must be a non-empty [N, D] array, got shape {z.shape}")
-    return lfilter([1.0 - decay], [1.0, -decay], z, axis=0, zi=decay * z[:1])[0]
+    h0 = z[:1] if initial is None else np.asarray(initial, dtype=np.float64).reshape(1, -1)
+    return lfilter([1.0 - decay], [1.0, -decay], z, axis=0, zi=decay * h0)[0]
 
 
 def code_history(z: np.ndarray, batch_size: int, decay: float = 0.9) -> np.ndarray:
@@ -64,15 +66,19 @@ def _entropy_grad(o: np.ndarray) -> np.ndarray:
 def fedthe_predict(global_logits: np.ndarray, local_logits: np.ndarray, features: np.ndarray,
                    mu_local: np.ndarray, mu_global: np.ndarray, batch_size: int, steps: int = 20,
                    lr: float = 0.1, tol: float = 1e-5, history_decay: float = 0.9,
-                   feature_mix: float = 0.1, variant: str = "spec") -> tuple[np.ndarray, np.ndarray]:
+                   feature_mix: float = 0.1, variant: str = "spec",
+                   initial_history: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """One client's test stream, in order, cut into batches of ``batch_size``.
 
     global_logits, local_logits [N, C]; features [N, D]; mu_* [D] -> (ensembled logits o [N, C],
     weights [N, 2] = (w_global, w_local)). ``variant``: "spec" (SPEC.md section 4) or "code" (the authors'
-    history and z~, module docstring; ``feature_mix`` is then 0.3).
+    history and z~, module docstring; ``feature_mix`` is then 0.3). ``initial_history`` [D] ("spec"): the
+    feature history after the stream's earlier samples, when a stream arrives over several calls.
     """
     if variant not in ("spec", "code"):
         raise ValueError(f"variant must be 'spec' or 'code', got {variant!r}")
+    if variant == "code" and initial_history is not None:
+        raise ValueError("initial_history applies to variant='spec' only")
     g = np.asarray(global_logits, dtype=np.float64)
     l_ = np.asarray(local_logits, dtype=np.float64)
     z = np.asarray(features, dtype=np.float64)
@@ -82,7 +88,7 @@ def fedthe_predict(global_logits: np.ndarray, local_logits: np.ndarray, features
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if variant == "spec":
-        hist = feature_history(z, history_decay)
+        hist = feature_history(z, history_decay, initial_history)
         z_t = feature_mix * z + (1.0 - feature_mix) * hist
         d = np.stack([np.linalg.norm(z_t - mu_global, axis=1), np.linalg.norm(z_t - mu_local, axis=1)], 1)  # [N, 2]
     else:

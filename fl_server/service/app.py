@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fl_server.service import dashboard, routes
+from fl_server.service import dashboard, publish_api, routes
 from fl_server.service.fastpath import ArtifactFastPath
 from fl_server.service.errors import http_error, server_error, validation_error
 from fl_server.service.config import ServiceConfig
@@ -28,16 +28,19 @@ class GuardMiddleware:
     A streamed body that grows too large makes ``receive`` raise; FastAPI turns any error while reading a
     body into its own 400, so once the limit is crossed the app's response is replaced by the 413."""
 
-    def __init__(self, app: ASGIApp, metrics: Metrics, max_body: int) -> None:
+    def __init__(self, app: ASGIApp, metrics: Metrics, max_body: int,
+                 path_limits: dict[str, int] | None = None) -> None:
         self.app, self.metrics, self.max_body = app, metrics, max_body
+        self.path_limits = path_limits or {}  # paths with their own limit (bundle uploads)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         start, status = time.perf_counter(), [500]
+        max_body = self.path_limits.get(scope["path"], self.max_body)
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_body):
-            await _reject(send, f"request body over {self.max_body} bytes")
+        if length is not None and (not length.isdigit() or int(length) > max_body):
+            await _reject(send, f"request body over {max_body} bytes")
             self.metrics.observe(scope["method"], scope["path"], 413, time.perf_counter() - start)
             return
         seen, over, rejected = [0], [False], [False]
@@ -45,12 +48,12 @@ class GuardMiddleware:
         async def reject() -> None:
             if not rejected[0]:
                 rejected[0], status[0] = True, 413
-                await _reject(send, f"request body over {self.max_body} bytes")
+                await _reject(send, f"request body over {max_body} bytes")
 
         async def counted() -> Message:
             msg = await receive()
             seen[0] += len(msg.get("body", b""))
-            if seen[0] > self.max_body:
+            if seen[0] > max_body:
                 over[0] = True
                 raise _TooLarge
             return msg
@@ -108,7 +111,9 @@ def create_app(store_dir: str | Path, **overrides: Any) -> FastAPI:
     app.add_exception_handler(HTTPException, http_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, server_error)
     app.include_router(routes.router)
+    app.include_router(publish_api.router)
     app.include_router(dashboard.router)
     app.add_middleware(ArtifactFastPath, service=svc)  # inside GuardMiddleware: limits and metrics apply
-    app.add_middleware(GuardMiddleware, metrics=svc.metrics, max_body=svc.cfg.max_body_bytes)
+    app.add_middleware(GuardMiddleware, metrics=svc.metrics, max_body=svc.cfg.max_body_bytes,
+                       path_limits={publish_api.PATH: svc.cfg.max_bundle_bytes})
     return app

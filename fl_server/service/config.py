@@ -32,6 +32,9 @@ class ServiceConfig:
     admin_token: str | None = field(default_factory=lambda: os.environ.get("FL_ADMIN_TOKEN"))
     retry_after_s: int = 5
     max_body_bytes: int = 1 << 20  # 1 MiB: an embedding or a DLE is far smaller
+    # a published bundle (POST /v1/bundles, fl-server publish): the whole archive at most
+    max_bundle_bytes: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_MAX_BUNDLE_BYTES",
+                                                                             str(256 << 20))))
     # artifacts up to this size are kept in memory (256 MiB in all); larger ones are streamed from disk
     artifact_cache_file_max: int = field(default_factory=lambda: int(os.environ.get(
         "FL_SERVE_ARTIFACT_CACHE_FILE_MAX", str(16 << 20))))

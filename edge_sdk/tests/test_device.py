@@ -1,0 +1,99 @@
+"""One device interface (edge_sdk.open_bundle) for every method, on real exported bundles: the same calls give
+what torch computed on the server (reference.npz), without torch."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import edge_sdk
+from edge_sdk.bundle import BundleError, load_bundle
+
+TOL = 1e-4  # float32 logits after several exported gradient steps
+
+
+@pytest.fixture(scope="module")
+def ref(sdk_fixture: Path) -> dict[str, np.ndarray]:
+    with np.load(sdk_fixture / "reference.npz", allow_pickle=False) as arrays:
+        return {k: arrays[k] for k in arrays.files}
+
+
+@pytest.fixture(scope="module")
+def key(sdk_fixture: Path) -> str:
+    return (sdk_fixture / "signing_key.pub").read_text().strip()
+
+
+@pytest.mark.parametrize("name, method, adapted", [("fedtta_pp", "FedTTA++", "fedtta_pp_logits"),
+                                                   ("tent", "TENT", "tent_logits")])
+def test_one_interface_personalises_like_torch(sdk_fixture: Path, key: str, ref: dict[str, np.ndarray], name: str,
+                                               method: str, adapted: str) -> None:
+    device = edge_sdk.open_bundle(sdk_fixture / name, public_key=key)
+    assert device.method == method and not device.needs_labels and device.preprocess is None
+    before = device.predict(ref["x"])
+    result = device.personalize(ref["x"])
+    assert result.method == method and result.samples == len(ref["x"]) and result.steps >= 1
+    np.testing.assert_allclose(device.predict(ref["x"]), ref[adapted], atol=TOL)
+    assert np.abs(device.predict(ref["x"]) - before).max() > 1e-3  # personalising changed the model
+    streamed = np.stack(list(device.stream(ref["x"][:5])))
+    np.testing.assert_allclose(streamed, ref[adapted][:5], atol=TOL)
+
+
+def test_method_none_is_the_received_model(sdk_fixture: Path, key: str, ref: dict[str, np.ndarray]) -> None:
+    device = edge_sdk.open_bundle(load_bundle(sdk_fixture / "fedtta_pp", public_key=key), method="none")
+    assert device.method == "none"
+    assert device.personalize(ref["x"]).steps == 0
+    np.testing.assert_allclose(device.predict(ref["x"]), ref["fedtta_pp_base_logits"], atol=TOL)
+
+
+def test_odpfl_hn_needs_the_coordinator(sdk_fixture: Path, key: str, ref: dict[str, np.ndarray]) -> None:
+    device = edge_sdk.open_bundle(sdk_fixture / "odpfl_hn", public_key=key)
+    assert device.method == "ODPFL-HN"
+    with pytest.raises(BundleError, match=r"open_bundle\(bundle, client=EdgeClient\)"):
+        device.personalize(ref["x"])
+
+
+@pytest.mark.parametrize("method, message", [("BTFL", "cannot run BTFL"),
+                                             ("FedTHE", "FedTHE runs on a BTFL bundle")])
+def test_a_method_the_bundle_cannot_run_is_refused(sdk_fixture: Path, key: str, method: str, message: str) -> None:
+    with pytest.raises(BundleError, match=message):
+        edge_sdk.open_bundle(sdk_fixture / "tent", public_key=key, method=method)
+
+
+def test_bad_input_is_refused(sdk_fixture: Path, key: str, ref: dict[str, np.ndarray]) -> None:
+    device = edge_sdk.open_bundle(sdk_fixture / "tent", public_key=key)
+    with pytest.raises(ValueError, match="must be float32"):
+        device.personalize(ref["x"].astype(np.float64))
+
+
+def test_raw_images_go_through_the_manifests_preprocessing(sdk_fixture: Path, ref: dict[str, np.ndarray],
+                                                           tmp_path: Path) -> None:
+    """A bundle whose manifest carries a preprocess block takes raw uint8 NHWC images: the device applies it and
+    then runs exactly what the float32 NCHW input of the same images gives."""
+    import json
+    import shutil
+    import warnings
+
+    from edge_sdk.bundle import UnverifiedSignatureWarning
+    from edge_sdk.preprocess import Preprocess
+
+    root = Path(shutil.copytree(sdk_fixture / "tent", tmp_path / "tent"))
+    (root / "manifest.sig").unlink()
+    manifest = json.loads((root / "manifest.json").read_text())
+    pre = Preprocess(layout="NHWC", scale=1 / 255)
+    manifest["preprocess"] = pre.to_dict()
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnverifiedSignatureWarning)
+        device = edge_sdk.open_bundle(root)
+    assert device.preprocess == pre
+    raw = np.round(ref["x"].transpose(0, 2, 3, 1) * 255).astype(np.uint8)  # real images as a camera gives them
+    model_input = raw.transpose(0, 3, 1, 2).astype(np.float32) / np.float32(255)
+    plain = edge_sdk.open_bundle(load_bundle(sdk_fixture / "tent", public_key=(sdk_fixture / "signing_key.pub")
+                                             .read_text().strip()))
+    np.testing.assert_allclose(device.predict(raw), plain.predict(model_input), atol=1e-6)
+    device.personalize(raw)
+    plain.personalize(model_input)
+    np.testing.assert_allclose(device.predict(raw), plain.predict(model_input), atol=1e-5)
+    with pytest.raises(ValueError, match="batch of images"):
+        device.predict(raw[0, :, :, 0].ravel())

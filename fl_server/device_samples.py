@@ -1,0 +1,87 @@
+"""Device-side data, prepared on the coordinator's side: a small ``.npz`` of samples a device example reads
+with numpy alone (the device examples import only ``edge_sdk``).
+
+    fl-server device-data http://127.0.0.1:8000 --method TENT --kind stream --out runs/device-stream.npz
+    fl-server device-data runs/bundle --kind clients --out runs/new-clients.npz
+
+The samples belong to the bundle's own run (its manifest names the recipe or built-in data set, the federation
+and the seed; :func:`fl_server.recipes.run.client_data` rebuilds its clients): held-out *new* clients the training
+never saw, as *raw* images (the device applies the manifest's ``preprocess``). Labels are for scoring only.
+
+* ``stream`` (examples/stream_inference.py): one new client's warm-up window (``warm_x``, ``warm_y``) and a
+  stream in three phases (``stream_x``, ``stream_y``, ``stream_phase``): the client's own unseen samples; its
+  samples under an image corruption; samples of classes the client never had.
+* ``clients`` (examples/personalize_on_device.py): every new client's samples, ``x``, ``y`` and
+  ``offsets`` (client k holds rows ``offsets[k]:offsets[k + 1]``).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from fl_server.data.corruptions import corrupt
+from fl_server.data.datasets import load_dataset
+from fl_server.data.federated import FederatedData
+from fl_server.recipes.run import federate, recipe_of_run
+
+PHASES = ("in-distribution", "corrupted", "external classes")
+
+
+def bundle_clients(manifest: dict[str, Any], data_dir: str | None = None) -> tuple[FederatedData, np.ndarray]:
+    """(the clients of the run behind a bundle, the raw images their indices point into)."""
+    if "seed" not in manifest or not (manifest.get("federation") or manifest.get("protocol")):
+        raise ValueError("this bundle's manifest does not say how its clients were made (no seed / federation): "
+                         "give the device your own samples instead")
+    recipe = recipe_of_run(manifest, data_dir)
+    data = recipe.data
+    if data.builtin_name:  # built-in data sets are float32 NCHW in [0, 1] as loaded: that is what a device gets
+        raw = load_dataset(data.builtin_name, root=data_dir or data.data_dir, split=data.split).x
+    elif isinstance(data.x, list):
+        raise ValueError("the recipe's images differ in size: give the device your own samples instead")
+    else:
+        raw = np.asarray(data.x)
+    return federate(recipe, int(manifest["seed"]), data_dir), raw
+
+
+def stream_samples(manifest: dict[str, Any], client: int = 0, warmup: int = 32, per_phase: int = 200,
+                   corruption: str = "gaussian_noise", severity: int = 3, seed: int = 0,
+                   data_dir: str | None = None) -> dict[str, np.ndarray]:
+    """New client ``client``'s warm-up window and three-phase stream (module docstring)."""
+    fed, x = bundle_clients(manifest, data_dir)
+    if not 0 <= client < len(fed.new):
+        raise ValueError(f"client must be in [0, {len(fed.new)}), got {client}")
+    if x.dtype != np.float32 or x.ndim != 4:
+        raise ValueError("the corrupted phase needs a built-in data set (float images); use --kind clients")
+    y = fed.dataset.y
+    rng = np.random.default_rng(seed)
+    own = rng.permutation(fed.new[client])
+    if len(own) < warmup + 2:
+        raise ValueError(f"client {client} has {len(own)} samples; need more than the warm-up's {warmup}")
+    n = min(per_phase, len(own) - warmup)
+    ind = own[warmup:warmup + n]
+    shifted = rng.choice(own, size=n, replace=len(own) < n)
+    pool = np.concatenate([c for k, c in enumerate(fed.new) if k != client])
+    pool = pool[~np.isin(y[pool], np.unique(y[own]))]
+    ext = rng.choice(pool, size=n, replace=False)
+    return {"warm_x": x[own[:warmup]].astype(np.float32), "warm_y": y[own[:warmup]],
+            "stream_x": np.concatenate([x[ind], corrupt(x[shifted], corruption, severity, seed), x[ext]]
+                                       ).astype(np.float32),
+            "stream_y": np.concatenate([y[ind], y[shifted], y[ext]]), "stream_phase": np.repeat(np.arange(3), n),
+            "phases": np.array(PHASES), "client": np.array(client)}
+
+
+def client_samples(manifest: dict[str, Any], data_dir: str | None = None) -> dict[str, np.ndarray]:
+    """Every new client's samples (module docstring)."""
+    fed, raw = bundle_clients(manifest, data_dir)
+    idx = np.concatenate(fed.new)
+    offsets = np.concatenate([[0], np.cumsum([len(c) for c in fed.new])])
+    return {"x": raw[idx], "y": fed.dataset.y[idx], "offsets": offsets}
+
+
+def write_samples(out: Path, arrays: dict[str, np.ndarray]) -> Path:
+    """Write ``arrays`` as an ``.npz`` (plain arrays: a device reads it with ``allow_pickle=False``)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(out, **arrays)
+    return out
