@@ -33,6 +33,11 @@ USER fl
 WORKDIR /home/fl
 VOLUME /data
 EXPOSE 8000
+# loopback health probe: plain HTTP, or HTTPS when FL_TLS_CERT is set (the certificate names the public host, so
+# the probe does not check it; devices do)
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
-  CMD python -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:8000/healthz', timeout=2).status_code != 200)"
+  CMD python -c "import httpx, os, sys; s = 'https' if os.environ.get('FL_TLS_CERT') else 'http'; sys.exit(httpx.get(s + '://127.0.0.1:8000/healthz', timeout=2, verify=False).status_code != 200)"
+# TLS: mount the certificate and key and name them, e.g.
+#   docker run -p 8443:8000 -v $PWD/tls:/tls:ro -e FL_TLS_CERT=/tls/cert.pem -e FL_TLS_KEY=/tls/key.pem IMAGE
+# (fl-server serve reads --tls-cert/--tls-key from them); without them it serves plain HTTP and warns
 CMD ["fl-server", "serve", "--host", "0.0.0.0", "--port", "8000", "--store", "/data"]

@@ -24,8 +24,8 @@ bundle, so nothing unsigned reaches onnxruntime.
 Freshness: each signature is a signed *release* (:mod:`edge_sdk.signing`) with a version that rises with
 every bundle the coordinator publishes for a method and an expiry. ``download`` refuses an expired release
 (:class:`~edge_sdk.errors.BundleExpiredError`: a stale or replayed manifest) and one older than the newest it
-accepted for that method from this ``url`` (:class:`~edge_sdk.errors.BundleRollbackError`), which it keeps in
-``<cache>/accepted_versions.json`` (:mod:`edge_sdk.versions`).
+accepted for that method from this ``url`` under this key (:class:`~edge_sdk.errors.BundleRollbackError`), which
+it keeps in ``<cache>/accepted_versions.json`` (:mod:`edge_sdk.versions`).
 
 Transport: use ``https://`` so that tokens and manifests do not travel in clear. The coordinator's certificate
 is verified against the CA bundle httpx ships (certifi) or, for a self-signed deployment, only against the CA
@@ -55,7 +55,7 @@ import numpy as np
 from edge_sdk import strictjson, tensors
 from edge_sdk.bundle import MANIFEST, Bundle, load_bundle, sha256_file
 from edge_sdk.errors import BundleSignatureError
-from edge_sdk.signing import PublicKey, parse_public_key, verify_manifest, write_signature
+from edge_sdk.signing import PublicKey, key_id, parse_public_key, verify_manifest, write_signature
 from edge_sdk.versions import VersionLedger
 
 _SHA = re.compile(r"[0-9a-f]{64}")  # used with fullmatch: "$" would also accept a trailing newline
@@ -268,8 +268,11 @@ class EdgeClient:
             hint = "" if self.pinned is not None else (f" (key trusted on first use, from {self._trust_path()}: "
                                                        "delete the entry there if the key was rotated on purpose)")
             raise BundleSignatureError(f"{exc}{hint}") from None
-        # freshness next: an expired release, or one older than this device accepted, is a replay
-        self.versions.check(self.url, release, f"bundle {bundle_id}")
+        # freshness next: an expired release, or one older than this device accepted, is a replay. One ratchet
+        # per coordinator and signing key: a rotated key starts its own (TUF resets on rotation the same way,
+        # so a compromised old key that signed a huge version cannot lock the new one out)
+        channel = f"{self.url} key {key_id(key)}"
+        self.versions.check(channel, release, f"bundle {bundle_id}")
         try:
             listed = strictjson.loads(raw)
             same = [a["sha256"] for a in listed["artifacts"]] == [a["sha256"] for a in m["artifacts"]]
@@ -287,7 +290,7 @@ class EdgeClient:
         write_signature(root, m["signature"])
         _link(manifest_file, root / MANIFEST)
         bundle = load_bundle(root, public_key=key)
-        self.versions.accept(self.url, release)
+        self.versions.accept(channel, release)
         return bundle
 
     def fetch(self, sha256: str, size: int | None = None) -> Path:

@@ -1,5 +1,6 @@
 """Rollback and freeze protection on the device (TUF's, for one signed release per bundle): the highest
-release version accepted per update channel (the coordinator's URL) and method, kept in one small file.
+release version accepted per update channel (EdgeClient: the coordinator's URL and signing key) and method,
+kept in one small file.
 
     ledger = VersionLedger(cache_dir / "accepted_versions.json")
     ledger.check("https://coordinator", release, "bundle ...")   # BundleRollbackError / BundleExpiredError
