@@ -140,7 +140,8 @@ def main() -> int:
                     help="the coordinator's manifest signing key to pin (hex, printed by fl-server serve; default "
                          "$FL_SIGNING_PUBLIC_KEY); without it the key is trusted on first use, with a warning")
     ap.add_argument("--ca-file", default=os.environ.get("FL_CA_FILE"),
-                    help="https:// coordinator with a self-signed certificate: the CA (PEM) to pin (default $FL_CA_FILE)")
+                    help="https:// coordinator with a self-signed certificate: the CA (PEM) to pin "
+                         "(default $FL_CA_FILE)")
     args = ap.parse_args()
     method = METHODS[args.method]
     if not args.public_key:

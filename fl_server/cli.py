@@ -249,7 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info")
     p.add_argument("--backlog", type=int, default=4096, help="listen backlog (a burst of device connections)")
     p.add_argument("--tls-cert", default=None, help="serve HTTPS: certificate chain, PEM (default: $FL_TLS_CERT)")
-    p.add_argument("--tls-key", default=None, help="serve HTTPS: the certificate's private key, PEM (default: $FL_TLS_KEY)")
+    p.add_argument("--tls-key", default=None,
+                   help="serve HTTPS: the certificate's private key, PEM (default: $FL_TLS_KEY)")
     p.set_defaults(func=cmd_serve)
     return parser
 

@@ -94,6 +94,19 @@ def test_an_expired_release_is_refused(server: Coordinator, tmp_path: Path) -> N
     record("signature", "expired signed release (frozen proxy)", "refused by EdgeClient.download (BundleExpiredError)")
 
 
+def test_key_rotation_pins_old_and_new_key(server: Coordinator, tmp_path: Path) -> None:
+    """During a rotation a device pins both keys; a device pinned only to another key is refused."""
+    key = _signer(server).public_hex
+    other = ManifestSigner.generate().public_hex
+    with EdgeClient(server.url, cache_dir=tmp_path / "both", public_key=[other, key]) as c:
+        bundle = c.download(method="TENT")
+        assert bundle.signed_by == bytes.fromhex(key) and bundle.release.key_id == key[:16]  # type: ignore[union-attr]
+    with EdgeClient(server.url, cache_dir=tmp_path / "old", public_key=[other]) as c:
+        with pytest.raises(BundleSignatureError, match=rf"signed by key {key[:16]}\.\.\., not by the trusted key "
+                                                       rf"{other[:16]}"):
+            c.download(method="TENT")
+
+
 def test_release_versions_rise_per_method_and_survive_restarts(tmp_path: Path) -> None:
     manifest = {"method": "TENT", "artifacts": []}
     store = Store(tmp_path / "s.sqlite3")

@@ -93,17 +93,23 @@ class EdgeClient:
     def __init__(self, url: str, cache_dir: str | os.PathLike | None = None, timeout: float = 10.0,
                  retries: int = 4, backoff: float = 0.5, max_backoff: float = 10.0,
                  token: str | None = None, transport: httpx.BaseTransport | None = None,
-                 event_hooks: dict[str, list[Callable]] | None = None, public_key: PublicKey | None = None,
+                 event_hooks: dict[str, list[Callable]] | None = None,
+                 public_key: PublicKey | list[PublicKey] | tuple[PublicKey, ...] | None = None,
                  deadline: float = 300.0, max_response_bytes: int = 64 << 20,
                  ca_file: str | os.PathLike | None = None) -> None:
-        """``public_key``: the coordinator's Ed25519 key (hex or 32 bytes) to pin; None = trust on first use.
+        """``public_key``: the coordinator's Ed25519 key (hex or 32 bytes) to pin, or several during a key
+        rotation (a manifest signed by any of them is accepted); None = trust on first use.
         ``timeout``: per read/connect; ``deadline``: per attempt, in all; ``max_response_bytes``: JSON replies.
         ``ca_file``: PEM of the only CA(s) an ``https://`` coordinator's certificate may chain to (a
         self-signed deployment); None: httpx's default CA bundle."""
         self.url = url.rstrip("/")
         self.cache = Path(cache_dir or Path.home() / ".cache" / "fl-edge").expanduser()
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
-        self.pinned = parse_public_key(public_key) if public_key is not None else None
+        keys = public_key if isinstance(public_key, (list, tuple)) else [] if public_key is None else [public_key]
+        if public_key is not None and not keys:
+            raise BundleSignatureError("public_key: an empty list pins no key (None trusts on first use)")
+        self.pinned_keys = [parse_public_key(k) for k in keys]
+        self.pinned = self.pinned_keys[0] if self.pinned_keys else None
         self.deadline, self.max_response_bytes = deadline, max_response_bytes
         self.token = token
         self.client_id: str | None = None
@@ -258,6 +264,9 @@ class EdgeClient:
         if not _SHA.fullmatch(bundle_id):
             raise EdgeClientError(f"manifest has no valid bundle_id: {bundle_id[:80]!r}")
         key = self.trusted_key()
+        record = m.get("signature")
+        signer = record.get("public_key") if isinstance(record, dict) else None
+        key = next((k for k in self.pinned_keys if k.hex() == signer), key)  # rotation: the pinned key that signed
         root = self.cache / "bundles" / bundle_id
         root.mkdir(parents=True, exist_ok=True)
         manifest_file = self.fetch(bundle_id)  # the manifest.json bytes; their sha256 is the bundle id
