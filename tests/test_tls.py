@@ -104,8 +104,9 @@ def test_without_the_pinned_ca_the_certificate_is_refused(tls_server: tuple[Coor
 def test_tls_flags_go_together(tmp_path: Path) -> None:
     cert = tmp_path / "cert.pem"
     cert.write_text("x")
+    missing = str(tmp_path / "no.pem")
     for args, message in ((["--tls-cert", str(cert)], "--tls-cert and --tls-key go together"),
-                          (["--tls-cert", str(cert), "--tls-key", str(tmp_path / "no.pem")], "--tls-key .*no such file")):
+                          (["--tls-cert", str(cert), "--tls-key", missing], "--tls-key .*no such file")):
         out = subprocess.run([sys.executable, "-m", "fl_server.cli", "serve", "--store", str(tmp_path / "s"), *args],
                              cwd=REPO, capture_output=True, text=True, timeout=120)
         assert out.returncode == 2

@@ -64,7 +64,8 @@ def test_a_replayed_older_bundle_of_the_same_method_is_refused(server: Coordinat
             c.download(old)
         assert c.download(new).manifest["method"] == "TENT"  # the newest stays usable
     ledger = tmp_path / "accepted_versions.json"
-    assert ledger.stat().st_mode & 0o077 == 0 and json.loads(ledger.read_text())[f"{server.url} key {key[:16]}"]["TENT"]["version"] == 2
+    assert ledger.stat().st_mode & 0o077 == 0
+    assert json.loads(ledger.read_text())[f"{server.url} key {key[:16]}"]["TENT"]["version"] == 2
     record("signature", "older signed bundle of the same method replayed (proxy)",
            "refused by EdgeClient.download (BundleRollbackError), also after a device restart")
 

@@ -121,8 +121,8 @@ class EdgeClient:
                 raise EdgeClientError(f"ca_file {os.fspath(ca_file)!r}: not a readable PEM CA certificate "
                                       f"({exc})") from None
         self.versions = VersionLedger(self.cache / "accepted_versions.json")
-        self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout), transport=transport, verify=verify,
-                                 event_hooks=event_hooks or {}, headers={"User-Agent": "edge_sdk/0.1"})
+        self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout), transport=transport,
+                                 verify=verify, event_hooks=event_hooks or {}, headers={"User-Agent": "edge_sdk/0.1"})
         (self.cache / "objects").mkdir(parents=True, exist_ok=True)
 
     def __enter__(self) -> EdgeClient:

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from edge_sdk import strictjson
 from fl_server.service.artifacts import ArtifactStore
 from fl_server.service.dle import DLEAggregate
 from fl_server.service.config import DEFAULT_METHODS, ServiceConfig
@@ -18,7 +19,6 @@ from fl_server.service.jobs import JobRunner
 from fl_server.service.metrics import Metrics
 from fl_server.service.ratelimit import Buckets, Limit
 from fl_server.service.store import Store
-from edge_sdk import strictjson
 from fl_server.signing import ManifestSigner
 
 log = logging.getLogger("fl_server.service")
@@ -146,8 +146,11 @@ class Service:
             bundle = self.bundle_by_id(bundle_id)
             if bundle is None:
                 raise KeyError(f"no bundle {bundle_id}")
-            record = self.signer.record(self.artifact_bytes(bundle_id), bundle["manifest"]["method"],
-                                        self._versions[bundle_id], now + self.cfg.manifest_ttl_s)
+            version = self._versions.get(bundle_id)
+            if version is None:  # numbered after the tables were last read
+                version = self._versions[bundle_id] = self.store.bundle_versions()[bundle_id]
+            record = self.signer.record(self.artifact_bytes(bundle_id), bundle["manifest"]["method"], version,
+                                        now + self.cfg.manifest_ttl_s)
             cached = self._signatures[bundle_id] = (record, now + self.cfg.manifest_ttl_s / 2)
         return cached[0]
 

@@ -241,9 +241,10 @@ class Store:
     # --------------------------------------------------------------- bundles
     def add_bundle(self, bundle_id: str, job_id: str, method: str, dataset: str, manifest: dict[str, Any],
                    server: dict[str, str]) -> None:
-        self._run("INSERT OR REPLACE INTO bundles VALUES (?, ?, ?, ?, ?, ?, ?)",
-                  (bundle_id, job_id, method, dataset, json.dumps(manifest), json.dumps(server), time.time()))
-        with self._lock:
+        with self._lock:  # the bundle and its version appear together to readers
+            self._db.execute("INSERT OR REPLACE INTO bundles VALUES (?, ?, ?, ?, ?, ?, ?)",
+                             (bundle_id, job_id, method, dataset, json.dumps(manifest), json.dumps(server),
+                              time.time()))
             self._number_bundles()
         self.bundles_version += 1
 
@@ -252,10 +253,16 @@ class Store:
         lock). Versions are stored, so they only ever rise, across restarts too: devices refuse a lower one."""
         new = self._db.execute("SELECT id, method FROM bundles WHERE id NOT IN (SELECT bundle_id FROM "
                                "bundle_versions) ORDER BY created").fetchall()
+        if not new:
+            return
         self._db.execute("BEGIN IMMEDIATE")
-        for row in new:  # one by one: each sees the version given to the one before
-            self._db.execute("INSERT INTO bundle_versions SELECT ?, ?, COALESCE(MAX(version), 0) + 1 FROM "
-                             "bundle_versions WHERE method = ?", (row["id"], row["method"], row["method"]))
+        try:
+            for row in new:  # one by one: each sees the version given to the one before
+                self._db.execute("INSERT INTO bundle_versions SELECT ?, ?, COALESCE(MAX(version), 0) + 1 FROM "
+                                 "bundle_versions WHERE method = ?", (row["id"], row["method"], row["method"]))
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
         self._db.execute("COMMIT")
 
     def bundle_versions(self) -> dict[str, int]:
