@@ -7,20 +7,21 @@
 #    wheels placed in docker/wheels/ are installed offline, see scripts/docker_verify.sh)
 ARG BASE_IMAGE=python:3.11-slim
 
-# ---- build stage: a venv with torch, the coordinator and edge_sdk (wheels and sources stay behind)
+# ---- build stage: a venv with torch, the coordinator and edge_sdk (wheels and sources stay behind); the
+# coordinator requires the SDK (distribution fl-edge-sdk) by path, from ./edge_sdk, never from an index
 FROM ${BASE_IMAGE} AS build
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY docker/wheels/ /tmp/wheels/
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY edge_sdk/ ./edge_sdk/
 COPY fl_server/ ./fl_server/
 COPY export/ ./export/
 RUN python3 -m venv /opt/venv \
  && if ls /tmp/wheels/*.whl >/dev/null 2>&1; then SRC="--no-index --find-links /tmp/wheels"; \
     else SRC="--extra-index-url ${TORCH_INDEX}"; fi \
- && /opt/venv/bin/pip install $SRC "torch==2.13.0" ./edge_sdk . \
+ && /opt/venv/bin/pip install $SRC "torch==2.13.0" . \
  && /opt/venv/bin/python -c "import torch, fl_server.service, edge_sdk; print('torch', torch.__version__)"
 
 # ---- runtime stage
@@ -32,6 +33,11 @@ USER fl
 WORKDIR /home/fl
 VOLUME /data
 EXPOSE 8000
+# loopback health probe: plain HTTP, or HTTPS when FL_TLS_CERT is set (the certificate names the public host, so
+# the probe does not check it; devices do)
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
-  CMD python -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:8000/healthz', timeout=2).status_code != 200)"
+  CMD python -c "import httpx, os, sys; s = 'https' if os.environ.get('FL_TLS_CERT') else 'http'; sys.exit(httpx.get(s + '://127.0.0.1:8000/healthz', timeout=2, verify=False).status_code != 200)"
+# TLS: mount the certificate and key and name them, e.g.
+#   docker run -p 8443:8000 -v $PWD/tls:/tls:ro -e FL_TLS_CERT=/tls/cert.pem -e FL_TLS_KEY=/tls/key.pem IMAGE
+# (fl-server serve reads --tls-cert/--tls-key from them); without them it serves plain HTTP and warns
 CMD ["fl-server", "serve", "--host", "0.0.0.0", "--port", "8000", "--store", "/data"]

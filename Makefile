@@ -6,12 +6,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup run test test-sdk bench-quick report clean
 
-$(STAMP): pyproject.toml edge_sdk/pyproject.toml
+$(STAMP): pyproject.toml setup.py edge_sdk/pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found (Python 3.11 is required; set PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e ./edge_sdk --config-settings editable_mode=compat
 	$(BIN)/pip install -q -e '.[dev]'
+	@# the coordinator requires the SDK from ./edge_sdk by path (setup.py); make that copy editable too
+	$(BIN)/pip install -q --no-deps -e ./edge_sdk --config-settings editable_mode=compat
 	@touch $(STAMP)
 
 setup: $(STAMP)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -108,12 +109,23 @@ def main() -> int:
     ap.add_argument("--cache", default="runs/device-cache", help="the device's artifact cache")
     ap.add_argument("--png", default=None, help="plot path (default runs/stream-<method>.png)")
     ap.add_argument("--json", default=None, help="also write the summary here")
-    ap.add_argument("--public-key", default=None, help="the coordinator's manifest signing key (hex, printed by "
-                    "fl-server serve); default: trusted on first use")
+    ap.add_argument("--public-key", default=os.environ.get("FL_SIGNING_PUBLIC_KEY"),
+                    help="the coordinator's manifest signing key to pin (hex, printed by fl-server serve; default "
+                         "$FL_SIGNING_PUBLIC_KEY); without it the key is trusted on first use, with a warning")
+    ap.add_argument("--ca-file", default=os.environ.get("FL_CA_FILE"),
+                    help="https:// coordinator with a self-signed certificate: the CA (PEM) to pin "
+                         "(default $FL_CA_FILE)")
     args = ap.parse_args()
     method = METHODS[args.method]
+    if not args.public_key:
+        print("WARNING: no --public-key: the coordinator's signing key is trusted on first use (fetched from the "
+              "server itself, then stored in the cache). Anyone on the path at that moment can substitute their own "
+              "key; pin the key that `fl-server serve` prints.", file=sys.stderr, flush=True)
+    if args.server.startswith("http://") and not args.server.startswith(("http://127.0.0.1", "http://localhost")):
+        print("WARNING: plain HTTP to a remote coordinator: the bearer token travels in clear; use https:// "
+              "(fl-server serve --tls-cert/--tls-key)", file=sys.stderr, flush=True)
 
-    with EdgeClient(args.server, cache_dir=args.cache, public_key=args.public_key) as client:
+    with EdgeClient(args.server, cache_dir=args.cache, public_key=args.public_key, ca_file=args.ca_file) as client:
         try:
             client.wait_ready(None if method == "none" else method, timeout=args.wait, on_wait=_print_progress)
             info = client.join(None if method == "none" else method)

@@ -5,7 +5,6 @@ directory is renamed into place only when complete, so a reader sees either no b
 (``tests/test_faults.py`` kills a writer at every step to check)."""
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -16,6 +15,7 @@ import numpy as np
 import onnx
 
 import fl_server
+from edge_sdk import strictjson
 from edge_sdk.bundle import MANIFEST, sha256_file
 from export.graphs import OPSET
 from export.steps import StepSpec
@@ -105,7 +105,8 @@ def write_bundle(dest: str | os.PathLike, graphs: dict[str, Path], weights: dict
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "versions": {"fl_server": fl_server.__version__, "onnx_opset": OPSET}, "artifacts": artifacts,
                 **(extra or {})}
-    (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, default=str))
+    # strict JSON: an unbounded hyperparameter (ODPFL-HN's dp_epsilon = inf) is written as null, never Infinity
+    (staging / MANIFEST).write_text(strictjson.dumps(strictjson.finite(manifest), indent=1, default=str))
     if signer is not None:
         signer.sign_bundle(staging)
     _fsync_tree(staging)

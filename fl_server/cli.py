@@ -244,17 +244,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
         torch.set_num_interop_threads(1)
     except RuntimeError:  # already set in this process (the CLI called twice, e.g. from a test)
         pass
+    tls = _tls_files(args)
     overrides = {k: v for k, v in {"default_rounds": args.rounds, "workers": args.workers}.items() if v is not None}
     app = create_app(args.store, **overrides)
-    print(f"coordinator on http://{args.host}:{args.port} (store {args.store}; dashboard at /, API docs at /docs)")
+    scheme = "https" if tls else "http"
+    print(f"coordinator on {scheme}://{args.host}:{args.port} (store {args.store}; dashboard at /, API docs at /docs)")
+    if not tls and args.host not in ("127.0.0.1", "localhost", "::1"):
+        print("WARNING: plain HTTP on a non-loopback address: bearer tokens travel in clear; pass --tls-cert and "
+              "--tls-key (or terminate TLS in a proxy in front)", file=sys.stderr, flush=True)
     signer = app.state.service.signer
     print(f"manifest signing key (Ed25519; pin it on devices: EdgeClient(url, public_key=...)): {signer.public_hex}"
           f" (from {signer.source})", flush=True)
     fast = {"loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
             "http": "httptools" if importlib.util.find_spec("httptools") else "h11"}
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                backlog=args.backlog, **fast)
+                backlog=args.backlog, **fast, **tls)
     return 0
+
+
+def _tls_files(args: argparse.Namespace) -> dict[str, str]:
+    """uvicorn's ssl_certfile / ssl_keyfile from --tls-cert / --tls-key (or $FL_TLS_CERT / $FL_TLS_KEY): both
+    or neither, each a readable file; {} for plain HTTP."""
+    import os
+
+    cert = args.tls_cert or os.environ.get("FL_TLS_CERT") or None
+    key = args.tls_key or os.environ.get("FL_TLS_KEY") or None
+    if (cert is None) != (key is None):
+        raise ValueError("--tls-cert and --tls-key go together (the certificate chain and its private key, PEM)")
+    if cert is None:
+        return {}
+    for flag, path in (("--tls-cert", cert), ("--tls-key", key)):
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"{flag} {path}: no such file")
+    return {"ssl_certfile": cert, "ssl_keyfile": key}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -346,6 +368,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=None, help="concurrent training jobs (default: $FL_SERVE_WORKERS or 1)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--backlog", type=int, default=4096, help="listen backlog (a burst of device connections)")
+    p.add_argument("--tls-cert", default=None, help="serve HTTPS: certificate chain, PEM (default: $FL_TLS_CERT)")
+    p.add_argument("--tls-key", default=None,
+                   help="serve HTTPS: the certificate's private key, PEM (default: $FL_TLS_KEY)")
     p.set_defaults(func=cmd_serve)
     return parser
 

@@ -1,5 +1,6 @@
-"""The coordinator's Ed25519 signing key (``cryptography``): it signs every bundle manifest's exact bytes;
-devices verify with :mod:`edge_sdk.signing` against the public key they pin.
+"""The coordinator's Ed25519 signing key (``cryptography``): it signs a release for every bundle (the
+manifest's sha256, method, version, expiry; :mod:`edge_sdk.signing`); devices verify with
+:mod:`edge_sdk.signing` against the public key they pin.
 
 Where the private key comes from, first match wins:
 1. ``$FL_SIGNING_KEY``: the 32-byte private seed as 64 hex characters;
@@ -10,16 +11,19 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Mapping
 
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from edge_sdk.signing import signature_record, write_signature
+from edge_sdk import strictjson
+from edge_sdk.signing import make_release, signature_record, write_signature
 
 log = logging.getLogger("fl_server.service")
 KEY_FILE = "signing_key.pem"
+OFFLINE_TTL_S = 365 * 86400  # how long a bundle signed by `fl-server export --signing-key` stays valid
 
 
 class ManifestSigner:
@@ -35,13 +39,24 @@ class ManifestSigner:
     def sign(self, data: bytes) -> bytes:
         return self._key.sign(data)
 
-    def record(self, manifest: bytes) -> dict[str, str]:
-        """The ``manifest.sig`` record for these exact manifest bytes (Ed25519 is deterministic)."""
-        return signature_record(self.public_key, self.sign(manifest))
+    def record(self, manifest: bytes, method: str, version: int, expires_at: float) -> dict[str, str]:
+        """The ``manifest.sig`` record for these exact manifest bytes: a signed release of ``method`` at
+        ``version`` (>= 1, rising per method), valid until ``expires_at`` (seconds since the epoch).
 
-    def sign_bundle(self, root: Path) -> Path:
-        """Write ``root/manifest.sig`` for ``root/manifest.json``."""
-        return write_signature(root, self.record((root / "manifest.json").read_bytes()))
+        >>> signer = ManifestSigner.generate()
+        >>> signer.record(b'{"method": "TENT"}', "TENT", 1, time.time() + 3600)["alg"]
+        'Ed25519'
+        """
+        release = make_release(manifest, method, version, expires_at, self.public_key)
+        return signature_record(self.public_key, release, self.sign(release))
+
+    def sign_bundle(self, root: Path, version: int | None = None, ttl_s: float = OFFLINE_TTL_S) -> Path:
+        """Write ``root/manifest.sig`` for ``root/manifest.json``, an offline export. ``version`` defaults to
+        the signing time in seconds (it rises with every later export without any state to keep)."""
+        manifest = (root / "manifest.json").read_bytes()
+        now = time.time()
+        method = str(strictjson.loads(manifest)["method"])
+        return write_signature(root, self.record(manifest, method, version or int(now), now + ttl_s))
 
     @classmethod
     def generate(cls) -> ManifestSigner:

@@ -11,6 +11,8 @@ venv=$work/sdk-venv
 "${PYTHON:-python3}" -m venv "$venv"
 "$venv/bin/pip" install -q "$here/edge_sdk" "pytest>=8"
 if "$venv/bin/pip" show torch >/dev/null 2>&1; then echo "FAIL: torch was installed by edge_sdk"; exit 1; fi
+# the distribution is fl-edge-sdk (import name edge_sdk): "edge-sdk" on PyPI is an unrelated project
+"$venv/bin/pip" show fl-edge-sdk >/dev/null || { echo "FAIL: ./edge_sdk did not install as fl-edge-sdk"; exit 1; }
 (cd "$work" && "$venv/bin/python" -c "import edge_sdk, sys; assert 'torch' not in sys.modules; print('edge_sdk', edge_sdk.__version__, 'imports without torch')")
 if "$venv/bin/pip" show scipy >/dev/null 2>&1; then echo "FAIL: scipy was installed by edge_sdk"; exit 1; fi
 "$venv/bin/pip" list --format=freeze | grep -v -i -E '^(pytest|pluggy|iniconfig|packaging|pygments)==' | sed 's/^/  /'

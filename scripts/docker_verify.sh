@@ -47,6 +47,9 @@ for _ in $(seq 1 60); do
 done
 echo "health: $(docker inspect -f '{{.State.Health.Status}}' "$NAME")"
 "$PY" -c "import httpx; print('healthz:', httpx.get('http://127.0.0.1:$PORT/healthz').text)"
+# devices pin the signing key, read from the container's store (the operator's channel), not trusted on first use
+FL_SIGNING_PUBLIC_KEY=$(docker exec "$NAME" python -c "from pathlib import Path; from fl_server.signing import ManifestSigner; print(ManifestSigner.load_or_create(Path('/data')).public_hex)")
+export FL_SIGNING_PUBLIC_KEY
 
 for m in tent odpfl-hn; do
   step "a device joins the container and streams (--method $m)"

@@ -23,7 +23,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "docs" / "reliability"
-FAULT_TESTS = ["tests/test_faults.py", "tests/test_edge_client.py", "edge_sdk/tests/test_signed_bundles.py"]
+FAULT_TESTS = ["tests/test_faults.py", "tests/test_edge_client.py", "edge_sdk/tests/test_signed_bundles.py",
+               "tests/test_update_channel.py", "tests/test_tls.py"]
 BAD_INPUT_TESTS = ["edge_sdk/tests/test_bad_inputs.py"]
 COMMAND = "python scripts/reliability_report.py"
 

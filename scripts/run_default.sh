@@ -20,6 +20,8 @@ for _ in $(seq 1 120); do
   kill -0 "$SERVER" 2>/dev/null || { echo "coordinator exited; see runs/coordinator.log"; tail -20 runs/coordinator.log; exit 1; }
   sleep 0.5
 done
+# the device pins the coordinator's signing key, read from the store this script owns (not trusted on first use)
+export FL_SIGNING_PUBLIC_KEY=$("$BIN/python" -c "import sys; from pathlib import Path; from fl_server.signing import ManifestSigner; print(ManifestSigner.load_or_create(Path(sys.argv[1])).public_hex)" "$STORE")
 echo "coordinator up at $URL (dashboard $URL/, API docs $URL/docs, log runs/coordinator.log);"
 echo "waiting for its default bundles (training on the embedded digits; progress on the dashboard) ..."
 for m in $METHODS; do

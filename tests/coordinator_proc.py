@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -52,8 +53,9 @@ class Coordinator:
 
 
 def start(store: Path, methods: str = "TENT,ODPFL-HN", rounds: int = 1, workers: int = 2,
-          env: dict[str, str] | None = None) -> Coordinator:
-    """``env`` adds to the server's environment (e.g. ``FL_SERVE_TOKEN_RATE``)."""
+          env: dict[str, str] | None = None, tls: tuple[Path, Path, Path] | None = None) -> Coordinator:
+    """``env`` adds to the server's environment (e.g. ``FL_SERVE_TOKEN_RATE``); ``tls`` = (certificate, key,
+    CA that signed it): serve HTTPS (``--tls-cert/--tls-key``), polled with that CA pinned."""
     port = free_port()
     env = {**os.environ, "FL_SERVE_DEFAULT_METHODS": methods, "FL_SERVE_ROUNDS": str(rounds),
            "FL_SERVE_WORKERS": str(workers), "FL_ADMIN_TOKEN": ADMIN, "OMP_NUM_THREADS": "1",
@@ -61,16 +63,18 @@ def start(store: Path, methods: str = "TENT,ODPFL-HN", rounds: int = 1, workers:
            **(env or {})}
     log = store.with_name(store.name + f"-{port}.log")
     store.mkdir(parents=True, exist_ok=True)
+    https = ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])] if tls else []
     proc = subprocess.Popen([sys.executable, "-m", "fl_server.cli", "serve", "--port", str(port), "--store",
-                             str(store), "--log-level", "warning"], env=env, cwd=REPO,
+                             str(store), "--log-level", "warning", *https], env=env, cwd=REPO,
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+    verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(tls[2])) if tls else True
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"coordinator exited with {proc.returncode}: {log.read_text()[-2000:]}")
         try:
-            if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
+            if httpx.get(f"{url}/healthz", timeout=2, verify=verify).status_code == 200:
                 return Coordinator(url, store, proc, log)
         except httpx.TransportError:
             pass
@@ -100,8 +104,9 @@ def train_store(store: Path) -> Path:
     return store
 
 
-def start_copy(trained: Path, store: Path, env: dict[str, str] | None = None) -> Coordinator:
+def start_copy(trained: Path, store: Path, env: dict[str, str] | None = None,
+               tls: tuple[Path, Path, Path] | None = None) -> Coordinator:
     """A server on a copy of a trained store: its bundles are served at once, nothing is trained (the
     finished jobs' run directories are not needed to serve and are left out)."""
     shutil.copytree(trained, store, ignore=lambda d, names: ["jobs"] if Path(d) == trained else [])
-    return start(store, env=env)
+    return start(store, env=env, tls=tls)

@@ -309,7 +309,13 @@ def test_restart_keeps_state(server: Coordinator, client: dict, tmp_path: Path) 
         done_after = {j["id"]: j for j in after_jobs if j["id"] in done_before}
         assert done_after == done_before  # finished jobs and their bundles, untouched
         assert {j["id"] for j in after_jobs} == {j["id"] for j in before["/v1/jobs"]}  # the queued one too
-        assert httpx.get(f"{again.url}/v1/manifest", timeout=10).json() == before["/v1/manifest"]
+        manifest = httpx.get(f"{again.url}/v1/manifest", timeout=10).json()
+        old_release, new_release = (json.loads(m.pop("signature")["release"])
+                                    for m in (before["/v1/manifest"], manifest))
+        assert manifest == before["/v1/manifest"]
+        # the same release (bundle, method, version), signed afresh: only its expiry moved on
+        assert {**new_release, "expires": None} == {**old_release, "expires": None}
+        assert new_release["expires"] >= old_release["expires"]
         # the client's token still works, and the DLE aggregate survived
         assert httpx.get(f"{again.url}/v1/btfl/dle", headers=auth(client["token"]), timeout=10).json() == dle
         assert len(httpx.get(f"{again.url}/v1/jobs", headers=auth(ADMIN), timeout=10).json()) == 3

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -21,9 +20,10 @@ from typing import Any
 
 import numpy as np
 
+from edge_sdk import strictjson
 from edge_sdk.errors import BundleError, BundleSignatureError
-from edge_sdk.signing import SIGNATURE_FILE, PublicKey, parse_public_key, verify_manifest
 from edge_sdk.preprocess import Preprocess
+from edge_sdk.signing import SIGNATURE_FILE, PublicKey, Release, parse_public_key, verify_manifest
 
 __all__ = ["MANIFEST", "Bundle", "BundleError", "BundleSignatureError", "UnverifiedSignatureWarning", "load_bundle",
            "sha256_file"]
@@ -48,6 +48,7 @@ class Bundle:
     root: Path
     manifest: dict[str, Any]
     signed_by: bytes | None = None  # the pinned key the manifest was verified with (None: hashes only)
+    release: Release | None = None  # the signed release (method, version, expiry) when verified with a key
     verified: dict[str, bytes] = field(default_factory=dict, repr=False)  # artifact name -> the hashed bytes
 
     @property
@@ -95,23 +96,25 @@ class Bundle:
 def load_bundle(root: str | os.PathLike, public_key: PublicKey | None = None) -> Bundle:
     """Read and fully verify a bundle directory; raises :class:`BundleError` with one clear line.
     ``public_key`` (32 bytes or hex): the manifest's bytes must carry a valid signature by this key
-    (``manifest.sig``), checked before anything else is read."""
+    (``manifest.sig``), checked before anything else is read. The signed release's version and expiry are in
+    ``Bundle.release``; judging them (rollback, freeze) is the update channel's job (``EdgeClient.download``,
+    :mod:`edge_sdk.versions`): a bundle already on disk stays loadable offline after its release expires."""
     root = Path(root)
     manifest_path = root / MANIFEST
     if not manifest_path.is_file():
         raise BundleError(f"{manifest_path}: not found (is {root} a bundle directory?)")
     raw = manifest_path.read_bytes()  # read once: the bytes verified are the bytes parsed
-    trusted = None
+    trusted = release = None
     if public_key is not None:
         trusted = parse_public_key(public_key)
         sig_path = root / SIGNATURE_FILE
-        verify_manifest(raw, sig_path.read_bytes() if sig_path.is_file() else None, trusted, str(root))
+        release = verify_manifest(raw, sig_path.read_bytes() if sig_path.is_file() else None, trusted, str(root))
     elif (root / SIGNATURE_FILE).is_file():
         warnings.warn(UnverifiedSignatureWarning(
             f"{root} is signed, but no public key was given: its signature is not checked (only its sha256 "
             "hashes); pass public_key= (the coordinator's key, GET /v1/signing-key) to verify it"), stacklevel=2)
     try:
-        manifest = json.loads(raw)
+        manifest = strictjson.loads(raw)
         artifacts = manifest["artifacts"]
         manifest["method"]
         if not isinstance(artifacts, list) or not all(isinstance(a, dict) for a in artifacts):
@@ -134,4 +137,4 @@ def load_bundle(root: str | os.PathLike, public_key: PublicKey | None = None) ->
         if hashlib.sha256(data).hexdigest() != a.get("sha256"):
             raise BundleError(f"{path}: sha256 does not match the manifest; refusing to use it")
         verified[str(a.get("name"))] = data
-    return Bundle(root, manifest, trusted, verified)
+    return Bundle(root, manifest, trusted, release, verified)

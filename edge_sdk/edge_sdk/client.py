@@ -21,6 +21,16 @@ bundle, so nothing unsigned reaches onnxruntime.
   key is required, and a coordinator that presents another key is refused until the entry is deleted or a
   key is pinned. This protects against later tampering, not against an attacker present at first contact.
 
+Freshness: each signature is a signed *release* (:mod:`edge_sdk.signing`) with a version that rises with
+every bundle the coordinator publishes for a method and an expiry. ``download`` refuses an expired release
+(:class:`~edge_sdk.errors.BundleExpiredError`: a stale or replayed manifest) and one older than the newest it
+accepted for that method from this ``url`` under this key (:class:`~edge_sdk.errors.BundleRollbackError`), which
+it keeps in ``<cache>/accepted_versions.json`` (:mod:`edge_sdk.versions`).
+
+Transport: use ``https://`` so that tokens and manifests do not travel in clear. The coordinator's certificate
+is verified against the CA bundle httpx ships (certifi) or, for a self-signed deployment, only against the CA
+in ``ca_file`` (pinned): ``EdgeClient("https://coordinator:8443", ca_file="ca.pem", public_key=KEY)``.
+
 Replies are bounded: a JSON reply larger than ``max_response_bytes``, an artifact larger than its manifest
 size, a reply that is not HTTP or not JSON each give a clear :class:`EdgeClientError`; every read has the
 ``timeout`` and every attempt a total ``deadline`` (a server that trickles bytes cannot hold the device).
@@ -32,6 +42,7 @@ import hashlib
 import json
 import os
 import re
+import ssl
 import time
 import warnings
 from dataclasses import dataclass
@@ -41,10 +52,11 @@ from typing import Any, Callable
 import httpx
 import numpy as np
 
-from edge_sdk import tensors
+from edge_sdk import strictjson, tensors
 from edge_sdk.bundle import MANIFEST, Bundle, load_bundle, sha256_file
 from edge_sdk.errors import BundleSignatureError
-from edge_sdk.signing import PublicKey, parse_public_key, verify_manifest, write_signature
+from edge_sdk.signing import PublicKey, key_id, parse_public_key, verify_manifest, write_signature
+from edge_sdk.versions import VersionLedger
 
 _SHA = re.compile(r"[0-9a-f]{64}")  # used with fullmatch: "$" would also accept a trailing newline
 _SAFE = re.compile(r"[A-Za-z0-9._+-]{1,64}")
@@ -81,19 +93,36 @@ class EdgeClient:
     def __init__(self, url: str, cache_dir: str | os.PathLike | None = None, timeout: float = 10.0,
                  retries: int = 4, backoff: float = 0.5, max_backoff: float = 10.0,
                  token: str | None = None, transport: httpx.BaseTransport | None = None,
-                 event_hooks: dict[str, list[Callable]] | None = None, public_key: PublicKey | None = None,
-                 deadline: float = 300.0, max_response_bytes: int = 64 << 20) -> None:
-        """``public_key``: the coordinator's Ed25519 key (hex or 32 bytes) to pin; None = trust on first use.
-        ``timeout``: per read/connect; ``deadline``: per attempt, in all; ``max_response_bytes``: JSON replies."""
+                 event_hooks: dict[str, list[Callable]] | None = None,
+                 public_key: PublicKey | list[PublicKey] | tuple[PublicKey, ...] | None = None,
+                 deadline: float = 300.0, max_response_bytes: int = 64 << 20,
+                 ca_file: str | os.PathLike | None = None) -> None:
+        """``public_key``: the coordinator's Ed25519 key (hex or 32 bytes) to pin, or several during a key
+        rotation (a manifest signed by any of them is accepted); None = trust on first use.
+        ``timeout``: per read/connect; ``deadline``: per attempt, in all; ``max_response_bytes``: JSON replies.
+        ``ca_file``: PEM of the only CA(s) an ``https://`` coordinator's certificate may chain to (a
+        self-signed deployment); None: httpx's default CA bundle."""
         self.url = url.rstrip("/")
         self.cache = Path(cache_dir or Path.home() / ".cache" / "fl-edge").expanduser()
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
-        self.pinned = parse_public_key(public_key) if public_key is not None else None
+        keys = public_key if isinstance(public_key, (list, tuple)) else [] if public_key is None else [public_key]
+        if public_key is not None and not keys:
+            raise BundleSignatureError("public_key: an empty list pins no key (None trusts on first use)")
+        self.pinned_keys = [parse_public_key(k) for k in keys]
+        self.pinned = self.pinned_keys[0] if self.pinned_keys else None
         self.deadline, self.max_response_bytes = deadline, max_response_bytes
         self.token = token
         self.client_id: str | None = None
+        verify: ssl.SSLContext | bool = True
+        if ca_file is not None:
+            try:
+                verify = ssl.create_default_context(cafile=os.fspath(ca_file))
+            except (OSError, ssl.SSLError) as exc:
+                raise EdgeClientError(f"ca_file {os.fspath(ca_file)!r}: not a readable PEM CA certificate "
+                                      f"({exc})") from None
+        self.versions = VersionLedger(self.cache / "accepted_versions.json")
         self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout), transport=transport,
-                                 event_hooks=event_hooks or {}, headers={"User-Agent": "edge_sdk/0.1"})
+                                 verify=verify, event_hooks=event_hooks or {}, headers={"User-Agent": "edge_sdk/0.1"})
         (self.cache / "objects").mkdir(parents=True, exist_ok=True)
 
     def __enter__(self) -> EdgeClient:
@@ -145,7 +174,7 @@ class EdgeClient:
         if r.status_code >= 400:
             raise EdgeClientError(f"{method} {path}: HTTP {r.status_code}: {_detail(r)}", r.status_code)
         try:
-            return r.json()
+            return strictjson.loads(r.content)
         except (ValueError, RecursionError):
             raise EdgeClientError(f"{method} {self.url}{path}: the reply is not JSON (HTTP {r.status_code}, "
                                   f"{r.headers.get('content-type', 'no content type')}, starts {r.content[:40]!r})",
@@ -183,8 +212,8 @@ class EdgeClient:
             cached = self._manifest_path(method)
             if cached.is_file() and exc.status is None:  # offline, not refused
                 try:
-                    return json.loads(cached.read_text())
-                except ValueError:
+                    return strictjson.loads(cached.read_bytes())
+                except (ValueError, RecursionError):
                     raise exc from None  # the cached copy is damaged too: report the network error
             raise
         if not isinstance(m, dict):
@@ -235,20 +264,28 @@ class EdgeClient:
         if not _SHA.fullmatch(bundle_id):
             raise EdgeClientError(f"manifest has no valid bundle_id: {bundle_id[:80]!r}")
         key = self.trusted_key()
+        record = m.get("signature")
+        signer = record.get("public_key") if isinstance(record, dict) else None
+        key = next((k for k in self.pinned_keys if k.hex() == signer), key)  # rotation: the pinned key that signed
         root = self.cache / "bundles" / bundle_id
         root.mkdir(parents=True, exist_ok=True)
         manifest_file = self.fetch(bundle_id)  # the manifest.json bytes; their sha256 is the bundle id
         raw = manifest_file.read_bytes()
         try:  # authenticity first: nothing else is fetched for a manifest that is not signed by the key
-            verify_manifest(raw, m.get("signature"), key, f"bundle {bundle_id}")
+            release = verify_manifest(raw, m.get("signature"), key, f"bundle {bundle_id}")
         except BundleSignatureError as exc:
             hint = "" if self.pinned is not None else (f" (key trusted on first use, from {self._trust_path()}: "
                                                        "delete the entry there if the key was rotated on purpose)")
             raise BundleSignatureError(f"{exc}{hint}") from None
+        # freshness next: an expired release, or one older than this device accepted, is a replay. One ratchet
+        # per coordinator and signing key: a rotated key starts its own (TUF resets on rotation the same way,
+        # so a compromised old key that signed a huge version cannot lock the new one out)
+        channel = f"{self.url} key {key_id(key)}"
+        self.versions.check(channel, release, f"bundle {bundle_id}")
         try:
-            listed = json.loads(raw)
+            listed = strictjson.loads(raw)
             same = [a["sha256"] for a in listed["artifacts"]] == [a["sha256"] for a in m["artifacts"]]
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
             raise EdgeClientError(f"bundle {bundle_id}: malformed manifest ({exc})") from None
         if not same:
             raise EdgeClientError(f"bundle {bundle_id}: the served manifest does not match its signed bytes")
@@ -261,7 +298,9 @@ class EdgeClient:
             _link(self.fetch(a["sha256"], a.get("size")), root / a["file"])
         write_signature(root, m["signature"])
         _link(manifest_file, root / MANIFEST)
-        return load_bundle(root, public_key=key)
+        bundle = load_bundle(root, public_key=key)
+        self.versions.accept(channel, release)
+        return bundle
 
     def fetch(self, sha256: str, size: int | None = None) -> Path:
         """One artifact by content address into ``cache/objects`` (resuming a partial download), verified."""
@@ -369,7 +408,7 @@ class EdgeClient:
                 time.sleep(poll)
                 continue
             if r.status_code == 200:
-                return r.json()
+                return strictjson.loads(r.content)
             if r.status_code != 503 or time.monotonic() > deadline:
                 raise EdgeClientError(f"no bundle for {method or 'the default method'}: HTTP {r.status_code} "
                                       f"{_detail(r)}", r.status_code)
@@ -390,7 +429,7 @@ class EdgeClient:
         path = self._manifest_path(method)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(m))
+        tmp.write_text(strictjson.dumps(m))
         os.replace(tmp, path)
 
 

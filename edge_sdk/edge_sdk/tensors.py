@@ -10,12 +10,13 @@ weights on either side.
 """
 from __future__ import annotations
 
-import json
 import math
 import struct
 from collections.abc import Mapping
 
 import numpy as np
+
+from edge_sdk import strictjson
 
 MEDIA_TYPE = "application/vnd.fl-edge.weights"
 _DTYPES = {"F32": np.dtype("<f4")}
@@ -33,7 +34,7 @@ def encode_header(shapes: Mapping[str, tuple[int, ...]], metadata: Mapping[str, 
         size = 4 * int(np.prod(shape, dtype=np.int64))
         header[name] = {"dtype": "F32", "shape": [int(s) for s in shape], "data_offsets": [offset, offset + size]}
         offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw = strictjson.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     return struct.pack("<Q", len(raw)) + raw
 
@@ -53,8 +54,8 @@ def decode(body: bytes) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     if n > _MAX_HEADER or 8 + n > len(body):
         raise ValueError(f"weights header length {n} does not fit a body of {len(body)} bytes")
     try:
-        header = json.loads(body[8:8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        header = strictjson.loads(body[8:8 + n])
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise ValueError(f"weights header is not JSON: {exc}") from None
     if not isinstance(header, dict):
         raise ValueError("weights header must be a JSON object")

@@ -199,6 +199,8 @@ class ODPFLHN(Algorithm):
         trunk (``encoder_model`` then only labels it, e.g. ``"recipe"``)."""
         super().__init__(model, config, seed, **overrides)
         hp = self.hp
+        if hp.dp_epsilon is None:  # a bundle manifest (strict JSON) writes the unbounded budget as null
+            hp.dp_epsilon = math.inf
         if not (hp.dp_epsilon > 0) or not (0 < hp.dp_delta < 1):
             raise ValueError(f"need dp_epsilon > 0 and 0 < dp_delta < 1, got {hp.dp_epsilon}, {hp.dp_delta}")
         if math.isfinite(hp.dp_epsilon) and not hp.dp:

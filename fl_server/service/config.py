@@ -30,6 +30,9 @@ class ServiceConfig:
     # recipes an admin may name in a job (FILE[:NAME] for FILE.py in this directory); None: built-in ones only
     recipes_dir: str | None = field(default_factory=lambda: os.environ.get("FL_SERVE_RECIPES_DIR"))
     admin_token: str | None = field(default_factory=lambda: os.environ.get("FL_ADMIN_TOKEN"))
+    # how long a signed release (a bundle's version and expiry) is valid; re-signed after half of it. A device
+    # refuses an expired one, so a replayed manifest stops working after this long (freeze protection)
+    manifest_ttl_s: float = field(default_factory=lambda: float(os.environ.get("FL_SERVE_MANIFEST_TTL_S", "604800")))
     retry_after_s: int = 5
     max_body_bytes: int = 1 << 20  # 1 MiB: an embedding or a DLE is far smaller
     # a published bundle (POST /v1/bundles, fl-server publish): the whole archive at most
@@ -62,6 +65,8 @@ class ServiceConfig:
             raise ValueError("FL_SERVE_ROUNDS and FL_SERVE_WORKERS must be >= 1")
         if self.admin_token and not 16 <= len(self.admin_token) <= 512:
             raise ValueError("FL_ADMIN_TOKEN must have 16 to 512 characters (it guards every admin route)")
+        if not self.manifest_ttl_s >= 60:
+            raise ValueError("FL_SERVE_MANIFEST_TTL_S must be >= 60 (seconds a signed release stays valid)")
         if self.artifact_cache_file_max < 0:
             raise ValueError("FL_SERVE_ARTIFACT_CACHE_FILE_MAX must be >= 0 (0: stream every artifact from disk)")
         if min(self.token_rate, self.token_burst, self.join_rate, self.join_burst) < 0:

@@ -41,8 +41,12 @@ class ArtifactRef(BaseModel):
 
 class ManifestSignature(BaseModel):
     alg: Literal["Ed25519"] = "Ed25519"
+    key_id: str = Field(description="first 16 hex characters of the signer's key (key rotation)")
     public_key: str = Field(description="the signer's key (informational: devices verify with the key they pin)")
-    signature: str = Field(description="64-byte Ed25519 signature (hex) of GET /v1/artifacts/{bundle_id}'s bytes")
+    release: str = Field(description="the signed release, strict JSON text: bundle_id (sha256 of GET "
+                                     "/v1/artifacts/{bundle_id}'s bytes), method, version (rises per method), "
+                                     "expires (UTC), key_id; devices refuse an older version or an expired one")
+    signature: str = Field(description="64-byte Ed25519 signature (hex) of the bytes of release")
 
 
 class Manifest(BaseModel):

@@ -2,14 +2,15 @@
 which bundle serves which method."""
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import numpy as np
 
+from edge_sdk import strictjson
 from fl_server.service.artifacts import ArtifactStore
 from fl_server.service.dle import DLEAggregate
 from fl_server.service.config import DEFAULT_METHODS, ServiceConfig
@@ -41,7 +42,8 @@ class Service:
         self._bundle_version = -1
         self._by_method: dict[str, dict[str, Any]] = {}
         self._by_id: dict[str, dict[str, Any]] = {}
-        self._manifest_json: dict[str, bytes] = {}
+        self._versions: dict[str, int] = {}  # bundle id -> release version (store.bundle_versions)
+        self._manifest_json: dict[str, tuple[dict[str, str], bytes]] = {}  # id -> (signature, serialised view)
         self._blobs: dict[str, bytes] = {}  # small artifacts kept in memory (they never change)
         self._blob_bytes = 0
         self._btfl_base: dict[str, tuple[str, np.ndarray, int]] = {}
@@ -49,7 +51,7 @@ class Service:
         self.dles = DLEAggregate(self.store)  # BTFL: running sums of the clients' DLEs
         self.admin_token_file = cfg.store_dir / "admin_token"
         self.signer = ManifestSigner.load_or_create(cfg.store_dir)
-        self._signatures: dict[str, dict[str, str]] = {}
+        self._signatures: dict[str, tuple[dict[str, str], float]] = {}  # id -> (record, when to re-sign)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -95,6 +97,7 @@ class Service:
             bundles = self.store.bundles()  # oldest first: the newest bundle of a method wins
             self._by_method = {b["method"]: b for b in bundles}
             self._by_id = {b["id"]: b for b in bundles}
+            self._versions = self.store.bundle_versions()
             self._public = set(self._by_id) | {a["sha256"] for b in bundles
                                                          for a in b["manifest"]["artifacts"]}
             self._bundle_version = version
@@ -134,12 +137,22 @@ class Service:
         return sha256 in self._by_id
 
     def signature(self, bundle_id: str) -> dict[str, str]:
-        """The ``manifest.sig`` record of a bundle: Ed25519 over the exact bytes of its manifest.json
-        (deterministic, so computed once per bundle and key)."""
-        record = self._signatures.get(bundle_id)
-        if record is None:
-            record = self._signatures[bundle_id] = self.signer.record(self.artifact_bytes(bundle_id))
-        return record
+        """The ``manifest.sig`` record of a bundle: a signed release (edge_sdk.signing) binding the sha256 of
+        its manifest.json to its method, its release version and an expiry ``cfg.manifest_ttl_s`` ahead. Kept
+        and re-signed once half of that has passed, so a device always gets at least half the validity."""
+        now = time.time()
+        cached = self._signatures.get(bundle_id)
+        if cached is None or now >= cached[1]:
+            bundle = self.bundle_by_id(bundle_id)
+            if bundle is None:
+                raise KeyError(f"no bundle {bundle_id}")
+            version = self._versions.get(bundle_id)
+            if version is None:  # numbered after the tables were last read
+                version = self._versions[bundle_id] = self.store.bundle_versions()[bundle_id]
+            record = self.signer.record(self.artifact_bytes(bundle_id), bundle["manifest"]["method"], version,
+                                        now + self.cfg.manifest_ttl_s)
+            cached = self._signatures[bundle_id] = (record, now + self.cfg.manifest_ttl_s / 2)
+        return cached[0]
 
     def manifest_view(self, bundle: dict[str, Any]) -> dict[str, Any]:
         m = bundle["manifest"]
@@ -148,11 +161,14 @@ class Service:
                 "signature": self.signature(bundle["id"])}
 
     def manifest_json(self, bundle: dict[str, Any]) -> bytes:
-        """The manifest view serialised once per bundle (the hot path of joins and manifest requests)."""
+        """The manifest view serialised once per signature (the hot path of joins and manifest requests);
+        strict JSON (a bundle of an older export may hold Infinity: it is served as null)."""
+        record = self.signature(bundle["id"])
         cached = self._manifest_json.get(bundle["id"])
-        if cached is None:
-            cached = self._manifest_json[bundle["id"]] = json.dumps(self.manifest_view(bundle)).encode()
-        return cached
+        if cached is None or cached[0] is not record:
+            view = strictjson.dumps(strictjson.finite(self.manifest_view(bundle))).encode()
+            cached = self._manifest_json[bundle["id"]] = (record, view)
+        return cached[1]
 
     def btfl_base(self) -> tuple[str, np.ndarray, int] | None:
         """(bundle id, global DLE [D, L], clients) of the newest BTFL bundle: its training clients' average DLE,

@@ -36,6 +36,8 @@ CREATE TABLE IF NOT EXISTS bundles (id TEXT PRIMARY KEY, job_id TEXT NOT NULL, m
 CREATE TABLE IF NOT EXISTS dles (client_id TEXT PRIMARY KEY, dims INTEGER NOT NULL, levels INTEGER NOT NULL,
                                  num_samples INTEGER NOT NULL, freqs TEXT NOT NULL, updated REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS bundle_versions (bundle_id TEXT PRIMARY KEY, method TEXT NOT NULL,
+                                            version INTEGER NOT NULL, UNIQUE (method, version));
 """
 # clients that never used their token, oldest first: what a join at the cap may reclaim (created after the
 # migration below, which adds first_used to a store of an older version)
@@ -66,6 +68,7 @@ class Store:
             self._db.executescript(SCHEMA)
             self._add_first_used_column()
             self._db.execute(UNUSED_INDEX)
+            self._number_bundles()  # bundles of a store that predates release versions
         self._num_clients = self.count("clients")  # add_client keeps it: one process owns the store
         self._last_reclaim = -float("inf")  # time.monotonic() of the last reclaim pass
         self._closed = threading.Event()
@@ -238,9 +241,33 @@ class Store:
     # --------------------------------------------------------------- bundles
     def add_bundle(self, bundle_id: str, job_id: str, method: str, dataset: str, manifest: dict[str, Any],
                    server: dict[str, str]) -> None:
-        self._run("INSERT OR REPLACE INTO bundles VALUES (?, ?, ?, ?, ?, ?, ?)",
-                  (bundle_id, job_id, method, dataset, json.dumps(manifest), json.dumps(server), time.time()))
+        with self._lock:  # the bundle and its version appear together to readers
+            self._db.execute("INSERT OR REPLACE INTO bundles VALUES (?, ?, ?, ?, ?, ?, ?)",
+                             (bundle_id, job_id, method, dataset, json.dumps(manifest), json.dumps(server),
+                              time.time()))
+            self._number_bundles()
         self.bundles_version += 1
+
+    def _number_bundles(self) -> None:
+        """Give every bundle without a release version the next version of its method, oldest first (under the
+        lock). Versions are stored, so they only ever rise, across restarts too: devices refuse a lower one."""
+        new = self._db.execute("SELECT id, method FROM bundles WHERE id NOT IN (SELECT bundle_id FROM "
+                               "bundle_versions) ORDER BY created").fetchall()
+        if not new:
+            return
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            for row in new:  # one by one: each sees the version given to the one before
+                self._db.execute("INSERT INTO bundle_versions SELECT ?, ?, COALESCE(MAX(version), 0) + 1 FROM "
+                                 "bundle_versions WHERE method = ?", (row["id"], row["method"], row["method"]))
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    def bundle_versions(self) -> dict[str, int]:
+        """Bundle id -> its release version (rising per method, in the order bundles were added)."""
+        return {r["bundle_id"]: r["version"] for r in self._run("SELECT bundle_id, version FROM bundle_versions")}
 
     @staticmethod
     def _bundle_dict(row: sqlite3.Row) -> dict[str, Any]:
