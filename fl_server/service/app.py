@@ -74,6 +74,28 @@ class _TooLarge(Exception):
     pass
 
 
+class HeadAsGet:
+    """Pure ASGI middleware: HEAD is answered wherever GET is (RFC 9110 9.3.2): the request is routed as a GET
+    (``scope["fl.head"]`` marks it) and the response's body is dropped, its headers (Content-Length included)
+    kept."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def headers_only(msg: Message) -> None:
+            if msg["type"] == "http.response.body":
+                if msg.get("more_body", False):
+                    return
+                msg = {"type": "http.response.body", "body": b""}
+            await send(msg)
+
+        await self.app({**scope, "method": "GET", "fl.head": True}, receive, headers_only)
+
+
 async def _reject(send: Send, message: str) -> None:
     body = ('{"detail": "%s"}' % message).encode()
     await send({"type": "http.response.start", "status": 413,
@@ -110,5 +132,6 @@ def create_app(store_dir: str | Path, **overrides: Any) -> FastAPI:
     app.include_router(routes.router)
     app.include_router(dashboard.router)
     app.add_middleware(ArtifactFastPath, service=svc)  # inside GuardMiddleware: limits and metrics apply
+    app.add_middleware(HeadAsGet)
     app.add_middleware(GuardMiddleware, metrics=svc.metrics, max_body=svc.cfg.max_body_bytes)
     return app

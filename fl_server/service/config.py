@@ -48,6 +48,9 @@ class ServiceConfig:
     unused_client_ttl_s: float = field(default_factory=lambda: float(os.environ.get(
         "FL_SERVE_UNUSED_CLIENT_TTL_S", "86400")))
 
+    # training jobs waiting to start at most (POST /v1/jobs answers 503 beyond; the default jobs are exempt)
+    max_queued_jobs: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_MAX_QUEUED_JOBS", "16")))
+
     def __post_init__(self) -> None:
         self.store_dir = Path(self.store_dir)
         unknown = [m for m in self.default_methods if m not in SERVABLE_METHODS]
@@ -61,6 +64,8 @@ class ServiceConfig:
             raise ValueError("FL_SERVE_ARTIFACT_CACHE_FILE_MAX must be >= 0 (0: stream every artifact from disk)")
         if min(self.token_rate, self.token_burst, self.join_rate, self.join_burst) < 0:
             raise ValueError("FL_SERVE_{TOKEN,JOIN}_{RATE,BURST} must be >= 0 (a rate of 0 disables the limit)")
+        if self.max_queued_jobs < 1:
+            raise ValueError("FL_SERVE_MAX_QUEUED_JOBS must be >= 1")
         if self.max_clients < 0:
             raise ValueError("FL_SERVE_MAX_CLIENTS must be >= 0 (0: no cap)")
         if not self.unused_client_ttl_s >= 0:

@@ -48,6 +48,7 @@ _DESCRIPTIONS = {
     401: "missing or unknown bearer token",
     403: "the token's scope does not allow this endpoint",
     404: "not found",
+    409: "conflict with the resource's state",
     413: "request body over the size limit (1 MiB)",
     416: "range not satisfiable",
     422: "invalid input: schema violations (one entry per field) or a semantic check (one message)",
@@ -56,7 +57,7 @@ _DESCRIPTIONS = {
 }
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
 _HEADERS = {401: {"WWW-Authenticate": {"description": "Bearer", "schema": {"type": "string"}}},
-            429: _RETRY_AFTER, 503: _RETRY_AFTER}
+            429: _RETRY_AFTER, 503: _RETRY_AFTER, 507: _RETRY_AFTER}
 
 
 def documented(*codes: int, **descriptions: str) -> dict[int | str, dict[str, Any]]:
@@ -64,7 +65,7 @@ def documented(*codes: int, **descriptions: str) -> dict[int | str, dict[str, An
     ``descriptions`` (keyed ``e404`` etc.) replace the generic description of a code."""
     out: dict[int | str, dict[str, Any]] = {}
     for code in codes:
-        entry: dict[str, Any] = {"model": NotReady if code == 503 else Error,
+        entry: dict[str, Any] = {"model": NotReady if code == 503 and "e503" not in descriptions else Error,
                                  "description": descriptions.get(f"e{code}", _DESCRIPTIONS[code])}
         if code in _HEADERS:
             entry["headers"] = _HEADERS[code]
@@ -86,9 +87,11 @@ async def validation_error(request: Request, exc: RequestValidationError) -> JSO
 
 
 def _allowed_methods(request: Request) -> list[str]:
-    """The methods some route answers at the request's path (each method tried against every route)."""
-    return [m for m in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
-            if any(r.matches({**request.scope, "method": m})[0] == Match.FULL for r in request.app.router.routes)]
+    """The methods some route answers at the request's path (each method tried against every route; HEAD
+    wherever GET is: app.HeadAsGet)."""
+    allowed = [m for m in ("GET", "POST", "PUT", "PATCH", "DELETE")
+               if any(r.matches({**request.scope, "method": m})[0] == Match.FULL for r in request.app.router.routes)]
+    return allowed[:1] + ["HEAD"] + allowed[1:] if "GET" in allowed else allowed
 
 
 async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
@@ -96,10 +99,13 @@ async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
     and a 405's ``Allow`` listing every method of the path (Starlette names only the first route's)."""
     detail, headers = exc.detail, dict(exc.headers or {})
     if exc.status_code == 400 and detail == _FASTAPI_BODY_ERROR:
-        detail = "request body is not valid UTF-8 JSON"
+        detail = ("request body is nested too deeply (JSON arrays and objects within each other); no request "
+                  "of this API nests more than 3 levels" if isinstance(exc.__cause__, RecursionError)
+                  else "request body is not valid UTF-8 JSON")
     if exc.status_code == 405:
         headers["Allow"] = ", ".join(_allowed_methods(request))
-        detail = f"method {request.method} is not allowed here; allowed: {headers['Allow']}"
+        method = "HEAD" if request.scope.get("fl.head") else request.method
+        detail = f"method {method} is not allowed here; allowed: {headers['Allow']}"
     return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=headers)
 
 

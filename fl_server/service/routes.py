@@ -16,6 +16,7 @@ from fl_server.service.auth import Principal, require_admin, require_client
 from fl_server.service.dle import ShapeMismatch, view_json
 from fl_server.service.errors import AUTH, BODY, documented
 from fl_server.service.fastpath import artifact_headers
+from fl_server.service.jobs import QueueFull
 from fl_server.service.ratelimit import limit_join
 from fl_server.service.ranges import Unsatisfiable, parse_range
 from fl_server.service.state import NONE_METHOD, Service
@@ -79,14 +80,23 @@ async def join(body: S.JoinRequest, request: Request, svc: Service = Depends(ser
                     media_type="application/json")
 
 
+def etag_matches(if_none_match: str | None, etag: str) -> bool:
+    """Whether an ``If-None-Match`` header matches ``etag`` (RFC 9110 13.1.2: a list of tags, or ``*``)."""
+    return if_none_match is not None and any(t.strip() in (etag, f"W/{etag}", "*")
+                                             for t in if_none_match.split(","))
+
+
 @router.get("/v1/manifest", response_model=S.Manifest, tags=["devices"],
-            responses=documented(404, 422, 503, e404="no bundle and no job for this method"))
+            responses={304: {"description": "If-None-Match matched (the newest bundle is the one the device has)"},
+                       **documented(404, 422, 503, e404="no bundle and no job for this method")})
 async def manifest(method: str | None = Query(None, max_length=S.MAX_METHOD_CHARS),
-                   svc: Service = Depends(service)) -> Response:
+                   if_none_match: str | None = Header(None), svc: Service = Depends(service)) -> Response:
     """The newest bundle's manifest for ``method`` (default: the default bundle)."""
     bundle = _bundle_or_503(svc, method)
-    return Response(svc.manifest_json(bundle), media_type="application/json",
-                    headers={"ETag": f'"{bundle["id"]}"', "Cache-Control": "no-cache"})
+    headers = {"ETag": f'"{bundle["id"]}"', "Cache-Control": "no-cache"}
+    if etag_matches(if_none_match, headers["ETag"]):
+        return Response(status_code=304, headers=headers)
+    return Response(svc.manifest_json(bundle), media_type="application/json", headers=headers)
 
 
 @router.get("/v1/artifacts/{sha256}", tags=["devices"], response_class=Response,
@@ -102,7 +112,7 @@ async def artifact(sha256: str, range_: str | None = Header(None, alias="range")
         raise HTTPException(404, f"no artifact {sha256[:80]!r} (addresses come from a manifest)")
     etag = f'"{sha256}"'
     headers = artifact_headers(svc, sha256)  # plain GETs are answered by fastpath.ArtifactFastPath
-    if if_none_match is not None and etag in [t.strip() for t in if_none_match.split(",")] + ['"*"', "*"]:
+    if etag_matches(if_none_match, etag):
         return Response(status_code=304, headers=headers)
     data = svc.cached_artifact(sha256)
     path = svc.artifacts.path(sha256)
@@ -212,12 +222,16 @@ def _job_view(svc: Service, job: dict[str, Any], with_rounds: bool) -> dict[str,
     return {**job, "rounds_done": len(rounds), "rounds": rounds if with_rounds else None}
 
 
-@router.post("/v1/jobs", response_model=S.Job, status_code=201, tags=["jobs"], responses=documented(*AUTH, *BODY))
+@router.post("/v1/jobs", response_model=S.Job, status_code=201, tags=["jobs"],
+             responses=documented(*AUTH, *BODY, 503, e503="the job queue is full (FL_SERVE_MAX_QUEUED_JOBS)"))
 def create_job(body: S.JobRequest, _: Principal = Depends(require_admin), svc: Service = Depends(service)) -> dict:
     """Start a training recipe on a data set and partition; it is exported and served when done."""
     if body.partition == "dirichlet" and body.alpha is None:
         raise HTTPException(422, "partition 'dirichlet' needs alpha")
-    job_id = svc.runner.submit(body.model_dump())
+    try:
+        job_id = svc.runner.submit(body.model_dump())
+    except QueueFull as exc:
+        raise HTTPException(503, str(exc), headers={"Retry-After": str(svc.cfg.retry_after_s)}) from None
     job = svc.store.job(job_id)
     assert job is not None
     return _job_view(svc, job, True)
@@ -236,6 +250,19 @@ def get_job(job_id: str, _: Principal = Depends(require_admin), svc: Service = D
     if job is None:
         raise HTTPException(404, f"no job {job_id[:64]!r}")
     return _job_view(svc, job, True)
+
+
+@router.delete("/v1/jobs/{job_id}", response_model=S.Job, tags=["jobs"],
+               responses=documented(*AUTH, 404, 409, e404="no such job", e409="the job has finished already"))
+def cancel_job(job_id: str, _: Principal = Depends(require_admin), svc: Service = Depends(service)) -> dict:
+    """Cancel a queued or running job (a running job's training process is killed); it is never served."""
+    job = svc.store.job(job_id[:64])
+    if job is None:
+        raise HTTPException(404, f"no job {job_id[:64]!r}")
+    if not svc.runner.cancel(job["id"]):
+        raise HTTPException(409, f"job {job['id']} is {svc.store.job(job['id'])['status']}; only a queued or "
+                                 "running job can be cancelled")
+    return _job_view(svc, svc.store.job(job["id"]), True)
 
 
 # ------------------------------------------------------------------ metrics

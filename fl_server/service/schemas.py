@@ -1,5 +1,6 @@
 """Request and response bodies of the coordinator API (pydantic; they are the OpenAPI documentation).
-Every number that comes in must be finite (``allow_inf_nan=False``) and every list is bounded."""
+Every number that comes in must be finite (``allow_inf_nan=False``) and of a JSON number type (strict: no
+``"1.0"``, ``true`` or ``"10"`` where a number belongs), and every list is bounded."""
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
@@ -19,7 +20,10 @@ DLERow = Annotated[list[Frequency], Field(min_length=2, max_length=MAX_DLE_LEVEL
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    """Request bodies: unknown fields refused, numbers finite, no coercion (a string or a boolean where a
+    number belongs is a 422; a JSON integer is still a valid float)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class JoinRequest(Strict):
@@ -126,7 +130,7 @@ class RoundRow(BaseModel):
 
 class Job(BaseModel):
     id: str
-    status: Literal["queued", "running", "done", "failed"]
+    status: Literal["queued", "running", "done", "failed", "cancelled"]
     spec: dict[str, Any]
     is_default: bool
     created: float

@@ -29,6 +29,7 @@ class Service:
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = cfg
         cfg.store_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(cfg.store_dir, 0o700)  # the database, the admin token and the signing key live here
         self.store = Store(cfg.store_dir / "coordinator.sqlite3")
         self.artifacts = ArtifactStore(cfg.store_dir / "objects")
         self.runner = JobRunner(cfg, self.store, self.artifacts)

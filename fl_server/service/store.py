@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import secrets
 import sqlite3
 import threading
@@ -41,7 +42,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 # migration below, which adds first_used to a store of an older version)
 UNUSED_INDEX = "CREATE INDEX IF NOT EXISTS clients_unused ON clients (created) WHERE first_used IS NULL"
 RECLAIM_BATCH = 10_000  # clients reclaimed per pass at most (a pass a minute: 14M a day, past any join rate)
-JOB_STATES = ("queued", "running", "done", "failed")
+JOB_STATES = ("queued", "running", "done", "failed", "cancelled")
 
 
 class RegistryFull(RuntimeError):
@@ -55,6 +56,11 @@ def hash_token(token: str) -> str:
 class Store:
     def __init__(self, path: Path, checkpoint_s: float = 2.0) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        # every client's DLE and the token hashes: owner-only (SQLite gives the -wal/-shm files the same mode)
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+        for f in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+            if f.exists():
+                os.chmod(f, 0o600)
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
         self._lock = threading.Lock()
@@ -205,6 +211,15 @@ class Store:
                                  (time.time(), row["id"]))
             self._db.execute("COMMIT")
         return None if row is None else self._job_dict(row, status="running")
+
+    def count_jobs(self, status: str) -> int:
+        return int(self._run("SELECT COUNT(*) AS n FROM jobs WHERE status = ?", (status,))[0]["n"])
+
+    def cancel_job(self, job_id: str) -> bool:
+        """Mark a queued or running job cancelled; False when it is finished (or unknown)."""
+        with self._lock:
+            return self._db.execute("UPDATE jobs SET status = 'cancelled', finished = ? WHERE id = ? AND status "
+                                    "IN ('queued', 'running')", (time.time(), job_id)).rowcount == 1
 
     def requeue_interrupted(self) -> int:
         """After a restart: jobs that were running go back to the queue (their run dirs resume)."""
