@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sqlite3
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -15,7 +16,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fl_server.service import dashboard, routes
 from fl_server.service.fastpath import ArtifactFastPath
-from fl_server.service.errors import http_error, server_error, validation_error
+from fl_server.service.artifacts import Corrupt
+from fl_server.service.errors import corrupt_object, http_error, server_error, storage_error, validation_error
 from fl_server.service.config import ServiceConfig
 from fl_server.service.metrics import Metrics
 from fl_server.service.state import Service
@@ -128,6 +130,9 @@ def create_app(store_dir: str | Path, **overrides: Any) -> FastAPI:
     app.state.service = svc
     app.add_exception_handler(RequestValidationError, validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Corrupt, corrupt_object)
+    app.add_exception_handler(OSError, storage_error)
+    app.add_exception_handler(sqlite3.Error, storage_error)
     app.add_exception_handler(Exception, server_error)
     app.include_router(routes.router)
     app.include_router(dashboard.router)

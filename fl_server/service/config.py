@@ -51,6 +51,12 @@ class ServiceConfig:
     # training jobs waiting to start at most (POST /v1/jobs answers 503 beyond; the default jobs are exempt)
     max_queued_jobs: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_MAX_QUEUED_JOBS", "16")))
 
+    # every stored object is re-hashed this often (s; 0: only at start and when a file changed on disk)
+    scrub_s: float = field(default_factory=lambda: float(os.environ.get("FL_SERVE_SCRUB_S", "600")))
+    # /healthz reports "degraded" while the store's disk has less free space than this
+    min_free_bytes: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_MIN_FREE_BYTES",
+                                                                            str(64 << 20))))
+
     def __post_init__(self) -> None:
         self.store_dir = Path(self.store_dir)
         unknown = [m for m in self.default_methods if m not in SERVABLE_METHODS]
@@ -64,6 +70,8 @@ class ServiceConfig:
             raise ValueError("FL_SERVE_ARTIFACT_CACHE_FILE_MAX must be >= 0 (0: stream every artifact from disk)")
         if min(self.token_rate, self.token_burst, self.join_rate, self.join_burst) < 0:
             raise ValueError("FL_SERVE_{TOKEN,JOIN}_{RATE,BURST} must be >= 0 (a rate of 0 disables the limit)")
+        if not self.scrub_s >= 0 or self.min_free_bytes < 0:
+            raise ValueError("FL_SERVE_SCRUB_S and FL_SERVE_MIN_FREE_BYTES must be >= 0")
         if self.max_queued_jobs < 1:
             raise ValueError("FL_SERVE_MAX_QUEUED_JOBS must be >= 1")
         if self.max_clients < 0:

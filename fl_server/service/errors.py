@@ -3,6 +3,10 @@ handlers that produce them. Every error is JSON ``{"detail": ...}`` with a messa
 and what to do, and never echoes the request's input."""
 from __future__ import annotations
 
+import errno
+import logging
+import sqlite3
+import time
 from typing import Any
 
 from fastapi import Request
@@ -50,6 +54,7 @@ _DESCRIPTIONS = {
     404: "not found",
     409: "conflict with the resource's state",
     413: "request body over the size limit (1 MiB)",
+    507: "the coordinator's disk is full: nothing was stored (Retry-After)",
     416: "range not satisfiable",
     422: "invalid input: schema violations (one entry per field) or a semantic check (one message)",
     429: "rate limit of this token (or, for joining, this IP) exceeded; retry after Retry-After seconds",
@@ -107,6 +112,35 @@ async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         method = "HEAD" if request.scope.get("fl.head") else request.method
         detail = f"method {method} is not allowed here; allowed: {headers['Allow']}"
     return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=headers)
+
+
+async def corrupt_object(request: Request, exc: Exception) -> JSONResponse:
+    """503 for a request that needs a quarantined object (artifacts.Corrupt): its method is degraded."""
+    svc = request.app.state.service
+    return JSONResponse({"detail": f"{exc}; the coordinator's operator must retrain or restore it"},
+                        status_code=503, headers={"Retry-After": str(svc.cfg.retry_after_s)})
+
+
+DISK_FULL_RETRY_S = 60
+
+
+def _out_of_space(exc: BaseException) -> bool:
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return isinstance(exc, sqlite3.OperationalError) and "disk is full" in str(exc)  # SQLITE_FULL
+
+
+async def storage_error(request: Request, exc: Exception) -> JSONResponse:
+    """507 Insufficient Storage (with Retry-After) when a write failed for want of space (ENOSPC, EDQUOT,
+    SQLite's "database or disk is full"); /healthz reports the disk degraded meanwhile. Any other storage
+    error is a 500 (:func:`server_error`)."""
+    if not _out_of_space(exc):  # handled here, so not re-raised by Starlette: log it
+        logging.getLogger("fl_server.service").error("error on %s %s", request.method, request.url.path,
+                                                     exc_info=exc)
+        return await server_error(request, exc)
+    request.app.state.service.disk_full_at = time.time()
+    return JSONResponse({"detail": "the coordinator's disk is full: nothing was stored; retry later"},
+                        status_code=507, headers={"Retry-After": str(DISK_FULL_RETRY_S)})
 
 
 async def server_error(request: Request, exc: Exception) -> JSONResponse:

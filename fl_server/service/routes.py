@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from edge_sdk import btfl, tensors
@@ -38,6 +39,10 @@ def _not_ready(svc: Service, what: str) -> HTTPException:
 def _bundle_or_503(svc: Service, method: str | None) -> dict[str, Any]:
     bundle = svc.bundle_for(method)
     if bundle is not None:
+        reason = svc.degraded_reason(bundle)
+        if reason is not None:
+            raise HTTPException(503, f"method {bundle['method']} is degraded: {reason}",
+                                headers={"Retry-After": str(svc.cfg.retry_after_s)})
         return bundle
     if method not in (None, NONE_METHOD) and not any(
             j["spec"]["method"] == method and j["status"] in ("queued", "running") for j in svc.store.jobs()):
@@ -52,8 +57,10 @@ async def healthz(svc: Service = Depends(service)) -> dict[str, Any]:
     counts = {s: 0 for s in JOB_STATES}
     for j in svc.store.jobs():
         counts[j["status"]] += 1
-    return {"status": "ok", "bundles": svc.store.count("bundles"), "jobs": counts,
-            "signing_key": svc.signer.public_hex}
+    degraded = svc.degraded()
+    return {"status": "degraded" if degraded else "ok", "bundles": svc.store.count("bundles"), "jobs": counts,
+            "signing_key": svc.signer.public_hex, "degraded": degraded,
+            "quarantined": sorted(svc.artifacts.quarantined)}
 
 
 @router.get("/v1/signing-key", response_model=S.SigningKey, tags=["devices"])
@@ -116,6 +123,8 @@ async def artifact(sha256: str, range_: str | None = Header(None, alias="range")
         return Response(status_code=304, headers=headers)
     data = svc.cached_artifact(sha256)
     path = svc.artifacts.path(sha256)
+    if data is None:  # streamed from disk: hashed first (again only if the file changed since)
+        await run_in_threadpool(svc.artifacts.verify, sha256)
     size = len(data) if data is not None else path.stat().st_size
     try:
         span = parse_range(range_, size) if if_range in (None, etag) else None

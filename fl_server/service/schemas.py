@@ -145,10 +145,14 @@ class Job(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok"] = "ok"
+    status: Literal["ok", "degraded"] = Field("ok", description="degraded: some method cannot be served, or the "
+                                                                "store's disk is full; the others keep serving")
     bundles: int
     jobs: dict[str, int]
     signing_key: str = Field(description="Ed25519 public key (hex) that signs every manifest; pin it on devices")
+    degraded: dict[str, str] = Field(default_factory=dict, description="method (or 'disk') -> what is wrong")
+    quarantined: list[str] = Field(default_factory=list, description="objects (sha256) that failed their "
+                                                                     "integrity check, moved to objects/quarantine")
 
 
 class SigningKey(BaseModel):
