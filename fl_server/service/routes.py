@@ -14,14 +14,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from edge_sdk import btfl, tensors
 from fl_server.service import schemas as S
 from fl_server.service.auth import Principal, require_admin, require_client
-from fl_server.service.dle import ShapeMismatch, view_json
+from fl_server.service.dle import ShapeMismatch, SourceFull, view_json
 from fl_server.service.errors import AUTH, BODY, documented
 from fl_server.service.fastpath import artifact_headers
 from fl_server.service.jobs import QueueFull
-from fl_server.service.ratelimit import limit_join
+from fl_server.service.ratelimit import client_address, limit_join
 from fl_server.service.ranges import Unsatisfiable, parse_range
 from fl_server.service.state import NONE_METHOD, Service
-from fl_server.service.store import JOB_STATES, RegistryFull
+from fl_server.service.store import JOB_STATES, EnrollmentRefused, RegistryFull
 
 router = APIRouter()
 
@@ -71,7 +71,9 @@ async def signing_key(svc: Service = Depends(service)) -> dict[str, str]:
 
 
 @router.post("/v1/clients", response_model=S.JoinResponse, status_code=201, tags=["devices"],
-             responses=documented(*BODY, 404, 429, 503, e404="no bundle and no job for this method"),
+             responses=documented(*BODY, 401, 403, 404, 429, 503, e404="no bundle and no job for this method",
+                                  e401="FL_SERVE_ENROLLMENT=token and no enrollment_token",
+                                  e403="unknown, used-up or expired enrollment token"),
              dependencies=[Depends(limit_join)])
 async def join(body: S.JoinRequest, request: Request, svc: Service = Depends(service)) -> Response:
     """Join as a new client: a client id, a bearer token, the methods served now and the bundle's manifest."""
@@ -79,9 +81,13 @@ async def join(body: S.JoinRequest, request: Request, svc: Service = Depends(ser
     try:
         client_id, token = svc.store.add_client(body.method or bundle["method"], bundle["id"],
                                                 request.headers.get("user-agent", ""), svc.cfg.max_clients,
-                                                svc.cfg.unused_client_ttl_s)
+                                                svc.cfg.unused_client_ttl_s, source=f"ip:{client_address(request)}",
+                                                enrollment=svc.cfg.enrollment == "token",
+                                                enrollment_token=body.enrollment_token)
     except RegistryFull as exc:
         raise HTTPException(503, str(exc)) from None
+    except EnrollmentRefused as exc:
+        raise HTTPException(401 if body.enrollment_token is None else 403, str(exc)) from None
     head = json.dumps({"client_id": client_id, "token": token, "methods": svc.methods()})
     return Response(head[:-1].encode() + b', "manifest": ' + svc.manifest_json(bundle) + b"}", status_code=201,
                     media_type="application/json")
@@ -91,6 +97,16 @@ def etag_matches(if_none_match: str | None, etag: str) -> bool:
     """Whether an ``If-None-Match`` header matches ``etag`` (RFC 9110 13.1.2: a list of tags, or ``*``)."""
     return if_none_match is not None and any(t.strip() in (etag, f"W/{etag}", "*")
                                              for t in if_none_match.split(","))
+
+
+@router.post("/v1/enrollments", response_model=S.Enrollment, status_code=201, tags=["devices"],
+             responses=documented(*AUTH, *BODY))
+def create_enrollment(body: S.EnrollmentRequest, _: Principal = Depends(require_admin),
+                      svc: Service = Depends(service)) -> dict[str, Any]:
+    """An enrollment token (admin): what a device presents to join (``enrollment_token``) when the coordinator
+    runs with ``FL_SERVE_ENROLLMENT=token``; good for ``uses`` joins, until ``ttl_s`` seconds from now."""
+    enrollment_id, token, expires = svc.store.add_enrollment(body.uses, body.ttl_s)
+    return {"id": enrollment_id, "token": token, "uses": body.uses, "expires": expires}
 
 
 @router.get("/v1/manifest", response_model=S.Manifest, tags=["devices"],
@@ -195,7 +211,9 @@ def _dle_view(svc: Service, client_id: str) -> dict[str, Any]:
 
 @router.post("/v1/btfl/dle", response_model=S.DLEResponse, tags=["methods"],
              responses=documented(*AUTH, *BODY, e422="not a [D, levels] frequency table, or its shape differs "
-                                                     "from the other clients' DLEs"))
+                                                     "from the other clients' DLEs",
+                                  e403="not a client token, or FL_SERVE_DLE_PER_SOURCE clients of this client's "
+                                       "enrollment (or join address) have a DLE already"))
 def upload_dle(body: S.DLEUpload, who: Principal = Depends(require_client),
                svc: Service = Depends(service)) -> dict[str, Any]:
     """BTFL: a participating client uploads its local DLE (replacing its previous one); the global DLE is
@@ -211,9 +229,12 @@ def upload_dle(body: S.DLEUpload, who: Principal = Depends(require_client),
     if freqs.shape[1] > S.MAX_DLE_LEVELS:
         raise HTTPException(422, f"a DLE has at most {S.MAX_DLE_LEVELS} levels, got {freqs.shape[1]}")
     try:
-        svc.dles.put(who.client_id, body.freqs, body.num_samples, svc.btfl_base())
+        svc.dles.put(who.client_id, body.freqs, body.num_samples, svc.btfl_base(), who.source,
+                     svc.cfg.dle_per_source)
     except ShapeMismatch as exc:
         raise HTTPException(422, str(exc)) from None
+    except SourceFull as exc:
+        raise HTTPException(403, str(exc)) from None
     return _dle_view(svc, who.client_id)
 
 

@@ -30,6 +30,21 @@ class JoinRequest(Strict):
     method: str | None = Field(None, max_length=MAX_METHOD_CHARS,
                                description="test-time method the device will run (default: the "
                                            "coordinator's default bundle); 'none' = plain inference")
+    enrollment_token: str | None = Field(None, max_length=512, description="from the operator (POST "
+                                         "/v1/enrollments); required when the coordinator runs with "
+                                         "FL_SERVE_ENROLLMENT=token, ignored otherwise")
+
+
+class EnrollmentRequest(Strict):
+    uses: int = Field(1, ge=1, le=10**6, description="joins the token allows (one per device is the safest)")
+    ttl_s: float | None = Field(None, gt=0, le=366 * 86400, description="seconds until it expires (default: never)")
+
+
+class Enrollment(BaseModel):
+    id: str
+    token: str = Field(description="hand it to the device(s) out of band; shown once, stored hashed")
+    uses: int
+    expires: float | None = Field(None, description="Unix time, or null for never")
 
 
 class ArtifactRef(BaseModel):

@@ -41,6 +41,7 @@ class Service:
         self.metrics = Metrics()
         self.token_limits = Buckets(Limit(cfg.token_rate, cfg.token_burst))
         self.join_limits = Buckets(Limit(cfg.join_rate, cfg.join_burst))
+        self.address_limits = Buckets(Limit(cfg.address_rate, cfg.address_burst))  # also keyed by enrollment
         self._public: set[str] = set()
         self._bundle_version = -1
         self._by_method: dict[str, dict[str, Any]] = {}

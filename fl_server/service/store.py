@@ -19,6 +19,8 @@ import sqlite3
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,8 @@ CREATE TABLE IF NOT EXISTS bundles (id TEXT PRIMARY KEY, job_id TEXT NOT NULL, m
 CREATE TABLE IF NOT EXISTS dles (client_id TEXT PRIMARY KEY, dims INTEGER NOT NULL, levels INTEGER NOT NULL,
                                  num_samples INTEGER NOT NULL, freqs TEXT NOT NULL, updated REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS enrollments (id TEXT PRIMARY KEY, hash TEXT UNIQUE NOT NULL, uses_left INTEGER NOT NULL,
+                                        expires REAL, created REAL NOT NULL);
 """
 # clients that never used their token, oldest first: what a join at the cap may reclaim (created after the
 # migration below, which adds first_used to a store of an older version)
@@ -47,6 +51,10 @@ JOB_STATES = ("queued", "running", "done", "failed", "cancelled")
 
 class RegistryFull(RuntimeError):
     """A join past ``FL_SERVE_MAX_CLIENTS`` registered clients."""
+
+
+class EnrollmentRefused(PermissionError):
+    """A join whose enrollment token is missing, unknown, used up or expired (FL_SERVE_ENROLLMENT=token)."""
 
 
 def hash_token(token: str) -> str:
@@ -72,6 +80,9 @@ class Store:
             self._db.executescript(SCHEMA)
             self._add_first_used_column()
             self._db.execute(UNUSED_INDEX)
+            if "source" not in {row["name"] for row in self._db.execute("PRAGMA table_info(clients)")}:
+                self._db.execute("ALTER TABLE clients ADD COLUMN source TEXT")  # stores of an older version
+            self._db.execute("CREATE INDEX IF NOT EXISTS clients_source ON clients (source)")
         self._num_clients = self.count("clients")  # add_client keeps it: one process owns the store
         self._last_reclaim = -float("inf")  # time.monotonic() of the last reclaim pass
         self._closed = threading.Event()
@@ -100,6 +111,19 @@ class Store:
         finally:
             db.close()
 
+    @contextmanager
+    def _transaction(self, begin: str = "BEGIN") -> Iterator[None]:
+        """A transaction on the shared connection, rolled back on any error (a full disk, a refused join), so
+        that no transaction stays open for the next caller. Caller holds the lock."""
+        self._db.execute(begin)
+        try:
+            yield
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            raise
+
     def _run(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
         with self._lock:
             return self._db.execute(sql, args).fetchall()
@@ -124,25 +148,64 @@ class Store:
         self._run("INSERT OR IGNORE INTO tokens VALUES (?, 'admin', NULL, ?)", (digest, time.time()))
 
     def lookup_token(self, token: str, record_use: bool = False) -> tuple[str, str | None] | None:
-        """(scope, client_id) of a presented token, or None. The row is found by the token's hash and the
-        hash is compared again in constant time. ``record_use``: a client's first authenticated request is
-        written to ``clients.first_used`` (one write per client: such a client is never reclaimed)."""
+        """(scope, client_id) of a presented token, or None (:meth:`lookup_principal` without the source)."""
+        found = self.lookup_principal(token, record_use)
+        return None if found is None else found[:2]
+
+    def lookup_principal(self, token: str, record_use: bool = False) -> tuple[str, str | None, str | None] | None:
+        """(scope, client_id, source) of a presented token, or None; ``source`` is where the client joined from
+        (``enr:<enrollment id>`` or ``ip:<address>``). The row is found by the token's hash and the hash is
+        compared again in constant time. ``record_use``: a client's first authenticated request is written to
+        ``clients.first_used`` (one write per client: such a client is never reclaimed)."""
         digest = hash_token(token)
-        rows = self._run("SELECT t.hash, t.scope, t.client_id, c.first_used FROM tokens t "
+        rows = self._run("SELECT t.hash, t.scope, t.client_id, c.first_used, c.source FROM tokens t "
                          "LEFT JOIN clients c ON c.id = t.client_id WHERE t.hash = ?", (digest,))
         if not rows or not hmac.compare_digest(rows[0]["hash"], digest):
             return None
         scope, client_id = rows[0]["scope"], rows[0]["client_id"]
         if record_use and client_id is not None and rows[0]["first_used"] is None:
             self._run("UPDATE clients SET first_used = ? WHERE id = ? AND first_used IS NULL", (time.time(), client_id))
-        return scope, client_id
+        return scope, client_id, rows[0]["source"]
+
+    # ----------------------------------------------------------- enrollment
+    def add_enrollment(self, uses: int, ttl_s: float | None = None) -> tuple[str, str, float | None]:
+        """An operator-issued enrollment token good for ``uses`` joins (until ``ttl_s`` seconds from now when
+        given): (enrollment id, token, expiry). Only the token's hash is stored."""
+        enrollment_id, token = uuid.uuid4().hex[:16], f"fle_{secrets.token_urlsafe(32)}"
+        expires = None if ttl_s is None else time.time() + ttl_s
+        self._run("INSERT INTO enrollments VALUES (?, ?, ?, ?, ?)",
+                  (enrollment_id, hash_token(token), uses, expires, time.time()))
+        return enrollment_id, token, expires
+
+    def _take_enrollment(self, token: str | None) -> str:
+        """Spend one use of an enrollment token; returns its id. Caller holds the lock, inside a transaction."""
+        if not token:
+            raise EnrollmentRefused("joining needs an enrollment token from the operator (enrollment_token; "
+                                    "FL_SERVE_ENROLLMENT=token)")
+        digest = hash_token(token[:512])
+        row = self._db.execute("SELECT id, hash, uses_left, expires FROM enrollments WHERE hash = ?",
+                               (digest,)).fetchone()
+        if row is None or not hmac.compare_digest(row["hash"], digest):
+            raise EnrollmentRefused("unknown enrollment token")
+        if row["uses_left"] < 1 or (row["expires"] is not None and row["expires"] < time.time()):
+            raise EnrollmentRefused("this enrollment token is used up or expired; ask the operator for another")
+        self._db.execute("UPDATE enrollments SET uses_left = uses_left - 1 WHERE id = ?", (row["id"],))
+        return str(row["id"])
+
+    def dle_clients_of(self, source: str, but: str) -> int:
+        """How many clients of ``source`` other than ``but`` have an uploaded DLE."""
+        return int(self._run("SELECT COUNT(*) AS n FROM dles d JOIN clients c ON c.id = d.client_id "
+                             "WHERE c.source = ? AND d.client_id != ?", (source, but))[0]["n"])
 
     # --------------------------------------------------------------- clients
     def add_client(self, method: str, bundle_id: str, user_agent: str = "", max_clients: int = 0,
-                   unused_ttl_s: float = 0.0) -> tuple[str, str]:
+                   unused_ttl_s: float = 0.0, source: str = "", enrollment: bool = False,
+                   enrollment_token: str | None = None) -> tuple[str, str]:
         """Register a client: (client id, bearer token). At ``max_clients`` (> 0) registered clients, first
         reclaims those that never used their token and joined over ``unused_ttl_s`` (> 0) seconds ago (one pass
-        per min(ttl, 60) s at most), then raises :class:`RegistryFull` if the registry is still full."""
+        per min(ttl, 60) s at most), then raises :class:`RegistryFull` if the registry is still full.
+        ``enrollment``: the join spends one use of ``enrollment_token`` (else :class:`EnrollmentRefused`) and
+        the client's source is that enrollment; otherwise ``source`` (its address)."""
         client_id = uuid.uuid4().hex
         with self._lock:
             if 0 < max_clients <= self._num_clients and unused_ttl_s > 0:
@@ -150,12 +213,15 @@ class Store:
             if 0 < max_clients <= self._num_clients:
                 raise RegistryFull(f"the coordinator has registered its maximum of {max_clients} clients "
                                    "(FL_SERVE_MAX_CLIENTS)")
-            self._db.execute("BEGIN")
-            self._db.execute("INSERT INTO clients (id, created, method, bundle_id, user_agent) VALUES (?, ?, ?, ?, ?)",
-                             (client_id, time.time(), method, bundle_id, user_agent[:200]))
-            token = f"flc_{secrets.token_urlsafe(32)}"
-            self._db.execute("INSERT INTO tokens VALUES (?, 'client', ?, ?)", (hash_token(token), client_id, time.time()))
-            self._db.execute("COMMIT")
+            with self._transaction():
+                if enrollment:
+                    source = "enr:" + self._take_enrollment(enrollment_token)
+                self._db.execute("INSERT INTO clients (id, created, method, bundle_id, user_agent, source) VALUES "
+                                 "(?, ?, ?, ?, ?, ?)", (client_id, time.time(), method, bundle_id, user_agent[:200],
+                                                        source[:100]))
+                token = f"flc_{secrets.token_urlsafe(32)}"
+                self._db.execute("INSERT INTO tokens VALUES (?, 'client', ?, ?)",
+                                 (hash_token(token), client_id, time.time()))
             self._num_clients += 1
         return client_id, token
 
@@ -169,15 +235,14 @@ class Store:
         if now - self._last_reclaim < min(ttl_s, 60.0):
             return
         self._last_reclaim = now
-        self._db.execute("BEGIN")
-        # the batch is chosen once (the partial index clients_unused serves it), then both tables lose it
-        self._db.execute("CREATE TEMP TABLE IF NOT EXISTS reclaim (id TEXT PRIMARY KEY)")
-        self._db.execute("INSERT INTO reclaim SELECT id FROM clients WHERE first_used IS NULL AND created < ? "
-                         "ORDER BY created LIMIT ?", (time.time() - ttl_s, RECLAIM_BATCH))
-        self._db.execute("DELETE FROM tokens WHERE scope = 'client' AND client_id IN (SELECT id FROM reclaim)")
-        removed = self._db.execute("DELETE FROM clients WHERE id IN (SELECT id FROM reclaim)").rowcount
-        self._db.execute("DELETE FROM reclaim")
-        self._db.execute("COMMIT")
+        with self._transaction():
+            # the batch is chosen once (the partial index clients_unused serves it), then both tables lose it
+            self._db.execute("CREATE TEMP TABLE IF NOT EXISTS reclaim (id TEXT PRIMARY KEY)")
+            self._db.execute("INSERT INTO reclaim SELECT id FROM clients WHERE first_used IS NULL AND created < ? "
+                             "ORDER BY created LIMIT ?", (time.time() - ttl_s, RECLAIM_BATCH))
+            self._db.execute("DELETE FROM tokens WHERE scope = 'client' AND client_id IN (SELECT id FROM reclaim)")
+            removed = self._db.execute("DELETE FROM clients WHERE id IN (SELECT id FROM reclaim)").rowcount
+            self._db.execute("DELETE FROM reclaim")
         self._num_clients -= removed
 
     def clients(self, limit: int = 100) -> list[dict[str, Any]]:
@@ -204,12 +269,11 @@ class Store:
     def claim_job(self) -> dict[str, Any] | None:
         """Atomically move the oldest queued job to running and return it."""
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            row = self._db.execute("SELECT * FROM jobs WHERE status = 'queued' ORDER BY created LIMIT 1").fetchone()
-            if row is not None:
-                self._db.execute("UPDATE jobs SET status = 'running', started = COALESCE(started, ?) WHERE id = ?",
-                                 (time.time(), row["id"]))
-            self._db.execute("COMMIT")
+            with self._transaction("BEGIN IMMEDIATE"):
+                row = self._db.execute("SELECT * FROM jobs WHERE status = 'queued' ORDER BY created LIMIT 1").fetchone()
+                if row is not None:
+                    self._db.execute("UPDATE jobs SET status = 'running', started = COALESCE(started, ?) WHERE id = ?",
+                                     (time.time(), row["id"]))
         return None if row is None else self._job_dict(row, status="running")
 
     def count_jobs(self, status: str) -> int:
