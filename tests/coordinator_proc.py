@@ -52,8 +52,9 @@ class Coordinator:
 
 
 def start(store: Path, methods: str = "TENT,ODPFL-HN", rounds: int = 1, workers: int = 2,
-          env: dict[str, str] | None = None) -> Coordinator:
-    """``env`` adds to the server's environment (e.g. ``FL_SERVE_TOKEN_RATE``)."""
+          env: dict[str, str] | None = None, wrap: list[str] | None = None) -> Coordinator:
+    """``env`` adds to the server's environment (e.g. ``FL_SERVE_TOKEN_RATE``); ``wrap`` is a command the
+    server's command line is appended to (it must ``exec`` it, so that ``proc.pid`` is the server's)."""
     port = free_port()
     env = {**os.environ, "FL_SERVE_DEFAULT_METHODS": methods, "FL_SERVE_ROUNDS": str(rounds),
            "FL_SERVE_WORKERS": str(workers), "FL_ADMIN_TOKEN": ADMIN, "OMP_NUM_THREADS": "1",
@@ -61,7 +62,7 @@ def start(store: Path, methods: str = "TENT,ODPFL-HN", rounds: int = 1, workers:
            **(env or {})}
     log = store.with_name(store.name + f"-{port}.log")
     store.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([sys.executable, "-m", "fl_server.cli", "serve", "--port", str(port), "--store",
+    proc = subprocess.Popen([*(wrap or []), sys.executable, "-m", "fl_server.cli", "serve", "--port", str(port), "--store",
                              str(store), "--log-level", "warning"], env=env, cwd=REPO,
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -6,7 +6,6 @@ from __future__ import annotations
 import errno
 import logging
 import sqlite3
-import time
 from typing import Any
 
 from fastapi import Request
@@ -132,13 +131,13 @@ def _out_of_space(exc: BaseException) -> bool:
 
 async def storage_error(request: Request, exc: Exception) -> JSONResponse:
     """507 Insufficient Storage (with Retry-After) when a write failed for want of space (ENOSPC, EDQUOT,
-    SQLite's "database or disk is full"); /healthz reports the disk degraded meanwhile. Any other storage
+    SQLite's "database or disk is full"); /healthz reports the disk degraded while it is under
+    FL_SERVE_MIN_FREE_BYTES free. Any other storage
     error is a 500 (:func:`server_error`)."""
     if not _out_of_space(exc):  # handled here, so not re-raised by Starlette: log it
         logging.getLogger("fl_server.service").error("error on %s %s", request.method, request.url.path,
                                                      exc_info=exc)
         return await server_error(request, exc)
-    request.app.state.service.disk_full_at = time.time()
     return JSONResponse({"detail": "the coordinator's disk is full: nothing was stored; retry later"},
                         status_code=507, headers={"Retry-After": str(DISK_FULL_RETRY_S)})
 

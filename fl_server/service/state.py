@@ -8,7 +8,6 @@ import logging
 import os
 import shutil
 import threading
-import time
 from typing import Any
 
 import numpy as np
@@ -53,7 +52,6 @@ class Service:
         self._lock = threading.Lock()
         self._objects: dict[str, set[str]] = {}  # bundle id -> every object it needs (manifest, artifacts, server)
         self._scrubbing = threading.Event()
-        self.disk_full_at: float | None = None  # time.time() of the last write that failed for want of space
         self.dles = DLEAggregate(self.store)  # BTFL: running sums of the clients' DLEs
         self.admin_token_file = cfg.store_dir / "admin_token"
         self.signer = ManifestSigner.load_or_create(cfg.store_dir)
@@ -157,16 +155,14 @@ class Service:
         return out
 
     def disk_problem(self) -> str | None:
-        """A message while the store's disk is (nearly) full: under ``cfg.min_free_bytes`` free, or a write
-        failed for want of space in the last minute."""
+        """A message while the store's disk has less than ``cfg.min_free_bytes`` free (writes then fail with
+        507), else None."""
         try:
             free = shutil.disk_usage(self.cfg.store_dir).free
-        except OSError:
-            free = None
-        if free is not None and free < self.cfg.min_free_bytes:
+        except OSError as exc:
+            return f"the store's disk cannot be read ({exc.strerror})"
+        if free < self.cfg.min_free_bytes:
             return f"the store's disk has {free} bytes free (FL_SERVE_MIN_FREE_BYTES: {self.cfg.min_free_bytes})"
-        if self.disk_full_at is not None and time.time() - self.disk_full_at < 60:
-            return "a write failed for want of disk space in the last 60 s"
         return None
 
     def methods(self) -> list[str]:
