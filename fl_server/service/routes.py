@@ -71,7 +71,7 @@ async def signing_key(svc: Service = Depends(service)) -> dict[str, str]:
 
 
 @router.post("/v1/clients", response_model=S.JoinResponse, status_code=201, tags=["devices"],
-             responses=documented(*BODY, 401, 403, 404, 429, 503, e404="no bundle and no job for this method",
+             responses=documented(*BODY, 401, 403, 404, 429, 503, 507, e404="no bundle and no job for this method",
                                   e401="FL_SERVE_ENROLLMENT=token and no enrollment_token",
                                   e403="unknown, used-up or expired enrollment token"),
              dependencies=[Depends(limit_join)])
@@ -99,8 +99,8 @@ def etag_matches(if_none_match: str | None, etag: str) -> bool:
                                              for t in if_none_match.split(","))
 
 
-@router.post("/v1/enrollments", response_model=S.Enrollment, status_code=201, tags=["devices"],
-             responses=documented(*AUTH, *BODY))
+@router.post("/v1/enrollments", response_model=S.Enrollment, status_code=201, tags=["admin"],
+             responses=documented(*AUTH, *BODY, 507))
 def create_enrollment(body: S.EnrollmentRequest, _: Principal = Depends(require_admin),
                       svc: Service = Depends(service)) -> dict[str, Any]:
     """An enrollment token (admin): what a device presents to join (``enrollment_token``) when the coordinator
@@ -210,7 +210,7 @@ def _dle_view(svc: Service, client_id: str) -> dict[str, Any]:
 
 
 @router.post("/v1/btfl/dle", response_model=S.DLEResponse, tags=["methods"],
-             responses=documented(*AUTH, *BODY, e422="not a [D, levels] frequency table, or its shape differs "
+             responses=documented(*AUTH, *BODY, 507, e422="not a [D, levels] frequency table, or its shape differs "
                                                      "from the other clients' DLEs",
                                   e403="not a client token, or FL_SERVE_DLE_PER_SOURCE clients of this client's "
                                        "enrollment (or join address) have a DLE already"))
@@ -253,7 +253,7 @@ def _job_view(svc: Service, job: dict[str, Any], with_rounds: bool) -> dict[str,
 
 
 @router.post("/v1/jobs", response_model=S.Job, status_code=201, tags=["jobs"],
-             responses=documented(*AUTH, *BODY, 503, e503="the job queue is full (FL_SERVE_MAX_QUEUED_JOBS)"))
+             responses=documented(*AUTH, *BODY, 503, 507, e503="the job queue is full (FL_SERVE_MAX_QUEUED_JOBS)"))
 def create_job(body: S.JobRequest, _: Principal = Depends(require_admin), svc: Service = Depends(service)) -> dict:
     """Start a training recipe on a data set and partition; it is exported and served when done."""
     if body.partition == "dirichlet" and body.alpha is None:
