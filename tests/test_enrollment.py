@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from coordinator_proc import ADMIN, Coordinator, auth, start_copy
+from edge_sdk.client import EdgeClient
 
 pytestmark = pytest.mark.timeout(600)
 ENV = {"FL_SERVE_ENROLLMENT": "token", "FL_SERVE_DLE_PER_SOURCE": "2", "FL_SERVE_TOKEN_RATE": "0.001",
@@ -27,7 +28,8 @@ def _join(url: str, token: str | None) -> httpx.Response:
     return httpx.post(f"{url}/v1/clients", json={"enrollment_token": token}, timeout=30)
 
 
-def test_enrollment_bounds_sybils(server: Coordinator) -> None:
+def test_enrollment_bounds_sybils(server: Coordinator, tmp_path: Path) -> None:
+    cache = tmp_path / "device"
     url = server.url
     r = _join(url, None)  # joining was open to anyone
     assert (r.status_code, r.json()["detail"]) == (401, "joining needs an enrollment token from the operator "
@@ -38,10 +40,13 @@ def test_enrollment_bounds_sybils(server: Coordinator) -> None:
     assert httpx.post(f"{url}/v1/enrollments", json={"uses": "4"}, headers=auth(ADMIN), timeout=30).status_code == 422
     enrollment = httpx.post(f"{url}/v1/enrollments", json={"uses": 4}, headers=auth(ADMIN), timeout=30).json()
     tokens = []
-    for _ in range(4):
+    for _ in range(3):
         r = _join(url, enrollment["token"])
         assert r.status_code == 201, r.text
         tokens.append(r.json()["token"])
+    key = httpx.get(f"{url}/v1/signing-key", timeout=30).json()["public_key"]
+    device = EdgeClient(url, cache_dir=cache, public_key=key)  # the device SDK presents the token too
+    tokens.append(device.join(enrollment_token=enrollment["token"]).token)
     r = _join(url, enrollment["token"])
     assert (r.status_code, r.json()["detail"]) == (
         403, "this enrollment token is used up or expired; ask the operator for another")

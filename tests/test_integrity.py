@@ -58,6 +58,7 @@ def test_corrupt_objects_are_quarantined_and_only_their_method_degrades(trained_
         assert r.status_code == 503 and r.json()["detail"].startswith("method ODPFL-HN is degraded: 1 object(s)")
         assert "ODPFL-HN" in httpx.get(f"{coord.url}/", timeout=30).text.split("<h2>Degraded</h2>")[1]
         tent = join(coord.url, "TENT")  # the other methods keep serving
+        assert tent["methods"] == ["TENT", "none"]
         assert join(coord.url)["manifest"]["method"] == "TENT"  # the default skips the degraded method
 
         # defect 6: a served artifact corrupted on disk is no longer served (it is streamed from disk here)

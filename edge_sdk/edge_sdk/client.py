@@ -160,9 +160,11 @@ class EdgeClient:
     def health(self) -> dict[str, Any]:
         return self._json("GET", "/healthz")
 
-    def join(self, method: str | None = None) -> JoinInfo:
-        """Join as a new client; the token is kept for later calls (and in the cache, mode 0600)."""
-        body = self._json("POST", "/v1/clients", json={"method": method})
+    def join(self, method: str | None = None, enrollment_token: str | None = None) -> JoinInfo:
+        """Join as a new client; the token is kept for later calls (and in the cache, mode 0600).
+        ``enrollment_token``: the operator's, where the coordinator requires one (FL_SERVE_ENROLLMENT=token)."""
+        request = {"method": method, **({"enrollment_token": enrollment_token} if enrollment_token else {})}
+        body = self._json("POST", "/v1/clients", json=request)
         try:
             info = JoinInfo(str(body["client_id"]), str(body["token"]), list(body["methods"]), dict(body["manifest"]))
         except (KeyError, TypeError, ValueError) as exc:

@@ -31,7 +31,10 @@ class Service:
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = cfg
         cfg.store_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(cfg.store_dir, 0o700)  # the database, the admin token and the signing key live here
+        try:  # the database, the admin token and the signing key live here
+            os.chmod(cfg.store_dir, 0o700)
+        except OSError as exc:  # e.g. a mounted volume owned by another user: say so, serve anyway
+            log.warning("cannot make %s owner-only (%s); chmod 700 it", cfg.store_dir, exc.strerror)
         self.store = Store(cfg.store_dir / "coordinator.sqlite3")
         self.artifacts = ArtifactStore(cfg.store_dir / "objects")
         self.runner = JobRunner(cfg, self.store, self.artifacts)
@@ -146,7 +149,7 @@ class Service:
                 f"quarantined ({', '.join(sorted(s[:16] for s in bad))}); retrain the method or restore the objects")
 
     def degraded(self) -> dict[str, str]:
-        """Methods whose served bundle is degraded, with the reason; plus ``disk`` while writes fail for space."""
+        """Methods whose served bundle is degraded, with the reason; plus ``disk`` while it is (nearly) full."""
         self._refresh()
         out = {m: r for m, b in self._by_method.items() if (r := self.degraded_reason(b))}
         disk = self.disk_problem()
@@ -166,8 +169,10 @@ class Service:
         return None
 
     def methods(self) -> list[str]:
+        """The methods served now (a degraded method is left out; 'none' when any bundle is served)."""
         self._refresh()
-        return [*self._by_method, NONE_METHOD] if self._by_method else []
+        served = [m for m, b in self._by_method.items() if not self.degraded_reason(b)]
+        return [*served, NONE_METHOD] if served else []
 
     def bundle_for(self, method: str | None) -> dict[str, Any] | None:
         """The newest bundle serving ``method``; for None / 'none' the default (first of DEFAULT_METHODS)."""

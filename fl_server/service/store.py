@@ -67,8 +67,8 @@ class Store:
         # every client's DLE and the token hashes: owner-only (SQLite gives the -wal/-shm files the same mode)
         os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
         for f in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
-            if f.exists():
-                os.chmod(f, 0o600)
+            if f.exists() and f.stat().st_mode & 0o077:
+                os.chmod(f, 0o600)  # a store of an older version
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
         self._lock = threading.Lock()
