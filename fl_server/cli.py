@@ -255,10 +255,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signer = app.state.service.signer
     print(f"manifest signing key (Ed25519; pin it on devices: EdgeClient(url, public_key=...)): {signer.public_hex}"
           f" (from {signer.source})", flush=True)
-    fast = {"loop": "uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
-            "http": "httptools" if importlib.util.find_spec("httptools") else "h11"}
+    from fl_server.service.server import ServerLimits, uvicorn_options
+
+    # HTTP limits (head/body deadlines, head size, connection cap, trusted proxies): FL_SERVE_* knobs, README
+    options = uvicorn_options(ServerLimits())
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                backlog=args.backlog, **fast, **tls)
+                backlog=args.backlog, loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio", **options,
+                **tls)
     return 0
 
 

@@ -66,7 +66,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance, negative_data_rejection, ignored_auth, clear_error, finite_weights]
 NEGATIVE_ONLY = {"POST /v1/jobs"}
 # the fuzzed server runs without rate limits: a 429 is documented, but it would keep cases from the code
-NO_LIMITS = {"FL_SERVE_TOKEN_RATE": "0", "FL_SERVE_JOIN_RATE": "0"}
+NO_LIMITS = {"FL_SERVE_TOKEN_RATE": "0", "FL_SERVE_JOIN_RATE": "0", "FL_SERVE_ADDRESS_RATE": "0"}
 
 
 @dataclass
@@ -77,7 +77,7 @@ class Tokens:
     def headers(self, op: schemathesis.APIOperation) -> dict[str, str]:
         if not op.definition.raw.get("security"):
             return {}
-        token = self.admin if "jobs" in op.definition.raw.get("tags", []) else self.client
+        token = self.admin if {"jobs", "admin"} & set(op.definition.raw.get("tags", [])) else self.client
         return {"Authorization": f"Bearer {token}"}
 
 

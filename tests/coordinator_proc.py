@@ -53,9 +53,11 @@ class Coordinator:
 
 
 def start(store: Path, methods: str = "TENT,ODPFL-HN", rounds: int = 1, workers: int = 2,
-          env: dict[str, str] | None = None, tls: tuple[Path, Path, Path] | None = None) -> Coordinator:
+          env: dict[str, str] | None = None, tls: tuple[Path, Path, Path] | None = None,
+          wrap: list[str] | None = None) -> Coordinator:
     """``env`` adds to the server's environment (e.g. ``FL_SERVE_TOKEN_RATE``); ``tls`` = (certificate, key,
-    CA that signed it): serve HTTPS (``--tls-cert/--tls-key``), polled with that CA pinned."""
+    CA that signed it): serve HTTPS (``--tls-cert/--tls-key``), polled with that CA pinned; ``wrap`` is a
+    command the server's command line is appended to (it must ``exec`` it, so that ``proc.pid`` is the server's)."""
     port = free_port()
     env = {**os.environ, "FL_SERVE_DEFAULT_METHODS": methods, "FL_SERVE_ROUNDS": str(rounds),
            "FL_SERVE_WORKERS": str(workers), "FL_ADMIN_TOKEN": ADMIN, "OMP_NUM_THREADS": "1",
@@ -64,8 +66,8 @@ def start(store: Path, methods: str = "TENT,ODPFL-HN", rounds: int = 1, workers:
     log = store.with_name(store.name + f"-{port}.log")
     store.mkdir(parents=True, exist_ok=True)
     https = ["--tls-cert", str(tls[0]), "--tls-key", str(tls[1])] if tls else []
-    proc = subprocess.Popen([sys.executable, "-m", "fl_server.cli", "serve", "--port", str(port), "--store",
-                             str(store), "--log-level", "warning", *https], env=env, cwd=REPO,
+    proc = subprocess.Popen([*(wrap or []), sys.executable, "-m", "fl_server.cli", "serve", "--port", str(port),
+                             "--store", str(store), "--log-level", "warning", *https], env=env, cwd=REPO,
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
     verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(tls[2])) if tls else True

@@ -157,7 +157,7 @@ def test_malformed_bodies_and_methods(server: Coordinator) -> None:
     assert (r.status_code, r.json()) == (422, field_error(["body", 1], "JSON decode error", "json_invalid"))
     r = httpx.delete(f"{server.url}/v1/btfl/dle", timeout=30)  # Allow used to name only POST
     assert (r.status_code, r.headers["Allow"], r.json()) == (
-        405, "GET, POST", {"detail": "method DELETE is not allowed here; allowed: GET, POST"})
+        405, "GET, HEAD, POST", {"detail": "method DELETE is not allowed here; allowed: GET, HEAD, POST"})
 
 
 def test_job_specs_are_bounded(server: Coordinator) -> None:

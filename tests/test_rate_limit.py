@@ -98,6 +98,8 @@ def test_defaults_do_not_throttle_the_load_benchmark(tmp_path: Path) -> None:
     assert all(joins.take("ip:127.0.0.1") == 0.0 for _ in range(200))
     tokens = Buckets(Limit(cfg.token_rate, cfg.token_burst), clock=clock)
     assert all(tokens.take(f"device-{i}") == 0.0 for i in range(200) for _ in range(5))
+    address = Buckets(Limit(cfg.address_rate, cfg.address_burst), clock=clock)  # all 200 share one address
+    assert all(address.take("ip:127.0.0.1") == 0.0 for _ in range(200 * 5))
 
 
 @pytest.fixture(scope="module")

@@ -114,7 +114,9 @@ def test_artifact_fast_path_answers_like_the_route(artifact_server: Coordinator)
     assert "x-manifest-signature" in httpx.get(f"{server.url}/v1/artifacts/{m['bundle_id']}", timeout=10).headers
     upper = httpx.get(f"{server.url}/v1/artifacts/{m['bundle_id'].upper()}", timeout=10)
     assert upper.status_code == 404  # not a published address: the route's documented 404
-    assert httpx.head(f"{server.url}/v1/artifacts/{m['bundle_id']}", timeout=10).status_code == 405
+    whole = httpx.get(f"{server.url}/v1/artifacts/{m['bundle_id']}", timeout=10).content
+    head = httpx.head(f"{server.url}/v1/artifacts/{m['bundle_id']}", timeout=10)  # HEAD wherever GET (issue 36)
+    assert (head.status_code, head.content, head.headers["content-length"]) == (200, b"", str(len(whole)))
 
 
 def test_server_only_state_is_not_served(server: Coordinator) -> None:

@@ -5,7 +5,7 @@
     bundle = client.download(info.manifest)    # resumable, sha256-verified, cached -> edge_sdk.bundle.Bundle
 
 Every request has a timeout and is retried with exponential backoff on connection errors, timeouts, 5xx
-and 429/503 (honouring Retry-After, capped). Downloads resume from a partial file with ``Range`` (``If-Range``
+(but 507, the coordinator's full disk, which is reported at once) and 429/503 (honouring Retry-After, capped). Downloads resume from a partial file with ``Range`` (``If-Range``
 on the artifact's ETag) and every file is checked against its sha256 before it enters the cache; a cached
 file that no longer matches is detected and fetched again. With the coordinator unreachable, ``manifest``
 and ``download`` fall back to the last cached manifest and its verified files (offline mode).
@@ -145,8 +145,8 @@ class EdgeClient:
             except (httpx.TransportError, httpx.DecodingError, _Deadline) as exc:
                 last = _transport_problem(exc)
             else:
-                if r.status_code < 500 and r.status_code != 429:
-                    return r
+                if r.status_code < 500 and r.status_code != 429 or r.status_code == 507:
+                    return r  # 507: the coordinator's disk is full; retrying at once only adds load
                 last = f"HTTP {r.status_code}: {r.text[:300]}"
                 if r.status_code in (429, 503) and attempt < self.retries:
                     time.sleep(min(self.max_backoff, _retry_after(r, self.backoff * 2 ** attempt)))
@@ -189,9 +189,11 @@ class EdgeClient:
     def health(self) -> dict[str, Any]:
         return self._json("GET", "/healthz")
 
-    def join(self, method: str | None = None) -> JoinInfo:
-        """Join as a new client; the token is kept for later calls (and in the cache, mode 0600)."""
-        body = self._json("POST", "/v1/clients", json={"method": method})
+    def join(self, method: str | None = None, enrollment_token: str | None = None) -> JoinInfo:
+        """Join as a new client; the token is kept for later calls (and in the cache, mode 0600).
+        ``enrollment_token``: the operator's, where the coordinator requires one (FL_SERVE_ENROLLMENT=token)."""
+        request = {"method": method, **({"enrollment_token": enrollment_token} if enrollment_token else {})}
+        body = self._json("POST", "/v1/clients", json=request)
         try:
             info = JoinInfo(str(body["client_id"]), str(body["token"]), list(body["methods"]), dict(body["manifest"]))
         except (KeyError, TypeError, ValueError) as exc:

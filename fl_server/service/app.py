@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import sqlite3
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -15,7 +16,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fl_server.service import dashboard, publish_api, routes
 from fl_server.service.fastpath import ArtifactFastPath
-from fl_server.service.errors import http_error, server_error, validation_error
+from fl_server.service.artifacts import Corrupt
+from fl_server.service.errors import corrupt_object, http_error, server_error, storage_error, validation_error
 from fl_server.service.config import ServiceConfig
 from fl_server.service.metrics import Metrics
 from fl_server.service.state import Service
@@ -77,6 +79,28 @@ class _TooLarge(Exception):
     pass
 
 
+class HeadAsGet:
+    """Pure ASGI middleware: HEAD is answered wherever GET is (RFC 9110 9.3.2): the request is routed as a GET
+    (``scope["fl.head"]`` marks it) and the response's body is dropped, its headers (Content-Length included)
+    kept."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def headers_only(msg: Message) -> None:
+            if msg["type"] == "http.response.body":
+                if msg.get("more_body", False):
+                    return
+                msg = {"type": "http.response.body", "body": b""}
+            await send(msg)
+
+        await self.app({**scope, "method": "GET", "fl.head": True}, receive, headers_only)
+
+
 async def _reject(send: Send, message: str) -> None:
     body = ('{"detail": "%s"}' % message).encode()
     await send({"type": "http.response.start", "status": 413,
@@ -109,11 +133,15 @@ def create_app(store_dir: str | Path, **overrides: Any) -> FastAPI:
     app.state.service = svc
     app.add_exception_handler(RequestValidationError, validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Corrupt, corrupt_object)
+    app.add_exception_handler(OSError, storage_error)
+    app.add_exception_handler(sqlite3.Error, storage_error)
     app.add_exception_handler(Exception, server_error)
     app.include_router(routes.router)
     app.include_router(publish_api.router)
     app.include_router(dashboard.router)
     app.add_middleware(ArtifactFastPath, service=svc)  # inside GuardMiddleware: limits and metrics apply
+    app.add_middleware(HeadAsGet)
     app.add_middleware(GuardMiddleware, metrics=svc.metrics, max_body=svc.cfg.max_body_bytes,
                        path_limits={publish_api.PATH: svc.cfg.max_bundle_bytes})
     return app

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from fl_server.service.ratelimit import client_address
 from fl_server.service.store import hash_token
 
 _bearer = HTTPBearer(auto_error=False, description="token from POST /v1/clients (client) or the operator (admin)")
@@ -17,6 +18,7 @@ MAX_TOKEN_CHARS = 512  # issued tokens are 47 characters
 class Principal:
     scope: str
     client_id: str | None
+    source: str | None = None  # where the client joined from: "enr:<enrollment id>" or "ip:<address>"
 
 
 def _principal(request: Request, creds: HTTPAuthorizationCredentials | None, scope: str, hint: str) -> Principal:
@@ -27,13 +29,17 @@ def _principal(request: Request, creds: HTTPAuthorizationCredentials | None, sco
         raise HTTPException(401, f"unknown bearer token (over {MAX_TOKEN_CHARS} characters)",
                             headers={"WWW-Authenticate": "Bearer"})
     svc = request.app.state.service
-    found = svc.store.lookup_token(creds.credentials, record_use=True)  # a client in use is never reclaimed
+    found = svc.store.lookup_principal(creds.credentials, record_use=True)  # a client in use is never reclaimed
     if found is None:
         raise HTTPException(401, "unknown bearer token", headers={"WWW-Authenticate": "Bearer"})
     if found[0] != scope:
         raise HTTPException(403, hint)
     svc.token_limits.check(hash_token(creds.credentials), "this token")
-    return Principal(*found)
+    if scope == "client":  # many minted tokens share their address's and their enrollment's limit
+        svc.address_limits.check(f"ip:{client_address(request)}", "this address")
+        if found[2] and found[2].startswith("enr:"):
+            svc.address_limits.check(found[2], "this enrollment")
+    return Principal(found[0], found[1], found[2])
 
 
 async def require_client(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> Principal:

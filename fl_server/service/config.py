@@ -56,6 +56,26 @@ class ServiceConfig:
     unused_client_ttl_s: float = field(default_factory=lambda: float(os.environ.get(
         "FL_SERVE_UNUSED_CLIENT_TTL_S", "86400")))
 
+    # who may join: "open" (anyone who can reach the coordinator) or "token" (a join needs an enrollment token
+    # from POST /v1/enrollments). Open by default so that `make run`, the examples and a first deployment work
+    # with nothing but the URL; a coordinator that untrusted devices can reach must use "token" (docs)
+    enrollment: str = field(default_factory=lambda: os.environ.get("FL_SERVE_ENROLLMENT", "open"))
+    # BTFL: clients of one source (one enrollment token, or one join address in open mode) whose DLEs count in
+    # the global DLE at most; further uploads from that source are refused (bounds a Sybil's weight)
+    dle_per_source: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_DLE_PER_SOURCE", "16")))
+    # authenticated requests per second and burst per client address, and per enrollment, on top of the per-token
+    # limit: minted tokens do not multiply it (0 disables)
+    address_rate: float = field(default_factory=lambda: float(os.environ.get("FL_SERVE_ADDRESS_RATE", "200")))
+    address_burst: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_ADDRESS_BURST", "2000")))
+    # training jobs waiting to start at most (POST /v1/jobs answers 503 beyond; the default jobs are exempt)
+    max_queued_jobs: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_MAX_QUEUED_JOBS", "16")))
+
+    # every stored object is re-hashed this often (s; 0: only at start and when a file changed on disk)
+    scrub_s: float = field(default_factory=lambda: float(os.environ.get("FL_SERVE_SCRUB_S", "600")))
+    # /healthz reports "degraded" while the store's disk has less free space than this
+    min_free_bytes: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_MIN_FREE_BYTES",
+                                                                            str(64 << 20))))
+
     def __post_init__(self) -> None:
         self.store_dir = Path(self.store_dir)
         unknown = [m for m in self.default_methods if m not in SERVABLE_METHODS]
@@ -71,6 +91,14 @@ class ServiceConfig:
             raise ValueError("FL_SERVE_ARTIFACT_CACHE_FILE_MAX must be >= 0 (0: stream every artifact from disk)")
         if min(self.token_rate, self.token_burst, self.join_rate, self.join_burst) < 0:
             raise ValueError("FL_SERVE_{TOKEN,JOIN}_{RATE,BURST} must be >= 0 (a rate of 0 disables the limit)")
+        if not self.scrub_s >= 0 or self.min_free_bytes < 0:
+            raise ValueError("FL_SERVE_SCRUB_S and FL_SERVE_MIN_FREE_BYTES must be >= 0")
+        if self.enrollment not in ("open", "token"):
+            raise ValueError("FL_SERVE_ENROLLMENT must be 'open' or 'token'")
+        if self.dle_per_source < 1 or min(self.address_rate, self.address_burst) < 0:
+            raise ValueError("FL_SERVE_DLE_PER_SOURCE must be >= 1 and FL_SERVE_ADDRESS_{RATE,BURST} >= 0")
+        if self.max_queued_jobs < 1:
+            raise ValueError("FL_SERVE_MAX_QUEUED_JOBS must be >= 1")
         if self.max_clients < 0:
             raise ValueError("FL_SERVE_MAX_CLIENTS must be >= 0 (0: no cap)")
         if not self.unused_client_ttl_s >= 0:

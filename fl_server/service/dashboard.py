@@ -15,7 +15,7 @@ from fl_server.service.state import Service
 router = APIRouter()
 CSS = """body{font:14px system-ui,sans-serif;margin:24px;color:#222}h1{font-size:20px}h2{font-size:16px;margin-top:28px}
 table{border-collapse:collapse}td,th{border-bottom:1px solid #ddd;padding:4px 10px;text-align:left;vertical-align:top}
-.done{color:#1a7f37}.failed{color:#c62828}.running{color:#9a6700}.queued{color:#666}code{font-size:12px}
+.done{color:#1a7f37}.failed,.cancelled{color:#c62828}.running{color:#9a6700}.queued{color:#666}code{font-size:12px}
 svg{background:#fafafa;border:1px solid #eee}"""
 
 
@@ -58,11 +58,14 @@ def dashboard(svc: Service = Depends(service)) -> HTMLResponse:
                f'</td><td>{_ago(b["created"])}</td></tr>' for b in svc.store.bundles()]
     clients = [f'<tr><td><code>{e(c["id"][:12])}</code></td><td>{e(c["method"] or "")}</td>'
                f'<td>{_ago(c["created"])}</td><td>{_ago(c["first_used"])}</td></tr>' for c in svc.store.clients(50)]
+    degraded = "".join(f'<tr><td>{e(m)}</td><td class="failed">{e(why)}</td></tr>'
+                       for m, why in svc.degraded().items())
     live = any(j["status"] in ("queued", "running") for j in jobs)
     body = f"""<!doctype html><html><head><meta charset="utf-8"><title>fl-edge coordinator</title>
 {'<meta http-equiv="refresh" content="3">' if live else ''}<style>{CSS}</style></head><body>
 <h1>fl-edge coordinator</h1><p>{len(jobs)} jobs, {len(bundles)} bundles, {svc.store.count("clients")} clients,
 {svc.store.count("dles")} BTFL DLEs &middot; <a href="/docs">API docs</a> &middot; <a href="/metrics">metrics</a></p>
+{'<h2>Degraded</h2><table><tr><th>method</th><th>why</th></tr>' + degraded + '</table>' if degraded else ''}
 <h2>Jobs</h2><table><tr><th>id</th><th>method</th><th>data / partition</th><th>status</th><th>rounds</th>
 <th>validation accuracy per round</th><th>error</th></tr>{''.join(rows)}</table>
 <h2>Bundles</h2><table><tr><th>bundle</th><th>method</th><th>data set</th><th>artifacts</th><th>bytes</th>

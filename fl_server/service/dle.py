@@ -28,6 +28,10 @@ class ShapeMismatch(ValueError):
     """An upload's [D, levels] differs from the shape the aggregate is fixed to."""
 
 
+class SourceFull(PermissionError):
+    """An upload from a client whose source (enrollment or join address) has its quota of DLEs already."""
+
+
 @dataclass
 class _Sums:
     total: np.ndarray  # sum_i f_i, float64 [D, L]
@@ -62,12 +66,19 @@ class DLEAggregate:
         row = self._store.dle(client_id)
         return None if row is None else np.asarray(row["freqs"], dtype=np.float64)
 
-    def put(self, client_id: str, freqs: list[list[float]], num_samples: int, base: Base | None) -> None:
+    def put(self, client_id: str, freqs: list[list[float]], num_samples: int, base: Base | None,
+            source: str | None = None, per_source: int = 0) -> None:
         """Replace ``client_id``'s DLE (``num_samples`` is recorded, not a weight). A served BTFL bundle fixes
         the shape; else the other clients' DLEs do (the caller's own previous DLE is replaced, so it does not).
-        Raises :class:`ShapeMismatch`."""
+        At most ``per_source`` (> 0) clients of one ``source`` (enrollment or join address) have a DLE: one
+        source's weight in the average is bounded, however many clients it mints. Raises
+        :class:`ShapeMismatch` or :class:`SourceFull`."""
         new = np.asarray(freqs, dtype=np.float64)
         with self._lock:  # check, write and sums together: concurrent first uploads must not mix shapes
+            if source and per_source > 0 and self._store.dle_clients_of(source, client_id) >= per_source:
+                kind = "enrollment" if source.startswith("enr:") else "address"
+                raise SourceFull(f"{per_source} clients of this {kind} have a DLE in the aggregate already "
+                                 "(FL_SERVE_DLE_PER_SOURCE): one source's weight is bounded")
             own = self._own(client_id)
             if base is not None:
                 allowed, whose = {base[1].shape}, "the served BTFL bundle's"

@@ -15,6 +15,7 @@ import json
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from fl_server.service.artifacts import Corrupt
 from fl_server.service.state import Service
 
 PREFIX = "/v1/artifacts/"
@@ -43,7 +44,10 @@ class ArtifactFastPath:
         # published addresses are lower-case sha256 hex, so the set lookup is the whole address check
         if not self.svc.is_public(sha256) or any(name in _CONDITIONAL for name, _ in scope["headers"]):
             return await self.app(scope, receive, send)
-        data = self.svc.cached_artifact(sha256)
+        try:
+            data = self.svc.cached_artifact(sha256)
+        except Corrupt:  # quarantined: the route answers 503
+            data = None
         if data is None:  # too large to keep in memory: the route streams it from disk
             return await self.app(scope, receive, send)
         headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))

@@ -9,6 +9,7 @@ bounded by ``fl-server serve`` (1), so they never block the event loop nor take 
 from __future__ import annotations
 
 import base64
+import io
 import json
 import threading
 from collections.abc import Hashable
@@ -85,7 +86,8 @@ class HypernetCache:
 
                 m = bundle["manifest"]
                 _, _, algorithm = rebuild({**m, "hyper": m["hyperparameters"]})
-                with np.load(self.artifacts.path(bundle["server"]["hn"]), allow_pickle=False) as arrays:
+                # read() checks the bytes against their address (raises Corrupt and quarantines them)
+                with np.load(io.BytesIO(self.artifacts.read(bundle["server"]["hn"])), allow_pickle=False) as arrays:
                     theta = {k: torch.from_numpy(arrays[k]).float() for k in arrays.files}
                 self._loaded[bundle["id"]] = FusedHypernet(algorithm, theta)
             return self._loaded[bundle["id"]]

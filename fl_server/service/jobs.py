@@ -23,6 +23,11 @@ from fl_server.service.config import ServiceConfig
 from fl_server.service.store import Store
 
 log = logging.getLogger("fl_server.service")
+SECRET_ENV = frozenset({"FL_ADMIN_TOKEN", "FL_SIGNING_KEY"})  # never handed to a training worker
+
+
+class QueueFull(RuntimeError):
+    """A job submitted while ``FL_SERVE_MAX_QUEUED_JOBS`` jobs are queued."""
 
 
 def import_bundle(store: Store, artifacts: ArtifactStore, job: dict[str, Any], job_dir: Path) -> str:
@@ -55,6 +60,7 @@ class JobRunner:
         self._wake = threading.Event()
         self._threads: list[threading.Thread] = []
         self._procs: dict[str, subprocess.Popen] = {}
+        self._cancelled: set[str] = set()
         self._lock = threading.Lock()
 
     def start(self) -> None:
@@ -65,9 +71,25 @@ class JobRunner:
             self._threads.append(t)
 
     def submit(self, spec: dict[str, Any], is_default: bool = False) -> str:
+        """Queue a job; raises :class:`QueueFull` at ``cfg.max_queued_jobs`` queued jobs (default jobs excepted)."""
+        if not is_default and self.store.count_jobs("queued") >= self.cfg.max_queued_jobs:
+            raise QueueFull(f"{self.cfg.max_queued_jobs} jobs are queued already (FL_SERVE_MAX_QUEUED_JOBS); "
+                            "retry when one has started, or cancel one (DELETE /v1/jobs/{id})")
         job_id = self.store.add_job(spec, is_default)
         self._wake.set()
         return job_id
+
+    def cancel(self, job_id: str) -> bool:
+        """Cancel a queued or running job: a running job's worker process is killed (SIGKILL; it resumes from
+        nothing, the job is over). False when the job is finished or unknown."""
+        with self._lock:
+            if not self.store.cancel_job(job_id):
+                return False
+            self._cancelled.add(job_id)
+            proc = self._procs.get(job_id)
+        if proc is not None:
+            proc.kill()
+        return True
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the workers; running jobs stay 'running' in the store and are re-queued at the next start."""
@@ -101,22 +123,25 @@ class JobRunner:
         if spec.get("recipe"):  # FILE[:NAME] -> the file in the operator's recipe directory
             spec["recipe"] = resolve_in_dir(self.cfg.recipes_dir, spec["recipe"])
         (job_dir / "spec.json").write_text(json.dumps(spec, indent=1))
-        env = {**os.environ, "OMP_NUM_THREADS": str(self.cfg.worker_threads), "PYTHONPATH": _import_path(),
-               "FL_COORDINATOR_PID": str(os.getpid())}
-        with open(job_dir / "log.txt", "ab") as logf:
+        # no secret reaches a worker: it needs none, and a process's environment is readable by its user
+        env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
+        env.update(OMP_NUM_THREADS=str(self.cfg.worker_threads), PYTHONPATH=_import_path(),
+                   FL_COORDINATOR_PID=str(os.getpid()))
+        with open(job_dir / "log.txt", "ab") as logf, self._lock:
+            if job["id"] in self._cancelled:  # cancelled between claim and start
+                return
             proc = subprocess.Popen([sys.executable, "-m", "fl_server.service.worker", str(job_dir)],
                                     stdout=logf, stderr=subprocess.STDOUT, env=env)
+            self._procs[job["id"]] = proc
+        try:
+            while proc.poll() is None:
+                self._stop.wait(self.cfg.poll_s)
+                self.store.put_rounds(job["id"], rundir.read_metrics(job_dir / "run"))
+        finally:
             with self._lock:
-                self._procs[job["id"]] = proc
-            try:
-                while proc.poll() is None:
-                    self._stop.wait(self.cfg.poll_s)
-                    self.store.put_rounds(job["id"], rundir.read_metrics(job_dir / "run"))
-            finally:
-                with self._lock:
-                    self._procs.pop(job["id"], None)
-        if self._stop.is_set():
-            return  # interrupted by shutdown: re-queued at the next start
+                self._procs.pop(job["id"], None)
+        if self._stop.is_set() or job["id"] in self._cancelled:
+            return  # interrupted by shutdown (re-queued at the next start) or cancelled (DELETE /v1/jobs/{id})
         self.store.put_rounds(job["id"], rundir.read_metrics(job_dir / "run"))
         if proc.returncode != 0:
             tail = (job_dir / "log.txt").read_text(errors="replace")[-2000:]

@@ -10,7 +10,7 @@ BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.5, 1
 _ROUTE_IDS = [(re.compile(r"^/v1/artifacts/[^/]+$"), "/v1/artifacts/{sha256}"),
               (re.compile(r"^/v1/jobs/[^/]+$"), "/v1/jobs/{id}")]
 KNOWN = {"/", "/healthz", "/metrics", "/v1/signing-key", "/v1/clients", "/v1/manifest", "/v1/hypernetwork/generate",
-         "/v1/btfl/dle", "/v1/jobs", "/v1/artifacts/{sha256}", "/v1/jobs/{id}", "/docs", "/openapi.json"}
+         "/v1/btfl/dle", "/v1/jobs", "/v1/enrollments", "/v1/artifacts/{sha256}", "/v1/jobs/{id}", "/docs", "/openapi.json"}
 
 
 def route_label(path: str) -> str:

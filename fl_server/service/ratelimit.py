@@ -56,7 +56,11 @@ class Buckets:
                                 headers={"Retry-After": str(retry)})
 
 
+def client_address(request: Request) -> str:
+    """The peer's address (a proxy's X-Forwarded-For counts only from FL_SERVE_TRUSTED_PROXIES: server.py)."""
+    return request.client.host if request.client else "unknown"
+
+
 async def limit_join(request: Request) -> None:
     """Dependency of the unauthenticated join: one bucket per client IP."""
-    host = request.client.host if request.client else "unknown"
-    request.app.state.service.join_limits.check(f"ip:{host}", "joins from this IP")
+    request.app.state.service.join_limits.check(f"ip:{client_address(request)}", "joins from this IP")

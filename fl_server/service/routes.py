@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from edge_sdk import btfl, tensors
@@ -15,13 +16,14 @@ from fl_server.recipes.errors import RecipeError
 from fl_server.recipes.loader import resolve_in_dir
 from fl_server.service import schemas as S
 from fl_server.service.auth import Principal, require_admin, require_client
-from fl_server.service.dle import ShapeMismatch, view_json
+from fl_server.service.dle import ShapeMismatch, SourceFull, view_json
 from fl_server.service.errors import AUTH, BODY, documented
 from fl_server.service.fastpath import artifact_headers
-from fl_server.service.ratelimit import limit_join
+from fl_server.service.jobs import QueueFull
+from fl_server.service.ratelimit import client_address, limit_join
 from fl_server.service.ranges import Unsatisfiable, parse_range
 from fl_server.service.state import NONE_METHOD, Service
-from fl_server.service.store import JOB_STATES, RegistryFull
+from fl_server.service.store import JOB_STATES, EnrollmentRefused, RegistryFull
 
 router = APIRouter()
 
@@ -39,6 +41,10 @@ def _not_ready(svc: Service, what: str) -> HTTPException:
 def _bundle_or_503(svc: Service, method: str | None) -> dict[str, Any]:
     bundle = svc.bundle_for(method)
     if bundle is not None:
+        reason = svc.degraded_reason(bundle)
+        if reason is not None:
+            raise HTTPException(503, f"method {bundle['method']} is degraded: {reason}",
+                                headers={"Retry-After": str(svc.cfg.retry_after_s)})
         return bundle
     if method not in (None, NONE_METHOD) and not any(
             j["spec"]["method"] == method and j["status"] in ("queued", "running") for j in svc.store.jobs()):
@@ -53,8 +59,10 @@ async def healthz(svc: Service = Depends(service)) -> dict[str, Any]:
     counts = {s: 0 for s in JOB_STATES}
     for j in svc.store.jobs():
         counts[j["status"]] += 1
-    return {"status": "ok", "bundles": svc.store.count("bundles"), "jobs": counts,
-            "signing_key": svc.signer.public_hex}
+    degraded = svc.degraded()
+    return {"status": "degraded" if degraded else "ok", "bundles": svc.store.count("bundles"), "jobs": counts,
+            "signing_key": svc.signer.public_hex, "degraded": degraded,
+            "quarantined": sorted(svc.artifacts.quarantined)}
 
 
 @router.get("/v1/signing-key", response_model=S.SigningKey, tags=["devices"])
@@ -65,7 +73,9 @@ async def signing_key(svc: Service = Depends(service)) -> dict[str, str]:
 
 
 @router.post("/v1/clients", response_model=S.JoinResponse, status_code=201, tags=["devices"],
-             responses=documented(*BODY, 404, 429, 503, e404="no bundle and no job for this method"),
+             responses=documented(*BODY, 401, 403, 404, 429, 503, 507, e404="no bundle and no job for this method",
+                                  e401="FL_SERVE_ENROLLMENT=token and no enrollment_token",
+                                  e403="unknown, used-up or expired enrollment token"),
              dependencies=[Depends(limit_join)])
 async def join(body: S.JoinRequest, request: Request, svc: Service = Depends(service)) -> Response:
     """Join as a new client: a client id, a bearer token, the methods served now and the bundle's manifest."""
@@ -73,22 +83,45 @@ async def join(body: S.JoinRequest, request: Request, svc: Service = Depends(ser
     try:
         client_id, token = svc.store.add_client(body.method or bundle["method"], bundle["id"],
                                                 request.headers.get("user-agent", ""), svc.cfg.max_clients,
-                                                svc.cfg.unused_client_ttl_s)
+                                                svc.cfg.unused_client_ttl_s, source=f"ip:{client_address(request)}",
+                                                enrollment=svc.cfg.enrollment == "token",
+                                                enrollment_token=body.enrollment_token)
     except RegistryFull as exc:
         raise HTTPException(503, str(exc)) from None
+    except EnrollmentRefused as exc:
+        raise HTTPException(401 if body.enrollment_token is None else 403, str(exc)) from None
     head = json.dumps({"client_id": client_id, "token": token, "methods": svc.methods()})
     return Response(head[:-1].encode() + b', "manifest": ' + svc.manifest_json(bundle) + b"}", status_code=201,
                     media_type="application/json")
 
 
+def etag_matches(if_none_match: str | None, etag: str) -> bool:
+    """Whether an ``If-None-Match`` header matches ``etag`` (RFC 9110 13.1.2: a list of tags, or ``*``)."""
+    return if_none_match is not None and any(t.strip() in (etag, f"W/{etag}", "*")
+                                             for t in if_none_match.split(","))
+
+
+@router.post("/v1/enrollments", response_model=S.Enrollment, status_code=201, tags=["admin"],
+             responses=documented(*AUTH, *BODY, 507))
+def create_enrollment(body: S.EnrollmentRequest, _: Principal = Depends(require_admin),
+                      svc: Service = Depends(service)) -> dict[str, Any]:
+    """An enrollment token (admin): what a device presents to join (``enrollment_token``) when the coordinator
+    runs with ``FL_SERVE_ENROLLMENT=token``; good for ``uses`` joins, until ``ttl_s`` seconds from now."""
+    enrollment_id, token, expires = svc.store.add_enrollment(body.uses, body.ttl_s)
+    return {"id": enrollment_id, "token": token, "uses": body.uses, "expires": expires}
+
+
 @router.get("/v1/manifest", response_model=S.Manifest, tags=["devices"],
-            responses=documented(404, 422, 503, e404="no bundle and no job for this method"))
+            responses={304: {"description": "If-None-Match matched (the newest bundle is the one the device has)"},
+                       **documented(404, 422, 503, e404="no bundle and no job for this method")})
 async def manifest(method: str | None = Query(None, max_length=S.MAX_METHOD_CHARS),
-                   svc: Service = Depends(service)) -> Response:
+                   if_none_match: str | None = Header(None), svc: Service = Depends(service)) -> Response:
     """The newest bundle's manifest for ``method`` (default: the default bundle)."""
     bundle = _bundle_or_503(svc, method)
-    return Response(svc.manifest_json(bundle), media_type="application/json",
-                    headers={"ETag": f'"{bundle["id"]}"', "Cache-Control": "no-cache"})
+    headers = {"ETag": f'"{bundle["id"]}"', "Cache-Control": "no-cache"}
+    if etag_matches(if_none_match, headers["ETag"]):
+        return Response(status_code=304, headers=headers)
+    return Response(svc.manifest_json(bundle), media_type="application/json", headers=headers)
 
 
 @router.get("/v1/artifacts/{sha256}", tags=["devices"], response_class=Response,
@@ -104,10 +137,12 @@ async def artifact(sha256: str, range_: str | None = Header(None, alias="range")
         raise HTTPException(404, f"no artifact {sha256[:80]!r} (addresses come from a manifest)")
     etag = f'"{sha256}"'
     headers = artifact_headers(svc, sha256)  # plain GETs are answered by fastpath.ArtifactFastPath
-    if if_none_match is not None and etag in [t.strip() for t in if_none_match.split(",")] + ['"*"', "*"]:
+    if etag_matches(if_none_match, etag):
         return Response(status_code=304, headers=headers)
     data = svc.cached_artifact(sha256)
     path = svc.artifacts.path(sha256)
+    if data is None:  # streamed from disk: hashed first (again only if the file changed since)
+        await run_in_threadpool(svc.artifacts.verify, sha256)
     size = len(data) if data is not None else path.stat().st_size
     try:
         span = parse_range(range_, size) if if_range in (None, etag) else None
@@ -177,8 +212,10 @@ def _dle_view(svc: Service, client_id: str) -> dict[str, Any]:
 
 
 @router.post("/v1/btfl/dle", response_model=S.DLEResponse, tags=["methods"],
-             responses=documented(*AUTH, *BODY, e422="not a [D, levels] frequency table, or its shape differs "
-                                                     "from the other clients' DLEs"))
+             responses=documented(*AUTH, *BODY, 507, e422="not a [D, levels] frequency table, or its shape differs "
+                                                     "from the other clients' DLEs",
+                                  e403="not a client token, or FL_SERVE_DLE_PER_SOURCE clients of this client's "
+                                       "enrollment (or join address) have a DLE already"))
 def upload_dle(body: S.DLEUpload, who: Principal = Depends(require_client),
                svc: Service = Depends(service)) -> dict[str, Any]:
     """BTFL: a participating client uploads its local DLE (replacing its previous one); the global DLE is
@@ -194,9 +231,12 @@ def upload_dle(body: S.DLEUpload, who: Principal = Depends(require_client),
     if freqs.shape[1] > S.MAX_DLE_LEVELS:
         raise HTTPException(422, f"a DLE has at most {S.MAX_DLE_LEVELS} levels, got {freqs.shape[1]}")
     try:
-        svc.dles.put(who.client_id, body.freqs, body.num_samples, svc.btfl_base())
+        svc.dles.put(who.client_id, body.freqs, body.num_samples, svc.btfl_base(), who.source,
+                     svc.cfg.dle_per_source)
     except ShapeMismatch as exc:
         raise HTTPException(422, str(exc)) from None
+    except SourceFull as exc:
+        raise HTTPException(403, str(exc)) from None
     return _dle_view(svc, who.client_id)
 
 
@@ -214,7 +254,8 @@ def _job_view(svc: Service, job: dict[str, Any], with_rounds: bool) -> dict[str,
     return {**job, "rounds_done": len(rounds), "rounds": rounds if with_rounds else None}
 
 
-@router.post("/v1/jobs", response_model=S.Job, status_code=201, tags=["jobs"], responses=documented(*AUTH, *BODY))
+@router.post("/v1/jobs", response_model=S.Job, status_code=201, tags=["jobs"],
+             responses=documented(*AUTH, *BODY, 503, 507, e503="the job queue is full (FL_SERVE_MAX_QUEUED_JOBS)"))
 def create_job(body: S.JobRequest, _: Principal = Depends(require_admin), svc: Service = Depends(service)) -> dict:
     """Start a training recipe on a data set and partition; it is exported and served when done."""
     if body.partition == "dirichlet" and body.alpha is None:
@@ -225,7 +266,10 @@ def create_job(body: S.JobRequest, _: Principal = Depends(require_admin), svc: S
             resolve_in_dir(svc.cfg.recipes_dir, body.recipe)  # the file must exist now; the worker loads it
         except RecipeError as exc:
             raise HTTPException(404 if svc.cfg.recipes_dir else 422, str(exc)) from None
-    job_id = svc.runner.submit(spec)
+    try:
+        job_id = svc.runner.submit(spec)
+    except QueueFull as exc:
+        raise HTTPException(503, str(exc), headers={"Retry-After": str(svc.cfg.retry_after_s)}) from None
     job = svc.store.job(job_id)
     assert job is not None
     return _job_view(svc, job, True)
@@ -244,6 +288,19 @@ def get_job(job_id: str, _: Principal = Depends(require_admin), svc: Service = D
     if job is None:
         raise HTTPException(404, f"no job {job_id[:64]!r}")
     return _job_view(svc, job, True)
+
+
+@router.delete("/v1/jobs/{job_id}", response_model=S.Job, tags=["jobs"],
+               responses=documented(*AUTH, 404, 409, e404="no such job", e409="the job has finished already"))
+def cancel_job(job_id: str, _: Principal = Depends(require_admin), svc: Service = Depends(service)) -> dict:
+    """Cancel a queued or running job (a running job's training process is killed); it is never served."""
+    job = svc.store.job(job_id[:64])
+    if job is None:
+        raise HTTPException(404, f"no job {job_id[:64]!r}")
+    if not svc.runner.cancel(job["id"]):
+        raise HTTPException(409, f"job {job['id']} is {svc.store.job(job['id'])['status']}; only a queued or "
+                                 "running job can be cancelled")
+    return _job_view(svc, svc.store.job(job["id"]), True)
 
 
 # ------------------------------------------------------------------ metrics

@@ -1,5 +1,6 @@
 """Request and response bodies of the coordinator API (pydantic; they are the OpenAPI documentation).
-Every number that comes in must be finite (``allow_inf_nan=False``) and every list is bounded."""
+Every number that comes in must be finite (``allow_inf_nan=False``) and of a JSON number type (strict: no
+``"1.0"``, ``true`` or ``"10"`` where a number belongs), and every list is bounded."""
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
@@ -20,13 +21,31 @@ DLERow = Annotated[list[Frequency], Field(min_length=2, max_length=MAX_DLE_LEVEL
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    """Request bodies: unknown fields refused, numbers finite, no coercion (a string or a boolean where a
+    number belongs is a 422; a JSON integer is still a valid float)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class JoinRequest(Strict):
     method: str | None = Field(None, max_length=MAX_METHOD_CHARS,
                                description="test-time method the device will run (default: the "
                                            "coordinator's default bundle); 'none' = plain inference")
+    enrollment_token: str | None = Field(None, max_length=512, description="from the operator (POST "
+                                         "/v1/enrollments); required when the coordinator runs with "
+                                         "FL_SERVE_ENROLLMENT=token, ignored otherwise")
+
+
+class EnrollmentRequest(Strict):
+    uses: int = Field(1, ge=1, le=10**6, description="joins the token allows (one per device is the safest)")
+    ttl_s: float | None = Field(None, gt=0, le=366 * 86400, description="seconds until it expires (default: never)")
+
+
+class Enrollment(BaseModel):
+    id: str
+    token: str = Field(description="hand it to the device(s) out of band; shown once, stored hashed")
+    uses: int
+    expires: float | None = Field(None, description="Unix time, or null for never")
 
 
 class ArtifactRef(BaseModel):
@@ -136,7 +155,7 @@ class RoundRow(BaseModel):
 
 class Job(BaseModel):
     id: str
-    status: Literal["queued", "running", "done", "failed"]
+    status: Literal["queued", "running", "done", "failed", "cancelled"]
     spec: dict[str, Any]
     is_default: bool
     created: float
@@ -151,10 +170,14 @@ class Job(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok"] = "ok"
+    status: Literal["ok", "degraded"] = Field("ok", description="degraded: some method cannot be served, or the "
+                                                                "store's disk is full; the others keep serving")
     bundles: int
     jobs: dict[str, int]
     signing_key: str = Field(description="Ed25519 public key (hex) that signs every manifest; pin it on devices")
+    degraded: dict[str, str] = Field(default_factory=dict, description="method (or 'disk') -> what is wrong")
+    quarantined: list[str] = Field(default_factory=list, description="objects (sha256) that failed their "
+                                                                     "integrity check, moved to objects/quarantine")
 
 
 class SigningKey(BaseModel):

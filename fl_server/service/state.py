@@ -2,8 +2,10 @@
 which bundle serves which method."""
 from __future__ import annotations
 
+import io
 import logging
 import os
+import shutil
 import threading
 import time
 from typing import Any
@@ -11,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from edge_sdk import strictjson
-from fl_server.service.artifacts import ArtifactStore
+from fl_server.service.artifacts import ArtifactStore, Corrupt
 from fl_server.service.dle import DLEAggregate
 from fl_server.service.config import DEFAULT_METHODS, ServiceConfig
 from fl_server.service.hypernet import GenerateBatcher, HypernetCache
@@ -30,6 +32,10 @@ class Service:
     def __init__(self, cfg: ServiceConfig) -> None:
         self.cfg = cfg
         cfg.store_dir.mkdir(parents=True, exist_ok=True)
+        try:  # the database, the admin token and the signing key live here
+            os.chmod(cfg.store_dir, 0o700)
+        except OSError as exc:  # e.g. a mounted volume owned by another user: say so, serve anyway
+            log.warning("cannot make %s owner-only (%s); chmod 700 it", cfg.store_dir, exc.strerror)
         self.store = Store(cfg.store_dir / "coordinator.sqlite3")
         self.artifacts = ArtifactStore(cfg.store_dir / "objects")
         self.runner = JobRunner(cfg, self.store, self.artifacts)
@@ -38,6 +44,7 @@ class Service:
         self.metrics = Metrics()
         self.token_limits = Buckets(Limit(cfg.token_rate, cfg.token_burst))
         self.join_limits = Buckets(Limit(cfg.join_rate, cfg.join_burst))
+        self.address_limits = Buckets(Limit(cfg.address_rate, cfg.address_burst))  # also keyed by enrollment
         self._public: set[str] = set()
         self._bundle_version = -1
         self._by_method: dict[str, dict[str, Any]] = {}
@@ -48,6 +55,8 @@ class Service:
         self._blob_bytes = 0
         self._btfl_base: dict[str, tuple[str, np.ndarray, int]] = {}
         self._lock = threading.Lock()
+        self._objects: dict[str, set[str]] = {}  # bundle id -> every object it needs (manifest, artifacts, server)
+        self._scrubbing = threading.Event()
         self.dles = DLEAggregate(self.store)  # BTFL: running sums of the clients' DLEs
         self.admin_token_file = cfg.store_dir / "admin_token"
         self.signer = ManifestSigner.load_or_create(cfg.store_dir)
@@ -56,6 +65,7 @@ class Service:
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
         self._ensure_admin_token()
+        self.check_integrity()  # a corrupt object degrades its methods; it does not stop the coordinator
         # bundles of a previous run: tables and hypernetworks loaded before the first request is answered (a
         # background load holds the GIL for ~0.1-0.5 s: a burst of devices right after a restart waited on it)
         self._refresh(background=False)
@@ -66,8 +76,11 @@ class Service:
                 self.runner.submit({"method": method, "dataset": "digits", "partition": "pathological",
                                     "rounds": self.cfg.default_rounds, "seed": 0}, is_default=True)
         self.runner.start()
+        if self.cfg.scrub_s > 0:
+            threading.Thread(target=self._scrub_loop, name="integrity-scrub", daemon=True).start()
 
     def stop(self) -> None:
+        self._scrubbing.set()
         self.runner.stop()
         self.generator.close()
         self.store.close()
@@ -100,27 +113,79 @@ class Service:
             self._versions = self.store.bundle_versions()
             self._public = set(self._by_id) | {a["sha256"] for b in bundles
                                                          for a in b["manifest"]["artifacts"]}
+            self._objects = {b["id"]: _objects(b) for b in bundles}
             self._bundle_version = version
         for b in bundles:  # the served hypernetworks are loaded before the first generate needs them
-            if "hn" in b["server"] and self._by_method.get(b["method"]) is b:
+            if "hn" in b["server"] and self._by_method.get(b["method"]) is b and not self.degraded_reason(b):
                 if background:
                     self.hypernets.preload(b)
                 else:
-                    self.hypernets.get(b)
+                    try:
+                        self.hypernets.get(b)
+                    except Corrupt:  # quarantined: ODPFL-HN is reported degraded, the others serve
+                        pass
+
+    # ------------------------------------------------------------ integrity
+    def check_integrity(self) -> set[str]:
+        """Hash every object of every recorded bundle against its address (at start, and every
+        ``cfg.scrub_s`` seconds); a corrupt or missing object is quarantined. Returns the quarantined set."""
+        needed = set().union(*(_objects(b) for b in self.store.bundles()))
+        bad = self.artifacts.recheck(needed)
+        for sha in bad:  # nothing of a quarantined object is served, not even a copy in memory
+            data = self._blobs.pop(sha, None)
+            self._blob_bytes -= 0 if data is None else len(data)
+        return bad
+
+    def _scrub_loop(self) -> None:
+        while not self._scrubbing.wait(self.cfg.scrub_s):
+            try:
+                self.check_integrity()
+            except Exception:  # a failing pass (e.g. the disk went away) must not end the scrubbing
+                log.exception("integrity scrub failed")
+
+    def degraded_reason(self, bundle: dict[str, Any]) -> str | None:
+        """Why ``bundle`` cannot be served (an object of it is quarantined), or None."""
+        bad = self._objects.get(bundle["id"], _objects(bundle)) & self.artifacts.quarantined
+        if not bad:
+            return None
+        return (f"{len(bad)} object(s) of bundle {bundle['id'][:16]} failed the integrity check and are "
+                f"quarantined ({', '.join(sorted(s[:16] for s in bad))}); retrain the method or restore the objects")
+
+    def degraded(self) -> dict[str, str]:
+        """Methods whose served bundle is degraded, with the reason; plus ``disk`` while it is (nearly) full."""
+        self._refresh()
+        out = {m: r for m, b in self._by_method.items() if (r := self.degraded_reason(b))}
+        disk = self.disk_problem()
+        if disk:
+            out["disk"] = disk
+        return out
+
+    def disk_problem(self) -> str | None:
+        """A message while the store's disk has less than ``cfg.min_free_bytes`` free (writes then fail with
+        507), else None."""
+        try:
+            free = shutil.disk_usage(self.cfg.store_dir).free
+        except OSError as exc:
+            return f"the store's disk cannot be read ({exc.strerror})"
+        if free < self.cfg.min_free_bytes:
+            return f"the store's disk has {free} bytes free (FL_SERVE_MIN_FREE_BYTES: {self.cfg.min_free_bytes})"
+        return None
 
     def methods(self) -> list[str]:
+        """The methods served now (a degraded method is left out; 'none' when any bundle is served)."""
         self._refresh()
-        return [*self._by_method, NONE_METHOD] if self._by_method else []
+        served = [m for m, b in self._by_method.items() if not self.degraded_reason(b)]
+        return [*served, NONE_METHOD] if served else []
 
     def bundle_for(self, method: str | None) -> dict[str, Any] | None:
         """The newest bundle serving ``method``; for None / 'none' the default (first of DEFAULT_METHODS)."""
         self._refresh()
         if method not in (None, NONE_METHOD):
             return self._by_method.get(method)
-        for m in (*DEFAULT_METHODS, *self._by_method):
-            if m in self._by_method:
-                return self._by_method[m]
-        return None
+        healthy = [m for m in (*DEFAULT_METHODS, *self._by_method)
+                   if m in self._by_method and not self.degraded_reason(self._by_method[m])]
+        fallback = [m for m in (*DEFAULT_METHODS, *self._by_method) if m in self._by_method]
+        return self._by_method[(healthy or fallback)[0]] if fallback else None
 
     def bundle_by_id(self, bundle_id: str) -> dict[str, Any] | None:
         self._refresh()
@@ -180,7 +245,7 @@ class Service:
         cached = self._btfl_base.get(bundle["id"])
         if cached is None:
             sha = next(a["sha256"] for a in bundle["manifest"]["artifacts"] if a["name"] == "btfl")
-            with np.load(self.artifacts.path(sha), allow_pickle=False) as arrays:
+            with np.load(io.BytesIO(self.artifacts.read(sha)), allow_pickle=False) as arrays:
                 cached = (bundle["id"], np.asarray(arrays["global_dle"], dtype=np.float64),
                           # older bundles carry dle_samples (a sample-weighted DLE) instead: it counts once
                           int(arrays["dle_clients"].reshape(-1)[0]) if "dle_clients" in arrays.files else 1)
@@ -188,23 +253,28 @@ class Service:
         return cached
 
     def cached_artifact(self, sha256: str) -> bytes | None:
-        """An artifact's bytes from memory, read in once if it fits the cache (content never changes); None
-        for a file over ``cfg.artifact_cache_file_max`` or the cache budget: stream it from disk."""
+        """An artifact's bytes from memory, read in (and checked against its address) once if it fits the
+        cache; None for a file over ``cfg.artifact_cache_file_max`` or the cache budget: stream it from disk
+        (after :meth:`ArtifactStore.verify`). Raises :class:`Corrupt` for a quarantined object."""
         data = self._blobs.get(sha256)
         if data is not None:
+            if sha256 in self.artifacts.quarantined:  # the disk copy failed a scrub: serve nothing of it
+                raise Corrupt(sha256)
             return data
-        path = self.artifacts.path(sha256)
-        size = path.stat().st_size
+        try:
+            size = self.artifacts.path(sha256).stat().st_size
+        except FileNotFoundError:
+            size = 0  # read() below quarantines it
         if size > self.cfg.artifact_cache_file_max or self._blob_bytes + size > BLOB_BUDGET:
             return None
-        data = self._blobs[sha256] = path.read_bytes()
+        data = self._blobs[sha256] = self.artifacts.read(sha256)
         self._blob_bytes += len(data)
         return data
 
     def artifact_bytes(self, sha256: str) -> bytes:
-        """An artifact's whole bytes (a manifest to sign, a small file): cached, else read."""
+        """An artifact's whole bytes (a manifest to sign, a small file), checked: cached, else read."""
         data = self.cached_artifact(sha256)
-        return self.artifacts.path(sha256).read_bytes() if data is None else data
+        return self.artifacts.read(sha256) if data is None else data
 
     def pending_default(self) -> dict[str, Any]:
         """Progress of the training that will produce the first bundle (for 503 bodies)."""
@@ -212,3 +282,8 @@ class Service:
         return {"jobs": [{"id": j["id"], "method": j["spec"]["method"], "status": j["status"],
                           "rounds_done": len(self.store.rounds(j["id"])), "rounds": j["spec"]["rounds"]}
                          for j in jobs]}
+
+
+def _objects(bundle: dict[str, Any]) -> set[str]:
+    """Every object a bundle needs: its manifest (the bundle id), its artifacts, its server-only state."""
+    return {bundle["id"], *(a["sha256"] for a in bundle["manifest"]["artifacts"]), *bundle["server"].values()}

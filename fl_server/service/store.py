@@ -13,11 +13,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import secrets
 import sqlite3
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,16 +41,22 @@ CREATE TABLE IF NOT EXISTS dles (client_id TEXT PRIMARY KEY, dims INTEGER NOT NU
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS bundle_versions (bundle_id TEXT PRIMARY KEY, method TEXT NOT NULL,
                                             version INTEGER NOT NULL, UNIQUE (method, version));
+CREATE TABLE IF NOT EXISTS enrollments (id TEXT PRIMARY KEY, hash TEXT UNIQUE NOT NULL, uses_left INTEGER NOT NULL,
+                                        expires REAL, created REAL NOT NULL);
 """
 # clients that never used their token, oldest first: what a join at the cap may reclaim (created after the
 # migration below, which adds first_used to a store of an older version)
 UNUSED_INDEX = "CREATE INDEX IF NOT EXISTS clients_unused ON clients (created) WHERE first_used IS NULL"
 RECLAIM_BATCH = 10_000  # clients reclaimed per pass at most (a pass a minute: 14M a day, past any join rate)
-JOB_STATES = ("queued", "running", "done", "failed")
+JOB_STATES = ("queued", "running", "done", "failed", "cancelled")
 
 
 class RegistryFull(RuntimeError):
     """A join past ``FL_SERVE_MAX_CLIENTS`` registered clients."""
+
+
+class EnrollmentRefused(PermissionError):
+    """A join whose enrollment token is missing, unknown, used up or expired (FL_SERVE_ENROLLMENT=token)."""
 
 
 def hash_token(token: str) -> str:
@@ -57,6 +66,11 @@ def hash_token(token: str) -> str:
 class Store:
     def __init__(self, path: Path, checkpoint_s: float = 2.0) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
+        # every client's DLE and the token hashes: owner-only (SQLite gives the -wal/-shm files the same mode)
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+        for f in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+            if f.exists() and f.stat().st_mode & 0o077:
+                os.chmod(f, 0o600)  # a store of an older version
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
         self._lock = threading.Lock()
@@ -69,6 +83,9 @@ class Store:
             self._add_first_used_column()
             self._db.execute(UNUSED_INDEX)
             self._number_bundles()  # bundles of a store that predates release versions
+            if "source" not in {row["name"] for row in self._db.execute("PRAGMA table_info(clients)")}:
+                self._db.execute("ALTER TABLE clients ADD COLUMN source TEXT")  # stores of an older version
+            self._db.execute("CREATE INDEX IF NOT EXISTS clients_source ON clients (source)")
         self._num_clients = self.count("clients")  # add_client keeps it: one process owns the store
         self._last_reclaim = -float("inf")  # time.monotonic() of the last reclaim pass
         self._closed = threading.Event()
@@ -97,6 +114,19 @@ class Store:
         finally:
             db.close()
 
+    @contextmanager
+    def _transaction(self, begin: str = "BEGIN") -> Iterator[None]:
+        """A transaction on the shared connection, rolled back on any error (a full disk, a refused join), so
+        that no transaction stays open for the next caller. Caller holds the lock."""
+        self._db.execute(begin)
+        try:
+            yield
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            raise
+
     def _run(self, sql: str, args: tuple = ()) -> list[sqlite3.Row]:
         with self._lock:
             return self._db.execute(sql, args).fetchall()
@@ -121,25 +151,64 @@ class Store:
         self._run("INSERT OR IGNORE INTO tokens VALUES (?, 'admin', NULL, ?)", (digest, time.time()))
 
     def lookup_token(self, token: str, record_use: bool = False) -> tuple[str, str | None] | None:
-        """(scope, client_id) of a presented token, or None. The row is found by the token's hash and the
-        hash is compared again in constant time. ``record_use``: a client's first authenticated request is
-        written to ``clients.first_used`` (one write per client: such a client is never reclaimed)."""
+        """(scope, client_id) of a presented token, or None (:meth:`lookup_principal` without the source)."""
+        found = self.lookup_principal(token, record_use)
+        return None if found is None else found[:2]
+
+    def lookup_principal(self, token: str, record_use: bool = False) -> tuple[str, str | None, str | None] | None:
+        """(scope, client_id, source) of a presented token, or None; ``source`` is where the client joined from
+        (``enr:<enrollment id>`` or ``ip:<address>``). The row is found by the token's hash and the hash is
+        compared again in constant time. ``record_use``: a client's first authenticated request is written to
+        ``clients.first_used`` (one write per client: such a client is never reclaimed)."""
         digest = hash_token(token)
-        rows = self._run("SELECT t.hash, t.scope, t.client_id, c.first_used FROM tokens t "
+        rows = self._run("SELECT t.hash, t.scope, t.client_id, c.first_used, c.source FROM tokens t "
                          "LEFT JOIN clients c ON c.id = t.client_id WHERE t.hash = ?", (digest,))
         if not rows or not hmac.compare_digest(rows[0]["hash"], digest):
             return None
         scope, client_id = rows[0]["scope"], rows[0]["client_id"]
         if record_use and client_id is not None and rows[0]["first_used"] is None:
             self._run("UPDATE clients SET first_used = ? WHERE id = ? AND first_used IS NULL", (time.time(), client_id))
-        return scope, client_id
+        return scope, client_id, rows[0]["source"]
+
+    # ----------------------------------------------------------- enrollment
+    def add_enrollment(self, uses: int, ttl_s: float | None = None) -> tuple[str, str, float | None]:
+        """An operator-issued enrollment token good for ``uses`` joins (until ``ttl_s`` seconds from now when
+        given): (enrollment id, token, expiry). Only the token's hash is stored."""
+        enrollment_id, token = uuid.uuid4().hex[:16], f"fle_{secrets.token_urlsafe(32)}"
+        expires = None if ttl_s is None else time.time() + ttl_s
+        self._run("INSERT INTO enrollments VALUES (?, ?, ?, ?, ?)",
+                  (enrollment_id, hash_token(token), uses, expires, time.time()))
+        return enrollment_id, token, expires
+
+    def _take_enrollment(self, token: str | None) -> str:
+        """Spend one use of an enrollment token; returns its id. Caller holds the lock, inside a transaction."""
+        if not token:
+            raise EnrollmentRefused("joining needs an enrollment token from the operator (enrollment_token; "
+                                    "FL_SERVE_ENROLLMENT=token)")
+        digest = hash_token(token[:512])
+        row = self._db.execute("SELECT id, hash, uses_left, expires FROM enrollments WHERE hash = ?",
+                               (digest,)).fetchone()
+        if row is None or not hmac.compare_digest(row["hash"], digest):
+            raise EnrollmentRefused("unknown enrollment token")
+        if row["uses_left"] < 1 or (row["expires"] is not None and row["expires"] < time.time()):
+            raise EnrollmentRefused("this enrollment token is used up or expired; ask the operator for another")
+        self._db.execute("UPDATE enrollments SET uses_left = uses_left - 1 WHERE id = ?", (row["id"],))
+        return str(row["id"])
+
+    def dle_clients_of(self, source: str, but: str) -> int:
+        """How many clients of ``source`` other than ``but`` have an uploaded DLE."""
+        return int(self._run("SELECT COUNT(*) AS n FROM dles d JOIN clients c ON c.id = d.client_id "
+                             "WHERE c.source = ? AND d.client_id != ?", (source, but))[0]["n"])
 
     # --------------------------------------------------------------- clients
     def add_client(self, method: str, bundle_id: str, user_agent: str = "", max_clients: int = 0,
-                   unused_ttl_s: float = 0.0) -> tuple[str, str]:
+                   unused_ttl_s: float = 0.0, source: str = "", enrollment: bool = False,
+                   enrollment_token: str | None = None) -> tuple[str, str]:
         """Register a client: (client id, bearer token). At ``max_clients`` (> 0) registered clients, first
         reclaims those that never used their token and joined over ``unused_ttl_s`` (> 0) seconds ago (one pass
-        per min(ttl, 60) s at most), then raises :class:`RegistryFull` if the registry is still full."""
+        per min(ttl, 60) s at most), then raises :class:`RegistryFull` if the registry is still full.
+        ``enrollment``: the join spends one use of ``enrollment_token`` (else :class:`EnrollmentRefused`) and
+        the client's source is that enrollment; otherwise ``source`` (its address)."""
         client_id = uuid.uuid4().hex
         with self._lock:
             if 0 < max_clients <= self._num_clients and unused_ttl_s > 0:
@@ -147,12 +216,15 @@ class Store:
             if 0 < max_clients <= self._num_clients:
                 raise RegistryFull(f"the coordinator has registered its maximum of {max_clients} clients "
                                    "(FL_SERVE_MAX_CLIENTS)")
-            self._db.execute("BEGIN")
-            self._db.execute("INSERT INTO clients (id, created, method, bundle_id, user_agent) VALUES (?, ?, ?, ?, ?)",
-                             (client_id, time.time(), method, bundle_id, user_agent[:200]))
-            token = f"flc_{secrets.token_urlsafe(32)}"
-            self._db.execute("INSERT INTO tokens VALUES (?, 'client', ?, ?)", (hash_token(token), client_id, time.time()))
-            self._db.execute("COMMIT")
+            with self._transaction():
+                if enrollment:
+                    source = "enr:" + self._take_enrollment(enrollment_token)
+                self._db.execute("INSERT INTO clients (id, created, method, bundle_id, user_agent, source) VALUES "
+                                 "(?, ?, ?, ?, ?, ?)", (client_id, time.time(), method, bundle_id, user_agent[:200],
+                                                        source[:100]))
+                token = f"flc_{secrets.token_urlsafe(32)}"
+                self._db.execute("INSERT INTO tokens VALUES (?, 'client', ?, ?)",
+                                 (hash_token(token), client_id, time.time()))
             self._num_clients += 1
         return client_id, token
 
@@ -166,15 +238,14 @@ class Store:
         if now - self._last_reclaim < min(ttl_s, 60.0):
             return
         self._last_reclaim = now
-        self._db.execute("BEGIN")
-        # the batch is chosen once (the partial index clients_unused serves it), then both tables lose it
-        self._db.execute("CREATE TEMP TABLE IF NOT EXISTS reclaim (id TEXT PRIMARY KEY)")
-        self._db.execute("INSERT INTO reclaim SELECT id FROM clients WHERE first_used IS NULL AND created < ? "
-                         "ORDER BY created LIMIT ?", (time.time() - ttl_s, RECLAIM_BATCH))
-        self._db.execute("DELETE FROM tokens WHERE scope = 'client' AND client_id IN (SELECT id FROM reclaim)")
-        removed = self._db.execute("DELETE FROM clients WHERE id IN (SELECT id FROM reclaim)").rowcount
-        self._db.execute("DELETE FROM reclaim")
-        self._db.execute("COMMIT")
+        with self._transaction():
+            # the batch is chosen once (the partial index clients_unused serves it), then both tables lose it
+            self._db.execute("CREATE TEMP TABLE IF NOT EXISTS reclaim (id TEXT PRIMARY KEY)")
+            self._db.execute("INSERT INTO reclaim SELECT id FROM clients WHERE first_used IS NULL AND created < ? "
+                             "ORDER BY created LIMIT ?", (time.time() - ttl_s, RECLAIM_BATCH))
+            self._db.execute("DELETE FROM tokens WHERE scope = 'client' AND client_id IN (SELECT id FROM reclaim)")
+            removed = self._db.execute("DELETE FROM clients WHERE id IN (SELECT id FROM reclaim)").rowcount
+            self._db.execute("DELETE FROM reclaim")
         self._num_clients -= removed
 
     def clients(self, limit: int = 100) -> list[dict[str, Any]]:
@@ -201,13 +272,21 @@ class Store:
     def claim_job(self) -> dict[str, Any] | None:
         """Atomically move the oldest queued job to running and return it."""
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            row = self._db.execute("SELECT * FROM jobs WHERE status = 'queued' ORDER BY created LIMIT 1").fetchone()
-            if row is not None:
-                self._db.execute("UPDATE jobs SET status = 'running', started = COALESCE(started, ?) WHERE id = ?",
-                                 (time.time(), row["id"]))
-            self._db.execute("COMMIT")
+            with self._transaction("BEGIN IMMEDIATE"):
+                row = self._db.execute("SELECT * FROM jobs WHERE status = 'queued' ORDER BY created LIMIT 1").fetchone()
+                if row is not None:
+                    self._db.execute("UPDATE jobs SET status = 'running', started = COALESCE(started, ?) WHERE id = ?",
+                                     (time.time(), row["id"]))
         return None if row is None else self._job_dict(row, status="running")
+
+    def count_jobs(self, status: str) -> int:
+        return int(self._run("SELECT COUNT(*) AS n FROM jobs WHERE status = ?", (status,))[0]["n"])
+
+    def cancel_job(self, job_id: str) -> bool:
+        """Mark a queued or running job cancelled; False when it is finished (or unknown)."""
+        with self._lock:
+            return self._db.execute("UPDATE jobs SET status = 'cancelled', finished = ? WHERE id = ? AND status "
+                                    "IN ('queued', 'running')", (time.time(), job_id)).rowcount == 1
 
     def requeue_interrupted(self) -> int:
         """After a restart: jobs that were running go back to the queue (their run dirs resume)."""

@@ -1,0 +1,193 @@
+"""Hostile HTTP traffic against a real coordinator process (issue 36, defects 3, 4, 7, 11, 12): slow and
+idle connections, oversized request heads, forged X-Forwarded-For, strings and booleans where numbers
+belong, conditional and HEAD requests, deeply nested bodies."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from coordinator_proc import ADMIN, Coordinator, auth, join, start, start_copy
+
+pytestmark = pytest.mark.timeout(600)
+LIMITS = {"FL_SERVE_HEAD_TIMEOUT_S": "1", "FL_SERVE_BODY_TIMEOUT_S": "1", "FL_SERVE_MAX_CONNECTIONS": "40",
+          "FL_SERVE_MAX_HEAD_BYTES": str(64 << 10), "FL_SERVE_JOIN_RATE": "0.001", "FL_SERVE_JOIN_BURST": "3"}
+
+
+@pytest.fixture(scope="module")
+def bare(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]:
+    """A coordinator that trains nothing, with short deadlines and a small connection cap."""
+    coord = start(tmp_path_factory.mktemp("hostile") / "store", methods="", env=LIMITS)
+    yield coord
+    coord.stop()
+
+
+@pytest.fixture(scope="module")
+def served(trained_store: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]:
+    coord = start_copy(trained_store, tmp_path_factory.mktemp("hostile-served") / "store")
+    yield coord
+    coord.stop()
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)), timeout=10)
+    return s
+
+
+def _read_all(s: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (a reset counts as closed)."""
+    out = b""
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+    except ConnectionResetError:
+        pass
+    return out
+
+
+def _rss_kib(pid: int) -> int:
+    line = next(ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("VmRSS:"))
+    return int(line.split()[1])
+
+
+# ------------------------------------------------------------------------------------------- defect 3
+def test_slow_head_gets_408_and_an_idle_connection_is_closed(bare: Coordinator) -> None:
+    slow, idle = _connect(bare.url), _connect(bare.url)
+    slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # ... and the rest never comes
+    start = time.monotonic()
+    reply = _read_all(slow)
+    assert reply.startswith(b"HTTP/1.1 408 ") and b"request head not received within 1 s" in reply
+    assert time.monotonic() - start < 5
+    assert _read_all(idle).startswith(b"HTTP/1.1 408 ")  # sent nothing at all: uvicorn kept it open for good
+    slow.close(), idle.close()
+
+
+def test_slow_body_is_cut_off(bare: Coordinator) -> None:
+    s = _connect(bare.url)
+    s.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Authorization: Bearer " + ADMIN.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"rounds\"")
+    start = time.monotonic()
+    reply = _read_all(s)  # closed by the server after the body deadline
+    assert time.monotonic() - start < 5 and b" 201 " not in reply
+    s.close()
+
+
+def test_held_connections_are_capped_and_reaped(bare: Coordinator) -> None:
+    """Over FL_SERVE_MAX_CONNECTIONS open connections a request gets 503 (not a reset), and the idle ones are
+    closed by the head deadline, after which requests are served again."""
+    held = [_connect(bare.url) for _ in range(45)]
+    try:
+        r = httpx.get(f"{bare.url}/healthz", timeout=10)
+        assert r.status_code == 503
+        for s in held:
+            assert _read_all(s).startswith(b"HTTP/1.1 408 ")
+        assert httpx.get(f"{bare.url}/healthz", timeout=10).status_code == 200
+    finally:
+        for s in held:
+            s.close()
+
+
+# ------------------------------------------------------------------------------------------- defect 4
+def _send_big_head(url: str, size: int, out: list[bytes]) -> None:
+    s = _connect(url)
+    try:
+        s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        block = b"a" * (1 << 20)
+        for _ in range(size >> 20):
+            s.sendall(block)
+        s.sendall(b"\r\n\r\n")
+    except OSError:  # the server closed the connection while we were still sending: refused
+        pass
+    out.append(_read_all(s))
+    s.close()
+
+
+def test_huge_header_line_is_refused_without_memory_growth(bare: Coordinator) -> None:
+    before = _rss_kib(bare.proc.pid)
+    replies: list[bytes] = []
+    threads = [threading.Thread(target=_send_big_head, args=(bare.url, 64 << 20, replies)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(replies) == 4
+    for reply in replies:  # 431, or the connection closed before the client could read it
+        assert reply == b"" or reply.startswith(b"HTTP/1.1 431 "), reply[:100]
+    assert _rss_kib(bare.proc.pid) - before < 64 << 10  # was +360 MB for eight such requests
+    ok = httpx.get(f"{bare.url}/healthz", headers={"X-Small": "a" * 8000}, timeout=10)
+    assert ok.status_code == 200
+
+
+# ------------------------------------------------------------------------------------------- defect 7
+def test_forwarded_for_is_ignored_without_trusted_proxies(bare: Coordinator) -> None:
+    """Join burst 3 per address: distinct forged X-Forwarded-For values no longer make distinct addresses."""
+    codes = [httpx.post(f"{bare.url}/v1/clients", json={}, headers={"X-Forwarded-For": f"10.0.0.{i}"},
+                        timeout=10).status_code for i in range(5)]
+    assert codes[3:] == [429, 429]
+
+
+# ------------------------------------------------------------------------------------------ defect 12
+def test_head_is_answered_where_get_is(bare: Coordinator) -> None:
+    get = httpx.get(f"{bare.url}/v1/signing-key", timeout=10)
+    head = httpx.head(f"{bare.url}/v1/signing-key", timeout=10)
+    assert (head.status_code, head.content) == (200, b"")
+    assert head.headers["content-length"] == str(len(get.content))
+    r = httpx.head(f"{bare.url}/v1/jobs", timeout=10)  # GET needs a token: so does HEAD
+    assert r.status_code == 401
+    r = httpx.request("HEAD", f"{bare.url}/v1/hypernetwork/generate", timeout=10)  # POST only
+    assert (r.status_code, r.headers["allow"]) == (405, "POST")
+
+
+def test_deeply_nested_body_gets_a_clear_400(bare: Coordinator) -> None:
+    r = httpx.post(f"{bare.url}/v1/jobs", content=b"[" * 100_000, timeout=10,
+                   headers={**auth(ADMIN), "Content-Type": "application/json"})
+    assert (r.status_code, r.json()["detail"]) == (
+        400, "request body is nested too deeply (JSON arrays and objects within each other); no request of this "
+             "API nests more than 3 levels")
+
+
+# ------------------------------------------------------------------------------------------ defect 11
+@pytest.mark.parametrize("field,value,type_", [("seed", False, "int_type"), ("rounds", "10", "int_type"),
+                                                ("alpha", "1.0", "float_type"), ("rounds", 10.0, "int_type")])
+def test_job_numbers_are_strict(bare: Coordinator, field: str, value: object, type_: str) -> None:
+    body = {"method": "TENT", "partition": "dirichlet", "alpha": 1.0, field: value}
+    r = httpx.post(f"{bare.url}/v1/jobs", json=body, headers=auth(ADMIN), timeout=10)
+    assert r.status_code == 422, r.text
+    assert [(e["loc"], e["type"]) for e in r.json()["detail"]] == [(["body", field], type_)]
+
+
+def test_embedding_and_dle_numbers_are_strict(served: Coordinator) -> None:
+    client = join(served.url, "ODPFL-HN")
+    dim = int(client["manifest"]["hyperparameters"]["embed_dim"])
+    url, headers = f"{served.url}/v1/hypernetwork/generate", auth(client["token"])
+    for bad, type_ in (("1.0", "float_type"), (True, "float_type")):
+        r = httpx.post(url, json={"embedding": [bad] + [0.0] * (dim - 1)}, headers=headers, timeout=30)
+        assert r.status_code == 422, r.text
+        assert [(e["loc"], e["type"]) for e in r.json()["detail"]] == [(["body", "embedding", 0], type_)]
+    assert httpx.post(url, json={"embedding": [1] + [0.0] * (dim - 1)}, headers=headers,
+                      timeout=30).status_code == 200  # a JSON integer is a number
+    r = httpx.post(f"{served.url}/v1/btfl/dle", json={"freqs": [[0.5, 0.5]], "num_samples": "10"},
+                   headers=headers, timeout=30)
+    assert [(e["loc"], e["type"]) for e in r.json()["detail"]] == [(["body", "num_samples"], "int_type")]
+
+
+# ------------------------------------------------------------------------------------------ defect 12
+def test_manifest_if_none_match_and_head(served: Coordinator) -> None:
+    r = httpx.get(f"{served.url}/v1/manifest", params={"method": "TENT"}, timeout=30)
+    etag, bundle = r.headers["etag"], r.json()
+    for tag in ("*", etag, f'"nope", {etag}'):
+        r = httpx.get(f"{served.url}/v1/manifest", params={"method": "TENT"}, headers={"If-None-Match": tag},
+                      timeout=30)
+        assert (r.status_code, r.content, r.headers["etag"]) == (304, b"", etag)
+    r = httpx.get(f"{served.url}/v1/manifest", params={"method": "TENT"}, headers={"If-None-Match": '"x"'},
+                  timeout=30)
+    assert r.status_code == 200
+    art = bundle["artifacts"][0]
+    r = httpx.head(f"{served.url}{art['url']}", timeout=30)
+    assert (r.status_code, r.content, r.headers["content-length"]) == (200, b"", str(art["size"]))
