@@ -7,13 +7,16 @@
 #    wheels placed in docker/wheels/ are installed offline, see scripts/docker_verify.sh)
 ARG BASE_IMAGE=python:3.11-slim
 
-# ---- build stage: a venv with torch, the coordinator and edge_sdk (wheels and sources stay behind)
+# ---- build stage: a venv with torch, the coordinator and edge_sdk (wheels and sources stay behind), trimmed
+#      by docker/slim_venv.sh (no pip, no test suites, headers or torch's C++ SDK); no matplotlib or
+#      scikit-learn (not dependencies of serving or training: the digits ship as fl_server/data/digits.npz)
 FROM ${BASE_IMAGE} AS build
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY docker/wheels/ /tmp/wheels/
-COPY pyproject.toml README.md ./
+COPY docker/slim_venv.sh /tmp/
+COPY pyproject.toml README.md LICENSE ./
 COPY edge_sdk/ ./edge_sdk/
 COPY fl_server/ ./fl_server/
 COPY export/ ./export/
@@ -21,7 +24,13 @@ RUN python3 -m venv /opt/venv \
  && if ls /tmp/wheels/*.whl >/dev/null 2>&1; then SRC="--no-index --find-links /tmp/wheels"; \
     else SRC="--extra-index-url ${TORCH_INDEX}"; fi \
  && /opt/venv/bin/pip install $SRC "torch==2.13.0" ./edge_sdk . \
- && /opt/venv/bin/python -c "import torch, fl_server.service, edge_sdk; print('torch', torch.__version__)"
+ && sh /tmp/slim_venv.sh /opt/venv \
+ && cd /tmp && /opt/venv/bin/python -c "import sys, torch, fl_server.service.app, fl_server.bench.runner, edge_sdk; \
+from fl_server.data import load_dataset; assert len(load_dataset('digits')) == 1797; \
+torch.onnx.export(torch.nn.Linear(4, 2), (torch.zeros(1, 4),), '/tmp/smoke.onnx', dynamo=True); \
+gone = [m for m in ('matplotlib', 'sklearn') if m in sys.modules]; assert not gone, gone; \
+print('torch', torch.__version__, 'imports, digits, ONNX export: ok')" \
+ && rm -f /tmp/smoke.onnx*
 
 # ---- runtime stage
 FROM ${BASE_IMAGE}
