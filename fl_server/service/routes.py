@@ -35,13 +35,16 @@ def _not_ready(svc: Service, what: str) -> HTTPException:
 
 
 def _bundle_or_503(svc: Service, method: str | None) -> dict[str, Any]:
+    """The bundle for ``method``; 503 + Retry-After while a job will produce it; 404 naming the methods that
+    are served or training when none will (a device should not wait out its deadline for nothing)."""
     bundle = svc.bundle_for(method)
     if bundle is not None:
         return bundle
-    if method not in (None, NONE_METHOD) and not any(
-            j["spec"]["method"] == method and j["status"] in ("queued", "running") for j in svc.store.jobs()):
-        have = ", ".join(svc.methods()) or "none yet"
-        raise HTTPException(404, f"no bundle and no job for method {method!r}; available: {have}")
+    training = sorted({j["spec"]["method"] for j in svc.store.jobs() if j["status"] in ("queued", "running")})
+    if (method in (None, NONE_METHOD) and not training) or method not in (None, NONE_METHOD, *training):
+        served = ", ".join(svc.methods()) or "none"
+        raise HTTPException(404, f"no bundle and no job for method {method or 'default'!r}, so none will come; "
+                                 f"available now: {served}; in training: {', '.join(training) or 'none'}")
     raise _not_ready(svc, f"a bundle for {method or 'the default method'}")
 
 
