@@ -281,7 +281,10 @@ def test_jobs_need_admin(server: Coordinator, client: dict) -> None:
 def test_metrics_and_dashboard(server: Coordinator) -> None:
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     assert 'fl_http_requests_total{method="POST",route="/v1/clients",status="201"}' in text
-    assert "fl_clients " in text and 'fl_jobs{status="done"} 2' in text
+    assert "fl_clients " in text and 'fl_jobs{status="done"} 2.0' in text
+    assert 'fl_http_request_duration_seconds_bucket{le="0.2",method="GET",route="/healthz"}' in text
+    for name in ("process_cpu_seconds_total", "process_resident_memory_bytes", "process_open_fds", "python_info"):
+        assert f"\n{name}" in text, name  # prometheus_client's process and platform collectors
     page = httpx.get(f"{server.url}/", timeout=10)
     assert page.status_code == 200 and "<svg" in page.text and "ODPFL-HN" in page.text
     assert "python-httpx" not in page.text  # public page: no client user agents (nor job log tails)

@@ -16,6 +16,7 @@ from fl_server.service.auth import Principal, require_admin, require_client
 from fl_server.service.dle import ShapeMismatch, view_json
 from fl_server.service.errors import AUTH, BODY, documented
 from fl_server.service.fastpath import artifact_headers
+from fl_server.service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from fl_server.service.ratelimit import limit_join
 from fl_server.service.ranges import Unsatisfiable, parse_range
 from fl_server.service.state import NONE_METHOD, Service
@@ -244,7 +245,8 @@ def get_job(job_id: str, _: Principal = Depends(require_admin), svc: Service = D
 # ------------------------------------------------------------------ metrics
 @router.get("/metrics", response_class=PlainTextResponse, tags=["ops"])
 def metrics(svc: Service = Depends(service)) -> PlainTextResponse:
-    """Prometheus text format: request counters and latencies, clients, jobs by status, bundles, DLEs."""
+    """Prometheus text format: request counters and latencies, clients, jobs by status, bundles, DLEs, and the
+    process (CPU, memory, open files, GC)."""
     counts = {s: 0 for s in JOB_STATES}
     for j in svc.store.jobs():
         counts[j["status"]] += 1
@@ -254,4 +256,4 @@ def metrics(svc: Service = Depends(service)) -> PlainTextResponse:
         "fl_btfl_dles": ("Clients with an uploaded DLE.", {(): float(svc.store.count("dles"))}),
         "fl_jobs": ("Training jobs by status.", {(("status", s),): float(n) for s, n in counts.items()}),
     }
-    return PlainTextResponse(svc.metrics.render(gauges), media_type="text/plain; version=0.0.4")
+    return PlainTextResponse(svc.metrics.render(gauges), media_type=METRICS_CONTENT_TYPE)
