@@ -7,14 +7,17 @@
 #    wheels placed in docker/wheels/ are installed offline, see scripts/docker_verify.sh)
 ARG BASE_IMAGE=python:3.11-slim
 
-# ---- build stage: a venv with torch, the coordinator and edge_sdk (wheels and sources stay behind); the
-# coordinator requires the SDK (distribution fl-edge-sdk) by path, from ./edge_sdk, never from an index
+# ---- build stage: a venv with torch, the coordinator and edge_sdk (wheels and sources stay behind), trimmed
+#      by docker/slim_venv.sh (no pip, no test suites, headers or torch's C++ SDK); no matplotlib or
+#      scikit-learn (not dependencies of serving or training: the digits ship as fl_server/data/digits.npz);
+#      the coordinator requires the SDK (distribution fl-edge-sdk) by path, from ./edge_sdk, never from an index
 FROM ${BASE_IMAGE} AS build
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY docker/wheels/ /tmp/wheels/
-COPY pyproject.toml setup.py README.md ./
+COPY docker/slim_venv.sh docker/smoke.sh /tmp/
+COPY pyproject.toml setup.py README.md LICENSE ./
 COPY edge_sdk/ ./edge_sdk/
 COPY fl_server/ ./fl_server/
 COPY export/ ./export/
@@ -22,7 +25,10 @@ RUN python3 -m venv /opt/venv \
  && if ls /tmp/wheels/*.whl >/dev/null 2>&1; then SRC="--no-index --find-links /tmp/wheels"; \
     else SRC="--extra-index-url ${TORCH_INDEX}"; fi \
  && /opt/venv/bin/pip install $SRC "torch==2.13.0" . \
- && /opt/venv/bin/python -c "import torch, fl_server.service, edge_sdk; print('torch', torch.__version__)"
+ && (command -v strip >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends binutils \
+     >/dev/null) || echo "no binutils (apt unreachable): shared libraries stay unstripped") \
+ && sh /tmp/slim_venv.sh /opt/venv \
+ && OMP_NUM_THREADS=1 sh /tmp/smoke.sh /opt/venv
 
 # ---- runtime stage
 FROM ${BASE_IMAGE}

@@ -17,9 +17,7 @@ setup(install_requires=[
     "torch==2.13.0",
     "numpy>=1.26",
     "scipy>=1.11",
-    "scikit-learn>=1.3",
     "tqdm>=4.66",
-    "matplotlib>=3.8",
     "Pillow>=10",  # recipes: image-folder data (PNG/JPEG)
     "onnx>=1.16",
     "onnxruntime>=1.18",
@@ -29,6 +27,7 @@ setup(install_requires=[
     "uvloop>=0.19; sys_platform != 'win32'",  # uvicorn's fast event loop and HTTP parser (coordinator load)
     "httptools>=0.6",
     "httpx>=0.27",
+    "prometheus-client>=0.20",  # GET /metrics (request, process and Python metrics)
     "cryptography>=42",  # Ed25519 signing of bundle manifests (devices verify with edge_sdk.ed25519, no deps)
     f"fl-edge-sdk @ {SDK.as_uri()}",  # the device SDK from this checkout, never from an index
 ])

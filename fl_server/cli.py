@@ -282,32 +282,49 @@ def _tls_files(args: argparse.Namespace) -> dict[str, str]:
     return {"ssl_certfile": cert, "ssl_keyfile": key}
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends ``(default: X)`` where a default exists and the help text does not already explain it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from fl_server.algorithms import ALGORITHMS  # the registries (imports torch: ~2 s, also for --help)
+    from fl_server.models import MODELS
+
+    methods = ", ".join(ALGORITHMS)
     parser = argparse.ArgumentParser(prog="fl-server", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="train a recipe: your own (--recipe FILE.py:NAME) or a built-in one "
-                                     "(default: FedAvg on the embedded digits)")
+    def add_parser(name: str, **kwargs: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, formatter_class=_DefaultsFormatter, **kwargs)
+
+    p = add_parser("train", help="train a recipe: your own (--recipe FILE.py:NAME) or a built-in one "
+                                 "(default: FedAvg on the embedded digits)")
     p.add_argument("--recipe", default=None, metavar="FILE.py[:NAME]",
                    help="a Recipe defined in a Python file (NAME defaults to `recipe`); the flags below change it")
     p.add_argument("--dataset", default="digits", choices=("digits", "mnist", "fashion_mnist"),
                    help="built-in recipe (UPFL Table 1's protocol) when no --recipe is given")
-    p.add_argument("--method", default=None,
-                   help="method name, any letter case (fl-server train --method tent); default: the recipe's, FedAvg")
-    p.add_argument("--model", default=None, help="model from the zoo (default: the recipe's)")
-    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--method", default=None, metavar="METHOD",
+                   help=f"one of {methods} (any letter case: --method tent); default: the recipe's, FedAvg")
+    p.add_argument("--model", default=None, choices=MODELS, help="model from the zoo (default: the recipe's)")
+    p.add_argument("--rounds", type=int, default=None, help="communication rounds (default: the recipe's)")
     p.add_argument("--clients", type=int, default=None, help="number of clients (default: the protocol's)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the partition, initialisation and sampling")
     p.add_argument("--out", default="runs/train", help="run directory (metrics.jsonl, checkpoints; resumable)")
     _add_run_flags(p)
     p.set_defaults(func=cmd_train)
 
-    p = sub.add_parser("bench", help="run a named experiment and write docs/results/<experiment>.json")
+    p = add_parser("bench", help="run a named experiment and write docs/results/<experiment>.json")
     p.add_argument("experiment", help="e.g. upfl-table1, btgfl, fedicon-shift, map-incomplete, odpfl-dirichlet "
                                       "(`fl-server bench list` names them all)")
     p.add_argument("--dataset", action="append", help="repeatable; default: every paper data set of the experiment")
-    p.add_argument("--methods", nargs="+", default=None)
-    p.add_argument("--seeds", type=int, default=3, help="run seeds 0..SEEDS-1 (default 3)")
+    p.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
+                   help=f"default: the experiment's; any of {methods}")
+    p.add_argument("--seeds", type=int, default=3, help="run seeds 0..SEEDS-1")
     p.add_argument("--seed", type=int, action="append", dest="seed_numbers", metavar="N",
                    help="repeatable; run only these seeds (e.g. one seed per process) instead of --seeds")
     p.add_argument("--quick", action="store_true",
@@ -318,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_flags(p)
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("export", help="export a trained run's best model and device steps as an ONNX bundle")
+    p = add_parser("export", help="export a trained run's best model and device steps as an ONNX bundle")
     p.add_argument("run_dir", help="run directory of `fl-server train --out` (holds run.json and best.npz)")
     p.add_argument("--out", required=True, help="bundle directory to write (replaced atomically)")
     p.add_argument("--int8", action="store_true", help="also ship forward_int8 (frozen, int8-quantized received model)")
@@ -326,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Ed25519 private key (PEM, e.g. a coordinator store's signing_key.pem): write manifest.sig")
     p.set_defaults(func=cmd_export)
 
-    p = sub.add_parser("publish", help="verify a bundle exported elsewhere and serve it from a coordinator")
+    p = add_parser("publish", help="verify a bundle exported elsewhere and serve it from a coordinator")
     p.add_argument("bundle", help="bundle directory (fl-server export --out)")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--store", help="the coordinator's state directory (fl-server serve --store)")
@@ -334,18 +351,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-token", default=None, help="with --server (default: $FL_ADMIN_TOKEN)")
     p.set_defaults(func=cmd_publish)
 
-    p = sub.add_parser("report", help="regenerate docs/RESULTS.md")
+    p = add_parser("report", help="regenerate docs/RESULTS.md")
     p.add_argument("--docs", default="docs")
     p.set_defaults(func=cmd_report)
 
-    p = sub.add_parser("data", help="obtain or inspect data sets")
+    p = add_parser("data", help="obtain or inspect data sets")
     p.add_argument("action", choices=("fetch", "info"))
     p.add_argument("name", choices=("mnist", "fashion_mnist", "digits", "cifar10"))
     p.add_argument("--dir", default=None,
                    help="target/source directory (default: $FL_DATA_DIR, else ~/.cache/fl-edge/data)")
     p.set_defaults(func=cmd_data)
 
-    p = sub.add_parser("device-data", help="write a device's samples (.npz) for a bundle's protocol, for the "
+    p = add_parser("device-data", help="write a device's samples (.npz) for a bundle's protocol, for the "
                                            "device examples")
     p.add_argument("source", help="a bundle directory, its manifest.json, or a coordinator URL")
     p.add_argument("--method", default=None, help="with a URL: the method whose bundle (default: the default one)")
@@ -362,14 +379,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default=None)
     p.set_defaults(func=cmd_device_data)
 
-    p = sub.add_parser("serve", help="run the coordinator API (trains the default bundles when the store is empty)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p = add_parser("serve", help="run the coordinator API (trains the default bundles when the store is empty)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--store", default="runs/store", help="state directory: SQLite, artifacts, job runs")
     p.add_argument("--rounds", type=int, default=None,
                    help="rounds of the default jobs (default: $FL_SERVE_ROUNDS or 60)")
     p.add_argument("--workers", type=int, default=None, help="concurrent training jobs (default: $FL_SERVE_WORKERS or 1)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug", "trace"),
+                   help="uvicorn's log level")
     p.add_argument("--backlog", type=int, default=4096, help="listen backlog (a burst of device connections)")
     p.add_argument("--tls-cert", default=None, help="serve HTTPS: certificate chain, PEM (default: $FL_TLS_CERT)")
     p.add_argument("--tls-key", default=None,

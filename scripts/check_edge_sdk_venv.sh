@@ -16,6 +16,17 @@ if "$venv/bin/pip" show torch >/dev/null 2>&1; then echo "FAIL: torch was instal
 (cd "$work" && "$venv/bin/python" -c "import edge_sdk, sys; assert 'torch' not in sys.modules; print('edge_sdk', edge_sdk.__version__, 'imports without torch')")
 if "$venv/bin/pip" show scipy >/dev/null 2>&1; then echo "FAIL: scipy was installed by edge_sdk"; exit 1; fi
 "$venv/bin/pip" list --format=freeze | grep -v -i -E '^(pytest|pluggy|iniconfig|packaging|pygments)==' | sed 's/^/  /'
+# what the device SDK weighs installed: edge_sdk and its dependencies (not pip, setuptools, pytest and its deps)
+"$venv/bin/python" - <<'PY'
+import importlib.metadata as md, pathlib
+skip = {"pip", "setuptools", "pytest", "pluggy", "iniconfig", "packaging", "pygments"}
+total = 0
+for dist in md.distributions():
+    if dist.metadata["Name"].lower() not in skip:
+        total += sum(pathlib.Path(dist.locate_file(f)).stat().st_size for f in dist.files or ()
+                     if pathlib.Path(dist.locate_file(f)).is_file())
+print(f"edge_sdk installed with its dependencies: {total / 2**20:.0f} MiB")
+PY
 # test-only dependency (the exactness reference of BTFL's weight is scipy's quad); installed after the checks above
 "$venv/bin/pip" install -q scipy
 (cd "$here" && FL_DATA_DIR=${FL_DATA_DIR:-$(cd "$here/.." && pwd)/shared/data} "$main_python" -m export.sdk_fixture "$work/fixture")

@@ -121,3 +121,22 @@ def test_train_export_and_personalize_on_device(tmp_path: Path) -> None:
 def test_export_without_a_run_is_one_clear_line(tmp_path: Path) -> None:
     out = fl_server("export", str(tmp_path), "--out", str(tmp_path / "b"))
     assert out.returncode == 2 and "run.json: not found" in out.stderr
+
+
+def test_help_lists_the_registries_and_serve_shows_its_defaults() -> None:
+    from fl_server.algorithms import ALGORITHMS
+    from fl_server.models import MODELS
+
+    train = fl_server("train", "--help")
+    assert train.returncode == 0, train.stderr
+    text = " ".join(train.stdout.split())  # argparse wraps lines
+    assert all(m in text for m in ALGORITHMS) and "any letter case" in text
+    assert "{" + ",".join(MODELS) + "}" in text and "{digits,mnist,fashion_mnist}" in text
+    assert "(default: FedAvg)" in text and "(default: digits)" in text
+    serve = " ".join(fl_server("serve", "--help").stdout.split())
+    for default in ("(default: 127.0.0.1)", "(default: 8000)", "(default: runs/store)", "(default: info)",
+                    "(default: 4096)", "(default: $FL_SERVE_ROUNDS or 60)"):
+        assert default in serve, default
+    assert "(default: None)" not in serve
+    bad = fl_server("train", "--model", "resnet50")
+    assert bad.returncode == 2 and "invalid choice: 'resnet50'" in bad.stderr

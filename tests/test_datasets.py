@@ -125,6 +125,18 @@ def test_digits_needs_no_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     np.testing.assert_array_equal(np.concatenate([train.y, test.y]), full.y)
 
 
+def test_shipped_digits_are_sklearns() -> None:
+    """digits.npz holds scikit-learn's load_digits arrays (pixel sum and class counts pinned; exact equality
+    with scikit-learn where it is installed, e.g. the dev venv)."""
+    full = load_dataset("digits")
+    assert int(np.rint(full.x.astype(np.float64) * 16).sum()) == 561718
+    assert np.bincount(full.y).tolist() == [178, 182, 177, 183, 181, 182, 181, 179, 174, 180]
+    sklearn_datasets = pytest.importorskip("sklearn.datasets", reason="scikit-learn absent: exact check skipped")
+    bunch = sklearn_datasets.load_digits()
+    np.testing.assert_array_equal(full.x[:, 0] * 16, bunch.images)
+    np.testing.assert_array_equal(full.y, bunch.target)
+
+
 def test_bad_name_and_split() -> None:
     assert DATASETS == ("digits", "mnist", "fashion_mnist", "cifar10")
     with pytest.raises(ValueError, match="unknown dataset"):

@@ -35,11 +35,13 @@ def client_x(mnist_fed) -> torch.Tensor:  # type: ignore[no-untyped-def]
 
 
 # ------------------------------------------------------------------- DP (Sec. 7)
-def test_gaussian_sigma_is_the_papers_formula() -> None:
+def test_gaussian_sigma_is_the_analytic_mechanism_for_lemma_2s_sensitivity() -> None:
     eps, delta, n = 0.3, 0.01, 3000
     sens = 2 * 1.0 * 1.0 / n  # Lemma 2: 2 L B / |D|
     assert dp.sensitivity(n) == pytest.approx(sens)
-    assert dp.gaussian_sigma(eps, delta, n) == pytest.approx(math.sqrt(2 * sens ** 2 * math.log(1.25 / delta)) / eps)
+    assert dp.gaussian_sigma(eps, delta, n) == pytest.approx(dp.analytic_gaussian_sigma(eps, delta, sens))
+    # below the paper's classic calibration sqrt(2 ln(1.25/delta)) Delta / eps (Sec. 7), which is loose at eps < 1
+    assert dp.gaussian_sigma(eps, delta, n) < math.sqrt(2 * sens ** 2 * math.log(1.25 / delta)) / eps
     assert dp.gaussian_sigma(eps, delta, n, bound=2.0, lipschitz=3.0) == pytest.approx(6 * dp.gaussian_sigma(eps, delta, n))
     assert dp.gaussian_sigma(eps, delta, 100) == pytest.approx(30 * dp.gaussian_sigma(eps, delta, 3000))  # ~ 1/|D|
     assert dp.gaussian_sigma(math.inf, delta, n) == 0.0
@@ -68,7 +70,7 @@ def test_personalize_noise_uses_the_clients_own_set_size(client_x: torch.Tensor)
         assert float(pooled.norm()) <= 1.0 + 1e-6
         alg.dp_rng = np.random.default_rng(5)
         w = alg.personalize(state, x)
-        sigma = math.sqrt(2 * (2 / n) ** 2 * math.log(1.25 / 0.01)) / 0.3  # sensitivity 2 B / |D| with the own |D|
+        sigma = dp.analytic_gaussian_sigma(0.3, 0.01, 2 / n)  # sensitivity 2 B / |D| with the own |D|
         noisy = pooled + torch.from_numpy(np.random.default_rng(5).normal(0.0, sigma, pooled.shape))
         e = noisy @ enc["psi.weight"].double().T + enc["psi.bias"].double()  # psi: post-processing
         expect = alg.generate(state["hn"], e.float())

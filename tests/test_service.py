@@ -23,8 +23,11 @@ def server(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped
     store = tmp_path_factory.mktemp("coord") / "store"
     coord = start(store)
     early = httpx.post(f"{coord.url}/v1/clients", json={}, timeout=10)  # nothing trained yet
+    early_unknown = httpx.get(f"{coord.url}/v1/manifest", params={"method": "FedTTA++"}, timeout=10)  # no job
+    early_training = httpx.get(f"{coord.url}/v1/manifest", params={"method": "ODPFL-HN"}, timeout=10)
     coord.wait_bundles(2)
     coord.early = early  # type: ignore[attr-defined]
+    coord.early_unknown, coord.early_training = early_unknown, early_training  # type: ignore[attr-defined]
     yield coord
     coord.stop()
 
@@ -39,6 +42,31 @@ def test_join_before_bundle_is_503_with_retry_after(server: Coordinator) -> None
     assert r.status_code == 503
     assert int(r.headers["Retry-After"]) > 0
     assert {j["method"] for j in r.json()["detail"]["jobs"]} == {"TENT", "ODPFL-HN"}
+
+
+def test_a_method_no_job_produces_is_404_naming_the_coming_methods(server: Coordinator) -> None:
+    """Before any bundle: a method that is training gets 503 (retry), one that no job will produce gets 404
+    at once, naming what is training (a device does not wait out its deadline for nothing)."""
+    training = server.early_training  # type: ignore[attr-defined]
+    assert training.status_code == 503 and int(training.headers["Retry-After"]) > 0
+    r = server.early_unknown  # type: ignore[attr-defined]
+    assert r.status_code == 404 and "Retry-After" not in r.headers
+    detail = r.json()["detail"]  # TENT (1 round) may finish in between: it is then served, not training
+    assert detail.startswith("no bundle and no job for method 'FedTTA++', so none will come; available now: ")
+    assert "ODPFL-HN" in detail.split("; in training: ")[1] and "TENT" in detail
+
+
+def test_nothing_served_or_training_is_404(tmp_path: Path) -> None:
+    coord = start(tmp_path / "store", methods="")  # no default jobs: nothing will ever be served
+    try:
+        for call in (lambda: httpx.post(f"{coord.url}/v1/clients", json={}, timeout=10),
+                     lambda: httpx.get(f"{coord.url}/v1/manifest", timeout=10)):
+            r = call()
+            assert r.status_code == 404, r.text
+            assert r.json()["detail"] == ("no bundle and no job for method 'default', so none will come; "
+                                          "available now: none; in training: none")
+    finally:
+        coord.stop()
 
 
 def test_join_and_manifest(server: Coordinator, client: dict) -> None:
@@ -255,7 +283,10 @@ def test_jobs_need_admin(server: Coordinator, client: dict) -> None:
 def test_metrics_and_dashboard(server: Coordinator) -> None:
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     assert 'fl_http_requests_total{method="POST",route="/v1/clients",status="201"}' in text
-    assert "fl_clients " in text and 'fl_jobs{status="done"} 2' in text
+    assert "fl_clients " in text and 'fl_jobs{status="done"} 2.0' in text
+    assert 'fl_http_request_duration_seconds_bucket{le="0.2",method="GET",route="/healthz"}' in text
+    for name in ("process_cpu_seconds_total", "process_resident_memory_bytes", "process_open_fds", "python_info"):
+        assert f"\n{name}" in text, name  # prometheus_client's process and platform collectors
     page = httpx.get(f"{server.url}/", timeout=10)
     assert page.status_code == 200 and "<svg" in page.text and "ODPFL-HN" in page.text
     assert "python-httpx" not in page.text  # public page: no client user agents (nor job log tails)

@@ -11,7 +11,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from edge_sdk.ed25519 import L, SignatureError, is_valid, verify
+from edge_sdk.ed25519 import BACKEND, BACKENDS, L, SignatureError, is_valid, verify
 from fl_server.signing import KEY_FILE, ManifestSigner
 
 from test_ed25519 import VECTORS  # edge_sdk/tests (on the path via conftest.py)
@@ -33,6 +33,24 @@ def test_cryptography_reproduces_the_rfc_vectors(name: str) -> None:
     sk = Ed25519PrivateKey.from_private_bytes(bytes.fromhex(SECRETS[name]))
     assert sk.public_key().public_bytes_raw() == key
     assert sk.sign(msg) == sig
+
+
+def test_fast_paths_are_installed_and_preferred() -> None:
+    """The coordinator's venv has both libraries, so edge_sdk/tests' per-backend RFC 8032 test covers the
+    fast paths here (the SDK-only venv covers the pure fallback alone)."""
+    assert list(BACKENDS) == ["cryptography", "pynacl", "pure"] and BACKEND == "cryptography"
+
+
+def test_backends_agree_on_random_signatures() -> None:
+    rng = random.Random(3)
+    for i in range(40):
+        sk = Ed25519PrivateKey.generate()
+        pk, msg = sk.public_key().public_bytes_raw(), rng.randbytes(rng.choice([0, 1, 64, 1000]))
+        sig = bytearray(sk.sign(msg))
+        if i % 2:
+            sig[rng.randrange(64)] ^= 1 << rng.randrange(8)
+        verdicts = {b: is_valid(pk, msg, bytes(sig), backend=b) for b in BACKENDS}
+        assert set(verdicts.values()) == {i % 2 == 0}, (i, verdicts)
 
 
 def test_random_signatures_agree_with_cryptography() -> None:

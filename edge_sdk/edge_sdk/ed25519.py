@@ -1,7 +1,12 @@
-"""Ed25519 signature verification (RFC 8032), pure Python: integers mod p = 2^255 - 19, hashlib's SHA-512.
+"""Ed25519 signature verification (RFC 8032): a maintained library when one is installed, else pure Python
+(integers mod p = 2^255 - 19, hashlib's SHA-512).
 
-The device only verifies (the coordinator signs with ``cryptography``), so no new dependency is needed.
-Section numbers are RFC 8032's. Not constant time: verification handles public data only.
+The device only verifies (the coordinator signs with ``cryptography``). ``cryptography`` (OpenSSL) or PyNaCl
+(libsodium) are optional (the SDK's ``fast`` extra): with either, the group equation is checked by the library
+(far faster than the fallback); the encodings, S < L and the small-order key check below run on every path, so
+all paths refuse the same malformed input with the same message. ``BACKEND`` names the path in use;
+``verify(..., backend="pure")`` forces the fallback. Section numbers are RFC 8032's. Not constant time:
+verification handles public data only.
 
     verify(public_key, message, signature)     # raises SignatureError with the reason, else returns None
 
@@ -10,7 +15,9 @@ refused, because such a key accepts forged signatures for any message.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
+from collections.abc import Callable
 
 P = 2**255 - 19  # the field GF(p) (5.1)
 L = 2**252 + 27742317777372353535851937790883648493  # order of the base point (5.1)
@@ -92,34 +99,94 @@ def public_key(data: bytes) -> Point:
     """Decode and check a 32-byte public key (5.1.5 format); small-order keys are refused."""
     if not isinstance(data, (bytes, bytearray)) or len(data) != 32:
         raise SignatureError(f"an Ed25519 public key is 32 bytes, got {_describe(data)}")
-    a = _decode(bytes(data), "public key")
+    return _checked_key(bytes(data))
+
+
+@functools.lru_cache(maxsize=64)  # a device verifies against one pinned key over and over
+def _checked_key(data: bytes) -> Point:
+    a = _decode(data, "public key")
     if _equal(_double(_double(_double(a))), IDENTITY):
         raise SignatureError("public key has small order (it would accept forged signatures); refusing it")
     return a
 
 
-def verify(key: bytes, message: bytes, signature: bytes) -> None:
-    """Verify an Ed25519 signature (5.1.7) with the cofactored equation [8][S]B = [8]R + [8][k]A, evaluated
-    as [8]([S]B - [k]A - R) = identity.
-    Returns None; raises :class:`SignatureError` naming what is wrong."""
-    a = public_key(key)
-    if not isinstance(signature, (bytes, bytearray)) or len(signature) != 64:
-        raise SignatureError(f"an Ed25519 signature is 64 bytes, got {_describe(signature)}")
-    r = _decode(bytes(signature[:32]), "signature R")  # step 1
+def _pure_equation(key: bytes, message: bytes, signature: bytes) -> bool:
+    """The cofactored equation [8][S]B = [8]R + [8][k]A (5.1.7, steps 2-3), evaluated as
+    [8]([S]B - [k]A - R) = identity; inputs already checked by :func:`verify`."""
+    a, r = public_key(key), _decode(signature[:32], "signature R")
     s = int.from_bytes(signature[32:], "little")
-    if s >= L:
-        raise SignatureError("signature S is not reduced mod L (S >= L, RFC 8032 5.1.7): non-canonical")
-    k = int.from_bytes(hashlib.sha512(bytes(signature[:32]) + bytes(key) + bytes(message)).digest(),
+    k = int.from_bytes(hashlib.sha512(signature[:32] + key + message).digest(),
                        "little") % L  # step 2 (dom2 is empty for Ed25519, 5.1)
     q = _add(_mul2(s, B, k, _neg(a)), _neg(r))  # step 3
-    if not _equal(_double(_double(_double(q))), IDENTITY):
+    return _equal(_double(_double(_double(q))), IDENTITY)
+
+
+def _library_backends() -> dict[str, Callable[[bytes, bytes, bytes], bool]]:
+    """The installed libraries' Ed25519 verification, each as ``check(key, message, signature) -> bool``."""
+    found: dict[str, Callable[[bytes, bytes, bytes], bool]] = {}
+    try:
+        from cryptography.exceptions import InvalidSignature
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+    except Exception:  # absent, or a broken OpenSSL binding: the other paths remain
+        pass
+    else:
+        def openssl(key: bytes, message: bytes, signature: bytes) -> bool:
+            try:
+                Ed25519PublicKey.from_public_bytes(key).verify(signature, message)
+            except InvalidSignature:
+                return False
+            return True
+        found["cryptography"] = openssl
+    try:
+        from nacl.exceptions import BadSignatureError
+        from nacl.signing import VerifyKey
+    except Exception:
+        pass
+    else:
+        def libsodium(key: bytes, message: bytes, signature: bytes) -> bool:
+            try:
+                VerifyKey(key).verify(message, signature)
+            except BadSignatureError:
+                return False
+            return True
+        found["pynacl"] = libsodium
+    return found
+
+
+BACKENDS: dict[str, Callable[[bytes, bytes, bytes], bool]] = {**_library_backends(), "pure": _pure_equation}
+BACKEND = next(iter(BACKENDS))  # the first available of cryptography, pynacl, pure
+
+
+def verify(key: bytes, message: bytes, signature: bytes, backend: str | None = None) -> None:
+    """Verify an Ed25519 signature (5.1.7). The encodings of A and R (5.1.3), S < L and A's order are
+    checked here on every path (R's once the equation failed, to name the cause: a non-canonical R never
+    satisfies it); the equation by ``backend`` (default :data:`BACKEND`; ``"pure"`` is this module's
+    cofactored check, the libraries use their own, which agree on every honestly made signature).
+    Returns None; raises :class:`SignatureError` naming what is wrong.
+
+    Example::
+
+        verify(bytes.fromhex(pinned_hex), manifest_bytes, signature)   # raises if forged or altered
+    """
+    public_key(key)
+    if not isinstance(signature, (bytes, bytearray)) or len(signature) != 64:
+        raise SignatureError(f"an Ed25519 signature is 64 bytes, got {_describe(signature)}")
+    key, signature = bytes(key), bytes(signature)
+    if int.from_bytes(signature[32:], "little") >= L:
+        raise SignatureError("signature S is not reduced mod L (S >= L, RFC 8032 5.1.7): non-canonical")
+    check = BACKENDS.get(backend or BACKEND)
+    if check is None:
+        raise ValueError(f"unknown Ed25519 backend {backend!r}; available: {', '.join(BACKENDS)}")
+    if not check(key, bytes(message), signature):
+        # step 1 only on failure (a library never accepts a non-canonical R), to name that cause
+        _decode(signature[:32], "signature R")
         raise SignatureError("signature does not verify for this message and public key")
 
 
-def is_valid(key: bytes, message: bytes, signature: bytes) -> bool:
+def is_valid(key: bytes, message: bytes, signature: bytes, backend: str | None = None) -> bool:
     """``verify`` as a boolean."""
     try:
-        verify(key, message, signature)
+        verify(key, message, signature, backend)
     except SignatureError:
         return False
     return True

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from edge_sdk.ed25519 import L, P, SignatureError, is_valid, public_key, verify
+from edge_sdk.ed25519 import BACKENDS, L, P, SignatureError, is_valid, public_key, verify
 
 # RFC 8032 section 7.1: (public key, message, signature); the secret keys are in tests/test_signing.py
 RFC8032 = {
@@ -67,6 +67,32 @@ def test_rfc8032_vectors_verify(name: str) -> None:
     key, msg, sig = VECTORS[name]
     verify(key, msg, sig)
     assert is_valid(key, msg, sig)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("name", list(VECTORS))
+def test_every_backend_agrees_on_the_rfc8032_vectors(name: str, backend: str) -> None:
+    """The pure fallback and each installed library (cryptography, PyNaCl): every vector verifies, and the
+    same corruptions fail with the same messages (tests/test_signing.py requires both libraries present)."""
+    key, msg, sig = VECTORS[name]
+    verify(key, msg, sig, backend=backend)
+    for i in (0, 31, 32, 63):
+        bad = bytearray(sig)
+        bad[i] ^= 0x01
+        assert not is_valid(key, msg, bytes(bad), backend=backend), i
+    with pytest.raises(SignatureError, match="does not verify"):
+        verify(key, msg + b"\0", sig, backend=backend)
+    s = int.from_bytes(sig[32:], "little")
+    with pytest.raises(SignatureError, match="S >= L"):
+        verify(key, msg, sig[:32] + (s + L).to_bytes(32, "little"), backend=backend)
+    with pytest.raises(SignatureError, match="signature R is not a canonical"):
+        verify(key, msg, (P + 1).to_bytes(32, "little") + sig[32:], backend=backend)
+
+
+def test_unknown_backend_is_named() -> None:
+    key, msg, sig = VECTORS["TEST 1"]
+    with pytest.raises(ValueError, match="unknown Ed25519 backend 'gpg'; available: .*pure"):
+        verify(key, msg, sig, backend="gpg")
 
 
 @pytest.mark.parametrize("name", list(VECTORS))

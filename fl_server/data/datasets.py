@@ -9,7 +9,7 @@ Data root resolution (:func:`resolve_root`): the ``root`` argument, else the
 =================  =====================================================================
 dataset            where it is looked for under ``root``
 =================  =====================================================================
-``digits``         nowhere: shipped inside scikit-learn (``load_digits``), 1,797 x 8x8
+``digits``         nowhere: shipped in the package (``digits.npz``, scikit-learn's 1,797 x 8x8)
 ``mnist``          ``mnist/`` then ``./`` -- standard IDX names, plain or ``.gz``
 ``fashion_mnist``  ``fashion-mnist/``, ``fashion_mnist/`` then ``./`` -- same IDX names
 ``cifar10``        ``cifar-10-batches-bin/``, ``cifar-10-binary.tar.gz``,
@@ -164,13 +164,19 @@ def _to_unit_float(images: np.ndarray) -> np.ndarray:
     return x
 
 
-def _load_digits(parts: Iterable[str]) -> ArrayDataset:
-    """scikit-learn's 8x8 digits; train = first 1,500 samples, test = last 297."""
-    from sklearn.datasets import load_digits  # local import: sklearn is only needed here
+DIGITS_FILE = Path(__file__).with_name("digits.npz")
 
-    bunch = load_digits()
-    x = (np.asarray(bunch.images, dtype=np.float32) / np.float32(16.0))[:, None]  # [1797, 1, 8, 8]
-    y = np.asarray(bunch.target, dtype=np.int64)
+
+def _load_digits(parts: Iterable[str]) -> ArrayDataset:
+    """scikit-learn's 8x8 digits; train = first 1,500 samples, test = last 297.
+
+    Read from ``digits.npz`` beside this module (``images`` uint8 [1797, 8, 8] in 0..16, ``target`` uint8),
+    the arrays of ``sklearn.datasets.load_digits()`` in its order (a copy of the UCI ML hand-written digits
+    test set, E. Alpaydin and C. Kaynak, CC BY 4.0), so neither scikit-learn nor a download is needed."""
+    with np.load(DIGITS_FILE, allow_pickle=False) as f:
+        images, target = f["images"], f["target"]
+    x = (images.astype(np.float32) / np.float32(16.0))[:, None]  # [1797, 1, 8, 8]
+    y = target.astype(np.int64)
     slices = {"train": slice(0, DIGITS_TRAIN_SIZE), "test": slice(DIGITS_TRAIN_SIZE, None)}
     sel = [slices[p] for p in parts]
     xs = np.concatenate([x[s] for s in sel]) if len(sel) > 1 else x[sel[0]]

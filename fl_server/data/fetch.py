@@ -94,7 +94,7 @@ DEFAULT_MIRRORS: dict[str, tuple[str, ...]] = {
     ),
 }
 NO_FETCH_NEEDED: dict[str, str] = {
-    "digits": "digits ships with scikit-learn (sklearn.datasets.load_digits); nothing to fetch",
+    "digits": "digits ships with fl-edge (fl_server/data/digits.npz); nothing to fetch",
 }
 _SUBDIR = {"mnist": "mnist", "fashion_mnist": "fashion-mnist"}
 _MAX_DOWNLOAD = 200 << 20  # bytes per file; the largest IDX file is 47 MB uncompressed

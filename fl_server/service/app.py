@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fl_server.service import dashboard, publish_api, routes
+from fl_server.service import apidocs, dashboard, publish_api, routes
 from fl_server.service.fastpath import ArtifactFastPath
 from fl_server.service.artifacts import Corrupt
 from fl_server.service.errors import corrupt_object, http_error, server_error, storage_error, validation_error
@@ -127,7 +127,7 @@ def create_app(store_dir: str | Path, **overrides: Any) -> FastAPI:
         finally:
             svc.stop()
 
-    app = FastAPI(title="fl-edge coordinator", version="0.1.0", lifespan=lifespan,
+    app = FastAPI(title="fl-edge coordinator", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Federated test-time adaptation: join, manifests, content-addressed artifacts, "
                               "ODPFL-HN weight generation, BTFL DLE aggregation, training jobs.")
     app.state.service = svc
@@ -140,6 +140,7 @@ def create_app(store_dir: str | Path, **overrides: Any) -> FastAPI:
     app.include_router(routes.router)
     app.include_router(publish_api.router)
     app.include_router(dashboard.router)
+    apidocs.install(app)  # /docs and /redoc from vendored assets (no CDN)
     app.add_middleware(ArtifactFastPath, service=svc)  # inside GuardMiddleware: limits and metrics apply
     app.add_middleware(HeadAsGet)
     app.add_middleware(GuardMiddleware, metrics=svc.metrics, max_body=svc.cfg.max_body_bytes,

@@ -20,6 +20,7 @@ from fl_server.service.dle import ShapeMismatch, SourceFull, view_json
 from fl_server.service.errors import AUTH, BODY, documented
 from fl_server.service.fastpath import artifact_headers
 from fl_server.service.jobs import QueueFull
+from fl_server.service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from fl_server.service.ratelimit import client_address, limit_join
 from fl_server.service.ranges import Unsatisfiable, parse_range
 from fl_server.service.state import NONE_METHOD, Service
@@ -39,6 +40,8 @@ def _not_ready(svc: Service, what: str) -> HTTPException:
 
 
 def _bundle_or_503(svc: Service, method: str | None) -> dict[str, Any]:
+    """The bundle for ``method``; 503 + Retry-After while a job will produce it; 404 naming the methods that
+    are served or training when none will (a device should not wait out its deadline for nothing)."""
     bundle = svc.bundle_for(method)
     if bundle is not None:
         reason = svc.degraded_reason(bundle)
@@ -46,10 +49,11 @@ def _bundle_or_503(svc: Service, method: str | None) -> dict[str, Any]:
             raise HTTPException(503, f"method {bundle['method']} is degraded: {reason}",
                                 headers={"Retry-After": str(svc.cfg.retry_after_s)})
         return bundle
-    if method not in (None, NONE_METHOD) and not any(
-            j["spec"]["method"] == method and j["status"] in ("queued", "running") for j in svc.store.jobs()):
-        have = ", ".join(svc.methods()) or "none yet"
-        raise HTTPException(404, f"no bundle and no job for method {method!r}; available: {have}")
+    training = sorted({j["spec"]["method"] for j in svc.store.jobs() if j["status"] in ("queued", "running")})
+    if (method in (None, NONE_METHOD) and not training) or method not in (None, NONE_METHOD, *training):
+        served = ", ".join(svc.methods()) or "none"
+        raise HTTPException(404, f"no bundle and no job for method {method or 'default'!r}, so none will come; "
+                                 f"available now: {served}; in training: {', '.join(training) or 'none'}")
     raise _not_ready(svc, f"a bundle for {method or 'the default method'}")
 
 
@@ -306,7 +310,8 @@ def cancel_job(job_id: str, _: Principal = Depends(require_admin), svc: Service 
 # ------------------------------------------------------------------ metrics
 @router.get("/metrics", response_class=PlainTextResponse, tags=["ops"])
 def metrics(svc: Service = Depends(service)) -> PlainTextResponse:
-    """Prometheus text format: request counters and latencies, clients, jobs by status, bundles, DLEs."""
+    """Prometheus text format: request counters and latencies, clients, jobs by status, bundles, DLEs, and the
+    process (CPU, memory, open files, GC)."""
     counts = {s: 0 for s in JOB_STATES}
     for j in svc.store.jobs():
         counts[j["status"]] += 1
@@ -316,4 +321,4 @@ def metrics(svc: Service = Depends(service)) -> PlainTextResponse:
         "fl_btfl_dles": ("Clients with an uploaded DLE.", {(): float(svc.store.count("dles"))}),
         "fl_jobs": ("Training jobs by status.", {(("status", s),): float(n) for s, n in counts.items()}),
     }
-    return PlainTextResponse(svc.metrics.render(gauges), media_type="text/plain; version=0.0.4")
+    return PlainTextResponse(svc.metrics.render(gauges), media_type=METRICS_CONTENT_TYPE)
