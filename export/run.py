@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from export.btfl import export_btfl_run
+from export.btfl import export_btfl_run, run_partition
 from export.bundle import export_specs, write_bundle
 from export.quantize import freeze_weights, quantize_int8
 from export.steps import StepSpec, encoder_spec, fedtta_step_spec, forward_spec, tent_step_spec
@@ -17,16 +17,24 @@ from fl_server.algorithms.fedtta import FedTTA
 from fl_server.algorithms.odpfl_hn import ODPFLHN
 from fl_server.algorithms.tent import Tent
 from fl_server.engine.simulation import load_state
+from fl_server.functional import make_forward
 from fl_server.models import build_model
+from fl_server.models.norm import calibrate, statistics, stat_norms
 from fl_server.signing import ManifestSigner
 
 
+BATCH_NORM_RULE = {"statistics": "federated", "min_batch": 16, "small_batch": "running", "ema_momentum": 0.1}
+
+
 def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_root: str | None = None,
-               signer: ManifestSigner | None = None) -> Path:
+               signer: ManifestSigner | None = None, batch_norm: dict | None = None) -> Path:
     """Build the method's device graphs around the best-validation weights of ``run_dir``; write a bundle.
     ``int8``: also ship ``forward_int8``, the received model frozen and dynamically quantized (plain inference).
     ``data_root``: where the run's data set lives (BTFL re-reads the training clients' data for their DLEs).
-    ``signer``: sign the manifest (``manifest.sig``)."""
+    ``signer``: sign the manifest (``manifest.sig``).
+    ``batch_norm``: overrides of :data:`BATCH_NORM_RULE` for a batch-normalised model (the manifest's
+    ``batch_norm`` entry, ``edge_sdk.batchnorm``); its population statistics are the federated ones of the
+    final weights over the run's training clients (re-read from ``data_root``), shipped as ``stats``."""
     run_dir = Path(run_dir)
     for needed in ("run.json", "best.npz"):
         if not (run_dir / needed).is_file():
@@ -42,6 +50,14 @@ def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_r
         return export_btfl_run(algorithm, load_state(run_dir / "best.npz"), run, dest, extra, data_root, signer)
     state = {k: {n: v.float() for n, v in d.items()} for k, d in load_state(run_dir / "best.npz").items()
              if k in ("params", "phi", "enc")}
+    if stat_norms(model):
+        if int8:
+            raise ValueError("--int8 is not available for batch-normalised models")
+        fed = run_partition(run, data_root)
+        x, forward = torch.from_numpy(fed.dataset.x).float(), make_forward(model)
+        calibrate(model, lambda xb: forward(state["params"], xb),
+                  (x[torch.as_tensor(t[i:i + 256])] for t in fed.train for i in range(0, len(t), 256)))
+        extra["batch_norm"] = {**BATCH_NORM_RULE, **(batch_norm or {})}
     specs: dict[str, StepSpec] = {"forward": forward_spec(model, state["params"])}
     if isinstance(algorithm, FedTTA):
         specs["fedtta_step"] = fedtta_step_spec(algorithm, state["params"], state["phi"])
@@ -50,6 +66,8 @@ def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_r
     elif isinstance(algorithm, ODPFLHN):  # the device encodes its set; theta (hn) stays on the server
         specs["encoder"] = encoder_spec(algorithm, state["enc"])
     weights = {k: {n: v.numpy() for n, v in d.items()} for k, d in state.items()}
+    if stat_norms(model):
+        weights["stats"] = {n: v.float().numpy() for n, v in statistics(model).items()}
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         graphs = export_specs(specs, Path(tmp))
         if int8:

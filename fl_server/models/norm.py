@@ -23,7 +23,7 @@ that trained. A user's ``nn.BatchNorm2d`` becomes a :class:`StatBatchNorm2d` wit
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -170,23 +170,60 @@ def used_statistics(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+STATISTICS = ("federated", "local")
+
+
 @torch.no_grad()
-def calibrate(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
-              batches: Iterable[torch.Tensor]) -> None:
-    """Set every StatBatchNorm2d's population statistics to the mean and biased variance of its input over
-    ``batches`` (each normalised with its own batch statistics on the way, as in training); ``forward(x)`` runs
-    the model with the weights the statistics belong to."""
+def _sums(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
+          batches: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Per layer [sum x, sum x^2, count] (float64, per channel) of its input over ``batches``."""
     norms = stat_norms(model)
     for m in norms:
         m._sums = []
     with norm_mode(model, "collect"):
         for x in batches:
             forward(x)
+    sums = [m._sums for m in norms]
     for m in norms:
-        if not m._sums:
-            raise ValueError("calibrate got no data")
-        total, squares, count = m._sums
+        m._sums = []
+    if any(not s for s in sums):
+        raise ValueError("calibrate got no data")
+    return sums
+
+
+def _set_from_sums(model: nn.Module, sums: list[list[torch.Tensor]]) -> None:
+    for m, (total, squares, count) in zip(stat_norms(model), sums):
         mean = total / count
         m.mean = mean.to(m.weight.dtype)
         m.var = (squares / count - mean * mean).clamp_min(0.0).to(m.weight.dtype)
-        m._sums = []
+
+
+def calibrate(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
+              batches: Iterable[torch.Tensor]) -> None:
+    """Set every StatBatchNorm2d's population statistics to the mean and biased variance of its input over
+    ``batches`` (each normalised with its own batch statistics on the way, as in training); ``forward(x)`` runs
+    the model with the weights the statistics belong to."""
+    _set_from_sums(model, _sums(model, forward, batches))
+
+
+def client_statistics(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
+                      clients: Sequence[Iterable[torch.Tensor]], how: str = "federated") -> list[dict[str, torch.Tensor]]:
+    """Population statistics per client (:func:`statistics`' names), each client's batches in ``clients``.
+    ``"federated"`` (default): every client sends its sums of x and x^2 and its count, the server adds them up
+    (FedAvg of the clients' statistics weighted by sample count; equal to :func:`calibrate` over their union)
+    and every client gets the same statistics -- the only ones a new client can receive. ``"local"``: each
+    client's own (FedBN, Li et al. 2021), for clients that hold training data. Leaves the model's statistics at
+    the federated ones."""
+    if how not in STATISTICS:
+        raise ValueError(f"unknown statistics {how!r}; one of {', '.join(STATISTICS)}")
+    per_client = [_sums(model, forward, batches) for batches in clients]
+    if not per_client:
+        raise ValueError("client_statistics got no clients")
+    out = []
+    if how == "local":
+        for sums in per_client:
+            _set_from_sums(model, sums)
+            out.append(statistics(model))
+    total = [[sum(c[layer][k] for c in per_client) for k in range(3)] for layer in range(len(per_client[0]))]
+    _set_from_sums(model, total)
+    return out if how == "local" else [statistics(model)] * len(per_client)
