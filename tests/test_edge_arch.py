@@ -77,3 +77,101 @@ def test_forward_tent_and_fedtta_parity(model_name: str, fashion_batches, tmp_pa
     _check(tent_step_spec(tent, state["params"]), tmp_path / "tent.onnx", batches, momenta)
     fedtta, state = _algorithm(model_name, "FedTTA", calib, **FEDTTA_HP["mnist"]["FedTTA"])
     _check(fedtta_step_spec(fedtta, state["params"], state["phi"]), tmp_path / "fedtta.onnx", batches, momenta)
+
+
+@pytest.mark.parametrize("c_in,c_out,groups,kernel,stride,padding,dilation,size", [
+    (4, 6, 1, 3, 1, 1, 1, 9), (4, 4, 4, 3, 2, 1, 1, 9), (6, 9, 3, 3, 2, 0, 1, 10), (8, 8, 8, 5, 1, 2, 2, 11),
+    (4, 8, 2, 1, 1, 0, 1, 7), (3, 6, 3, 3, 2, 1, 1, 8),
+])
+def test_convolution_backward_decomposition(c_in, c_out, groups, kernel, stride, padding, dilation, size) -> None:  # type: ignore[no-untyped-def]
+    """Dense, depthwise and grouped convolutions, strided, padded, dilated, 1x1: the decomposition's three
+    gradients equal autograd's (float64)."""
+    from export.decompositions import convolution_backward
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, c_in, size, size, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(c_out, c_in // groups, kernel, kernel, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(c_out, dtype=torch.float64, generator=g, requires_grad=True)
+    y = torch.nn.functional.conv2d(x, w, b, stride, padding, dilation, groups)
+    gy = torch.randn(y.shape, dtype=torch.float64, generator=g)
+    want = torch.autograd.grad(y, (x, w, b), gy)
+    got = convolution_backward(gy, x.detach(), w.detach(), None, [stride] * 2, [padding] * 2, [dilation] * 2,
+                               False, [0, 0], groups, [True, True, True])
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("model_name", ["resnet8_bn", "mobilenet_s", "resnet8_gn"])
+def test_edge_models_train_under_vmap_and_grad(model_name: str, fashion_batches) -> None:  # type: ignore[no-untyped-def]
+    """The engine's local step (vmapped over clients, functional grad) runs on each model and lowers the loss."""
+    from fl_server.functional import broadcast, get_params, sgd
+
+    calib, _ = fashion_batches
+    model = build_model(model_name, (1, 28, 28), 10, seed=0)
+    forward = make_forward(model)
+    y = torch.from_numpy(np.arange(32) % 10)
+    xs = torch.stack([calib[:32], calib[32:64]])
+
+    def loss(p, x):  # type: ignore[no-untyped-def]
+        return torch.nn.functional.cross_entropy(forward(p, x), y)
+
+    params = broadcast(get_params(model), 2)
+    before = torch.func.vmap(loss)(params, xs)
+    for _ in range(3):
+        params = sgd(params, torch.func.vmap(torch.func.grad(loss))(params, xs), 0.05)
+    assert (torch.func.vmap(loss)(params, xs) < before).all()
+
+
+def test_norm_affine_covers_batch_group_and_layer_norm() -> None:
+    from fl_server.algorithms.tent import norm_affine_names
+
+    gn = norm_affine_names(build_model("resnet8_gn", (1, 28, 28), 10, seed=0))
+    assert "features.1.weight" in gn and "features.8.bias" in gn  # first GroupNorm, the pooled LayerNorm
+    assert len(norm_affine_names(build_model("mobilenet_s", (1, 28, 28), 10, seed=0))) == 2 * 11
+    with pytest.raises(ValueError, match="needs a model with affine normalisation layers"):
+        build_algorithm("TENT", build_model("convnet", (1, 28, 28), 10, seed=0), 1, adapt="norm_affine")
+
+
+def test_convert_batchnorm_keeps_torch_semantics() -> None:
+    """A user's nn.BatchNorm2d becomes a StatBatchNorm2d: train mode = batch statistics, population mode = the
+    running statistics it had (eval mode)."""
+    from torch import nn
+
+    from fl_server.models.norm import StatBatchNorm2d, convert_batchnorm, norm_mode
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    for _ in range(3):
+        net(torch.randn(8, 1, 6, 6) * 2 + 1)  # running statistics move away from (0, 1)
+    x = torch.randn(5, 1, 6, 6)
+    train_out = net(x)  # (moves the running statistics once more)
+    net.eval()
+    eval_out = net(x)
+    converted = convert_batchnorm(net)
+    assert isinstance(converted[1], StatBatchNorm2d)
+    torch.testing.assert_close(converted(x), train_out)
+    with norm_mode(converted, "population"):
+        torch.testing.assert_close(converted(x), eval_out)
+    with pytest.raises(ValueError, match=r"BatchNorm2d\(affine=False\) is not supported"):
+        convert_batchnorm(nn.BatchNorm2d(3, affine=False))
+
+
+def test_client_statistics_federated_and_local(fashion_batches) -> None:  # type: ignore[no-untyped-def]
+    from fl_server.functional import get_params
+    from fl_server.models.norm import client_statistics, statistics
+
+    calib, _ = fashion_batches
+    model = build_model("resnet8_bn", (1, 28, 28), 10, seed=0)
+    params, forward = get_params(model), make_forward(model)
+    run = lambda xb: forward(params, xb)  # noqa: E731
+    clients = [[calib[:40]], [calib[40:100], calib[100:130]]]
+    local = client_statistics(model, run, clients, how="local")
+    federated = client_statistics(model, run, clients)
+    calibrate(model, run, [calib[:40], calib[40:100], calib[100:130]])
+    union = statistics(model)
+    for name, value in union.items():
+        torch.testing.assert_close(federated[0][name], value)
+        torch.testing.assert_close(federated[1][name], value)
+    assert not torch.allclose(local[0]["features.1.mean"], local[1]["features.1.mean"])
+    with pytest.raises(ValueError, match="unknown statistics 'fedbn'"):
+        client_statistics(model, run, clients, how="fedbn")
