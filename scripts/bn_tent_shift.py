@@ -12,7 +12,7 @@ corruption at severity 3, is predicted by
 TENT's rate is chosen per seed on the training clients' validation data under the validation corruptions
 (types not used for testing). Numbers are accuracy in percent, the mean over new clients.
 
-    python scripts/bn_tent_shift.py --seeds 3 --out docs/results/bn-tent-shift.json
+    python scripts/bn_tent_shift.py --seeds 3 --workers 3 --out docs/results/bn-tent-shift.json
     python scripts/bn_tent_shift.py --smoke        # seconds: the CI size
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ import json
 import platform
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -120,10 +121,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--clients", type=int, default=10, help="training clients (as many new clients)")
-    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--local-steps", type=int, default=10)
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--cap", type=int, default=256, help="samples per client used for statistics and evaluation")
+    p.add_argument("--cap", type=int, default=128, help="samples per client used for statistics and evaluation")
+    p.add_argument("--workers", type=int, default=1, help="seeds run in this many processes (one thread each)")
     p.add_argument("--smoke", action="store_true", help="CI size: 1 seed, 2 rounds, 2 clients, one corruption")
     p.add_argument("--out", default=None, help="write the results JSON here")
     args = p.parse_args(argv)
@@ -132,7 +134,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.seeds, args.clients, args.rounds, args.local_steps, args.cap = 1, 2, 2, 2, 64
         args.corruptions, args.tent_lrs = TEST_CORRUPTIONS[:1], TENT_LRS[:2]
     torch.set_num_threads(1)
-    seeds = [run_seed(s, args) for s in range(args.seeds)]
+    if args.workers > 1:
+        with ProcessPoolExecutor(args.workers, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            seeds = list(pool.map(run_seed, range(args.seeds), [args] * args.seeds))
+    else:
+        seeds = [run_seed(s, args) for s in range(args.seeds)]
     summary = {how: {"mean": round(float(np.mean([s["covariate_mean"][how] for s in seeds])), 3),
                      "per_seed": [s["covariate_mean"][how] for s in seeds]} for how in ("received", "BN stats", "TENT")}
     record = {"experiment": "bn-tent-shift", "model": "resnet8_bn", "dataset": "fashion_mnist",
