@@ -1,10 +1,12 @@
 """Decompositions that let gradient-step graphs of ConvNets lower to ONNX.
 
 ``aten.convolution_backward`` has no ONNX lowering. For a 2-D, non-transposed convolution
-y = conv2d(x, W, b; stride s, padding p, dilation d, groups 1):
-  dL/dx = conv_transpose2d(dL/dy, W; s, p, output_padding, d)     (output_padding restores x's size)
-  dL/dW = conv2d(x^T, (dL/dy)^T; stride d, padding p, dilation s)^T, cropped to W's kernel size
-          (x^T: batch and channel axes swapped, so the batch sum becomes the convolution's channel sum)
+y = conv2d(x, W, b; stride s, padding p, dilation d, groups G), W [C_out, C_in / G, kh, kw]:
+  dL/dx = conv_transpose2d(dL/dy, W; s, p, output_padding, d, groups G)   (output_padding restores x's size)
+  dL/dW = conv2d(x', (dL/dy)^T; stride d, padding p, dilation s, groups G)^T, cropped to W's kernel size
+          x' [C_in / G, G * N, H, W]: group g's input channels, with the batch as channels, so the batch sum
+          becomes the convolution's channel sum and each group's weights see only their own inputs
+          (G = 1: x' = x^T; depthwise G = C_in: x' = one channel whose G * N planes are (channel, sample) pairs)
   dL/db = sum of dL/dy over batch and space
 """
 from __future__ import annotations
@@ -17,15 +19,25 @@ import torch.nn.functional as F
 aten = torch.ops.aten
 
 
+def _grad_weight(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, stride: list[int],
+                 padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:
+    n, c_in = input.shape[0], input.shape[1]
+    per_group = c_in // groups
+    # [N, C_in, H, W] -> [N, G, C_in/G, H, W] -> [C_in/G, G, N, H, W] -> [C_in/G, G*N, H, W]
+    x = input.reshape(n, groups, per_group, input.shape[2], input.shape[3]).permute(2, 1, 0, 3, 4)
+    x = x.reshape(per_group, groups * n, input.shape[2], input.shape[3])
+    gw = F.conv2d(x, grad_output.transpose(0, 1), stride=dilation, padding=padding, dilation=stride, groups=groups)
+    return gw.transpose(0, 1)[:, :, :weight.shape[2], :weight.shape[3]]
+
+
 def convolution_backward(
     grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, bias_sizes: Any,
     stride: list[int], padding: list[int], dilation: list[int], transposed: bool, output_padding: list[int],
     groups: int, output_mask: list[bool],
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    if transposed or groups != 1 or input.dim() != 4:
-        raise NotImplementedError("only 2-D, non-transposed, groups=1 convolutions are decomposed")
+    if transposed or input.dim() != 4:
+        raise NotImplementedError("only 2-D, non-transposed convolutions are decomposed")
     grad_input = grad_weight = grad_bias = None
-    kh, kw = weight.shape[2], weight.shape[3]
     if output_mask[0]:
         out_pad = [
             input.shape[2 + i] - ((grad_output.shape[2 + i] - 1) * stride[i] - 2 * padding[i]
@@ -33,11 +45,9 @@ def convolution_backward(
             for i in range(2)
         ]
         grad_input = F.conv_transpose2d(grad_output, weight, stride=stride, padding=padding,
-                                        output_padding=out_pad, dilation=dilation)
+                                        output_padding=out_pad, groups=groups, dilation=dilation)
     if output_mask[1]:
-        gw = F.conv2d(input.transpose(0, 1), grad_output.transpose(0, 1), stride=dilation, padding=padding,
-                      dilation=stride)
-        grad_weight = gw.transpose(0, 1)[:, :, :kh, :kw]
+        grad_weight = _grad_weight(grad_output, input, weight, stride, padding, dilation, groups)
     if output_mask[2]:
         grad_bias = grad_output.sum(dim=(0, 2, 3))
     return grad_input, grad_weight, grad_bias

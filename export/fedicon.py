@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import torch
 
-from export.steps import StepSpec, _example_x
+from export.steps import StepSpec, Stats, _example_x, with_norm_statistics
 from fl_server.algorithms.fedicon import FedICON, _split
 from fl_server.data.augment import num_uniforms
 from fl_server.functional import State
 
 
-def fedicon_tta_step_spec(algorithm: FedICON, psi: State, proj: State, batch: int = 4) -> StepSpec:
+def fedicon_tta_step_spec(algorithm: FedICON, psi: State, proj: State, batch: int = 4,
+                          stats: Stats | None = None) -> StepSpec:
     names, proj_names = list(psi), list(proj)
     x = _example_x(algorithm.model, psi, batch)
     u = torch.rand(batch, 2, num_uniforms(x.shape[1:]), dtype=x.dtype)
@@ -27,7 +28,8 @@ def fedicon_tta_step_spec(algorithm: FedICON, psi: State, proj: State, batch: in
         new_p, new_q = algorithm.tta_step(p, q, x, uu)
         return (*(new_p[n] for n in names), *(new_q[n] for n in proj_names), algorithm.forward(new_p, x), loss)
 
-    return StepSpec(fn, [x, u, *psi.values(), *proj.values()],
+    spec = StepSpec(fn, [x, u, *psi.values(), *proj.values()],
                     ["x", "u", *(f"psi.{n}" for n in names), *(f"proj.{n}" for n in proj_names)],
                     [*(f"new.{n}" for n in names), *(f"new_proj.{n}" for n in proj_names), "logits", "loss"],
                     batch_inputs=("x", "u"))
+    return with_norm_statistics(spec, algorithm.model, stats, momentum=1.0)

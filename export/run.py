@@ -15,18 +15,27 @@ from fl_server.algorithms.btfl import BTFL
 from fl_server.algorithms.fedtta import FedTTA
 from fl_server.algorithms.odpfl_hn import ODPFLHN
 from fl_server.algorithms.tent import Tent
+from fl_server.functional import make_forward
+from fl_server.models.norm import calibrate, statistics, stat_norms
 from fl_server.recipes import Recipe
-from fl_server.recipes.run import rebuild
+from fl_server.recipes.run import client_data, rebuild
 from fl_server.signing import ManifestSigner
 
 
+BATCH_NORM_RULE = {"statistics": "federated", "min_batch": 16, "small_batch": "running", "ema_momentum": 0.1}
+
+
 def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_root: str | None = None,
-               signer: ManifestSigner | None = None, recipe: Recipe | None = None) -> Path:
+               signer: ManifestSigner | None = None, recipe: Recipe | None = None,
+               batch_norm: dict | None = None) -> Path:
     """Build the method's device graphs around the best-validation weights of ``run_dir``; write a bundle.
     ``int8``: also ship ``forward_int8``, the received model frozen and dynamically quantized (plain inference).
     ``data_root``: where the run's data set lives (BTFL re-reads the training clients' data for their DLEs).
     ``signer``: sign the manifest (``manifest.sig``). ``recipe``: the run's recipe, needed only when it was built
-    in Python (run.json then names no recipe file to rebuild the model from)."""
+    in Python (run.json then names no recipe file to rebuild the model from).
+    ``batch_norm``: overrides of :data:`BATCH_NORM_RULE` for a batch-normalised model (the manifest's
+    ``batch_norm`` entry, ``edge_sdk.batchnorm``); its population statistics are the federated ones of the
+    final weights over the run's training clients (re-read from ``data_root``), shipped as ``stats``."""
     run = rundir.read_run(run_dir)
     recipe, model, algorithm = rebuild(run, data_root, recipe=recipe)
     extra = {"model": run["model"], "dataset": run["dataset"], "seed": run["seed"],
@@ -39,6 +48,14 @@ def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_r
         return export_btfl_run(algorithm, rundir.load_best(run_dir), run, dest, extra, data_root, signer, recipe)
     state = {k: {n: v.float() for n, v in d.items()} for k, d in rundir.load_best(run_dir).items()
              if k in ("params", "phi", "enc")}
+    if stat_norms(model):
+        if int8:
+            raise ValueError("--int8 is not available for batch-normalised models")
+        fed = client_data(run, data_root, recipe)
+        x, forward = torch.from_numpy(fed.dataset.x).float(), make_forward(model)
+        calibrate(model, lambda xb: forward(state["params"], xb),
+                  (x[torch.as_tensor(t[i:i + 256])] for t in fed.train for i in range(0, len(t), 256)))
+        extra["batch_norm"] = {**BATCH_NORM_RULE, **(batch_norm or {})}
     specs: dict[str, StepSpec] = {"forward": forward_spec(model, state["params"])}
     if isinstance(algorithm, FedTTA):
         specs["fedtta_step"] = fedtta_step_spec(algorithm, state["params"], state["phi"])
@@ -47,6 +64,8 @@ def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_r
     elif isinstance(algorithm, ODPFLHN):  # the device encodes its set; theta (hn) stays on the server
         specs["encoder"] = encoder_spec(algorithm, state["enc"])
     weights = {k: {n: v.numpy() for n, v in d.items()} for k, d in state.items()}
+    if stat_norms(model):
+        weights["stats"] = {n: v.float().numpy() for n, v in statistics(model).items()}
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         graphs = export_specs(specs, Path(tmp))
         if int8:

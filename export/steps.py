@@ -9,6 +9,14 @@ updated weights come back as ``new.<param>``.
 - ``encoder_spec``: (x, gamma) -> embedding [E]               ODPFL-HN's client encoder g_gamma (Eq. 1)
 ``logits`` and ``entropy`` (mean prediction entropy, natural log) are those of the *updated* weights, which is
 what FedTTA++'s early stopping needs.
+
+Batch-normalised models (:class:`fl_server.models.norm.StatBatchNorm2d`) take two more kinds of input after the
+weights: ``stats.<layer>.mean`` / ``stats.<layer>.var`` (the population statistics) and ``bn_momentum``, a
+float32 scalar m: every layer normalises with (1 - m) population + m batch statistics (``"mix"`` mode), so one
+graph serves the bundle's whole ``batch_norm`` rule -- m = 0 the frozen forward's population statistics, m = 1 the
+original TENT's test-batch statistics, in between an exponential update. Step graphs also return
+``new_stats.<layer>.*``, the statistics the updated model normalised this batch with (the device's next
+population statistics under the exponential rule).
 """
 from __future__ import annotations
 
@@ -23,6 +31,9 @@ from fl_server.algorithms.odpfl_hn import ODPFLHN
 from fl_server.algorithms.tent import Tent
 from fl_server.functional import State, make_forward
 from fl_server.models import Classifier
+from fl_server.models.norm import norm_names, statistics, statistics_inputs, used_statistics
+
+Stats = dict[str, torch.Tensor]
 
 
 @dataclass
@@ -44,18 +55,45 @@ def _example_x(model: Classifier, params: State, batch: int) -> torch.Tensor:
     return torch.rand(batch, *shape, dtype=first.dtype)
 
 
-def forward_spec(model: Classifier, params: State, batch: int = 4) -> StepSpec:
+def with_norm_statistics(spec: StepSpec, model: torch.nn.Module, stats: Stats | None = None,
+                         momentum: float = 0.0, return_stats: bool = True) -> StepSpec:
+    """``spec`` with the population statistics and ``bn_momentum`` as inputs (and ``new_stats.*`` outputs when
+    ``return_stats``) if ``model`` has batch normalisation; else ``spec`` unchanged. ``stats``: default the
+    model's own (:func:`fl_server.models.norm.calibrate` must have run)."""
+    layers = norm_names(model)
+    if not layers:
+        return spec
+    stats = statistics(model) if stats is None else stats
+    stat_names = [f"{layer}.{kind}" for layer in layers for kind in ("mean", "var")]
+    n_in = len(spec.example) - 1  # x excluded
+    dtype = spec.example[0].dtype
+
+    def fn(x: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with statistics_inputs(model, dict(zip(stat_names, rest[n_in:n_in + len(stat_names)])), rest[-1]):
+            out = spec.fn(x, *rest[:n_in])
+            used = used_statistics(model) if return_stats else {}
+        return (*out, *(used[n] for n in stat_names)) if return_stats else out
+
+    example = [*spec.example, *(stats[n].to(dtype) for n in stat_names), torch.tensor(momentum, dtype=dtype)]
+    outputs = [*spec.output_names, *(f"new_stats.{n}" for n in stat_names)] if return_stats else spec.output_names
+    return StepSpec(fn, example, [*spec.input_names, *(f"stats.{n}" for n in stat_names), "bn_momentum"],
+                    outputs, spec.batch_inputs)
+
+
+def forward_spec(model: Classifier, params: State, batch: int = 4, stats: Stats | None = None) -> StepSpec:
     names = list(params)
     forward = make_forward(model)
 
     def fn(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (forward(dict(zip(names, weights)), x),)
 
-    return StepSpec(fn, [_example_x(model, params, batch), *params.values()],
+    spec = StepSpec(fn, [_example_x(model, params, batch), *params.values()],
                     ["x", *(f"psi.{n}" for n in names)], ["logits"])
+    return with_norm_statistics(spec, model, stats, return_stats=False)
 
 
-def fedtta_step_spec(algorithm: FedTTA, psi: State, phi: State, batch: int = 4) -> StepSpec:
+def fedtta_step_spec(algorithm: FedTTA, psi: State, phi: State, batch: int = 4,
+                     stats: Stats | None = None) -> StepSpec:
     names, phi_names = list(psi), list(phi)
 
     def fn(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -63,12 +101,13 @@ def fedtta_step_spec(algorithm: FedTTA, psi: State, phi: State, batch: int = 4) 
         logits = algorithm.forward(new, x)
         return (*(new[n] for n in names), logits, entropy_from_logits(logits).mean())
 
-    return StepSpec(fn, [_example_x(algorithm.model, psi, batch), *psi.values(), *phi.values()],
+    spec = StepSpec(fn, [_example_x(algorithm.model, psi, batch), *psi.values(), *phi.values()],
                     ["x", *(f"psi.{n}" for n in names), *(f"phi.{n}" for n in phi_names)],
                     [*(f"new.{n}" for n in names), "logits", "entropy"])
+    return with_norm_statistics(spec, algorithm.model, stats, momentum=1.0)
 
 
-def tent_step_spec(algorithm: Tent, psi: State, batch: int = 4) -> StepSpec:
+def tent_step_spec(algorithm: Tent, psi: State, batch: int = 4, stats: Stats | None = None) -> StepSpec:
     names = list(psi)
 
     def fn(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -76,8 +115,9 @@ def tent_step_spec(algorithm: Tent, psi: State, batch: int = 4) -> StepSpec:
         logits = algorithm.forward(new, x)
         return (*(new[n] for n in names), logits, entropy_from_logits(logits).mean())
 
-    return StepSpec(fn, [_example_x(algorithm.model, psi, batch), *psi.values()],
+    spec = StepSpec(fn, [_example_x(algorithm.model, psi, batch), *psi.values()],
                     ["x", *(f"psi.{n}" for n in names)], [*(f"new.{n}" for n in names), "logits", "entropy"])
+    return with_norm_statistics(spec, algorithm.model, stats, momentum=1.0)
 
 
 def encoder_spec(algorithm: ODPFLHN, gamma: State, batch: int = 4) -> StepSpec:

@@ -58,7 +58,7 @@ def test_tent_norm_affine_moves_only_the_normalisation_scale_and_shift(mnist_fed
     with torch.no_grad():
         before, after = (entropy_from_logits(tent.predict(p, x)).mean() for p in (params, adapted))
     assert after < before
-    with pytest.raises(ValueError, match=r"^TENT adapt='norm_affine' needs a batch-normalised model"):
+    with pytest.raises(ValueError, match=r"^TENT adapt='norm_affine' needs a model with affine normalisation layers"):
         build_algorithm("TENT", build_model("mlp", (1, 28, 28), 10), 1, adapt="norm_affine")
     with pytest.raises(ValueError, match=r"^TENT adapt must be one of all, norm_affine, got 'bn'$"):
         build_algorithm("TENT", build_model("mlp", (1, 28, 28), 10), 1, adapt="bn")

@@ -34,6 +34,7 @@ from typing import Callable
 import numpy as np
 
 from edge_sdk import dp
+from edge_sdk.batchnorm import BatchNormRule, statistics_feeds, uses_statistics
 from edge_sdk.bundle import Bundle, BundleError
 from edge_sdk.numerics import entropy
 from edge_sdk.steps import (StepRunner, Weights, check_batch, check_logits, check_weights, finite,
@@ -62,15 +63,26 @@ class Personalizer:
         self.base = bundle.weights("params")
         self.frozen_int8 = bundle.session("forward_int8", threads) if int8 else None
         names = {a["name"] for a in bundle.manifest["artifacts"]}
+        self.stats: Weights = {}  # batch normalisation: the population statistics (edge_sdk.batchnorm)
+        self.rule = BatchNormRule()
+        if uses_statistics(self.forward):
+            if "stats" not in names or "batch_norm" not in bundle.manifest:
+                raise BundleError("the model is batch-normalised but the bundle has no statistics or batch_norm rule")
+            try:
+                self.rule = BatchNormRule.from_manifest(bundle.manifest["batch_norm"])
+            except ValueError as exc:
+                raise BundleError(str(exc)) from None
+            self.stats = check_weights(bundle.weights("stats"), self.forward, prefix="stats.")
         self.runner: StepRunner | None = None
         self.kind = "none"
         if method == "none":
             pass
         elif "fedtta_step" in names:
-            self.runner = StepRunner(bundle.session("fedtta_step", threads), fixed=bundle.weights("phi"))
+            self.runner = StepRunner(bundle.session("fedtta_step", threads), fixed=bundle.weights("phi"),
+                                     stats=self.stats, rule=self.rule)
             self.kind = "FedTTA++" if int(self.hp.get("patience", 0)) >= 1 else "FedTTA"
         elif "tent_step" in names:
-            self.runner = StepRunner(bundle.session("tent_step", threads))
+            self.runner = StepRunner(bundle.session("tent_step", threads), stats=self.stats, rule=self.rule)
             self.kind = "TENT"
         elif "encoder" in names:
             self.encoder = bundle.session("encoder", threads)
@@ -96,8 +108,15 @@ class Personalizer:
                     if isinstance(w, dict) else w
                 self._checked_copy, self._checked = check_weights(copy, self.forward), w
             w = self._checked_copy
-        feeds = {"x": x, **{n: w[n[len("psi."):]] for n in self._psi_inputs}}
+        feeds = {"x": x, **{n: w[n[len("psi."):]] for n in self._psi_inputs},
+                 **statistics_feeds(self.forward, self.current_stats, 0.0)}  # population statistics at any batch
         return check_logits(self.forward.run(["logits"], feeds)[0], x)
+
+    @property
+    def current_stats(self) -> Weights:
+        """The population statistics predictions use: the bundle's, or the stream's exponential update of them
+        (``batch_norm.small_batch="ema"``) once adaptation steps have run."""
+        return self.runner.stats if self.runner is not None else self.stats
 
     def embed(self, x: np.ndarray, epsilon: float = math.inf, delta: float = 0.01,
               rng: np.random.Generator | None = None) -> np.ndarray:

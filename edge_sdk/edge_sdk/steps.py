@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from edge_sdk.batchnorm import BatchNormRule, statistics_feeds
 from edge_sdk.early_stopping import EntropyEarlyStopping
 from edge_sdk.numerics import entropy
 
@@ -123,10 +124,14 @@ def finite(weights: Weights, entropy: float) -> bool:
 
 @dataclass
 class StepRunner:
-    """One exported step graph plus the weights it updates (``psi``) and any fixed ones (``phi``)."""
+    """One exported step graph plus the weights it updates (``psi``) and any fixed ones (``phi``); for a
+    batch-normalised model, the population statistics ``stats`` and the bundle's rule (:mod:`edge_sdk.batchnorm`),
+    under which a step may update ``stats``."""
 
     session: ort.InferenceSession
     fixed: Weights = field(default_factory=dict)
+    stats: Weights = field(default_factory=dict)
+    rule: BatchNormRule = field(default_factory=BatchNormRule)
 
     def __post_init__(self) -> None:
         self.param_names = [o.name[len("new."):] for o in self.session.get_outputs() if o.name.startswith("new.")]
@@ -137,7 +142,10 @@ class StepRunner:
         feeds = {"x": check_batch(x, self.session)}
         feeds.update({f"psi.{n}": psi[n] for n in self.param_names})
         feeds.update({f"phi.{n}": v for n, v in self.fixed.items()})
+        feeds.update(statistics_feeds(self.session, self.stats, self.rule.step_momentum(len(x))))
         out = dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
+        if self.stats and self.rule.updates_statistics(len(x)):
+            self.stats = {n: out[f"new_stats.{n}"] for n in self.stats}
         return {n: out[f"new.{n}"] for n in self.param_names}, out["logits"], float(out["entropy"])
 
 
@@ -149,7 +157,8 @@ def personalize_early_stopping(runner: StepRunner, forward: ort.InferenceSession
     that overflows (non-finite weights or entropy) ends the adaptation; the answer is still the best finite
     iterate (the received model if none was a candidate yet)."""
     stopper = EntropyEarlyStopping(patience, max_steps, first_candidate)
-    feeds = {"x": check_batch(x, forward), **{f"psi.{n}": psi[n] for n in runner.param_names}}
+    feeds = {"x": check_batch(x, forward), **{f"psi.{n}": psi[n] for n in runner.param_names},
+             **statistics_feeds(forward, runner.stats, 0.0)}
     stop = stopper.update(float(entropy(check_logits(forward.run(["logits"], feeds)[0], x)).mean()))
     best, current = psi, psi
     while not stop:

@@ -3,8 +3,10 @@ the new client's unlabeled data before predicting.
 
 Which parameters (``adapt``): ``"all"`` (default) -- as in UPFL's re-implementation for models without
 BatchNorm -- adapts every parameter with plain SGD at the FedAvg learning rate; ``"norm_affine"`` is the
-original TENT's choice for a batch-normalised model (``btfl_cnn_bn``): only the normalisation layers' affine
-scale and shift move (the gradient is taken for them alone). Which statistics the normalisation uses is the
+original TENT's choice for a normalised model (``btfl_cnn_bn``, ``resnet8_bn``, ``mobilenet_s``, ``resnet8_gn``):
+only the normalisation layers' affine scale and shift move (the gradient is taken for them alone) -- BatchNorm
+(:class:`StatBatchNorm2d`; a user's ``nn.BatchNorm2d`` after ``fl_server.models.norm.convert_batchnorm``),
+``nn.GroupNorm`` and ``nn.LayerNorm`` (with ``elementwise_affine``). Which statistics the normalisation uses is the
 caller's choice (``fl_server.models.norm.norm_mode``; the fedicon-shift benchmark uses the test batch's, as the
 original TENT). The original steps those parameters with Adam (CIFAR) or SGD with momentum (ImageNet); here plain SGD at
 ``tent_lr``, which the benchmarks choose on validation (one pass of a few batches per client, where momentum
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from fl_server.algorithms.base import Hyper
 from fl_server.algorithms.fedavg import FedAvg, FedAvgConfig
@@ -26,6 +29,18 @@ from fl_server.models import Classifier
 from fl_server.models.norm import StatBatchNorm2d
 
 ADAPT = ("all", "norm_affine")
+NORM_LAYERS = (StatBatchNorm2d, nn.GroupNorm, nn.LayerNorm)  # whose affine parameters "norm_affine" adapts
+
+
+def norm_affine_names(model: nn.Module) -> list[str]:
+    """Parameter names of the normalisation layers' affine scale and shift (TENT's adapted parameters).
+
+    >>> norm_affine_names(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))
+    ['1.weight', '1.bias']
+    """
+    return [f"{name}.{p}" for name, m in model.named_modules() if isinstance(m, NORM_LAYERS)
+            for p, value in (("weight", getattr(m, "weight", None)), ("bias", getattr(m, "bias", None)))
+            if isinstance(value, nn.Parameter)]
 
 
 @dataclass
@@ -45,10 +60,10 @@ class Tent(FedAvg):
         super().__init__(model, config, seed, **overrides)
         if self.hp.adapt not in ADAPT:
             raise ValueError(f"TENT adapt must be one of {', '.join(ADAPT)}, got {self.hp.adapt!r}")
-        self._affine = [f"{name}.{p}" for name, m in self.model.named_modules() if isinstance(m, StatBatchNorm2d)
-                        for p in ("weight", "bias")]
+        self._affine = norm_affine_names(self.model)
         if self.hp.adapt == "norm_affine" and not self._affine:
-            raise ValueError("TENT adapt='norm_affine' needs a batch-normalised model (e.g. btfl_cnn_bn)")
+            raise ValueError("TENT adapt='norm_affine' needs a model with affine normalisation layers "
+                             "(BatchNorm, GroupNorm or LayerNorm; e.g. btfl_cnn_bn)")
 
     def entropy_step(self, params: State, x: torch.Tensor) -> State:
         """One SGD step on the mean prediction entropy of ``x``, over the parameters ``hp.adapt`` names."""

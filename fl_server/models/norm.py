@@ -7,21 +7,29 @@ inside vmapped or differentiated steps). So the normalisation statistics live ou
 - ``mode="population"``: the statistics fixed by :func:`calibrate` -- the mean and (biased) variance of the layer's
   input over every training sample, computed with the final global model (what FedAvg's averaged running
   statistics estimate), as BatchNorm in eval mode;
-- ``mode="collect"``: batch statistics, and the input's sums are accumulated for :func:`calibrate`.
+- ``mode="collect"``: batch statistics, and the input's sums are accumulated for :func:`calibrate`;
+- ``mode="mix"``: (1 - m) population + m batch statistics with m = ``momentum`` (a 0-d tensor): m = 1 is
+  ``"batch"``, m = 0 ``"population"``, in between an exponential update of the population statistics (the
+  statistics used are kept in ``used`` so an exported step can return them). Exported graphs run in this mode
+  with the statistics and m as graph inputs (:func:`statistics_inputs`), so the device chooses per batch
+  (the bundle's ``batch_norm`` rule: a stream of batch 1 never normalises with one sample's statistics).
 The statistics are recomputed from the weights and the training data, so they need no place in checkpoints.
-An exported graph (``export``) normalises with the batch's statistics: population statistics are not part of a
-bundle, and no served method uses a batch-normalised model.
+Where they come from (:func:`calibrate`): ``"federated"`` (default) -- every training client's sums of x and x^2,
+added up (FedAvg of the clients' statistics weighted by sample count), the same statistics for every client,
+which a new client needs since it has none of its own; ``"local"`` -- each client's own (FedBN), for the clients
+that trained. A user's ``nn.BatchNorm2d`` becomes a :class:`StatBatchNorm2d` with :func:`convert_batchnorm`
+(its running statistics become the population statistics).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-MODES = ("batch", "population", "collect")
+MODES = ("batch", "population", "collect", "mix")
 
 
 class StatBatchNorm2d(nn.Module):
@@ -34,17 +42,64 @@ class StatBatchNorm2d(nn.Module):
         self.mean: torch.Tensor | None = None  # population statistics (attributes, not buffers)
         self.var: torch.Tensor | None = None
         self._sums: list[torch.Tensor] = []  # collect mode: [sum x, sum x^2, count] per channel
+        self.momentum: torch.Tensor | None = None  # mix mode: weight of the batch's statistics
+        self.used: tuple[torch.Tensor, torch.Tensor] | None = None  # mix mode: the (mean, var) last used
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "population":
             if self.mean is None or self.var is None:
                 raise RuntimeError("population statistics are not set: run fl_server.models.norm.calibrate first")
             return F.batch_norm(x, self.mean, self.var, self.weight, self.bias, training=False, eps=self.eps)
+        if self.mode == "mix":
+            return self._mix(x)
         if self.mode == "collect":
             flat = x.detach().transpose(0, 1).reshape(x.shape[1], -1).double()
             sums = [flat.sum(1), (flat * flat).sum(1), torch.tensor(float(flat.shape[1]), dtype=torch.float64)]
             self._sums = sums if not self._sums else [a + b for a, b in zip(self._sums, sums)]
         return F.batch_norm(x, None, None, self.weight, self.bias, training=True, eps=self.eps)
+
+
+    def _mix(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mean is None or self.var is None or self.momentum is None:
+            raise RuntimeError("mix mode needs population statistics and a momentum (statistics_inputs)")
+        m = self.momentum
+        batch_mean = x.mean(dim=(0, 2, 3))
+        batch_var = (x - batch_mean[None, :, None, None]).square().mean(dim=(0, 2, 3))  # biased, as BatchNorm
+        mean = (1 - m) * self.mean + m * batch_mean
+        var = (1 - m) * self.var + m * batch_var
+        self.used = (mean, var)
+        scale = self.weight * torch.rsqrt(var + self.eps)
+        return x * scale[None, :, None, None] + (self.bias - mean * scale)[None, :, None, None]
+
+    @classmethod
+    def from_batchnorm(cls, bn: nn.BatchNorm2d) -> "StatBatchNorm2d":
+        """The same normalisation as ``bn`` (affine parameters copied; its running statistics, if it tracks
+        them, become the population statistics)."""
+        if not bn.affine:
+            raise ValueError("BatchNorm2d(affine=False) is not supported: TENT adapts the affine parameters")
+        out = cls(bn.num_features, bn.eps)
+        with torch.no_grad():
+            out.weight.copy_(bn.weight)
+            out.bias.copy_(bn.bias)
+        if bn.running_mean is not None and bn.running_var is not None:
+            out.mean, out.var = bn.running_mean.detach().clone(), bn.running_var.detach().clone()
+        return out
+
+
+def convert_batchnorm(module: nn.Module) -> nn.Module:
+    """Replace every ``nn.BatchNorm2d`` inside ``module`` (in place) by a :class:`StatBatchNorm2d`, so the
+    functional engine (buffer-free states) and the exporter accept it. Returns ``module`` (or the replacement
+    when ``module`` itself is a BatchNorm2d).
+
+    >>> net = convert_batchnorm(nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU()))
+    >>> type(net[1]).__name__
+    'StatBatchNorm2d'
+    """
+    if isinstance(module, nn.BatchNorm2d):
+        return StatBatchNorm2d.from_batchnorm(module)
+    for name, child in module.named_children():
+        setattr(module, name, convert_batchnorm(child))
+    return module
 
 
 def stat_norms(model: nn.Module) -> list[StatBatchNorm2d]:
@@ -71,23 +126,104 @@ def norm_mode(model: nn.Module, mode: str) -> Iterator[None]:
             m.mode = mode_before
 
 
+def norm_names(model: nn.Module) -> list[str]:
+    """Module names of the model's :class:`StatBatchNorm2d` layers, in order."""
+    return [name for name, m in model.named_modules() if isinstance(m, StatBatchNorm2d)]
+
+
+def statistics(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The population statistics as a flat dict ``{"<layer>.mean": [C], "<layer>.var": [C]}`` (what a bundle
+    ships as its ``stats`` weights); raises if :func:`calibrate` has not run."""
+    out: dict[str, torch.Tensor] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, StatBatchNorm2d):
+            if m.mean is None or m.var is None:
+                raise RuntimeError("population statistics are not set: run fl_server.models.norm.calibrate first")
+            out[f"{name}.mean"], out[f"{name}.var"] = m.mean, m.var
+    return out
+
+
+@contextlib.contextmanager
+def statistics_inputs(model: nn.Module, stats: dict[str, torch.Tensor], momentum: torch.Tensor) -> Iterator[None]:
+    """Run a block with every :class:`StatBatchNorm2d` in ``"mix"`` mode, reading its statistics from ``stats``
+    (:func:`statistics`' names) and the batch's weight from ``momentum`` -- tensors that may be graph inputs
+    being traced. Restores the layers' modes and statistics afterwards."""
+    named = [(name, m) for name, m in model.named_modules() if isinstance(m, StatBatchNorm2d)]
+    before = [(m.mode, m.mean, m.var, m.momentum) for _, m in named]
+    for name, m in named:
+        m.mode, m.mean, m.var, m.momentum = "mix", stats[f"{name}.mean"], stats[f"{name}.var"], momentum
+    try:
+        yield
+    finally:
+        for (_, m), (mode, mean, var, mom) in zip(named, before):
+            m.mode, m.mean, m.var, m.momentum, m.used = mode, mean, var, mom, None
+
+
+def used_statistics(model: nn.Module) -> dict[str, torch.Tensor]:
+    """After a forward in ``"mix"`` mode: the statistics each layer normalised with, named as :func:`statistics`."""
+    out: dict[str, torch.Tensor] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, StatBatchNorm2d):
+            if m.used is None:
+                raise RuntimeError(f"{name} has not run in mix mode")
+            out[f"{name}.mean"], out[f"{name}.var"] = m.used
+    return out
+
+
+STATISTICS = ("federated", "local")
+
+
 @torch.no_grad()
-def calibrate(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
-              batches: Iterable[torch.Tensor]) -> None:
-    """Set every StatBatchNorm2d's population statistics to the mean and biased variance of its input over
-    ``batches`` (each normalised with its own batch statistics on the way, as in training); ``forward(x)`` runs
-    the model with the weights the statistics belong to."""
+def _sums(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
+          batches: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Per layer [sum x, sum x^2, count] (float64, per channel) of its input over ``batches``."""
     norms = stat_norms(model)
     for m in norms:
         m._sums = []
     with norm_mode(model, "collect"):
         for x in batches:
             forward(x)
+    sums = [m._sums for m in norms]
     for m in norms:
-        if not m._sums:
-            raise ValueError("calibrate got no data")
-        total, squares, count = m._sums
+        m._sums = []
+    if any(not s for s in sums):
+        raise ValueError("calibrate got no data")
+    return sums
+
+
+def _set_from_sums(model: nn.Module, sums: list[list[torch.Tensor]]) -> None:
+    for m, (total, squares, count) in zip(stat_norms(model), sums):
         mean = total / count
         m.mean = mean.to(m.weight.dtype)
         m.var = (squares / count - mean * mean).clamp_min(0.0).to(m.weight.dtype)
-        m._sums = []
+
+
+def calibrate(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
+              batches: Iterable[torch.Tensor]) -> None:
+    """Set every StatBatchNorm2d's population statistics to the mean and biased variance of its input over
+    ``batches`` (each normalised with its own batch statistics on the way, as in training); ``forward(x)`` runs
+    the model with the weights the statistics belong to."""
+    _set_from_sums(model, _sums(model, forward, batches))
+
+
+def client_statistics(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
+                      clients: Sequence[Iterable[torch.Tensor]], how: str = "federated") -> list[dict[str, torch.Tensor]]:
+    """Population statistics per client (:func:`statistics`' names), each client's batches in ``clients``.
+    ``"federated"`` (default): every client sends its sums of x and x^2 and its count, the server adds them up
+    (FedAvg of the clients' statistics weighted by sample count; equal to :func:`calibrate` over their union)
+    and every client gets the same statistics -- the only ones a new client can receive. ``"local"``: each
+    client's own (FedBN, Li et al. 2021), for clients that hold training data. Leaves the model's statistics at
+    the federated ones."""
+    if how not in STATISTICS:
+        raise ValueError(f"unknown statistics {how!r}; one of {', '.join(STATISTICS)}")
+    per_client = [_sums(model, forward, batches) for batches in clients]
+    if not per_client:
+        raise ValueError("client_statistics got no clients")
+    out = []
+    if how == "local":
+        for sums in per_client:
+            _set_from_sums(model, sums)
+            out.append(statistics(model))
+    total = [[sum(c[layer][k] for c in per_client) for k in range(3)] for layer in range(len(per_client[0]))]
+    _set_from_sums(model, total)
+    return out if how == "local" else [statistics(model)] * len(per_client)

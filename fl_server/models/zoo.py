@@ -7,6 +7,8 @@ Architectures follow the papers (see ../shared/SPEC.md):
 - ``btfl_cnn``: BTFL's simple CNN, conv32-conv64 (k5, no padding) + FC64 + FC64 (D = 64), ReLU before the head.
 - ``btfl_cnn_bn``: the same with batch normalisation after each convolution (:mod:`fl_server.models.norm`: the
   statistics live outside the functional state), as the CNNs of FedICON's and FedBN's Digit-5 experiments.
+- ``resnet8_bn``, ``resnet8_gn``, ``mobilenet_s``: edge architectures (:mod:`fl_server.models.edge`: residual
+  blocks, depthwise and grouped convolutions, BatchNorm / GroupNorm / LayerNorm, global average pooling).
 - ``mlp_2x512``: MAP's MLPNet; ``lenet``: LeNet-5 style (MAP).
 - :class:`AdaptationMLP`: FedTTA's adaptation model g, C -> w -> w -> w -> 1.
 """
@@ -17,6 +19,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
+from fl_server.models.edge import mobilenet_s, resnet8_bn, resnet8_gn
 from fl_server.models.norm import StatBatchNorm2d
 
 InputShape = tuple[int, int, int]  # (C, H, W)
@@ -102,6 +105,9 @@ _FEATURES: dict[str, Callable[[InputShape], tuple[nn.Module, int]]] = {
     "btfl_cnn": _btfl_features,
     "btfl_cnn_bn": _btfl_bn_features,
     "lenet": _lenet_features,
+    "resnet8_bn": resnet8_bn,
+    "resnet8_gn": resnet8_gn,
+    "mobilenet_s": mobilenet_s,
 }
 MODELS: tuple[str, ...] = tuple(_FEATURES)
 

@@ -1,0 +1,193 @@
+"""Edge architectures on the device (issue #34): a ResNet-8 with BatchNorm, a MobileNetV2-style stack (depthwise
++ pointwise + residual) and a ResNet-8 with GroupNorm / LayerNorm / a grouped convolution. The exported forward
+and one step of each device method (TENT over all weights, the original TENT over the normalisation affine
+parameters, FedTTA) match torch within 1e-5 (float32, onnxruntime CPU) at batch 1, 17 and 64 on real
+Fashion-MNIST; BatchNorm graphs under both ends of the ``bn_momentum`` rule (population and test-batch statistics)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from export import export_spec, fedtta_step_spec, forward_spec, tent_step_spec
+from fl_server.algorithms import build_algorithm
+from fl_server.algorithms.fedtta import FEDTTA_HP
+from fl_server.functional import make_forward
+from fl_server.models import build_model
+from fl_server.models.norm import calibrate, stat_norms
+
+TOL = 1e-5
+SIZES = (1, 17, 64)
+
+
+@pytest.fixture(scope="module")
+def fashion_batches(fashion_all):  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng(0)
+    idx = rng.choice(len(fashion_all), sum(SIZES) + 256, replace=False)
+    x = torch.from_numpy(fashion_all.x[idx])
+    out, start = [], 256
+    for n in SIZES:
+        out.append(x[start:start + n])
+        start += n
+    return x[:256], out
+
+
+def _algorithm(model_name: str, method: str, calib: torch.Tensor, **hp):  # type: ignore[no-untyped-def]
+    model = build_model(model_name, (1, 28, 28), 10, seed=0)
+    alg = build_algorithm(method, model, 1, seed=0, **hp)
+    state = alg.init_state(torch.float32, torch.device("cpu"))
+    if stat_norms(model):
+        forward = make_forward(model)
+        calibrate(model, lambda xb: forward(state["params"], xb), calib.split(64))
+    return alg, state
+
+
+def _check(spec, path: Path, batches, momenta=(None,)) -> None:  # type: ignore[no-untyped-def]
+    export_spec(spec, path)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == spec.input_names
+    for m in momenta:
+        rest = list(spec.example[1:])
+        if m is not None:
+            rest[-1] = torch.tensor(m)
+        for x in batches:
+            feeds = dict(zip(spec.input_names, [x.numpy(), *(w.detach().numpy() for w in rest)]))
+            got = session.run(spec.output_names, feeds)
+            want = spec.fn(x, *rest)
+            for name, g, w in zip(spec.output_names, got, want):
+                np.testing.assert_allclose(g, w.detach().numpy(), rtol=TOL, atol=TOL,
+                                           err_msg=f"{name} at batch {len(x)}, bn_momentum {m}")
+
+
+@pytest.mark.slow  # nine graph exports: about 20-60 s each on a shared 2-core CPU
+@pytest.mark.parametrize("model_name", ["resnet8_bn", "mobilenet_s", "resnet8_gn"])
+def test_forward_tent_and_fedtta_parity(model_name: str, fashion_batches, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The frozen forward (population statistics), TENT's step (the original: normalisation affine parameters)
+    and FedTTA's step (every weight, UPFL Eq. 5); BatchNorm steps at both ends of the bn_momentum rule."""
+    calib, batches = fashion_batches
+    has_bn = model_name != "resnet8_gn"
+    momenta = (0.0, 1.0) if has_bn else (None,)
+    tent, state = _algorithm(model_name, "TENT", calib, adapt="norm_affine", tent_lr=0.5)
+    forward = forward_spec(tent.model, state["params"])
+    assert ("bn_momentum" in forward.input_names) == has_bn
+    _check(forward, tmp_path / "forward.onnx", batches, (0.0,) if has_bn else (None,))
+    _check(tent_step_spec(tent, state["params"]), tmp_path / "tent.onnx", batches, momenta)
+    fedtta, state = _algorithm(model_name, "FedTTA", calib, **FEDTTA_HP["mnist"]["FedTTA"])
+    _check(fedtta_step_spec(fedtta, state["params"], state["phi"]), tmp_path / "fedtta.onnx", batches, momenta)
+
+
+@pytest.mark.parametrize("c_in,c_out,groups,kernel,stride,padding,dilation,size", [
+    (4, 6, 1, 3, 1, 1, 1, 9), (4, 4, 4, 3, 2, 1, 1, 9), (6, 9, 3, 3, 2, 0, 1, 10), (8, 8, 8, 5, 1, 2, 2, 11),
+    (4, 8, 2, 1, 1, 0, 1, 7), (3, 6, 3, 3, 2, 1, 1, 8),
+])
+def test_convolution_backward_decomposition(c_in, c_out, groups, kernel, stride, padding, dilation, size) -> None:  # type: ignore[no-untyped-def]
+    """Dense, depthwise and grouped convolutions, strided, padded, dilated, 1x1: the decomposition's three
+    gradients equal autograd's (float64)."""
+    from export.decompositions import convolution_backward
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, c_in, size, size, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(c_out, c_in // groups, kernel, kernel, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(c_out, dtype=torch.float64, generator=g, requires_grad=True)
+    y = torch.nn.functional.conv2d(x, w, b, stride, padding, dilation, groups)
+    gy = torch.randn(y.shape, dtype=torch.float64, generator=g)
+    want = torch.autograd.grad(y, (x, w, b), gy)
+    got = convolution_backward(gy, x.detach(), w.detach(), None, [stride] * 2, [padding] * 2, [dilation] * 2,
+                               False, [0, 0], groups, [True, True, True])
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("model_name", ["resnet8_bn", "mobilenet_s", "resnet8_gn"])
+def test_edge_models_train_under_vmap_and_grad(model_name: str, fashion_batches) -> None:  # type: ignore[no-untyped-def]
+    """The engine's local step (vmapped over clients, functional grad) runs on each model and lowers the loss."""
+    from fl_server.functional import broadcast, get_params, sgd
+
+    calib, _ = fashion_batches
+    model = build_model(model_name, (1, 28, 28), 10, seed=0)
+    forward = make_forward(model)
+    y = torch.from_numpy(np.arange(32) % 10)
+    xs = torch.stack([calib[:32], calib[32:64]])
+
+    def loss(p, x):  # type: ignore[no-untyped-def]
+        return torch.nn.functional.cross_entropy(forward(p, x), y)
+
+    params = broadcast(get_params(model), 2)
+    before = torch.func.vmap(loss)(params, xs)
+    for _ in range(3):
+        params = sgd(params, torch.func.vmap(torch.func.grad(loss))(params, xs), 0.05)
+    assert (torch.func.vmap(loss)(params, xs) < before).all()
+
+
+def test_norm_affine_covers_batch_group_and_layer_norm() -> None:
+    from fl_server.algorithms.tent import norm_affine_names
+
+    gn = norm_affine_names(build_model("resnet8_gn", (1, 28, 28), 10, seed=0))
+    assert "features.1.weight" in gn and "features.8.bias" in gn  # first GroupNorm, the pooled LayerNorm
+    assert len(norm_affine_names(build_model("mobilenet_s", (1, 28, 28), 10, seed=0))) == 2 * 11
+    with pytest.raises(ValueError, match="needs a model with affine normalisation layers"):
+        build_algorithm("TENT", build_model("convnet", (1, 28, 28), 10, seed=0), 1, adapt="norm_affine")
+
+
+def test_convert_batchnorm_keeps_torch_semantics() -> None:
+    """A user's nn.BatchNorm2d becomes a StatBatchNorm2d: train mode = batch statistics, population mode = the
+    running statistics it had (eval mode)."""
+    from torch import nn
+
+    from fl_server.models.norm import StatBatchNorm2d, convert_batchnorm, norm_mode
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    for _ in range(3):
+        net(torch.randn(8, 1, 6, 6) * 2 + 1)  # running statistics move away from (0, 1)
+    x = torch.randn(5, 1, 6, 6)
+    train_out = net(x)  # (moves the running statistics once more)
+    net.eval()
+    eval_out = net(x)
+    converted = convert_batchnorm(net)
+    assert isinstance(converted[1], StatBatchNorm2d)
+    torch.testing.assert_close(converted(x), train_out)
+    with norm_mode(converted, "population"):
+        torch.testing.assert_close(converted(x), eval_out)
+    with pytest.raises(ValueError, match=r"BatchNorm2d\(affine=False\) is not supported"):
+        convert_batchnorm(nn.BatchNorm2d(3, affine=False))
+
+
+def test_client_statistics_federated_and_local(fashion_batches) -> None:  # type: ignore[no-untyped-def]
+    from fl_server.functional import get_params
+    from fl_server.models.norm import client_statistics, statistics
+
+    calib, _ = fashion_batches
+    model = build_model("resnet8_bn", (1, 28, 28), 10, seed=0)
+    params, forward = get_params(model), make_forward(model)
+    run = lambda xb: forward(params, xb)  # noqa: E731
+    clients = [[calib[:40]], [calib[40:100], calib[100:130]]]
+    local = client_statistics(model, run, clients, how="local")
+    federated = client_statistics(model, run, clients)
+    calibrate(model, run, [calib[:40], calib[40:100], calib[100:130]])
+    union = statistics(model)
+    for name, value in union.items():
+        torch.testing.assert_close(federated[0][name], value)
+        torch.testing.assert_close(federated[1][name], value)
+    assert not torch.allclose(local[0]["features.1.mean"], local[1]["features.1.mean"])
+    with pytest.raises(ValueError, match="unknown statistics 'fedbn'"):
+        client_statistics(model, run, clients, how="fedbn")
+
+
+def test_bn_tent_shift_script_smoke(fashion_all) -> None:  # type: ignore[no-untyped-def]
+    """scripts/bn_tent_shift.py (the docs/results/bn-tent-shift.json experiment) at its CI size."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bn_tent_shift.py"
+    spec = importlib.util.spec_from_file_location("bn_tent_shift", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    record = module.main(["--smoke"])
+    seed = record["seeds"][0]
+    assert seed["tent_lr"] in seed["tent_lr_val"]
+    assert {(r["shift"], r["method"]) for r in seed["results"]} == {
+        (s, m) for s in ("clean", "gaussian_noise") for m in ("received", "BN stats", "TENT")}
+    assert all(0.0 <= r["value"] <= 100.0 for r in seed["results"])
