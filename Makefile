@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml edge_sdk/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ./edge_sdk --config-settings editable_mode=compat
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,flower]'
 	@touch $(STAMP)
 
 setup: $(STAMP)

@@ -72,6 +72,7 @@ class ClientArtifacts:
 
 class BTFL(Algorithm):
     name = "BTFL"
+    per_client_keys = ("local_heads",)
     Config = BTFLConfig
 
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]

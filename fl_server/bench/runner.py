@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fl_server.algorithms import ALGORITHMS, build_algorithm
+from fl_server.algorithms import ALGORITHMS, Algorithm, build_algorithm
 from fl_server.bench.experiments import Experiment, Protocol
 from fl_server.bench.rows import invocation, write_atomic
 from fl_server.data import load_dataset
@@ -46,7 +46,7 @@ def build_federated(protocol: Protocol, seed: int, data_root: str | None = None)
 def build_simulation(protocol: Protocol, method: str, seed: int, run_dir: Path | None, device: str = "auto",
                      mode: str = "auto", progress: bool = True, data_root: str | None = None,
                      fed: FederatedData | None = None, test_at_best_only: bool = True,
-                     checkpoint_every: int = 10) -> Simulation:
+                     checkpoint_every: int = 10, **engine: Any) -> Simulation:
     """The engine run of one method and seed under ``protocol`` (its ``run()`` writes ``run.json`` into ``run_dir``)."""
     fed = fed if fed is not None else build_federated(protocol, seed, data_root)
     shape = fed.dataset.x.shape[1:]
@@ -57,12 +57,17 @@ def build_simulation(protocol: Protocol, method: str, seed: int, run_dir: Path |
                     batch_size=protocol.batch_size, client_fraction=protocol.client_fraction,
                     eval_every=protocol.eval_every_for(method), seed=seed, mode=mode, device=device,
                     out_dir=str(run_dir) if run_dir else None, progress=progress,
-                    test_at_best_only=test_at_best_only, checkpoint_every=checkpoint_every)
-    # what `fl-server export` needs to rebuild the model around best.npz (run.json, written by Simulation.run)
-    description = {"method": method, "hyper": dataclasses.asdict(algorithm.hp), "model": protocol.model,
-                   "dataset": protocol.dataset, "input_shape": list(shape), "num_classes": fed.dataset.num_classes,
-                   "seed": seed, "protocol": dataclasses.asdict(protocol), "command": invocation()}
-    return Simulation(algorithm, fed, cfg, description)
+                    test_at_best_only=test_at_best_only, checkpoint_every=checkpoint_every, **engine)
+    return Simulation(algorithm, fed, cfg, run_description(protocol, method, algorithm, seed, shape,
+                                                               fed.dataset.num_classes))
+
+
+def run_description(protocol: Protocol, method: str, algorithm: Algorithm, seed: int, input_shape: Sequence[int],
+                    num_classes: int) -> dict[str, Any]:
+    """What `fl-server export` needs to rebuild the model around best.npz (a run directory's run.json)."""
+    return {"method": method, "hyper": dataclasses.asdict(algorithm.hp), "model": protocol.model,
+            "dataset": protocol.dataset, "input_shape": list(input_shape), "num_classes": num_classes, "seed": seed,
+            "protocol": dataclasses.asdict(protocol), "command": invocation()}
 
 
 

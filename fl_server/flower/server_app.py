@@ -1,0 +1,144 @@
+"""The Flower ServerApp: the coordinator's side of a run whose clients train on their own machines.
+
+It waits for the SuperNodes, asks each for its partition id and sizes (``query``), builds the method from the
+recipe (no data on this side), then per round selects clients like the engine (``select_clients``), sends each
+its row of the method's ``client_start`` with the server state (``train``), and folds the replies in with the
+method's ``aggregate``. Validation (``evaluate``) is the mean over training clients of their own accuracy, as
+the engine's. The run directory it writes (``run.json``, ``best.npz``, ``metrics.jsonl``) is what
+``fl-server export`` and the coordinator take from an in-process run.
+
+Example (after a SuperLink and SuperNodes are up; the app folder is ``examples/flower``)::
+
+    flwr run examples/flower local-deployment --run-config "method='FedTTA' rounds=3 run-dir='/srv/runs/a'"
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.serverapp import Grid, ServerApp
+
+from fl_server.algorithms.base import Algorithm
+from fl_server.bench.runner import run_description
+from fl_server.engine.simulation import save_state, select_clients
+from fl_server.flower.task import FlowerRecipe, shared_params_only
+from fl_server.flower.wire import record_to_state, state_to_record
+from fl_server.functional import State, stack, unstack
+
+app = ServerApp()
+
+
+class FlowerError(RuntimeError):
+    """A run the server cannot go on with (missing SuperNodes, a client's error reply)."""
+
+
+def wait_for_nodes(grid: Grid, count: int, timeout: float) -> list[int]:
+    """The ids of at least ``count`` connected SuperNodes, waiting up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) >= count:
+            return nodes
+        if time.monotonic() > deadline:
+            raise FlowerError(f"only {len(nodes)} of {count} SuperNodes connected within {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+def _exchange(grid: Grid, kind: str, payloads: dict[int, RecordDict], timeout: float, round_: int) -> dict[int, Any]:
+    """Send one message per node, return each node's reply content; any error or missing reply fails the run."""
+    msgs = {node: Message(content, dst_node_id=node, message_type=kind, group_id=str(round_))
+            for node, content in payloads.items()}
+    replies = {m.metadata.src_node_id: m for m in grid.send_and_receive(list(msgs.values()), timeout=timeout)}
+    for node in payloads:
+        reply = replies.get(node)
+        if reply is None:
+            raise FlowerError(f"{kind}: no reply from node {node} within {timeout:.0f} s (round {round_})")
+        if reply.has_error():
+            raise FlowerError(f"{kind}: node {node} failed: {reply.error.reason}")
+    return {node: replies[node].content for node in payloads}
+
+
+class FederatedRun:
+    """Server state and bookkeeping of one run (the engine's ``Simulation`` without data)."""
+
+    def __init__(self, recipe: FlowerRecipe, infos: list[dict[str, Any]]) -> None:
+        """``infos``: the clients' query replies, ordered by partition id."""
+        self.recipe = recipe
+        self.k = len(infos)
+        self.input_shape = tuple(int(v) for v in infos[0]["input-shape"])
+        self.num_classes = int(infos[0]["num-classes"])
+        self.algorithm: Algorithm = recipe.build_algorithm(self.input_shape, self.num_classes, self.k)
+        shared_params_only(self.algorithm)
+        dtype = recipe.torch_dtype
+        # methods that size their state by the number of training clients read it here (no data on this side)
+        self.algorithm.attach(torch.empty(0, *self.input_shape, dtype=dtype), torch.empty(0, dtype=torch.long),
+                              [np.empty(0, np.int64)] * self.k)
+        self.server_state: State = self.algorithm.init_state(dtype, torch.device("cpu"))
+        self.sizes = torch.tensor([int(i["num-train"]) for i in infos], dtype=dtype)
+
+    def config(self, round_: int) -> ConfigRecord:
+        return ConfigRecord({"round": round_, "num-classes": self.num_classes, "num-clients": self.k})
+
+    def train_payloads(self, ids: np.ndarray, round_: int) -> list[RecordDict]:
+        """Client ``ids[i]``'s message: its row of ``client_start`` and the server state."""
+        starts = unstack(self.algorithm.client_start(self.server_state, ids))
+        server = self.shared_record()
+        return [RecordDict({"state": state_to_record(s), "server": server, "config": self.config(round_)})
+                for s in starts]
+
+    def shared_record(self) -> ArrayRecord:
+        """The server state without its per-client rows (``Algorithm.per_client_keys``)."""
+        keys = self.algorithm.per_client_keys
+        return state_to_record({k: v for k, v in self.server_state.items() if k not in keys})
+
+    def aggregate(self, ids: np.ndarray, states: list[State]) -> None:
+        self.server_state = self.algorithm.aggregate(self.server_state, ids, stack(states), self.sizes[ids])
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Train the run config's recipe on the connected SuperNodes; write the run directory ``run-dir``."""
+    cfg = context.run_config
+    recipe = FlowerRecipe.from_config(cfg)
+    run_dir = Path(str(cfg.get("run-dir", "runs/flower")))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    timeout = float(cfg.get("round-timeout", 600))
+    nodes = wait_for_nodes(grid, int(cfg.get("min-nodes", 1)), timeout)
+    query = _exchange(grid, "query", {n: RecordDict({"config": ConfigRecord({})}) for n in nodes}, timeout, -1)
+    by_pid = {int(c["info"]["partition-id"]): (n, dict(c["info"])) for n, c in query.items()}
+    k = int(next(iter(by_pid.values()))[1]["num-partitions"])
+    if sorted(by_pid) != list(range(k)):
+        raise FlowerError(f"the recipe has {k} training clients; connected SuperNodes hold partitions "
+                          f"{sorted(by_pid)} (one SuperNode per partition id 0 .. {k - 1})")
+    node_of = {pid: node for pid, (node, _) in by_pid.items()}
+    run = FederatedRun(recipe, [by_pid[p][1] for p in range(k)])
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    best_val, t_start = float("-inf"), time.perf_counter()
+    for r in range(recipe.rounds):
+        ids = select_clients(k, recipe.protocol.client_fraction, recipe.seed, r)
+        payloads = dict(zip((node_of[int(i)] for i in ids), run.train_payloads(ids, r)))
+        replies = _exchange(grid, "train", payloads, timeout, r)
+        run.aggregate(ids, [record_to_state(replies[node_of[int(i)]]["state"]) for i in ids])
+        row: dict[str, Any] = {"round": r}
+        if (recipe.eval_every and (r + 1) % recipe.eval_every == 0) or r == recipe.rounds - 1:
+            server = run.shared_record()
+            evals = _exchange(grid, "evaluate", {node_of[p]: RecordDict({"server": server, "config": run.config(r)})
+                                                 for p in range(k)}, timeout, r)
+            row["val"] = float(np.mean([evals[node_of[p]]["metrics"]["accuracy"] for p in range(k)]))
+            row["test"] = None
+            if row["val"] > best_val:
+                best_val = row["val"]
+                save_state(run_dir / "best.npz", run.server_state, {"round": r, "val": row["val"]})
+        row["wall_s"] = round(time.perf_counter() - t_start, 3)
+        with open(run_dir / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+    save_state(run_dir / "final.npz", run.server_state, {"round": recipe.rounds - 1})
+    description = run_description(recipe.protocol, recipe.method, run.algorithm, recipe.seed, run.input_shape,
+                                  run.num_classes)
+    description["engine"] = "flower"
+    (run_dir / "run.json").write_text(json.dumps(description, indent=1, default=str))

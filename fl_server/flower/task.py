@@ -1,0 +1,160 @@
+"""The federated run a Flower app trains, and the in-process engine's pieces each side of it calls.
+
+A run is described by the Flower run config (``[tool.flwr.app.config]`` of the app, ``flwr run --run-config``):
+an experiment protocol and data set of the bench harness, a method, a seed and overrides. Both sides build the
+same method object from it; the server never holds data: each SuperNode loads its own training client's
+partition (``partition-id`` in its ``--node-config``), and only states and the method's messages cross the wire.
+
+The client step is the engine's :func:`~fl_server.engine.simulation.run_local_steps` over the client's own
+batch stream (:func:`~fl_server.engine.simulation.client_rng`, the engine's ``batch_stream="per_client"``); the
+server calls the method's own ``client_start`` and ``aggregate``. So a Flower run and an in-process run with
+``batch_stream="per_client"`` and the same recipe, seed and clients end with the same weights.
+
+Example:
+    >>> recipe = FlowerRecipe.from_config({"dataset": "mnist", "method": "FedAvg", "num-clients": 3,
+    ...                                    "new-fraction": 0.0, "rounds": 3})
+    >>> recipe.protocol.num_clients, recipe.rounds
+    (3, 3)
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from fl_server.algorithms import build_algorithm, canonical_method
+from fl_server.algorithms.base import Algorithm, NotApplicable
+from fl_server.bench.experiments import Protocol, get_experiment
+from fl_server.bench.runner import build_federated
+from fl_server.engine.simulation import RunConfig, client_batches, client_rng, run_local_steps
+from fl_server.functional import State, stack, unstack
+from fl_server.models import build_model
+
+# run-config key -> Protocol field: what a run may override of its experiment's protocol
+_PROTOCOL_KEYS = {"num-clients": "num_clients", "new-fraction": "new_fraction", "val-fraction": "val_fraction",
+                  "rounds": "rounds", "local-iterations": "local_iterations", "batch-size": "batch_size",
+                  "client-fraction": "client_fraction", "partition": "partition", "model": "model"}
+_KNOWN = {"experiment", "dataset", "method", "seed", "dtype", "eval-every", "run-dir", "data-dir", "max-samples",
+          "round-timeout", "min-nodes", *_PROTOCOL_KEYS}
+
+
+@dataclass(frozen=True)
+class FlowerRecipe:
+    """One federated run: the experiment's protocol (with the run config's overrides), method, seed, dtype."""
+
+    protocol: Protocol
+    method: str
+    seed: int = 0
+    dtype: str = "float32"
+    eval_every: int = 0  # 0: validate the last round only
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> FlowerRecipe:
+        """Build from a Flower run config; an unknown key or method fails here, with its name."""
+        unknown = sorted(set(cfg) - _KNOWN)
+        if unknown:
+            raise ValueError(f"unknown run-config key(s) {', '.join(unknown)}; known: {', '.join(sorted(_KNOWN))}")
+        experiment = get_experiment(str(cfg.get("experiment", "upfl-table1")))
+        dataset = str(cfg.get("dataset", "mnist"))
+        if dataset not in experiment.protocols:
+            raise ValueError(f"experiment {experiment.name!r} has no protocol for dataset {dataset!r}; "
+                             f"choose one of {', '.join(experiment.protocols)}")
+        protocol = experiment.protocols[dataset]
+        changes = {field: cfg[key] for key, field in _PROTOCOL_KEYS.items() if key in cfg}
+        method = canonical_method(str(cfg.get("method", "FedAvg")))
+        if "rounds" in changes:
+            changes["method_rounds"] = {}  # an explicit round count is every method's budget
+        if int(cfg.get("max-samples", 0)) > 0:
+            changes["options"] = {**protocol.options, "max_samples": int(cfg["max-samples"])}
+        dtype = str(cfg.get("dtype", "float32"))
+        if dtype not in ("float32", "float64"):
+            raise ValueError(f"dtype {dtype!r}: use 'float32' or 'float64'")
+        return cls(dataclasses.replace(protocol, **changes), method, int(cfg.get("seed", 0)), dtype,
+                   int(cfg.get("eval-every", 0)))
+
+    @property
+    def rounds(self) -> int:
+        return self.protocol.rounds_for(self.method)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def engine_config(self, out_dir: str | None = None, mode: str = "loop") -> RunConfig:
+        """The in-process engine's configuration of the same run (per-client batch streams)."""
+        return RunConfig(rounds=self.rounds, local_iterations=self.protocol.local_iterations,
+                         batch_size=self.protocol.batch_size, client_fraction=self.protocol.client_fraction,
+                         seed=self.seed, dtype=self.dtype, mode=mode, device="cpu", out_dir=out_dir,
+                         progress=False, batch_stream="per_client",
+                         eval_every=self.eval_every or self.rounds)
+
+    def build_algorithm(self, input_shape: tuple[int, ...], num_classes: int, num_train_clients: int) -> Algorithm:
+        """The method object, with the same initial weights on every side (seeded like the engine's runner)."""
+        model = build_model(self.protocol.model, input_shape, num_classes, seed=self.seed)
+        return build_algorithm(self.method, model, num_train_clients, seed=self.seed,
+                               **self.protocol.method_hp.get(self.method, {}))
+
+
+@dataclass
+class ClientData:
+    """One training client's own data: training and validation samples (numpy, the data set's scaling)."""
+
+    partition_id: int
+    num_partitions: int
+    num_classes: int
+    x_train: np.ndarray
+    y_train: np.ndarray
+    x_val: np.ndarray
+    y_val: np.ndarray
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        return tuple(self.x_train.shape[1:])
+
+
+def load_partition(recipe: FlowerRecipe, partition_id: int, data_root: str | None = None) -> ClientData:
+    """Training client ``partition_id``'s data under the recipe's federation (what a SuperNode of a test or a
+    benchmark loads; a user's own ClientApp loads its own data instead). Keeps copies of that client's samples
+    only."""
+    fed = build_federated(recipe.protocol, recipe.seed, data_root)
+    if not 0 <= partition_id < fed.num_train_clients:
+        raise ValueError(f"partition-id {partition_id} out of range: the recipe has {fed.num_train_clients} "
+                         "training clients (0 .. K-1)")
+    tr, va = fed.train[partition_id], fed.val[partition_id]
+    x, y = fed.dataset.x, fed.dataset.y
+    return ClientData(partition_id, fed.num_train_clients, fed.dataset.num_classes, x[tr].copy(), y[tr].copy(), x[va].copy(), y[va].copy())
+
+
+def client_train(algorithm: Algorithm, start: State, server: State, data: ClientData, recipe: FlowerRecipe,
+                 round_: int) -> State:
+    """The client's part of a round: the engine's local steps (reference loop) from ``start`` (this client's row
+    of the method's ``client_start``) on the client's own batch stream."""
+    dtype = recipe.torch_dtype
+    x = torch.from_numpy(data.x_train).to(dtype)
+    y = torch.from_numpy(data.y_train)
+    p = recipe.protocol
+    batches = client_batches([np.arange(len(data.y_train))], p.local_iterations, p.batch_size,
+                             client_rng(recipe.seed, round_, data.partition_id))
+    out = run_local_steps(algorithm.local_step, stack([start]), server, x, y, torch.from_numpy(batches), "loop",
+                          step_at=algorithm.local_step_at)
+    return unstack(out)[0]
+
+
+def client_validation(algorithm: Algorithm, server: State, data: ClientData, recipe: FlowerRecipe) -> float:
+    """Accuracy on the client's validation split, as the engine's ``evaluate_val`` scores one training client:
+    after ``personalize`` on the (unlabeled) validation data for test-time methods, else the shared model."""
+    x = torch.from_numpy(data.x_val).to(recipe.torch_dtype)
+    y = torch.from_numpy(data.y_val)
+    params = algorithm.personalize(server, x) if algorithm.adapts_at_test_time else server["params"]
+    with torch.no_grad():
+        pred = algorithm.predict(params, x).argmax(-1)
+    return float((pred == y).double().mean())
+
+
+def shared_params_only(algorithm: Algorithm) -> None:
+    """Refuse methods whose validation needs per-client models trained at evaluation time (not yet on Flower)."""
+    if type(algorithm).val_params is not Algorithm.val_params and not algorithm.adapts_at_test_time:
+        raise NotApplicable(f"{algorithm.name}: validation with per-client models is not available on Flower yet")
