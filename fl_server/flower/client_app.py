@@ -11,58 +11,77 @@ Example (a SuperNode on the same machine as the SuperLink, insecure, for a try-o
 """
 from __future__ import annotations
 
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from typing import Any, Mapping
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fl_server.flower.task import (ClientData, FlowerRecipe, client_train, client_validation, load_partition)
 from fl_server.flower.wire import record_to_state, state_to_record
 
-app = ClientApp()
-
-_CACHE: dict[tuple, tuple[FlowerRecipe, ClientData]] = {}  # per process: the partition is loaded once per run
+_PARTITION = "fl-edge-partition"  # the node's partition, kept in the run's context state between messages
 
 
-def _setup(context: Context) -> tuple[FlowerRecipe, ClientData]:
-    recipe = FlowerRecipe.from_config(context.run_config)
+def _setup(context: Context, overrides: Mapping[str, Any]) -> tuple[FlowerRecipe, ClientData]:
+    """The recipe and this node's partition: loaded on the run's first message, then read back from the
+    context state (Flower starts a fresh ClientApp process per message)."""
+    recipe = FlowerRecipe.from_config({**context.run_config, **overrides})
     pid = int(context.node_config["partition-id"])
+    if _PARTITION in context.state:
+        meta, kept = context.state[_PARTITION + "-meta"], context.state[_PARTITION]
+        arrays = {k: kept[k].numpy() for k in ("x_train", "y_train", "x_val", "y_val")}
+        return recipe, ClientData(int(meta["partition-id"]), int(meta["num-partitions"]), int(meta["num-classes"]),
+                                  **arrays)
     data_dir = context.node_config.get("data-dir") or context.run_config.get("data-dir") or None
-    key = (repr(recipe), pid, data_dir)
-    if key not in _CACHE:
-        _CACHE.clear()
-        _CACHE[key] = (recipe, load_partition(recipe, pid, str(data_dir) if data_dir else None))
-    return _CACHE[key]
+    data = load_partition(recipe, pid, str(data_dir) if data_dir else None)
+    context.state[_PARTITION + "-meta"] = ConfigRecord({"partition-id": data.partition_id,
+                                                        "num-partitions": data.num_partitions,
+                                                        "num-classes": data.num_classes})
+    context.state[_PARTITION] = ArrayRecord({k: Array(np.array(getattr(data, k), order="C"))
+                                             for k in ("x_train", "y_train", "x_val", "y_val")})
+    return recipe, data
 
 
-@app.query()
-def query(msg: Message, context: Context) -> Message:
-    """The client's partition id, sample counts, input shape and class count (no samples)."""
-    _, data = _setup(context)
-    info = ConfigRecord({"partition-id": data.partition_id, "num-partitions": data.num_partitions,
-                         "num-train": len(data.y_train), "num-val": len(data.y_val),
-                         "input-shape": list(data.input_shape), "num-classes": data.num_classes})
-    return Message(RecordDict({"info": info}), reply_to=msg)
+def make_client_app(overrides: Mapping[str, Any] | None = None) -> ClientApp:
+    """The ClientApp; ``overrides`` win over the run config (``flwr.simulation.run_simulation`` passes none)."""
+    overrides = dict(overrides or {})
+    capp = ClientApp()
+
+    @capp.query()
+    def query(msg: Message, context: Context) -> Message:
+        """The client's partition id, sample counts, input shape and class count (no samples)."""
+        _, data = _setup(context, overrides)
+        info = ConfigRecord({"partition-id": data.partition_id, "num-partitions": data.num_partitions,
+                             "num-train": len(data.y_train), "num-val": len(data.y_val),
+                             "input-shape": list(data.input_shape), "num-classes": data.num_classes})
+        return Message(RecordDict({"info": info}), reply_to=msg)
+
+    @capp.train()
+    def train(msg: Message, context: Context) -> Message:
+        """One round of local training: ``state`` (this client's start state) and ``server`` (the server state
+        the method's step reads) in, the trained state out."""
+        recipe, data = _setup(context, overrides)
+        cfg = msg.content["config"]
+        algorithm = recipe.build_algorithm(data.input_shape, int(cfg["num-classes"]), int(cfg["num-clients"]))
+        start = record_to_state(msg.content["state"])
+        server = record_to_state(msg.content["server"])
+        trained = client_train(algorithm, start, server, data, recipe, int(cfg["round"]))
+        return Message(RecordDict({"state": state_to_record(trained),
+                                   "metrics": MetricRecord({"num-examples": len(data.y_train)})}), reply_to=msg)
+
+    @capp.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        """Validation accuracy of the sent server state on this client's validation split."""
+        recipe, data = _setup(context, overrides)
+        cfg = msg.content["config"]
+        algorithm = recipe.build_algorithm(data.input_shape, int(cfg["num-classes"]), int(cfg["num-clients"]))
+        acc = client_validation(algorithm, record_to_state(msg.content["server"]), data, recipe,
+                                int(cfg["round"]))
+        return Message(RecordDict({"metrics": MetricRecord({"accuracy": acc, "num-examples": len(data.y_val)})}),
+                       reply_to=msg)
+
+    return capp
 
 
-@app.train()
-def train(msg: Message, context: Context) -> Message:
-    """One round of local training: ``state`` (this client's start state) and ``server`` (the server state the
-    method's step reads) in, the trained state out."""
-    recipe, data = _setup(context)
-    cfg = msg.content["config"]
-    algorithm = recipe.build_algorithm(data.input_shape, int(cfg["num-classes"]), int(cfg["num-clients"]))
-    start = record_to_state(msg.content["state"])
-    server = record_to_state(msg.content["server"])
-    trained = client_train(algorithm, start, server, data, recipe, int(cfg["round"]))
-    return Message(RecordDict({"state": state_to_record(trained),
-                               "metrics": MetricRecord({"num-examples": len(data.y_train)})}), reply_to=msg)
-
-
-@app.evaluate()
-def evaluate(msg: Message, context: Context) -> Message:
-    """Validation accuracy of the sent server state on this client's validation split."""
-    recipe, data = _setup(context)
-    cfg = msg.content["config"]
-    algorithm = recipe.build_algorithm(data.input_shape, int(cfg["num-classes"]), int(cfg["num-clients"]))
-    acc = client_validation(algorithm, record_to_state(msg.content["server"]), data, recipe)
-    return Message(RecordDict({"metrics": MetricRecord({"accuracy": acc, "num-examples": len(data.y_val)})}),
-                   reply_to=msg)
+app = make_client_app()

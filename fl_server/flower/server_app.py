@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -26,7 +26,7 @@ from flwr.serverapp import Grid, ServerApp
 from fl_server.algorithms.base import Algorithm
 from fl_server.bench.runner import run_description
 from fl_server.engine.simulation import save_state, select_clients
-from fl_server.flower.task import FlowerRecipe, shared_params_only
+from fl_server.flower.task import FlowerRecipe, check_supported
 from fl_server.flower.wire import record_to_state, state_to_record
 from fl_server.functional import State, stack, unstack
 
@@ -73,7 +73,7 @@ class FederatedRun:
         self.input_shape = tuple(int(v) for v in infos[0]["input-shape"])
         self.num_classes = int(infos[0]["num-classes"])
         self.algorithm: Algorithm = recipe.build_algorithm(self.input_shape, self.num_classes, self.k)
-        shared_params_only(self.algorithm)
+        check_supported(self.algorithm)
         dtype = recipe.torch_dtype
         # methods that size their state by the number of training clients read it here (no data on this side)
         self.algorithm.attach(torch.empty(0, *self.input_shape, dtype=dtype), torch.empty(0, dtype=torch.long),
@@ -103,7 +103,18 @@ class FederatedRun:
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Train the run config's recipe on the connected SuperNodes; write the run directory ``run-dir``."""
-    cfg = context.run_config
+    train_on_grid(grid, context.run_config)
+
+
+def make_server_app(run_config: Mapping[str, Any]) -> ServerApp:
+    """A ServerApp with a fixed run config (for ``flwr.simulation.run_simulation``, which passes none)."""
+    fixed = ServerApp()
+    fixed.main()(lambda grid, context: train_on_grid(grid, {**context.run_config, **run_config}))
+    return fixed
+
+
+def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
+    """The run: query the nodes, train ``rounds`` rounds, validate, write ``cfg["run-dir"]``."""
     recipe = FlowerRecipe.from_config(cfg)
     run_dir = Path(str(cfg.get("run-dir", "runs/flower")))
     run_dir.mkdir(parents=True, exist_ok=True)

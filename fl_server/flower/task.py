@@ -29,7 +29,8 @@ from fl_server.algorithms import build_algorithm, canonical_method
 from fl_server.algorithms.base import Algorithm, NotApplicable
 from fl_server.bench.experiments import Protocol, get_experiment
 from fl_server.bench.runner import build_federated
-from fl_server.engine.simulation import RunConfig, client_batches, client_rng, run_local_steps
+from fl_server.data.federated import FederatedData
+from fl_server.engine.simulation import _EVAL, RunConfig, client_batches, client_rng, run_local_steps
 from fl_server.functional import State, stack, unstack
 from fl_server.models import build_model
 
@@ -115,17 +116,25 @@ class ClientData:
         return tuple(self.x_train.shape[1:])
 
 
+_FEDERATIONS: dict[tuple[str, int, str | None], FederatedData] = {}
+
+
 def load_partition(recipe: FlowerRecipe, partition_id: int, data_root: str | None = None) -> ClientData:
     """Training client ``partition_id``'s data under the recipe's federation (what a SuperNode of a test or a
     benchmark loads; a user's own ClientApp loads its own data instead). Keeps copies of that client's samples
     only."""
-    fed = build_federated(recipe.protocol, recipe.seed, data_root)
+    key = (repr(recipe.protocol), recipe.seed, data_root)
+    if key not in _FEDERATIONS:  # one build per process (a simulation's worker serves many clients)
+        _FEDERATIONS.clear()
+        _FEDERATIONS[key] = build_federated(recipe.protocol, recipe.seed, data_root)
+    fed = _FEDERATIONS[key]
     if not 0 <= partition_id < fed.num_train_clients:
         raise ValueError(f"partition-id {partition_id} out of range: the recipe has {fed.num_train_clients} "
                          "training clients (0 .. K-1)")
     tr, va = fed.train[partition_id], fed.val[partition_id]
     x, y = fed.dataset.x, fed.dataset.y
-    return ClientData(partition_id, fed.num_train_clients, fed.dataset.num_classes, x[tr].copy(), y[tr].copy(), x[va].copy(), y[va].copy())
+    return ClientData(partition_id, fed.num_train_clients, fed.dataset.num_classes, x[tr].copy(), y[tr].copy(),
+                      x[va].copy(), y[va].copy())
 
 
 def client_train(algorithm: Algorithm, start: State, server: State, data: ClientData, recipe: FlowerRecipe,
@@ -143,18 +152,46 @@ def client_train(algorithm: Algorithm, start: State, server: State, data: Client
     return unstack(out)[0]
 
 
-def client_validation(algorithm: Algorithm, server: State, data: ClientData, recipe: FlowerRecipe) -> float:
+def client_validation(algorithm: Algorithm, server: State, data: ClientData, recipe: FlowerRecipe,
+                      round_: int = 0) -> float:
     """Accuracy on the client's validation split, as the engine's ``evaluate_val`` scores one training client:
-    after ``personalize`` on the (unlabeled) validation data for test-time methods, else the shared model."""
+    after ``personalize`` on the (unlabeled) validation data for test-time methods, else with the method's
+    ``val_params`` (the shared model, or one fine-tuned on the client's own training data, e.g. FedICON's head,
+    its batches from the client's own generator)."""
     x = torch.from_numpy(data.x_val).to(recipe.torch_dtype)
     y = torch.from_numpy(data.y_val)
-    params = algorithm.personalize(server, x) if algorithm.adapts_at_test_time else server["params"]
+    if algorithm.adapts_at_test_time:
+        params = algorithm.personalize(server, x)
+    else:
+        x_tr, y_tr = torch.from_numpy(data.x_train).to(recipe.torch_dtype), torch.from_numpy(data.y_train)
+
+        def trainer(step, states, server_state, ids, iterations, step_at=None):  # type: ignore[no-untyped-def]
+            batches = client_batches([np.arange(len(y_tr))], iterations, recipe.protocol.batch_size,
+                                     np.random.default_rng([recipe.seed, round_, _EVAL, data.partition_id]))
+            return run_local_steps(step, states, server_state, x_tr, y_tr, torch.from_numpy(batches), "loop",
+                                   step_at=step_at)
+
+        params = algorithm.val_params(server, np.array([data.partition_id]), trainer)
+        name, p = next(iter(algorithm.model.named_parameters()))
+        if params[name].ndim == p.ndim + 1:  # stacked: this client's own model
+            params = unstack(params)[0]
     with torch.no_grad():
         pred = algorithm.predict(params, x).argmax(-1)
     return float((pred == y).double().mean())
 
 
-def shared_params_only(algorithm: Algorithm) -> None:
-    """Refuse methods whose validation needs per-client models trained at evaluation time (not yet on Flower)."""
-    if type(algorithm).val_params is not Algorithm.val_params and not algorithm.adapts_at_test_time:
-        raise NotApplicable(f"{algorithm.name}: validation with per-client models is not available on Flower yet")
+# methods whose server-side step needs what only the clients hold; why each cannot run on Flower yet
+NOT_ON_FLOWER = {
+    "MAP": "its server state is built from every client's class set (attach); no message carries it yet",
+    "FedRS": "its server state is built from every client's class set (attach); no message carries it yet",
+    "FedPHP": "its server state is built from every client's class set (attach); no message carries it yet",
+    "ODPFL-HN": "the server embeds each client's data in client_start / aggregate; the client-side embedding "
+                "message is not built yet",
+    "Local": "its per-client models live in the server state and are validated per client",
+}
+
+
+def check_supported(algorithm: Algorithm) -> None:
+    """Refuse, with the reason, a method that cannot run on Flower yet (:data:`NOT_ON_FLOWER`)."""
+    if algorithm.name in NOT_ON_FLOWER:
+        raise NotApplicable(f"{algorithm.name} cannot run on Flower yet: {NOT_ON_FLOWER[algorithm.name]}")

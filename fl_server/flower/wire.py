@@ -18,7 +18,7 @@ from fl_server.functional import State, from_numpy_flat, to_numpy_flat
 
 def state_to_record(state: State) -> ArrayRecord:
     """A (nested) state of tensors as one ``ArrayRecord`` keyed by the flat names of ``to_numpy_flat``."""
-    return ArrayRecord({k: Array(np.ascontiguousarray(v)) for k, v in to_numpy_flat(state).items()})
+    return ArrayRecord({k: Array(np.array(v, order="C")) for k, v in to_numpy_flat(state).items()})
 
 
 def record_to_state(record: ArrayRecord, device: torch.device | None = None) -> State:

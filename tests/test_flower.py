@@ -1,0 +1,143 @@
+"""Federated training on Flower: a real SuperLink and 3 SuperNodes as processes on loopback, each SuperNode
+loading only its own MNIST partition; the final server weights equal the in-process engine's for the same recipe,
+seed, clients and batch draws (``batch_stream="per_client"``), and the run exports to a bundle that a torch-free
+device personalises."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flwr", reason="the flower extra is not installed (pip install 'fl-edge[flower]')")
+
+from fl_server.bench.runner import build_simulation  # noqa: E402
+from fl_server.engine.simulation import load_state  # noqa: E402
+from fl_server.flower.local import LocalDeployment  # noqa: E402
+from fl_server.flower.task import FlowerRecipe  # noqa: E402
+from fl_server.flower.wire import state_to_record  # noqa: E402
+from fl_server.functional import to_numpy_flat  # noqa: E402
+
+# 10 clients, 70% new: 3 training clients (one per SuperNode); 6000 random MNIST samples keep the rounds short
+RECIPE = {"dataset": "mnist", "num-clients": 10, "new-fraction": 0.7, "max-samples": 6000, "rounds": 3,
+          "local-iterations": 10, "dtype": "float64", "seed": 0}
+
+
+def in_process(config: dict) -> tuple[dict[str, np.ndarray], float]:
+    """The engine's final server state and last-round validation for the same recipe (per-client batches)."""
+    recipe = FlowerRecipe.from_config(config)
+    sim = build_simulation(recipe.protocol, recipe.method, recipe.seed, None, device="cpu", mode="loop",
+                           progress=False, batch_stream="per_client", dtype=recipe.dtype)
+    for r in range(recipe.rounds):
+        sim.run_round(r)
+    return to_numpy_flat(sim.server_state), sim.evaluate_val(recipe.rounds - 1)
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory, data_root: Path):  # type: ignore[no-untyped-def]
+    with LocalDeployment(num_nodes=3, workdir=tmp_path_factory.mktemp("flower"),
+                         env={"FL_DATA_DIR": str(data_root)}) as dep:
+        yield dep
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("method", ["FedAvg", "FedTTA"])
+def test_flower_deployment_matches_in_process_engine(deployment: LocalDeployment, method: str) -> None:
+    run_dir = deployment.workdir / f"run-{method}"
+    config = {**RECIPE, "method": method}
+    deployment.run({**config, "run-dir": str(run_dir)}, timeout=500)
+    flower = to_numpy_flat(load_state(run_dir / "final.npz"))
+    engine, engine_val = in_process(config)
+    assert sorted(flower) == sorted(engine)
+    assert all(flower[k].dtype == np.float64 for k in flower)
+    diff = max(float(np.abs(flower[k] - engine[k]).max()) for k in engine)
+    assert diff <= 1e-6, f"{method}: Flower and in-process weights differ by {diff}"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0, 1, 2]
+    assert rows[-1]["val"] == pytest.approx(engine_val, abs=1e-9)
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["method"] == method and run["engine"] == "flower"
+
+
+DEVICE = """
+import sys, json
+import numpy as np
+from edge_sdk.bundle import load_bundle
+from edge_sdk.personalize import personalize
+bundle = load_bundle(sys.argv[1])
+x = np.load(sys.argv[2])["x"]
+model = personalize(bundle, x)
+print(json.dumps({"torch": "torch" in sys.modules, "steps": model.steps,
+                  "pred": model.logits(x).argmax(1).tolist()}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_flower_run_exports_and_a_torch_free_device_personalises(deployment: LocalDeployment,
+                                                                   mnist_all) -> None:  # type: ignore[no-untyped-def]
+    """The Flower run's directory exports like an in-process one; a device without torch personalises the
+    bundle (FedTTA's Eq. 5 step on onnxruntime) and predicts what the server's torch personalisation predicts."""
+    import torch
+
+    run_dir = deployment.workdir / "run-FedTTA"
+    if not (run_dir / "best.npz").exists():
+        deployment.run({**RECIPE, "method": "FedTTA", "run-dir": str(run_dir)}, timeout=500)
+    bundle = deployment.workdir / "bundle"
+    subprocess.run([sys.executable, "-m", "fl_server.cli", "export", str(run_dir), "--out", str(bundle)],
+                   check=True, capture_output=True, timeout=300)
+    assert json.loads((bundle / "manifest.json").read_text())["method"] == "FedTTA"
+    # a new client's unlabeled digits (samples the 6000-sample federation never saw: the last 500 of MNIST)
+    x = mnist_all.x[-500:].astype(np.float32)
+    sample = deployment.workdir / "device.npz"
+    np.savez(sample, x=x)
+    out = subprocess.run([sys.executable, "-c", DEVICE, str(bundle), str(sample)], check=True,
+                         capture_output=True, text=True, timeout=300)
+    device = json.loads(out.stdout.strip().splitlines()[-1])
+    assert device["torch"] is False
+    assert device["steps"] == 1  # FedTTA: one adaptation step (Eq. 5) on the device
+    recipe = FlowerRecipe.from_config({**RECIPE, "method": "FedTTA"})
+    algorithm = recipe.build_algorithm(x.shape[1:], 10, 3)
+    state = {k: {n: v.float() for n, v in d.items()} for k, d in load_state(run_dir / "best.npz").items()}
+    server_pred = algorithm.predict(algorithm.personalize(state, torch.from_numpy(x)), torch.from_numpy(x))
+    agree = float(np.mean(np.array(device["pred"]) == server_pred.argmax(-1).numpy()))
+    assert agree >= 0.99, f"device and server personalisation agree on {agree:.3f} of the samples"
+
+
+def flower_rounds_without_transport(config: dict) -> dict[str, np.ndarray]:
+    """The Flower app's two sides (FederatedRun on the server, client_train on each client's own partition, the
+    states through the wire format) without the processes: what each method computes over Flower."""
+    from fl_server.flower.server_app import FederatedRun
+    from fl_server.flower.task import client_train, load_partition
+    from fl_server.flower.wire import record_to_state
+
+    recipe = FlowerRecipe.from_config(config)
+    parts = [load_partition(recipe, 0)]
+    parts += [load_partition(recipe, p) for p in range(1, parts[0].num_partitions)]
+    infos = [{"input-shape": list(d.input_shape), "num-classes": d.num_classes, "num-train": len(d.y_train)}
+             for d in parts]
+    run = FederatedRun(recipe, infos)
+    client = recipe.build_algorithm(parts[0].input_shape, parts[0].num_classes, len(parts))
+    for r in range(recipe.rounds):
+        ids = np.arange(len(parts))
+        states = []
+        for k, msg in zip(ids, run.train_payloads(ids, r)):
+            assert not set(run.algorithm.per_client_keys) & {key.split("/")[0] for key in msg["server"]}
+            states.append(client_train(client, record_to_state(msg["state"]), record_to_state(msg["server"]),
+                                       parts[k], recipe, r))
+        run.aggregate(ids, [record_to_state(state_to_record(s)) for s in states])
+    return to_numpy_flat(run.server_state)
+
+
+@pytest.mark.parametrize("method", ["FedProx", "TENT", "FedTTA-Prox", "FedTTA++", "FedICON", "BTFL"])
+def test_each_methods_flower_sides_match_the_engine(method: str, data_root: Path) -> None:
+    config = {**RECIPE, "method": method, "rounds": 2, "local-iterations": 6, "max-samples": 3000}
+    flower = flower_rounds_without_transport(config)
+    engine, _ = in_process(config)
+    assert sorted(flower) == sorted(engine)
+    diff = max(float(np.abs(flower[k] - engine[k]).max()) for k in engine)
+    assert diff <= 1e-6, f"{method}: {diff}"
