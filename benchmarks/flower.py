@@ -1,7 +1,7 @@
 """Seconds per round of the same federated work three ways, measured in one run: the in-process engine
 (vmap and the per-client loop), Flower's deployment engine (a SuperLink and one SuperNode per client as processes
 on loopback, insecure) and Flower's simulation engine (Ray); then one Flower-simulation run with many clients
-(``--sim-clients``, ``--sim-fraction`` of them sampled per round). Work: FedAvg on real MNIST, pathological
+(``--sim-clients``, ``--sim-fraction`` of them sampled per round). Work: FedAvg on real MNIST, iid
 partition, ``--local-iterations`` steps of ``--batch-size`` per client and round, float32, seed 0. Per-round times
 are the server's (``metrics.jsonl``), train-only rounds (the validated last round is left out); the Flower
 paths' start-up (processes, Ray) is reported apart. Writes ``--out`` (docs/benchmarks/flower.json).
@@ -107,8 +107,9 @@ def main() -> int:
     if args.smoke:
         args.clients, args.rounds, args.local_iterations, args.sim_clients, args.sim_rounds = 2, 2, 2, 20, 2
     torch.set_num_threads(1)
-    base = {"dataset": "mnist", "method": "FedAvg", "new-fraction": 0.0, "seed": 0, "dtype": "float32",
-            "local-iterations": args.local_iterations, "batch-size": args.batch_size, "data-dir": args.data_dir}
+    base = {"dataset": "mnist", "method": "FedAvg", "partition": "iid", "new-fraction": 0.0, "seed": 0,
+            "dtype": "float32", "local-iterations": args.local_iterations, "batch-size": args.batch_size,
+            "data-dir": args.data_dir}
     if args.smoke:
         base["max-samples"] = 2000
     same = {**base, "num-clients": args.clients, "rounds": args.rounds}

@@ -77,11 +77,13 @@ def training_global_dle(algorithm: BTFL, server_state: State, run: dict[str, Any
 
 def export_btfl_run(algorithm: BTFL, server_state: State, run: dict[str, Any], dest: str | os.PathLike,
                     extra: dict[str, Any], data_root: str | None = None,
-                    signer: ManifestSigner | None = None) -> Path:
-    """The served BTFL bundle: graphs ``features`` and ``forward``, weights ``params`` and ``btfl``."""
+                    signer: ManifestSigner | None = None,
+                    global_dle: tuple[np.ndarray, int] | None = None) -> Path:
+    """The served BTFL bundle: graphs ``features`` and ``forward``, weights ``params`` and ``btfl``.
+    ``global_dle``: (DLE, clients) uploaded by the clients of a Flower run (no data re-read here)."""
     params = {n: v.detach().float().cpu() for n, v in server_state["params"].items()}
     state = {"params": params, "local_heads": server_state["local_heads"].float()}
-    global_dle, clients = training_global_dle(algorithm, state, run, data_root)
+    global_dle, clients = global_dle or training_global_dle(algorithm, state, run, data_root)
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         graphs = export_specs({"features": btfl_features_spec(algorithm, params),
                                "forward": forward_spec(algorithm.model, params)}, Path(tmp))

@@ -5,6 +5,7 @@ import json
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from export.btfl import export_btfl_run
@@ -19,6 +20,8 @@ from fl_server.algorithms.tent import Tent
 from fl_server.engine.simulation import load_state
 from fl_server.models import build_model
 from fl_server.signing import ManifestSigner
+
+BTFL_DLE_FILE = "btfl_dle.npz"  # a Flower BTFL run's global DLE, uploaded by its clients (fl_server.flower)
 
 
 def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_root: str | None = None,
@@ -39,7 +42,12 @@ def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_r
     if isinstance(algorithm, BTFL):
         if int8:
             raise ValueError("--int8 is not available for BTFL bundles")
-        return export_btfl_run(algorithm, load_state(run_dir / "best.npz"), run, dest, extra, data_root, signer)
+        uploaded = None
+        if (run_dir / BTFL_DLE_FILE).is_file():  # a Flower run: the clients' DLE uploads, averaged by the server
+            with np.load(run_dir / BTFL_DLE_FILE, allow_pickle=False) as f:
+                uploaded = (f["global_dle"], int(f["dle_clients"][0]))
+        return export_btfl_run(algorithm, load_state(run_dir / "best.npz"), run, dest, extra, data_root, signer,
+                               uploaded)
     state = {k: {n: v.float() for n, v in d.items()} for k, d in load_state(run_dir / "best.npz").items()
              if k in ("params", "phi", "enc")}
     specs: dict[str, StepSpec] = {"forward": forward_spec(model, state["params"])}

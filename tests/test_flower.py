@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -108,11 +109,11 @@ def test_flower_run_exports_and_a_torch_free_device_personalises(deployment: Loc
     assert agree >= 0.99, f"device and server personalisation agree on {agree:.3f} of the samples"
 
 
-def flower_rounds_without_transport(config: dict) -> dict[str, np.ndarray]:
-    """The Flower app's two sides (FederatedRun on the server, client_train on each client's own partition, the
+def flower_rounds_without_transport(config: dict) -> tuple[Any, list, list]:
+    """The Flower app's two sides (FederatedRun on the server, client_round on each client's own partition, the
     states through the wire format) without the processes: what each method computes over Flower."""
     from fl_server.flower.server_app import FederatedRun
-    from fl_server.flower.task import client_train, load_partition
+    from fl_server.flower.task import client_round, load_partition
     from fl_server.flower.wire import record_to_state
 
     recipe = FlowerRecipe.from_config(config)
@@ -122,22 +123,58 @@ def flower_rounds_without_transport(config: dict) -> dict[str, np.ndarray]:
              for d in parts]
     run = FederatedRun(recipe, infos)
     client = recipe.build_algorithm(parts[0].input_shape, parts[0].num_classes, len(parts))
+    kept: list = [None] * len(parts)  # each client's own entries (BTFL's local head), never sent
     for r in range(recipe.rounds):
         ids = np.arange(len(parts))
         states = []
         for k, msg in zip(ids, run.train_payloads(ids, r)):
+            assert not set(run.algorithm.per_client_keys) & {key.split("/")[0] for key in msg["state"]}
             assert not set(run.algorithm.per_client_keys) & {key.split("/")[0] for key in msg["server"]}
-            states.append(client_train(client, record_to_state(msg["state"]), record_to_state(msg["server"]),
-                                       parts[k], recipe, r))
-        run.aggregate(ids, [record_to_state(state_to_record(s)) for s in states])
-    return to_numpy_flat(run.server_state)
+            sent, kept[k] = client_round(client, record_to_state(msg["state"]), record_to_state(msg["server"]),
+                                         parts[k], recipe, r, kept[k])
+            assert not set(client.client_private) & set(sent)
+            states.append(record_to_state(state_to_record(sent)))
+        run.aggregate(ids, states)
+    return run, parts, kept
 
 
-@pytest.mark.parametrize("method", ["FedProx", "TENT", "FedTTA-Prox", "FedTTA++", "FedICON", "BTFL"])
+METHODS = ["FedProx", "TENT", "FedTTA-Prox", "FedTTA++", "FedICON", "BTFL"]
+
+
+@pytest.mark.parametrize("method", METHODS)
 def test_each_methods_flower_sides_match_the_engine(method: str, data_root: Path) -> None:
     config = {**RECIPE, "method": method, "rounds": 2, "local-iterations": 6, "max-samples": 3000}
-    flower = flower_rounds_without_transport(config)
+    run, _, _ = flower_rounds_without_transport(config)
+    flower = to_numpy_flat(run.server_state)
     engine, _ = in_process(config)
+    private = set(run.algorithm.client_private.values())  # BTFL's heads: the server's copy is never trained
     assert sorted(flower) == sorted(engine)
-    diff = max(float(np.abs(flower[k] - engine[k]).max()) for k in engine)
+    diff = max(float(np.abs(flower[k] - engine[k]).max()) for k in engine if k.split("/")[0] not in private)
     assert diff <= 1e-6, f"{method}: {diff}"
+
+
+def test_btfl_on_flower_keeps_heads_on_clients_and_its_global_dle_equals_the_engines(data_root: Path) -> None:
+    """BTFL over Flower: the local heads never reach the server (its copy keeps the initial draw), the clients'
+    heads equal the engine's, and the global DLE averaged from the clients' uploads equals the in-process one."""
+    import torch
+
+    from edge_sdk import btfl as btfl_math
+    from fl_server.flower.task import client_local_dle
+
+    config = {**RECIPE, "method": "BTFL", "rounds": 2, "local-iterations": 6, "max-samples": 3000}
+    run, parts, kept = flower_rounds_without_transport(config)
+    recipe = FlowerRecipe.from_config(config)
+    sim = build_simulation(recipe.protocol, "BTFL", recipe.seed, None, device="cpu", mode="loop", progress=False,
+                           batch_stream="per_client", dtype="float64")
+    initial_heads = sim.server_state["local_heads"].clone()
+    for r in range(recipe.rounds):
+        sim.run_round(r)
+    assert torch.equal(run.server_state["local_heads"], initial_heads)  # nothing of the clients' heads arrived
+    for k, own in enumerate(kept):
+        assert float((own["local_head"] - sim.server_state["local_heads"][k]).abs().max()) <= 1e-9
+    engine_dle = btfl_math.average_dles([a.local_dle for a in sim.algorithm.client_artifacts(
+        sim.server_state, sim.x, sim.fed.train)])
+    flower_dle = btfl_math.average_dles([client_local_dle(run.algorithm, run.server_state, d, recipe)
+                                         for d in parts])
+    assert flower_dle.shape == engine_dle.shape
+    np.testing.assert_allclose(flower_dle, engine_dle, atol=1e-12)

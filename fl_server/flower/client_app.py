@@ -17,9 +17,12 @@ import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fl_server.flower.task import (ClientData, FlowerRecipe, client_train, client_validation, load_partition)
+from fl_server.algorithms.btfl import BTFL
+from fl_server.flower.task import (ClientData, FlowerRecipe, client_local_dle, client_round, client_validation,
+                                    load_partition)
 from fl_server.flower.wire import record_to_state, state_to_record
 
+_PRIVATE = "fl-edge-private"  # the client's own entries between rounds (BTFL's local head), never sent
 _PARTITION = "fl-edge-partition"  # the node's partition, kept in the run's context state between messages
 
 
@@ -66,7 +69,10 @@ def make_client_app(overrides: Mapping[str, Any] | None = None) -> ClientApp:
         algorithm = recipe.build_algorithm(data.input_shape, int(cfg["num-classes"]), int(cfg["num-clients"]))
         start = record_to_state(msg.content["state"])
         server = record_to_state(msg.content["server"])
-        trained = client_train(algorithm, start, server, data, recipe, int(cfg["round"]))
+        private = record_to_state(context.state[_PRIVATE]) if _PRIVATE in context.state else None
+        trained, kept = client_round(algorithm, start, server, data, recipe, int(cfg["round"]), private)
+        if kept:
+            context.state[_PRIVATE] = state_to_record(kept)
         return Message(RecordDict({"state": state_to_record(trained),
                                    "metrics": MetricRecord({"num-examples": len(data.y_train)})}), reply_to=msg)
 
@@ -80,6 +86,17 @@ def make_client_app(overrides: Mapping[str, Any] | None = None) -> ClientApp:
                                 int(cfg["round"]))
         return Message(RecordDict({"metrics": MetricRecord({"accuracy": acc, "num-examples": len(data.y_val)})}),
                        reply_to=msg)
+
+    @capp.query("dle")
+    def dle(msg: Message, context: Context) -> Message:
+        """BTFL: this client's local DLE with the sent global features (its upload for the global DLE)."""
+        recipe, data = _setup(context, overrides)
+        cfg = msg.content["config"]
+        algorithm = recipe.build_algorithm(data.input_shape, int(cfg["num-classes"]), int(cfg["num-clients"]))
+        if not isinstance(algorithm, BTFL):
+            raise ValueError(f"query.dle is BTFL's message; this run trains {algorithm.name}")
+        local = client_local_dle(algorithm, record_to_state(msg.content["server"]), data, recipe)
+        return Message(RecordDict({"dle": ArrayRecord({"local_dle": Array(local)})}), reply_to=msg)
 
     return capp
 

@@ -23,7 +23,10 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
+from edge_sdk import btfl as btfl_math
 from fl_server.algorithms.base import Algorithm
+from export.run import BTFL_DLE_FILE
+from fl_server.algorithms.btfl import BTFL
 from fl_server.bench.runner import run_description
 from fl_server.engine.simulation import save_state, select_clients
 from fl_server.flower.task import FlowerRecipe, check_supported
@@ -86,7 +89,9 @@ class FederatedRun:
 
     def train_payloads(self, ids: np.ndarray, round_: int) -> list[RecordDict]:
         """Client ``ids[i]``'s message: its row of ``client_start`` and the server state."""
-        starts = unstack(self.algorithm.client_start(self.server_state, ids))
+        private = self.algorithm.client_private  # the client's own entries (BTFL's local head) stay with it
+        starts = [{k: v for k, v in s.items() if k not in private}
+                  for s in unstack(self.algorithm.client_start(self.server_state, ids))]
         server = self.shared_record()
         return [RecordDict({"state": state_to_record(s), "server": server, "config": self.config(round_)})
                 for s in starts]
@@ -97,6 +102,10 @@ class FederatedRun:
         return state_to_record({k: v for k, v in self.server_state.items() if k not in keys})
 
     def aggregate(self, ids: np.ndarray, states: list[State]) -> None:
+        """The method's ``aggregate``; a client's own entries, which never arrive, keep the server's initial rows
+        (so the server-side copy of BTFL's local heads holds no client's training)."""
+        for key, rows in self.algorithm.client_private.items():
+            states = [{**s, key: self.server_state[rows][int(i)]} for s, i in zip(states, ids)]
         self.server_state = self.algorithm.aggregate(self.server_state, ids, stack(states), self.sizes[ids])
 
 
@@ -129,7 +138,7 @@ def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
     node_of = {pid: node for pid, (node, _) in by_pid.items()}
     run = FederatedRun(recipe, [by_pid[p][1] for p in range(k)])
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    best_val, t_start = float("-inf"), time.perf_counter()
+    best_val, best, t_start = float("-inf"), run.server_state, time.perf_counter()
     for r in range(recipe.rounds):
         ids = select_clients(k, recipe.protocol.client_fraction, recipe.seed, r)
         payloads = dict(zip((node_of[int(i)] for i in ids), run.train_payloads(ids, r)))
@@ -143,12 +152,18 @@ def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
             row["val"] = float(np.mean([evals[node_of[p]]["metrics"]["accuracy"] for p in range(k)]))
             row["test"] = None
             if row["val"] > best_val:
-                best_val = row["val"]
+                best_val, best = row["val"], run.server_state
                 save_state(run_dir / "best.npz", run.server_state, {"round": r, "val": row["val"]})
         row["wall_s"] = round(time.perf_counter() - t_start, 3)
         with open(run_dir / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(row) + "\n")
     save_state(run_dir / "final.npz", run.server_state, {"round": recipe.rounds - 1})
+    if isinstance(run.algorithm, BTFL):  # every client's local DLE with the exported features -> the global DLE
+        record = state_to_record({"params": best["params"]})
+        dles = _exchange(grid, "query.dle", {node_of[p]: RecordDict({"server": record, "config": run.config(-1)})
+                                             for p in range(k)}, timeout, recipe.rounds)
+        global_dle = btfl_math.average_dles([dles[node_of[p]]["dle"]["local_dle"].numpy() for p in range(k)])
+        np.savez(run_dir / BTFL_DLE_FILE, global_dle=global_dle, dle_clients=np.array([k], dtype=np.int64))
     description = run_description(recipe.protocol, recipe.method, run.algorithm, recipe.seed, run.input_shape,
                                   run.num_classes)
     description["engine"] = "flower"

@@ -27,6 +27,7 @@ import torch
 
 from fl_server.algorithms import build_algorithm, canonical_method
 from fl_server.algorithms.base import Algorithm, NotApplicable
+from fl_server.algorithms.btfl import BTFL
 from fl_server.bench.experiments import Protocol, get_experiment
 from fl_server.bench.runner import build_federated
 from fl_server.data.federated import FederatedData
@@ -150,6 +151,32 @@ def client_train(algorithm: Algorithm, start: State, server: State, data: Client
     out = run_local_steps(algorithm.local_step, stack([start]), server, x, y, torch.from_numpy(batches), "loop",
                           step_at=algorithm.local_step_at)
     return unstack(out)[0]
+
+
+def private_start(algorithm: Algorithm, recipe: FlowerRecipe, data: ClientData) -> State:
+    """The client's own entries (``Algorithm.client_private``, e.g. BTFL's local head) before its first round:
+    its row of the method's initial server state, drawn on the client like on the engine's server."""
+    algorithm.attach(torch.empty(0, *data.input_shape, dtype=recipe.torch_dtype), torch.empty(0, dtype=torch.long),
+                     [np.empty(0, np.int64)] * data.num_partitions)
+    init = algorithm.init_state(recipe.torch_dtype, torch.device("cpu"))
+    start = unstack(algorithm.client_start(init, np.array([data.partition_id])))[0]
+    return {k: start[k] for k in algorithm.client_private}
+
+
+def client_round(algorithm: Algorithm, start: State, server: State, data: ClientData, recipe: FlowerRecipe,
+                 round_: int, private: State | None) -> tuple[State, State]:
+    """:func:`client_train` with the client's own entries put in before and kept back after:
+    (the state sent to the server, the entries the client keeps for its next round)."""
+    if algorithm.client_private:
+        start = {**start, **(private if private is not None else private_start(algorithm, recipe, data))}
+    trained = client_train(algorithm, start, server, data, recipe, round_)
+    kept = {k: trained[k] for k in algorithm.client_private}
+    return {k: v for k, v in trained.items() if k not in kept}, kept
+
+
+def client_local_dle(algorithm: BTFL, server: State, data: ClientData, recipe: FlowerRecipe) -> np.ndarray:
+    """BTFL: the client's local DLE [D, L] with the final global features (its upload for the global DLE)."""
+    return algorithm.local_dle(server["params"], torch.from_numpy(data.x_train).to(recipe.torch_dtype))
 
 
 def client_validation(algorithm: Algorithm, server: State, data: ClientData, recipe: FlowerRecipe,
