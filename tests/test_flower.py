@@ -178,3 +178,46 @@ def test_btfl_on_flower_keeps_heads_on_clients_and_its_global_dle_equals_the_eng
                                          for d in parts])
     assert flower_dle.shape == engine_dle.shape
     np.testing.assert_allclose(flower_dle, engine_dle, atol=1e-12)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_btfl_over_the_deployment_uploads_dles_and_exports(deployment: LocalDeployment) -> None:
+    """BTFL on the real SuperLink + SuperNodes: the global DLE the server averaged from the clients' uploads
+    (btfl_dle.npz) equals the in-process one for the same clients, and `fl-server export` serves it."""
+    from edge_sdk import btfl as btfl_math
+
+    run_dir = deployment.workdir / "run-BTFL"
+    config = {**RECIPE, "method": "BTFL", "rounds": 2}
+    deployment.run({**config, "run-dir": str(run_dir)}, timeout=500)
+    recipe = FlowerRecipe.from_config(config)
+    sim = build_simulation(recipe.protocol, "BTFL", recipe.seed, None, device="cpu", mode="loop", progress=False,
+                           batch_stream="per_client", dtype="float64")
+    for r in range(recipe.rounds):
+        sim.run_round(r)
+    engine_dle = btfl_math.average_dles([a.local_dle for a in sim.algorithm.client_artifacts(
+        sim.server_state, sim.x, sim.fed.train)])
+    with np.load(run_dir / "btfl_dle.npz") as f:
+        np.testing.assert_allclose(f["global_dle"], engine_dle, atol=1e-12)
+        assert int(f["dle_clients"][0]) == 3
+    bundle = deployment.workdir / "bundle-btfl"
+    subprocess.run([sys.executable, "-m", "fl_server.cli", "export", str(run_dir), "--out", str(bundle)],
+                   check=True, capture_output=True, timeout=300)
+    with np.load(bundle / "btfl.npz") as f:
+        np.testing.assert_allclose(f["global_dle"], engine_dle, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_flower_benchmark_runs_at_smoke_size(tmp_path: Path, data_root: Path) -> None:
+    """benchmarks/flower.py (docs/benchmarks/flower.json) at its smoke size: every path runs and is timed."""
+    pytest.importorskip("ray", reason="Flower's simulation engine needs Ray (pip install 'flwr[simulation]')")
+    out = tmp_path / "flower.json"
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, str(root / "benchmarks" / "flower.py"), "--smoke", "--out", str(out),
+                    "--data-dir", str(data_root)], check=True, capture_output=True, timeout=850, cwd=tmp_path)
+    result = json.loads(out.read_text())
+    for path in ("in_process_vmap", "in_process_loop", "flower_deployment", "flower_simulation",
+                 "flower_simulation_many"):
+        assert result[path]["median_s_per_round"] > 0, path
+    assert result["flower_simulation_many"]["clients"] == 20
