@@ -26,7 +26,7 @@ from edge_sdk.steps import load_session  # noqa: E402
 from timing import interleaved_median_ms  # noqa: E402
 from export import export_spec, fedtta_step_spec, forward_spec, tent_step_spec  # noqa: E402
 from fl_server.algorithms import build_algorithm  # noqa: E402
-from fl_server.algorithms.fedtta import FEDTTA_HP  # noqa: E402
+from fl_server.recipes.presets import FEDTTA_HP  # noqa: E402
 from fl_server.bench.rows import merge_rows  # noqa: E402
 from fl_server.data import load_dataset  # noqa: E402
 from fl_server.models import build_model  # noqa: E402

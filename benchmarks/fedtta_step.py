@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from fl_server.algorithms import build_algorithm
-from fl_server.algorithms.fedtta import FEDTTA_HP, FedTTA
+from fl_server.algorithms.fedtta import FedTTA
+from fl_server.recipes.presets import FEDTTA_HP
 from fl_server.algorithms.losses import entropy_from_logits, kl_from_logits
 from fl_server.bench.rows import merge_rows
 from fl_server.data import load_dataset

@@ -18,7 +18,7 @@ import time
 import torch
 
 from fl_server.algorithms import build_algorithm
-from fl_server.algorithms.fedtta import FEDTTA_HP
+from fl_server.recipes.presets import FEDTTA_HP
 from fl_server.bench.rows import merge_rows
 from fl_server.data import load_dataset
 from fl_server.data.federated import make_federated

@@ -40,7 +40,8 @@ def main() -> int:
     except BundleError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    m, proto = bundle.manifest, bundle.manifest["protocol"]
+    m = bundle.manifest
+    proto = m.get("federation") or m["protocol"]  # how the training clients were made (older bundles: protocol)
     print(f"bundle {args.bundle}: {bundle.method} on {m['dataset']} ({m['model']}), "
           f"{len(m['artifacts'])} artifacts verified"
           f"{', signature checked' if bundle.signed_by else ''}")

@@ -55,7 +55,7 @@ def build_stream(manifest: dict, client: int, warmup: int, per_phase: int, corru
     """(warm-up x, warm-up y, stream x, stream y, stream phase id) for held-out new client ``client`` of the
     bundle's protocol. Phases: the client's unseen samples; its samples corrupted; samples of classes it lacks.
     Warm-up labels are used by BTFL only (a participant trains its local head); the others ignore them."""
-    p = manifest["protocol"]
+    p = manifest.get("federation") or manifest["protocol"]  # older bundles: protocol
     fed = make_federated(load_dataset(manifest["dataset"], root=data_dir), p["partition"], p["num_clients"],
                          p["new_fraction"], p["val_fraction"], seed=manifest["seed"], alpha=p["alpha"])
     if not 0 <= client < len(fed.new):

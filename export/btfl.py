@@ -28,9 +28,9 @@ from export.bundle import export_specs, write_bundle
 from fl_server.signing import ManifestSigner
 from export.steps import StepSpec, _example_x, forward_spec
 from fl_server.algorithms.btfl import BTFL, ClientArtifacts
-from fl_server.data import load_dataset
-from fl_server.data.federated import FederatedData, make_federated
 from fl_server.functional import State
+from fl_server.recipes import Recipe
+from fl_server.recipes.run import client_data
 
 
 def btfl_features_spec(algorithm: BTFL, params: State, batch: int = 4) -> StepSpec:
@@ -56,20 +56,12 @@ def export_btfl_client(algorithm: BTFL, params: State, artifacts: ClientArtifact
         return write_bundle(dest, graphs, weights, algorithm.name, asdict(algorithm.hp), extra=extra)
 
 
-def run_partition(run: dict[str, Any], data_root: str | None = None) -> FederatedData:
-    """The clients of a training run, rebuilt from its ``run.json``."""
-    p = run["protocol"]
-    data = load_dataset(run["dataset"], root=data_root, split=p.get("split", "all"))
-    return make_federated(data, p["partition"], p["num_clients"], p["new_fraction"], p["val_fraction"],
-                          seed=run["seed"], alpha=p["alpha"])
-
-
 def training_global_dle(algorithm: BTFL, server_state: State, run: dict[str, Any],
-                        data_root: str | None = None) -> tuple[np.ndarray, int]:
+                        data_root: str | None = None, recipe: Recipe | None = None) -> tuple[np.ndarray, int]:
     """(global DLE [D, L], clients): the average of every training client's local DLE on its training set
     with the final features (BTFL Sec. 4.1: every client weighs the same, as in ``btgfl`` and on the
     coordinator)."""
-    fed = run_partition(run, data_root)
+    fed = client_data(run, data_root, recipe)
     x = torch.from_numpy(fed.dataset.x).float()
     arts = algorithm.client_artifacts(server_state, x, fed.train)
     return btfl_math.average_dles([a.local_dle for a in arts]), len(arts)
@@ -77,13 +69,13 @@ def training_global_dle(algorithm: BTFL, server_state: State, run: dict[str, Any
 
 def export_btfl_run(algorithm: BTFL, server_state: State, run: dict[str, Any], dest: str | os.PathLike,
                     extra: dict[str, Any], data_root: str | None = None,
-                    signer: ManifestSigner | None = None,
+                    signer: ManifestSigner | None = None, recipe: Recipe | None = None,
                     global_dle: tuple[np.ndarray, int] | None = None) -> Path:
     """The served BTFL bundle: graphs ``features`` and ``forward``, weights ``params`` and ``btfl``.
     ``global_dle``: (DLE, clients) uploaded by the clients of a Flower run (no data re-read here)."""
     params = {n: v.detach().float().cpu() for n, v in server_state["params"].items()}
     state = {"params": params, "local_heads": server_state["local_heads"].float()}
-    global_dle, clients = global_dle or training_global_dle(algorithm, state, run, data_root)
+    global_dle, clients = global_dle or training_global_dle(algorithm, state, run, data_root, recipe)
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         graphs = export_specs({"features": btfl_features_spec(algorithm, params),
                                "forward": forward_spec(algorithm.model, params)}, Path(tmp))

@@ -1,7 +1,6 @@
 """Export a finished run (``run.json`` + ``best.npz`` in its run directory) into a device bundle."""
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 
@@ -12,43 +11,42 @@ from export.btfl import export_btfl_run
 from export.bundle import export_specs, write_bundle
 from export.quantize import freeze_weights, quantize_int8
 from export.steps import StepSpec, encoder_spec, fedtta_step_spec, forward_spec, tent_step_spec
-from fl_server.algorithms import build_algorithm
+from fl_server import rundir
 from fl_server.algorithms.btfl import BTFL
 from fl_server.algorithms.fedtta import FedTTA
 from fl_server.algorithms.odpfl_hn import ODPFLHN
 from fl_server.algorithms.tent import Tent
-from fl_server.engine.simulation import load_state
-from fl_server.models import build_model
+from fl_server.recipes import Recipe
+from fl_server.recipes.run import rebuild
 from fl_server.signing import ManifestSigner
 
 BTFL_DLE_FILE = "btfl_dle.npz"  # a Flower BTFL run's global DLE, uploaded by its clients (fl_server.flower)
 
 
 def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_root: str | None = None,
-               signer: ManifestSigner | None = None) -> Path:
+               signer: ManifestSigner | None = None, recipe: Recipe | None = None) -> Path:
     """Build the method's device graphs around the best-validation weights of ``run_dir``; write a bundle.
     ``int8``: also ship ``forward_int8``, the received model frozen and dynamically quantized (plain inference).
     ``data_root``: where the run's data set lives (BTFL re-reads the training clients' data for their DLEs).
-    ``signer``: sign the manifest (``manifest.sig``)."""
-    run_dir = Path(run_dir)
-    for needed in ("run.json", "best.npz"):
-        if not (run_dir / needed).is_file():
-            raise FileNotFoundError(f"{run_dir / needed}: not found; train first (fl-server train --out {run_dir})")
-    run = json.loads((run_dir / "run.json").read_text())
-    model = build_model(run["model"], tuple(run["input_shape"]), run["num_classes"], seed=run["seed"])
-    algorithm = build_algorithm(run["method"], model, 1, seed=run["seed"], **run["hyper"])
-    extra = {"model": run["model"], "dataset": run["dataset"], "seed": run["seed"], "protocol": run["protocol"],
-             "input_shape": run["input_shape"], "num_classes": run["num_classes"]}
+    ``signer``: sign the manifest (``manifest.sig``). ``recipe``: the run's recipe, needed only when it was built
+    in Python (run.json then names no recipe file to rebuild the model from)."""
+    run = rundir.read_run(run_dir)
+    recipe, model, algorithm = rebuild(run, data_root, recipe=recipe)
+    extra = {"model": run["model"], "dataset": run["dataset"], "seed": run["seed"],
+             "input_shape": run["input_shape"], "num_classes": run["num_classes"],
+             "preprocess": recipe.preprocess.to_dict(),  # type: ignore[union-attr]
+             **{k: run[k] for k in ("recipe", "federation", "protocol", "data") if run.get(k) is not None}}
     if isinstance(algorithm, BTFL):
         if int8:
             raise ValueError("--int8 is not available for BTFL bundles")
         uploaded = None
-        if (run_dir / BTFL_DLE_FILE).is_file():  # a Flower run: the clients' DLE uploads, averaged by the server
-            with np.load(run_dir / BTFL_DLE_FILE, allow_pickle=False) as f:
+        dle_file = Path(run_dir) / BTFL_DLE_FILE
+        if dle_file.is_file():  # a Flower run: the clients' DLE uploads, averaged by the server
+            with np.load(dle_file, allow_pickle=False) as f:
                 uploaded = (f["global_dle"], int(f["dle_clients"][0]))
-        return export_btfl_run(algorithm, load_state(run_dir / "best.npz"), run, dest, extra, data_root, signer,
+        return export_btfl_run(algorithm, rundir.load_best(run_dir), run, dest, extra, data_root, signer, recipe,
                                uploaded)
-    state = {k: {n: v.float() for n, v in d.items()} for k, d in load_state(run_dir / "best.npz").items()
+    state = {k: {n: v.float() for n, v in d.items()} for k, d in rundir.load_best(run_dir).items()
              if k in ("params", "phi", "enc")}
     specs: dict[str, StepSpec] = {"forward": forward_spec(model, state["params"])}
     if isinstance(algorithm, FedTTA):

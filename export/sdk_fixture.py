@@ -24,7 +24,7 @@ from export.bundle import export_specs, write_bundle
 from export.quantize import freeze_weights, quantize_int8
 from export.steps import encoder_spec, fedtta_step_spec, forward_spec, tent_step_spec
 from fl_server.algorithms import build_algorithm
-from fl_server.algorithms.fedtta import FEDTTA_HP
+from fl_server.recipes.presets import FEDTTA_HP
 from fl_server.data import load_dataset
 from fl_server.data.errors import DataFileError
 from fl_server.models import build_model

@@ -5,7 +5,6 @@ import argparse
 import json
 import shlex
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -23,29 +22,38 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def cmd_train(args: argparse.Namespace) -> int:
-    from fl_server.algorithms import canonical_method
-    from fl_server.bench.experiments import get_experiment
-    from fl_server.bench.runner import build_federated, run_seed
+def train_recipe(args: argparse.Namespace):  # -> fl_server.recipes.Recipe
+    """``--recipe FILE.py[:NAME]`` or the built-in recipe of ``--dataset``, with the flags' changes."""
+    import dataclasses
 
-    args.method = canonical_method(args.method)  # before any data is built: a typo fails at once
-    protocol = get_experiment("upfl-table1").protocols.get(args.dataset)
-    if protocol is None:
-        raise SystemExit(f"error: no default protocol for dataset {args.dataset!r}")
-    changes = {k: v for k, v in {"rounds": args.rounds, "num_clients": args.clients, "model": args.model}.items()
-               if v is not None}
-    if args.rounds is not None:
-        changes["method_rounds"] = {}  # an explicit --rounds is every method's budget
-    protocol = replace(protocol, **changes)
-    fed = build_federated(protocol, args.seed, args.data_dir)
-    print(fed.summary())
-    record = run_seed(protocol, args.method, args.seed, Path(args.out), args.device, args.mode,
-                      not args.no_progress, args.data_dir, fed, test_at_best_only=False)
+    from fl_server.recipes import load_recipe
+    from fl_server.recipes.presets import builtin_recipe
+
+    if args.recipe is None:
+        changes = {k: v for k, v in {"rounds": args.rounds, "num_clients": args.clients, "model": args.model}.items()
+                   if v is not None}
+        return builtin_recipe(args.dataset, args.method or "FedAvg", args.data_dir, **changes)
+    recipe = load_recipe(args.recipe)
+    changes = {k: v for k, v in {"rounds": args.rounds, "model": args.model}.items() if v is not None}
+    if args.method is not None:
+        changes.update(method=args.method, hyper={})  # the recipe's hyperparameters belong to its own method
+    if args.clients is not None:
+        changes["federation"] = dataclasses.replace(recipe.federation, num_clients=args.clients)
+    return recipe.replace(**changes) if changes else recipe
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from fl_server.recipes import federate, train
+
+    recipe = train_recipe(args)  # built and checked before any data is read: a mistake fails at once
+    print(federate(recipe, args.seed, args.data_dir).summary())
+    record = train(recipe, Path(args.out), args.seed, args.device, not args.no_progress, args.mode, args.data_dir)
     record.pop("curve")
     print(json.dumps(record, indent=1))
     test = "n/a" if record["test"] is None else f"{record['test']:.2f}%"
-    print(f"{args.method} on {args.dataset}: best val {record['val']:.2f}% at round {record['best_round']}, "
-          f"new-client test {test}, {record['wall_s']:.1f}s on {record['device']}; run files in {args.out}")
+    print(f"{recipe.method} on {recipe.data.name}: best val {record['val']:.2f}% at round {record['best_round']}, "
+          f"new-client test {test}, {record['wall_s']:.1f}s on {record['device']}; run files in {args.out} "
+          f"(bundle: fl-server export {args.out} --out BUNDLE)")
     return 0
 
 
@@ -171,10 +179,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fl-server", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="train one method on one data set (default: FedAvg on the embedded digits)")
-    p.add_argument("--dataset", default="digits", choices=("digits", "mnist", "fashion_mnist"))
-    p.add_argument("--method", default="FedAvg", help="method name, any letter case (fl-server train --method tent)")
-    p.add_argument("--model", default=None, help="model from the zoo (default: the protocol's)")
+    p = sub.add_parser("train", help="train a recipe: your own (--recipe FILE.py:NAME) or a built-in one "
+                                     "(default: FedAvg on the embedded digits)")
+    p.add_argument("--recipe", default=None, metavar="FILE.py[:NAME]",
+                   help="a Recipe defined in a Python file (NAME defaults to `recipe`); the flags below change it")
+    p.add_argument("--dataset", default="digits", choices=("digits", "mnist", "fashion_mnist"),
+                   help="built-in recipe (UPFL Table 1's protocol) when no --recipe is given")
+    p.add_argument("--method", default=None,
+                   help="method name, any letter case (fl-server train --method tent); default: the recipe's, FedAvg")
+    p.add_argument("--model", default=None, help="model from the zoo (default: the recipe's)")
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--clients", type=int, default=None, help="number of clients (default: the protocol's)")
     p.add_argument("--seed", type=int, default=0)
@@ -234,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, FetchError) as exc:  # data/config errors: one line, no traceback
+    except (ValueError, FileNotFoundError, FetchError) as exc:  # data/config/recipe errors: one line, no traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -15,7 +15,7 @@ import pytest
 
 from coordinator_proc import ADMIN, REPO, Coordinator, auth, join, start
 from edge_sdk import btfl
-from export.btfl import run_partition
+from fl_server.recipes.run import client_data
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -50,7 +50,7 @@ def test_btfl_bundle_and_training_dle(server: Coordinator) -> None:
     dle, clients = _bundle_dle(server, m)
     assert dle.ndim == 2 and dle.shape[1] == m["hyperparameters"]["dle_levels"]
     run = json.loads(next(server.store.glob("jobs/*/run/run.json")).read_text())
-    assert clients == len(run_partition(run).train) > 1  # the bundle's DLE counts as its training clients
+    assert clients == len(client_data(run).train) > 1  # the bundle's DLE counts as its training clients
     np.testing.assert_allclose(dle.sum(1), 1.0, atol=1e-12)  # rows are level frequencies
     view = httpx.get(f"{server.url}/v1/btfl/dle", headers=_auth(c), timeout=10).json()
     assert view["base"] == {"bundle_id": m["bundle_id"], "clients": clients}

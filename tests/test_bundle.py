@@ -13,7 +13,7 @@ from edge_sdk.steps import StepRunner
 from export import fedtta_step_spec, forward_spec
 from export.bundle import export_specs, write_bundle
 from fl_server.algorithms import build_algorithm
-from fl_server.algorithms.fedtta import FEDTTA_HP
+from fl_server.recipes.presets import FEDTTA_HP
 from fl_server.models import build_model
 
 

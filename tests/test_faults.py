@@ -34,9 +34,9 @@ def _alive(pid: int) -> bool:
 
 
 def _rounds(path: Path) -> list[int]:
-    from fl_server.service.jobs import read_metrics
+    from fl_server.rundir import read_metrics
 
-    return [r["round"] for r in read_metrics(path)]
+    return [r["round"] for r in read_metrics(path.parent)]
 
 
 def _arrays(path: Path) -> dict[str, np.ndarray]:

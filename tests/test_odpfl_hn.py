@@ -10,7 +10,8 @@ import torch
 
 from edge_sdk import dp
 from fl_server.algorithms import ALGORITHMS, build_algorithm
-from fl_server.algorithms.odpfl_hn import ODPFL_HP, ODPFLHN
+from fl_server.algorithms.odpfl_hn import ODPFLHN
+from fl_server.recipes.presets import ODPFL_HP
 from fl_server.data.federated import make_federated
 from fl_server.engine import RunConfig, Simulation
 from fl_server.functional import tree_map

@@ -69,3 +69,19 @@ def test_a_result_with_another_number_of_rounds_is_refused(tmp_path: Path) -> No
     out.write_text(json.dumps(record))
     with pytest.raises(ValueError, match=r"\(rounds: 250 -> 500\); move it"):
         _run(tmp_path)
+
+
+def test_every_committed_seed_row_matches_its_protocol() -> None:
+    """Each committed raw row of the harness's own runs (experiments without a run_fn or runner of their own)
+    ran with the hyperparameters and rounds its protocol sets now: the tables are not stale."""
+    checked = 0
+    for exp in EXPERIMENTS.values():
+        if exp.run_fn is not None or exp.runner is not None:
+            continue
+        for dataset, protocol in exp.protocols.items():
+            for method in (*exp.methods, *exp.optional_methods):
+                for seed_file in sorted(raw_path(REPO / "docs/results", exp.name, dataset, method, 0).parent
+                                        .glob("seed*.json")):
+                    refuse_stale(seed_file, protocol, method)
+                    checked += 1
+    assert checked > 20

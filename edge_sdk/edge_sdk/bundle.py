@@ -23,6 +23,7 @@ import numpy as np
 
 from edge_sdk.errors import BundleError, BundleSignatureError
 from edge_sdk.signing import SIGNATURE_FILE, PublicKey, parse_public_key, verify_manifest
+from edge_sdk.preprocess import Preprocess
 
 __all__ = ["MANIFEST", "Bundle", "BundleError", "BundleSignatureError", "UnverifiedSignatureWarning", "load_bundle",
            "sha256_file"]
@@ -56,6 +57,13 @@ class Bundle:
     @property
     def hyperparameters(self) -> dict[str, Any]:
         return dict(self.manifest.get("hyperparameters", {}))
+
+    @property
+    def preprocess(self) -> Preprocess:
+        """How raw images become the model's input (``manifest["preprocess"]``); identity for bundles
+        written before the manifest held one (their devices pass float32 NCHW, as the model reads)."""
+        d = self.manifest.get("preprocess")
+        return Preprocess.identity() if d is None else Preprocess.from_dict(d)
 
     def artifact(self, name: str) -> dict[str, Any]:
         for a in self.manifest["artifacts"]:
@@ -108,6 +116,8 @@ def load_bundle(root: str | os.PathLike, public_key: PublicKey | None = None) ->
         manifest["method"]
         if not isinstance(artifacts, list) or not all(isinstance(a, dict) for a in artifacts):
             raise TypeError("'artifacts' must be a list of objects")
+        if manifest.get("preprocess") is not None:
+            Preprocess.from_dict(manifest["preprocess"])  # a bad one fails here, not at the first image
     except (ValueError, KeyError, TypeError) as exc:  # JSON and UTF-8 decoding errors are ValueErrors
         raise BundleError(f"{manifest_path}: malformed manifest ({exc})") from None
     verified: dict[str, bytes] = {}

@@ -1,7 +1,7 @@
 """Federated methods behind one interface (:mod:`fl_server.algorithms.base`)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from fl_server.algorithms.base import Algorithm, Hyper, NotApplicable
 from fl_server.algorithms.btfl import BTFL
@@ -31,18 +31,23 @@ def canonical_method(name: str) -> str:
     return matches[0]
 
 
-def build_algorithm(name: str, model: Classifier, num_train_clients: int, seed: int = 0, **hyper: Any) -> Algorithm:
+def build_algorithm(name: str, model: Classifier, num_train_clients: int, seed: int = 0,
+                    model_factory: Callable[[], Classifier] | None = None, **hyper: Any) -> Algorithm:
     """Instantiate a method by its display name (e.g. ``"FedAvg"``, ``"TENT"``); ``seed`` fixes the init of
-    the modules a method adds to ``model``."""
+    the modules a method adds to ``model``. ``model_factory``: fresh copies of a model not from the zoo
+    (ODPFL-HN's encoder trunk is such a copy's ``features``)."""
     if name not in ALGORITHMS:
         raise ValueError(f"unknown method {name!r}; choose one of {', '.join(ALGORITHMS)}")
     cls = ALGORITHMS[name]
     if cls is Local:
         return Local(model, num_train_clients=num_train_clients, seed=seed, **hyper)
     if cls is ODPFLHN and "encoder_model" not in hyper:  # the encoder's trunk = the target model's
-        if model.arch is None:
+        if model.arch is not None:
+            hyper = {**hyper, "encoder_model": model.arch}
+        elif model_factory is not None:
+            return ODPFLHN(model, seed=seed, encoder_factory=model_factory, **{**hyper, "encoder_model": "recipe"})
+        else:
             raise ValueError("ODPFL-HN needs encoder_model (the model was not built by build_model)")
-        hyper = {**hyper, "encoder_model": model.arch}
     return cls(model, seed=seed, **hyper)
 
 

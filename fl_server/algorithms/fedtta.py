@@ -147,29 +147,3 @@ class FedTTAProx(FedTTA):
 class FedTTAPlusPlus(FedTTA):
     name = "FedTTA++"
     Config = FedTTAConfig
-
-
-# UPFL Table 4 hyperparameters per data set (eta_outer as ``lr``), plus the authors' code's per-client
-# gradient-norm clip of 10: without it the paper's MNIST rates (eta_outer 0.3, eta_inner 0.5) diverge to
-# NaN within the first round on pathological clients (measured: docs/benchmarks/vmap-engine.json history).
-_TABLE4_MNIST: dict[str, dict[str, float]] = {
-    "FedTTA": {"inner_lr": 0.5, "lr": 0.3, "adapt_lr": 0.01, "clip_norm": 10.0},
-    "FedTTA-Prox": {"inner_lr": 0.5, "lr": 0.3, "adapt_lr": 0.001, "mu": 0.01, "clip_norm": 10.0},
-    "FedTTA++": {"inner_lr": 0.5, "lr": 0.3, "adapt_lr": 0.001, "mu": 0.01, "patience": 1, "clip_norm": 10.0},
-}
-FEDTTA_HP: dict[str, dict[str, dict[str, float]]] = {
-    # first_candidate 1 (the un-adapted base model is never an answer): chosen on the MNIST training
-    # clients' validation sets (docs/fedttapp-diagnosis.md); Fashion-MNIST follows by the same argument.
-    # adapt_lr 0.01 (FedTTA's) instead of Table 4's 0.001 ("as Prox"): chosen on validation, seeds 0-1
-    # (scripts/probe_fedttapp_adapt_lr.py; UPFL App. C searched eta_adapt per method)
-    "mnist": {**_TABLE4_MNIST, "FedTTA++": {**_TABLE4_MNIST["FedTTA++"], "adapt_lr": 0.01, "first_candidate": 1}},
-    # the embedded 8x8 digits (the default job, no paper rates): Table 4's MNIST rates and SPEC's stopping rule
-    # as written; the two MNIST choices above were made on MNIST validation and are not carried over here
-    "digits": _TABLE4_MNIST,
-    "fashion_mnist": {
-        "FedTTA": {"inner_lr": 0.05, "lr": 0.1, "adapt_lr": 0.001, "clip_norm": 10.0},
-        "FedTTA-Prox": {"inner_lr": 0.05, "lr": 0.1, "adapt_lr": 0.001, "mu": 0.001, "clip_norm": 10.0},
-        "FedTTA++": {"inner_lr": 0.05, "lr": 0.1, "adapt_lr": 0.001, "mu": 0.001, "patience": 5, "clip_norm": 10.0,
-                     "first_candidate": 1},
-    },
-}

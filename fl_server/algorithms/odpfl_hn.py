@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -193,7 +193,10 @@ class ODPFLHN(Algorithm):
     name = "ODPFL-HN"
     Config = ODPFLHNConfig
 
-    def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0, **overrides: Any) -> None:
+    def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0,
+                 encoder_factory: Callable[[], Classifier] | None = None, **overrides: Any) -> None:
+        """``encoder_factory``: fresh copies of a model outside the zoo, whose ``features`` become the encoder's
+        trunk (``encoder_model`` then only labels it, e.g. ``"recipe"``)."""
         super().__init__(model, config, seed, **overrides)
         hp = self.hp
         if not (hp.dp_epsilon > 0) or not (0 < hp.dp_delta < 1):
@@ -208,7 +211,8 @@ class ODPFLHN(Algorithm):
                              f"{hp.phase1_rounds}, {hp.encoder_local_steps}")
         with torch.random.fork_rng(devices=[]):  # seeded init, global RNG untouched
             torch.manual_seed(seed + 104_729)
-            enc_model = build_model(hp.encoder_model, model.input_shape, model.num_classes)
+            enc_model = (encoder_factory() if encoder_factory is not None
+                         else build_model(hp.encoder_model, model.input_shape, model.num_classes))
             self.encoder = SetEncoder(enc_model.features, enc_model.feature_dim, hp.embed_dim, hp.set_width, hp.dp)
             shapes = {n: p.shape for n, p in model.named_parameters()}
             self.hypernet = HyperNetwork(hp.embed_dim, shapes, hp.hn_width, hp.hn_layers)
@@ -505,29 +509,3 @@ class ODPFLHN(Algorithm):
         if math.isfinite(self.hp.dp_epsilon):
             return self.generate(server_state["hn"], self.privatize(server_state["enc"], x))
         return self.generate(server_state["hn"], self.encode(server_state["enc"], x))
-
-
-# UPFL Table 4 (ODPFL-HN rows): local, encoder and hypernetwork learning rates per data set.
-# hn_lr kept at Table 4's 0.5 on validation (scripts/probe_odpfl_hn.py, MNIST seed 0, 60 rounds, new clients
-# removed: best val 96.31 at 0.5, 95.56 at 0.1, 94.93 at 0.05; docs/results/odpfl-hn-probe.json). At 0.5 with
-# pFedHN's momentum most hypernetwork ReLUs die (alive 13/5/33% per layer) and the generated weights barely
-# depend on the embedding (spread across clients 1e-4): the model it serves is close to one global model,
-# which is also what UPFL's own ODPFL-HN row suggests (val 96.39 vs FedAvg 95.06).
-# Fashion-MNIST (ConvNet target): Table 4's hn_lr 0.5 collapsed seed 1 to a one-class model within 10 rounds,
-# seen on the training clients' validation (docs/results/odpfl-hn-probe.json, rows "run diagnosis"), as Table
-# 4's FedAvg eta 0.3 does with our ConvNet; hn_lr 0.1 is the next rate of the MNIST validation grid.
-ODPFL_HP: dict[str, dict[str, dict[str, float]]] = {
-    "mnist": {"ODPFL-HN": {"local_lr": 0.3, "encoder_lr": 0.5, "hn_lr": 0.5}},
-    "fashion_mnist": {"ODPFL-HN": {"local_lr": 0.1, "encoder_lr": 0.5, "hn_lr": 0.1}},
-}
-
-# The ODPFL-HN paper's own protocol (odpfl-dirichlet, odpfl-dp: LeNet target, 500 steps of 10% of the clients).
-# With the Table-4 rates above the encoder gives every client nearly the same embedding (spread a few % of
-# its norm) and the served model is one global model. Standardizing the
-# embeddings at init (``standardize_init``) makes them differ by O(1) across clients. The standardized
-# encoder's effective step on the embeddings is 1/sigma^2 (sigma ~1e-3) times its rate, so the rate must be
-# small: 1e-4 diverges within 5 steps at Dir(1), 1e-5 is stable at both alphas. hn_lr from the paper's grid.
-# Chosen on validation only (scripts/probe_odpfl_hn.py, odpfl-dirichlet, seed 0, new clients removed; rows
-# in docs/results/odpfl-hn-probe.json).
-ODPFL_PAPER_HP: dict[str, float | bool] = {"local_lr": 0.1, "encoder_lr": 1e-5, "hn_lr": 0.05,
-                                          "standardize_init": True}

@@ -34,7 +34,7 @@ import torch
 from edge_sdk.btfl import BTFLStream
 from edge_sdk.fedthe import fedthe_predict
 from fl_server.algorithms.btfl import BTFL, ClientArtifacts
-from fl_server.bench.experiments import Experiment, Protocol
+from fl_server.bench.protocol import Experiment, Protocol
 from fl_server.bench.rows import write_atomic
 from fl_server.bench.runner import raw_path, seed_list
 from fl_server.data import load_dataset, partitions

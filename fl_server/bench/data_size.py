@@ -13,15 +13,15 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from fl_server.bench.protocol import Protocol
+from fl_server.bench.runner import build_federated, build_simulation, seed_record
 from fl_server.data.federated import FederatedData
 from fl_server.data.partitions import subsample
 
-if TYPE_CHECKING:
-    from fl_server.bench.experiments import Protocol
 
 FRACTIONS: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0)
 
@@ -32,26 +32,23 @@ def new_client_subsets(new: list[np.ndarray], fraction: float, seed: int) -> lis
     return [subsample(idx, fraction, np.random.default_rng([seed, 0xDA7A, j])) for j, idx in enumerate(new)]
 
 
-def _training_dir(protocol: "Protocol", run_dir: Path | None) -> Path | None:
+def _training_dir(protocol: Protocol, run_dir: Path | None) -> Path | None:
     """``<runs>/<train_runs>/<dataset>/<method>/seedK`` for ``<runs>/upfl-data-size/<dataset>/<method>/seedK``
-    when that experiment trains the same protocol (full or --quick); else ``run_dir`` itself."""
-    from fl_server.bench.experiments import get_experiment  # experiments imports this module
-
-    shared = protocol.options.get("train_runs")
+    when that experiment's protocol (``options["train_protocol"]``) trains the same (full or --quick); else
+    ``run_dir`` itself."""
+    shared, other = protocol.options.get("train_runs"), protocol.options.get("train_protocol")
     if run_dir is None or not shared:
         return run_dir
-    other = get_experiment(shared).protocols.get(protocol.dataset)
     strip = lambda p: replace(p, options={}, note="")  # noqa: E731  (neither changes the training)
     if other is None or strip(protocol) not in (strip(other), strip(other.quick())):
         return run_dir
     return run_dir.parents[3] / shared / run_dir.parents[1].name / run_dir.parent.name / run_dir.name
 
 
-def run_data_size_seed(protocol: "Protocol", method: str, seed: int, run_dir: Path | None, device: str = "auto",
+def run_data_size_seed(protocol: Protocol, method: str, seed: int, run_dir: Path | None, device: str = "auto",
                        mode: str = "auto", progress: bool = True, data_root: str | None = None,
                        fed: FederatedData | None = None) -> dict[str, Any]:
     """Train (or reuse) one run, then the new-client accuracy at every fraction on the best-validation model."""
-    from fl_server.bench.runner import build_federated, build_simulation, seed_record
 
     fed = fed if fed is not None else build_federated(protocol, seed, data_root)
     sim = build_simulation(protocol, method, seed, _training_dir(protocol, run_dir), device, mode, progress,

@@ -2,91 +2,16 @@
 hyperparameters, and the papers' reference numbers (SPEC.md)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from dataclasses import replace
+from typing import Any
 
-from fl_server.algorithms.fedtta import FEDTTA_HP
-from fl_server.algorithms.odpfl_hn import ODPFL_HP, ODPFL_PAPER_HP
+from fl_server.recipes.presets import FEDTTA_HP, upfl_hyper
 from fl_server.bench.data_size import FRACTIONS, run_data_size_seed
 from fl_server.bench.hetero import HETERO_METHODS, run_hetero_seed
 from fl_server.bench.map_incomplete import run_map_seed
 from fl_server.bench.odpfl import DP_DELTA, run_dp_seed
 from fl_server.bench.shift import run_shift_seed
-from fl_server.engine import RunConfig
-
-
-@dataclass(frozen=True)
-class Protocol:
-    """How one dataset is federated and trained for an experiment."""
-
-    dataset: str
-    model: str
-    rounds: int
-    partition: str = "pathological"
-    num_clients: int = 100
-    new_fraction: float = 0.5
-    val_fraction: float = 0.15
-    alpha: float | None = None
-    local_iterations: int = 20
-    batch_size: int = 64
-    client_fraction: float = 1.0
-    eval_every: int = 1
-    method_hp: dict[str, dict[str, Any]] = field(default_factory=dict)
-    note: str = ""
-    # per-method validation interval where evaluation dominates the cost (FedTTA++: up to 50 adaptation steps
-    # per validation client each time); the best round is then chosen among the evaluated rounds
-    method_eval_every: dict[str, int] = field(default_factory=dict)
-    # per-method round budget where the protocol's rounds are out of reach of the hardware the rows ran on; the
-    # row states it (note_for) and the engine resumes the longer run's checkpoint (a truncated run is its prefix)
-    method_rounds: dict[str, tuple[int, str]] = field(default_factory=dict)
-
-    def eval_every_for(self, method: str) -> int:
-        return self.method_eval_every.get(method, self.eval_every)
-
-    def rounds_for(self, method: str) -> int:
-        return self.method_rounds[method][0] if method in self.method_rounds else self.rounds
-
-    def note_for(self, method: str) -> str:
-        every = self.method_eval_every.get(method)
-        extra = f"validation every {every} rounds (to save compute)" if every else ""
-        budget = ""
-        if method in self.method_rounds:
-            rounds, why = self.method_rounds[method]
-            budget = f"{rounds} rounds instead of {self.rounds} ({why})"
-        return "; ".join(n for n in (self.note, extra, budget) if n)
-    split: str = "all"  # which split of the data set the clients partition
-    options: dict[str, Any] = field(default_factory=dict)  # experiment-specific (read by its run_fn)
-
-    def run_config(self, seed: int, out_dir: str | None, device: str = "auto", mode: str = "auto",
-                   progress: bool = True) -> RunConfig:
-        """The engine configuration of one seed of this protocol, for experiments without per-method budgets
-        (``method_rounds`` and ``method_eval_every`` are read by runner.build_simulation)."""
-        if self.method_rounds:
-            raise ValueError("a protocol with method_rounds runs through fl_server.bench.runner.build_simulation")
-        return RunConfig(rounds=self.rounds, local_iterations=self.local_iterations, batch_size=self.batch_size,
-                         client_fraction=self.client_fraction, eval_every=self.eval_every, seed=seed, mode=mode,
-                         device=device, out_dir=out_dir, progress=progress)
-
-    def quick(self) -> "Protocol":
-        """A CI-sized version: about a minute per row on 2 CPU cores. ``options["quick"]`` overrides options,
-        ``options["quick_protocol"]`` fields of the quick protocol itself."""
-        small = replace(self, num_clients=20, rounds=max(3, self.rounds // 40), local_iterations=10,
-                        eval_every=1, method_eval_every={}, method_rounds={},
-                        note="--quick (smoke test, not a result)",
-                        options={**self.options, **self.options.get("quick", {})})
-        return replace(small, **self.options.get("quick_protocol", {}))
-
-
-@dataclass(frozen=True)
-class Experiment:
-    name: str
-    methods: tuple[str, ...]
-    protocols: dict[str, Protocol]
-    paper: dict[tuple[str, str, str], float]  # (dataset, method, split) -> number
-    description: str = ""
-    runner: str | None = None  # "module:function" with run_experiment's signature, for non-UPFL protocols
-    run_fn: Callable[..., dict[str, Any]] | None = None  # replaces runner.run_seed (same signature)
-    optional_methods: tuple[str, ...] = ()  # run only when named (--methods); aggregated when present
+from fl_server.bench.protocol import Experiment, Protocol
 
 
 # UPFL Table 1 (new-client "test" and training-client "val" accuracy, mean of 3 seeds).
@@ -102,32 +27,17 @@ for _method, (_mv, _mt, _fv, _ft) in {
     UPFL_TABLE1_PAPER[("fashion_mnist", _method, "val")] = _fv
     UPFL_TABLE1_PAPER[("fashion_mnist", _method, "test")] = _ft
 
-# UPFL Table 4 gives FedAvg/TENT eta = 0.1 (MNIST) and 0.3 (Fashion-MNIST). With our ConvNet (PyTorch default
-# init, inputs in [0, 1]) 0.3 collapses Fashion-MNIST training to one class within the first rounds (3 seeds
-# of the full protocol on an H100: best validation round 0-1, val 12.8%); on a 20-client training-client
-# validation probe 0.1 reached 67% val after 6 rounds against 15% for 0.3. We therefore use 0.1 for both.
-_UPFL_LR = {"mnist": 0.1, "fashion_mnist": 0.1, "digits": 0.1}
-
-
-def _upfl_hp(dataset: str) -> dict[str, dict[str, Any]]:
-    lr = _UPFL_LR[dataset]
-    return {"FedAvg": {"lr": lr}, "TENT": {"lr": lr}, "FedProx": {"lr": 0.3, "mu": 0.001},
-            "FedAvg+FT": {"lr": lr}, "Local": {"lr": lr},
-            "BTFL": {"lr": lr},  # the coordinator's BTFL jobs (not a UPFL Table 1 row)
-            **FEDTTA_HP.get(dataset, FEDTTA_HP["mnist"]), **ODPFL_HP.get(dataset, ODPFL_HP["mnist"])}
-
-
 EXPERIMENTS: dict[str, Experiment] = {
     "upfl-table1": Experiment(
         name="upfl-table1",
         methods=("FedAvg", "TENT", "FedTTA", "FedTTA-Prox", "FedTTA++", "ODPFL-HN"),
         protocols={
-            "mnist": Protocol("mnist", "mlp", rounds=200, method_hp=_upfl_hp("mnist"),
+            "mnist": Protocol("mnist", "mlp", rounds=200, method_hp=upfl_hyper("mnist"),
                               method_eval_every={m: 5 for m in ("FedTTA", "FedTTA-Prox", "FedTTA++", "ODPFL-HN")}),
             # FedTTA++ validates with up to 50 adaptation steps per validation client: every round, its rows did
             # not finish within a 30-minute lease of a shared H100, so the meta-learned methods validate every 5
             # rounds as on MNIST (FedAvg and TENT rows: every round)
-            "fashion_mnist": Protocol("fashion_mnist", "convnet", rounds=300, method_hp=_upfl_hp("fashion_mnist"),
+            "fashion_mnist": Protocol("fashion_mnist", "convnet", rounds=300, method_hp=upfl_hyper("fashion_mnist"),
                                       method_eval_every={m: 5 for m in ("FedTTA", "FedTTA-Prox", "FedTTA++",
                                                                         "ODPFL-HN")},
                                       # about 75 s per round on one CPU core (the hypernetwork generates the
@@ -135,7 +45,7 @@ EXPERIMENTS: dict[str, Experiment] = {
                                       method_rounds={"ODPFL-HN": (100, "CPU time, see the wall time")},
                                       note="eta 0.1 instead of Table 4's 0.3 (0.3 collapses; chosen on validation)"),
             # the embedded default: 1,797 8x8 digits over 20 clients (no download)
-            "digits": Protocol("digits", "mlp", rounds=60, num_clients=20, method_hp=_upfl_hp("digits"),
+            "digits": Protocol("digits", "mlp", rounds=60, num_clients=20, method_hp=upfl_hyper("digits"),
                                note="embedded default data set; no paper number"),
         },
         paper=UPFL_TABLE1_PAPER,
@@ -380,6 +290,16 @@ EXPERIMENTS["fedicon-shift"] = Experiment(
                 "0.35 points of FedICON w/o TTA on every test condition, below it on all but two.",
 )
 
+# The ODPFL-HN paper's own protocol (odpfl-dirichlet, odpfl-dp: LeNet target, 500 steps of 10% of the clients).
+# With the Table-4 rates (fl_server.recipes.presets.ODPFL_HP) the encoder gives every client nearly the same embedding (spread a few % of
+# its norm) and the served model is one global model. Standardizing the
+# embeddings at init (``standardize_init``) makes them differ by O(1) across clients. The standardized
+# encoder's effective step on the embeddings is 1/sigma^2 (sigma ~1e-3) times its rate, so the rate must be
+# small: 1e-4 diverges within 5 steps at Dir(1), 1e-5 is stable at both alphas. hn_lr from the paper's grid.
+# Chosen on validation only (scripts/probe_odpfl_hn.py, odpfl-dirichlet, seed 0, new clients removed; rows
+# in docs/results/odpfl-hn-probe.json).
+ODPFL_PAPER_HP: dict[str, float | bool] = {"local_lr": 0.1, "encoder_lr": 1e-5, "hn_lr": 0.05,
+                                          "standardize_init": True}
 # ODPFL-HN paper protocol (Sec. 6, CIFAR-10 there): 100 clients, Dir(alpha) labels, 10% new clients, 500 steps
 # with 10% of the training clients per step. Target model: LeNet (the paper's and pFedHN's target is a LeNet-style
 # CNN; the McMahan ConvNet's 1.6M-weight FC layer would need a 160M-parameter hypernetwork head).
@@ -471,7 +391,7 @@ EXPERIMENTS["odpfl-dp"] = Experiment(
 EXPERIMENTS["upfl-concept-shift"] = Experiment(
     name="upfl-concept-shift", methods=("FedAvg", "TENT", "FedTTA", "FedTTA++"),
     protocols={"mnist": Protocol(
-        "mnist", "mlp", rounds=200, partition="rotation", num_clients=50, method_hp=_upfl_hp("mnist"),
+        "mnist", "mlp", rounds=200, partition="rotation", num_clients=50, method_hp=upfl_hyper("mnist"),
         options={"n_samples": 1000, "quick_protocol": {"num_clients": 50}},
         note="App. F layout (25 + 25 clients of 20 samples; Sec. 4.5's text says 50 + 50); training clients "
              "split 17/3 train/val; upfl-table1's MNIST hyperparameters (Table 4; FedTTA++: eta_adapt 0.01, "
@@ -488,7 +408,7 @@ _FMNIST_TABLE1 = EXPERIMENTS["upfl-table1"].protocols["fashion_mnist"]
 EXPERIMENTS["upfl-data-size"] = Experiment(
     name="upfl-data-size", methods=("FedAvg", "TENT", "FedTTA", "FedTTA-Prox", "FedTTA++", "ODPFL-HN"),
     protocols={"fashion_mnist": replace(
-        _FMNIST_TABLE1, options={"fractions": FRACTIONS, "train_runs": "upfl-table1",
+        _FMNIST_TABLE1, options={"fractions": FRACTIONS, "train_runs": "upfl-table1", "train_protocol": _FMNIST_TABLE1,
                                  # CPU smoke size (FedTTA++'s 50 adaptation steps dominate on a CPU)
                                  "quick_protocol": {"split": "test", "rounds": 3, "method_hp": {
                                      **_FMNIST_TABLE1.method_hp,

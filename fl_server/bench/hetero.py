@@ -25,7 +25,7 @@ import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,15 +34,15 @@ from tqdm.auto import tqdm
 from fl_server.algorithms import build_algorithm
 from fl_server.algorithms.hetero_fedtta import (SIZE_GROUPS, assign_sizes, clients_public_logits, digest,
                                                 public_chunks)
+from fl_server.bench.protocol import Protocol
+from fl_server.bench.runner import build_federated
 from fl_server.data.federated import FederatedData
 from fl_server.device import describe
 from fl_server.engine import Simulation
-from fl_server.engine.simulation import checkpoint_meta, load_state, save_state
 from fl_server.functional import State, tree_map
 from fl_server.models import build_model
+from fl_server.rundir import checkpoint_meta, load_state, save_state
 
-if TYPE_CHECKING:
-    from fl_server.bench.experiments import Protocol
 
 # display name -> lambda of Eq. 14 (None: no knowledge exchange)
 HETERO_METHODS: dict[str, float | None] = {
@@ -67,7 +67,7 @@ def split_by_size(fed: FederatedData, seed: int) -> dict[str, FederatedData]:
 class HeteroRun:
     """The size groups of one seed, and the exchange between them."""
 
-    def __init__(self, protocol: "Protocol", fed: FederatedData, seed: int, lam: float | None, device: str = "auto",
+    def __init__(self, protocol: Protocol, fed: FederatedData, seed: int, lam: float | None, device: str = "auto",
                  mode: str = "auto") -> None:
         self.lam, self.opt = lam, protocol.options
         shape, classes = fed.dataset.x.shape[1:], fed.dataset.num_classes
@@ -151,7 +151,7 @@ def resume_hetero(run: HeteroRun, run_dir: Path | None) -> HeteroProgress:
                           best, meta["curve"], meta["wall_s"])
 
 
-def train_hetero(run: HeteroRun, protocol: "Protocol", run_dir: Path | None, progress: bool = True,
+def train_hetero(run: HeteroRun, protocol: Protocol, run_dir: Path | None, progress: bool = True,
                  until: int | None = None) -> HeteroProgress:
     """Rounds from the last checkpoint in ``run_dir`` up to ``until`` (default: all), validating every
     ``eval_every`` rounds and checkpointing at each validation round."""
@@ -186,12 +186,11 @@ def _rows(split: str, accs: dict[str, list[float]]) -> list[dict[str, Any]]:
     return rows + [{"split": split, "group": "all", "value": 100 * float(np.mean(pooled))}]
 
 
-def run_hetero_seed(protocol: "Protocol", method: str, seed: int, run_dir: Path | None, device: str = "auto",
+def run_hetero_seed(protocol: Protocol, method: str, seed: int, run_dir: Path | None, device: str = "auto",
                     mode: str = "auto", progress: bool = True, data_root: str | None = None,
                     fed: FederatedData | None = None) -> dict[str, Any]:
     """Train HeteroFedTTA for one seed, validate every ``eval_every`` rounds, test the new clients once on
     the groups' models of the best validation round (mean over all training clients)."""
-    from fl_server.bench.runner import build_federated  # runner imports the experiments
 
     if method not in HETERO_METHODS:
         raise ValueError(f"upfl-hetero has no method {method!r}; choose one of {', '.join(HETERO_METHODS)}")

@@ -18,19 +18,19 @@ import dataclasses
 import platform
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from fl_server.algorithms.map import MAP, authors_code_procedure
+from fl_server.bench.protocol import Protocol
+from fl_server.bench.runner import build_federated
 from fl_server.data import load_dataset
 from fl_server.data.federated import FederatedData
 from fl_server.device import describe
 from fl_server.engine import Simulation
 from fl_server.models import build_model
 
-if TYPE_CHECKING:
-    from fl_server.bench.experiments import Protocol
 
 # display name -> MAP-family overrides
 MAP_METHODS: dict[str, dict[str, Any]] = {
@@ -49,11 +49,10 @@ MAP_METHODS: dict[str, dict[str, Any]] = {
 AUTHORS_CODE_METHODS = {"MAP (code)"}
 
 
-def build_map_simulation(protocol: "Protocol", method: str, seed: int, run_dir: Path | None, device: str = "auto",
+def build_map_simulation(protocol: Protocol, method: str, seed: int, run_dir: Path | None, device: str = "auto",
                          mode: str = "auto", progress: bool = True, data_root: str | None = None,
                          fed: FederatedData | None = None) -> Simulation:
     """The engine run of one map-incomplete method and seed (the method's MAP configuration)."""
-    from fl_server.bench.runner import build_federated  # runner imports the experiments
 
     if method not in MAP_METHODS:
         raise ValueError(f"map-incomplete has no method {method!r}; choose one of {', '.join(MAP_METHODS)}")
@@ -69,7 +68,7 @@ def build_map_simulation(protocol: "Protocol", method: str, seed: int, run_dir: 
     return Simulation(algo, fed, protocol.run_config(seed, str(run_dir) if run_dir else None, device, mode, progress))
 
 
-def run_map_seed(protocol: "Protocol", method: str, seed: int, run_dir: Path | None, device: str = "auto",
+def run_map_seed(protocol: Protocol, method: str, seed: int, run_dir: Path | None, device: str = "auto",
                  mode: str = "auto", progress: bool = True, data_root: str | None = None,
                  fed: FederatedData | None = None) -> dict[str, Any]:
     sim = build_map_simulation(protocol, method, seed, run_dir, device, mode, progress, data_root, fed)

@@ -13,15 +13,15 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from fl_server.algorithms import ALGORITHMS, Algorithm, build_algorithm
-from fl_server.bench.experiments import Experiment, Protocol
+from fl_server.algorithms import ALGORITHMS
+from fl_server.bench.protocol import Experiment, Protocol, protocol_recipe
 from fl_server.bench.rows import invocation, write_atomic
 from fl_server.data import load_dataset
 from fl_server.data.federated import (FederatedData, hold_out_validation_clients, make_federated,
                                      rotation_concept_shift)
 from fl_server.device import describe
-from fl_server.engine import RunConfig, RunResult, Simulation
-from fl_server.models import build_model
+from fl_server.engine import RunResult, Simulation
+from fl_server.recipes.run import simulation
 
 
 def build_federated(protocol: Protocol, seed: int, data_root: str | None = None) -> FederatedData:
@@ -47,28 +47,18 @@ def build_simulation(protocol: Protocol, method: str, seed: int, run_dir: Path |
                      mode: str = "auto", progress: bool = True, data_root: str | None = None,
                      fed: FederatedData | None = None, test_at_best_only: bool = True,
                      checkpoint_every: int = 10, **engine: Any) -> Simulation:
-    """The engine run of one method and seed under ``protocol`` (its ``run()`` writes ``run.json`` into ``run_dir``)."""
+    """The engine run of one method and seed under ``protocol``, built from its recipe
+    (:func:`~fl_server.bench.protocol.protocol_recipe`; ``run()`` writes ``run.json`` into ``run_dir``).
+    ``engine``: further :class:`~fl_server.engine.RunConfig` fields (``dtype``, ``batch_stream``)."""
     fed = fed if fed is not None else build_federated(protocol, seed, data_root)
-    shape = fed.dataset.x.shape[1:]
-    model = build_model(protocol.model, shape, fed.dataset.num_classes, seed=seed)
-    algorithm = build_algorithm(method, model, fed.num_train_clients, seed=seed,
-                                **protocol.method_hp.get(method, {}))
-    cfg = RunConfig(rounds=protocol.rounds_for(method), local_iterations=protocol.local_iterations,
-                    batch_size=protocol.batch_size, client_fraction=protocol.client_fraction,
-                    eval_every=protocol.eval_every_for(method), seed=seed, mode=mode, device=device,
-                    out_dir=str(run_dir) if run_dir else None, progress=progress,
-                    test_at_best_only=test_at_best_only, checkpoint_every=checkpoint_every, **engine)
-    return Simulation(algorithm, fed, cfg, run_description(protocol, method, algorithm, seed, shape,
-                                                               fed.dataset.num_classes))
+    recipe = protocol_recipe(protocol, method, data_root)
+    return simulation(recipe, seed, run_dir, device, mode, progress, data_root, fed, test_at_best_only,
+                      checkpoint_every, description=protocol_description(protocol), **engine)
 
 
-def run_description(protocol: Protocol, method: str, algorithm: Algorithm, seed: int, input_shape: Sequence[int],
-                    num_classes: int) -> dict[str, Any]:
-    """What `fl-server export` needs to rebuild the model around best.npz (a run directory's run.json)."""
-    return {"method": method, "hyper": dataclasses.asdict(algorithm.hp), "model": protocol.model,
-            "dataset": protocol.dataset, "input_shape": list(input_shape), "num_classes": num_classes, "seed": seed,
-            "protocol": dataclasses.asdict(protocol), "command": invocation()}
-
+def protocol_description(protocol: Protocol) -> dict[str, Any]:
+    """The ``run.json`` fields of a run under ``protocol`` besides its recipe's."""
+    return {"dataset": protocol.dataset, "protocol": dataclasses.asdict(protocol), "command": invocation()}
 
 
 def seed_record(protocol: Protocol, method: str, seed: int, sim: Simulation, result: RunResult) -> dict[str, Any]:

@@ -25,13 +25,15 @@ import dataclasses
 import platform
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from fl_server.algorithms import build_algorithm
 from fl_server.algorithms.fedicon import FedICON
+from fl_server.bench.protocol import Protocol
+from fl_server.bench.runner import build_federated, safe_name
 from fl_server.data import load_dataset
 from fl_server.data.corruptions import corrupt
 from fl_server.data.federated import FederatedData
@@ -42,8 +44,6 @@ from fl_server.functional import make_forward, unstack
 from fl_server.models import build_model
 from fl_server.models.norm import calibrate, norm_mode, stat_norms
 
-if TYPE_CHECKING:
-    from fl_server.bench.experiments import Protocol
 
 # display name -> (training method, evaluation method in the registry)
 SHIFT_METHODS: dict[str, tuple[str, str]] = {
@@ -75,7 +75,7 @@ def assign_by_label(labels: np.ndarray, client_counts: np.ndarray, rng: np.rando
     return [np.sort(np.concatenate(p)) for p in parts]
 
 
-def _conditions(protocol: "Protocol", fed: FederatedData, seed: int,
+def _conditions(protocol: Protocol, fed: FederatedData, seed: int,
                 data_root: str | None) -> list[tuple[str, str, list[np.ndarray], list[np.ndarray]]]:
     """(split, shift, per-client images, per-client labels) for every evaluation condition."""
     opt = protocol.options
@@ -146,7 +146,7 @@ def _mean_accuracy(algo: Any, state: dict, params: Any, stacked: bool, xs: list[
     return float(np.mean(accs))
 
 
-def _tune_and_evaluate(protocol: "Protocol", grid: dict[str, Any], algo: Any,
+def _tune_and_evaluate(protocol: Protocol, grid: dict[str, Any], algo: Any,
                        evaluate: Callable[[str], list[dict[str, Any]]], chosen: dict[str, Any],
                        results: list[dict[str, Any]]) -> None:
     """Test-time hyperparameters chosen on the validation conditions (mean over them), then tested once; the
@@ -166,11 +166,10 @@ def _tune_and_evaluate(protocol: "Protocol", grid: dict[str, Any], algo: Any,
             results.append({"split": "test", "shift": f"covariate-s{sev}", "value": float(np.mean(vals))})
 
 
-def run_shift_seed(protocol: "Protocol", method: str, seed: int, run_dir: Path | None, device: str = "auto",
+def run_shift_seed(protocol: Protocol, method: str, seed: int, run_dir: Path | None, device: str = "auto",
                    mode: str = "auto", progress: bool = True, data_root: str | None = None,
                    fed: FederatedData | None = None) -> dict[str, Any]:
     """Train (or reuse) the method's training run, then evaluate every shift condition."""
-    from fl_server.bench.runner import build_federated, safe_name  # runner imports the experiments
 
     if method not in SHIFT_METHODS:
         raise ValueError(f"fedicon-shift has no method {method!r}; choose one of {', '.join(SHIFT_METHODS)}")

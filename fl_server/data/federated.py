@@ -72,17 +72,36 @@ def make_federated(
         clients = [rest[c] for c in partition_labels(dataset.y[rest], partition, num_clients, rng, alpha)]
     else:
         clients = partition_labels(dataset.y, partition, num_clients, rng, alpha)
-    train_ids, new_ids = partitions.split_new_clients(num_clients, new_fraction, rng)
-    train, val = zip(*(partitions.train_val_split(clients[k], val_fraction, rng) for k in train_ids))
-    new = [clients[k] for k in new_ids]
-    if new_client_fraction_kept < 1.0:
-        new = [partitions.subsample(c, new_client_fraction_kept, rng) for c in new]
     info = {"partition": partition, "num_clients": num_clients, "new_fraction": new_fraction,
             "val_fraction": val_fraction, "seed": seed, "alpha": alpha,
             "new_client_fraction_kept": new_client_fraction_kept}
     if public_size > 0:  # only then: ``info`` enters run fingerprints, existing runs must keep theirs
         info["public_size"] = public_size
-    return FederatedData(dataset, list(train), list(val), new, info, public)
+    return split_clients(dataset, clients, new_fraction, val_fraction, rng, info, new_client_fraction_kept, public)
+
+
+def split_clients(dataset: ArrayDataset, clients: list[np.ndarray], new_fraction: float, val_fraction: float,
+                  rng: np.random.Generator, info: dict[str, Any], new_client_fraction_kept: float = 1.0,
+                  public: np.ndarray | None = None) -> FederatedData:
+    """Clients (sample indices each) -> training clients (train/val split) and new clients, drawn from ``rng``."""
+    train_ids, new_ids = partitions.split_new_clients(len(clients), new_fraction, rng)
+    train, val = zip(*(partitions.train_val_split(clients[k], val_fraction, rng) for k in train_ids))
+    new = [clients[k] for k in new_ids]
+    if new_client_fraction_kept < 1.0:
+        new = [partitions.subsample(c, new_client_fraction_kept, rng) for c in new]
+    return FederatedData(dataset, list(train), list(val), new, info,
+                         public if public is not None else np.zeros(0, np.int64))
+
+
+def natural_federated(dataset: ArrayDataset, client_ids: np.ndarray, new_fraction: float = 0.5,
+                      val_fraction: float = 0.15, seed: int = 0) -> FederatedData:
+    """The user's own partition: sample i belongs to client ``client_ids[i]`` (clients in sorted id order);
+    which clients are new and each training client's train/val split are drawn as in :func:`make_federated`."""
+    ids, inverse = np.unique(client_ids, return_inverse=True)
+    clients = [np.flatnonzero(inverse == k) for k in range(len(ids))]
+    info = {"partition": "natural", "num_clients": len(ids), "new_fraction": new_fraction,
+            "val_fraction": val_fraction, "seed": seed}
+    return split_clients(dataset, clients, new_fraction, val_fraction, np.random.default_rng(seed), info)
 
 
 def hold_out_validation_clients(fed: FederatedData, count: int) -> FederatedData:

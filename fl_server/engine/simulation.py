@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,10 @@ from tqdm.auto import tqdm
 from fl_server.algorithms.base import Algorithm, LocalTrainer, NotApplicable, StepFn
 from fl_server.data.federated import FederatedData
 from fl_server.device import pick_device
-from fl_server.functional import State, from_numpy_flat, stack, to_numpy_flat, tree_map, unstack
+from fl_server.functional import State, stack, tree_map, unstack
+from fl_server.rundir import (BEST, BEST_AT_CHECKPOINT, CHECKPOINT, CHECKPOINT_JSON, META_KEY, METRICS, RUN,  # noqa: F401
+                              atomic_link, atomic_write, checkpoint_meta, complete_rows, load_state, save_state,
+                              write_run)
 
 _SAMPLE, _BATCHES, _EVAL = 0, 1, 2  # rng purposes
 
@@ -147,57 +149,6 @@ def resolve_mode(mode: str, device: torch.device, model: torch.nn.Module) -> str
         return mode
     has_conv = any(isinstance(m, torch.nn.Conv2d) for m in model.modules())
     return "vmap" if device.type == "cuda" or not has_conv else "loop"
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def _atomic_link(src: Path, dst: Path) -> None:
-    """``dst`` becomes a hard link to ``src`` (the same file, no copy), replacing any old ``dst`` atomically."""
-    if dst.exists() and os.path.samefile(src, dst):
-        return  # (renaming a link onto another link of the same file would do nothing and leave tmp behind)
-    tmp = dst.with_name(dst.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    os.link(src, tmp)
-    os.replace(tmp, dst)
-
-
-META_KEY = "__checkpoint__"  # a checkpoint's metadata (JSON bytes) inside its own .npz
-
-
-def complete_rows(text: str) -> list[dict[str, Any]]:
-    """The JSON rows of a metrics file up to the first incomplete one (a process killed mid-write)."""
-    rows = []
-    for line in text.splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return rows
-
-
-def save_state(path: Path, state: State, meta: dict[str, Any] | None = None) -> None:
-    """``state`` (nested dicts of tensors) and an optional JSON ``meta`` as one .npz, replaced atomically."""
-    arrays = to_numpy_flat(state)
-    if meta is not None:
-        arrays[META_KEY] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
-
-
-def load_state(path: Path, device: torch.device | None = None) -> State:
-    with np.load(path, allow_pickle=False) as arrays:
-        return from_numpy_flat({k: arrays[k] for k in arrays.files if k != META_KEY}, device)
-
-
-def checkpoint_meta(path: Path) -> dict[str, Any] | None:
-    """The JSON metadata stored by :func:`save_state` (None when the file has none)."""
-    with np.load(path, allow_pickle=False) as arrays:
-        return json.loads(arrays[META_KEY].tobytes()) if META_KEY in arrays.files else None
 
 
 def fingerprint_hp(hp: Any) -> dict[str, Any]:
@@ -363,24 +314,24 @@ class Simulation:
                 "best_val": result.best_val, "test_at_best": result.test_at_best, "wall_s": result.wall_s}
         # best.npz moves on at every improvement; best.ckpt.npz is the best state as of this checkpoint (a hard
         # link, no copy), what a run cut short at this checkpoint reports
-        if (self.out_dir / "best.npz").exists():
-            _atomic_link(self.out_dir / "best.npz", self.out_dir / "best.ckpt.npz")
+        if (self.out_dir / BEST).exists():
+            atomic_link(self.out_dir / BEST, self.out_dir / BEST_AT_CHECKPOINT)
         # the state and the round it belongs to land in one rename (the .npz): a kill between this and the
         # json below cannot make a resumed run apply a round twice; checkpoint.json is a readable mirror
-        save_state(self.out_dir / "checkpoint.npz", self.server_state, meta)
-        _atomic_write(self.out_dir / "checkpoint.json", json.dumps(meta).encode())
+        save_state(self.out_dir / CHECKPOINT, self.server_state, meta)
+        atomic_write(self.out_dir / CHECKPOINT_JSON, json.dumps(meta).encode())
 
     def _resume(self, result: RunResult) -> int:
         if self.out_dir is None:
             return 0
-        ckpt, legacy = self.out_dir / "checkpoint.npz", self.out_dir / "checkpoint.json"
+        ckpt, legacy = self.out_dir / CHECKPOINT, self.out_dir / CHECKPOINT_JSON
         meta = checkpoint_meta(ckpt) if ckpt.exists() else None
         if meta is None and ckpt.exists() and legacy.exists():  # a checkpoint written before the meta moved in
             meta = json.loads(legacy.read_text())
         if meta is None:
-            (self.out_dir / "metrics.jsonl").unlink(missing_ok=True)  # rows of an aborted, uncheckpointed run
+            (self.out_dir / METRICS).unlink(missing_ok=True)  # rows of an aborted, uncheckpointed run
             return 0
-        metrics = self.out_dir / "metrics.jsonl"
+        metrics = self.out_dir / METRICS
         # rows past the checkpoint are dropped (they will be recomputed identically)
         rows = [r for r in complete_rows(metrics.read_text()) if r["round"] < meta["rounds_done"]] \
             if metrics.exists() else []
@@ -393,7 +344,7 @@ class Simulation:
         result.best_round, result.best_val = meta["best_round"], meta["best_val"]
         result.test_at_best, result.wall_s = meta["test_at_best"], meta["wall_s"]
         if metrics.exists():
-            _atomic_write(metrics, "".join(json.dumps(r) + "\n" for r in rows).encode())
+            atomic_write(metrics, "".join(json.dumps(r) + "\n" for r in rows).encode())
             result.history = rows
         return int(meta["rounds_done"])
 
@@ -403,7 +354,7 @@ class Simulation:
         the checkpoint. Files record their round; older ones without it are trusted when they are no newer
         than the checkpoint, or when the run resumes at its own length (its replay rewrites best.npz)."""
         assert self.out_dir is not None
-        for path in (self.out_dir / "best.ckpt.npz", self.out_dir / "best.npz"):
+        for path in (self.out_dir / BEST_AT_CHECKPOINT, self.out_dir / BEST):
             if not path.exists():
                 continue
             recorded = checkpoint_meta(path)
@@ -426,7 +377,7 @@ class Simulation:
             result.best_round, result.best_val, result.test_at_best = r, row["val"], row["test"]
             self.best_state = tree_map(torch.clone, self.server_state)
             if self.out_dir is not None:
-                save_state(self.out_dir / "best.npz", self.server_state, {"round": r, "val": row["val"]})
+                save_state(self.out_dir / BEST, self.server_state, {"round": r, "val": row["val"]})
 
     def run(self) -> RunResult:
         result = RunResult()
@@ -434,7 +385,7 @@ class Simulation:
             self.out_dir.mkdir(parents=True, exist_ok=True)
         start_round = self._resume(result)
         if self.out_dir is not None and self.description is not None:
-            _atomic_write(self.out_dir / "run.json", json.dumps(self.description, indent=1, default=str).encode())
+            write_run(self.out_dir, self.description)
         if result.history:
             result.last = result.history[-1]
         if (0 < start_round == self.cfg.rounds and result.last.get("round") == start_round - 1
@@ -445,7 +396,7 @@ class Simulation:
             self._validate(start_round - 1, result.last, result)
             result.wall_s += time.perf_counter() - t0
             if self.out_dir is not None:
-                _atomic_write(self.out_dir / "metrics.jsonl",
+                atomic_write(self.out_dir / METRICS,
                               "".join(json.dumps(r) + "\n" for r in result.history).encode())
                 self._checkpoint(start_round - 1, result)
         end = self.cfg.rounds if self.cfg.stop_after is None else min(self.cfg.rounds, self.cfg.stop_after)
@@ -465,7 +416,7 @@ class Simulation:
             result.history.append(row)
             result.last = row
             if self.out_dir is not None:
-                with open(self.out_dir / "metrics.jsonl", "a") as fh:
+                with open(self.out_dir / METRICS, "a") as fh:
                     fh.write(json.dumps(row) + "\n")
                 if (r + 1) % self.cfg.checkpoint_every == 0 or last or r == end - 1:
                     self._checkpoint(r, result)

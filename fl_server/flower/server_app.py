@@ -13,6 +13,7 @@ Example (after a SuperLink and SuperNodes are up; the app folder is ``examples/f
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ from edge_sdk import btfl as btfl_math
 from fl_server.algorithms.base import Algorithm
 from export.run import BTFL_DLE_FILE
 from fl_server.algorithms.btfl import BTFL
-from fl_server.bench.runner import run_description
+from fl_server.bench.runner import protocol_description
 from fl_server.engine.simulation import save_state, select_clients
 from fl_server.flower.task import FlowerRecipe, check_supported
 from fl_server.flower.wire import record_to_state, state_to_record
@@ -164,7 +165,9 @@ def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
                                              for p in range(k)}, timeout, recipe.rounds)
         global_dle = btfl_math.average_dles([dles[node_of[p]]["dle"]["local_dle"].numpy() for p in range(k)])
         np.savez(run_dir / BTFL_DLE_FILE, global_dle=global_dle, dle_clients=np.array([k], dtype=np.int64))
-    description = run_description(recipe.protocol, recipe.method, run.algorithm, recipe.seed, run.input_shape,
-                                  run.num_classes)
-    description["engine"] = "flower"
+    # what `fl-server export` rebuilds the model from (fl_server.recipes.run.rebuild), as for an engine run
+    description = {"method": recipe.method, "hyper": dataclasses.asdict(run.algorithm.hp),
+                   "model": recipe.protocol.model, "input_shape": list(run.input_shape),
+                   "num_classes": run.num_classes, "seed": recipe.seed, **protocol_description(recipe.protocol),
+                   "engine": "flower"}
     (run_dir / "run.json").write_text(json.dumps(description, indent=1, default=str))

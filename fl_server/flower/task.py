@@ -28,7 +28,8 @@ import torch
 from fl_server.algorithms import build_algorithm, canonical_method
 from fl_server.algorithms.base import Algorithm, NotApplicable
 from fl_server.algorithms.btfl import BTFL
-from fl_server.bench.experiments import Protocol, get_experiment
+from fl_server.bench.experiments import get_experiment
+from fl_server.bench.protocol import Protocol
 from fl_server.bench.runner import build_federated
 from fl_server.data.federated import FederatedData
 from fl_server.engine.simulation import _EVAL, RunConfig, client_batches, client_rng, run_local_steps

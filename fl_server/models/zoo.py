@@ -26,12 +26,15 @@ class Classifier(nn.Module):
     """``forward(x) = head(features(x))``; ``feature_dim`` is the width of ``features``' output."""
 
     def __init__(self, features: nn.Module, feature_dim: int, num_classes: int,
-                 input_shape: InputShape | None = None, arch: str | None = None) -> None:
+                 input_shape: InputShape | None = None, arch: str | None = None,
+                 head: nn.Linear | None = None) -> None:
+        """``head``: a linear head to use (a user's model's own, see :mod:`fl_server.recipes.model`);
+        default: a fresh ``nn.Linear(feature_dim, num_classes)``."""
         super().__init__()
         self.input_shape = input_shape
-        self.arch = arch  # zoo name, e.g. "convnet" (set by build_model)
+        self.arch = arch  # zoo name, e.g. "convnet" (set by build_model); None for a recipe's own model
         self.features = features
-        self.head = nn.Linear(feature_dim, num_classes)
+        self.head = head if head is not None else nn.Linear(feature_dim, num_classes)
         self.feature_dim = feature_dim
         self.num_classes = num_classes
 

@@ -27,6 +27,8 @@ class ServiceConfig:
     workers: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_WORKERS", "1")))
     worker_threads: int = 1  # torch threads per training subprocess (the API keeps the other cores)
     data_dir: str | None = field(default_factory=lambda: os.environ.get("FL_DATA_DIR"))
+    # recipes an admin may name in a job (FILE[:NAME] for FILE.py in this directory); None: built-in ones only
+    recipes_dir: str | None = field(default_factory=lambda: os.environ.get("FL_SERVE_RECIPES_DIR"))
     admin_token: str | None = field(default_factory=lambda: os.environ.get("FL_ADMIN_TOKEN"))
     retry_after_s: int = 5
     max_body_bytes: int = 1 << 20  # 1 MiB: an embedding or a DLE is far smaller

@@ -81,12 +81,10 @@ class HypernetCache:
     def get(self, bundle: dict[str, Any]) -> FusedHypernet:
         with self._lock:
             if bundle["id"] not in self._loaded:
-                from fl_server.algorithms import build_algorithm
-                from fl_server.models import build_model
+                from fl_server.recipes.run import rebuild
 
                 m = bundle["manifest"]
-                model = build_model(m["model"], tuple(m["input_shape"]), m["num_classes"], seed=m["seed"])
-                algorithm = build_algorithm(m["method"], model, 1, seed=m["seed"], **m["hyperparameters"])
+                _, _, algorithm = rebuild({**m, "hyper": m["hyperparameters"]})
                 with np.load(self.artifacts.path(bundle["server"]["hn"]), allow_pickle=False) as arrays:
                     theta = {k: torch.from_numpy(arrays[k]).float() for k in arrays.files}
                 self._loaded[bundle["id"]] = FusedHypernet(algorithm, theta)

@@ -16,24 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from edge_sdk.bundle import MANIFEST, load_bundle
+from fl_server import rundir
+from fl_server.recipes.loader import resolve_in_dir
 from fl_server.service.artifacts import ArtifactStore
 from fl_server.service.config import ServiceConfig
 from fl_server.service.store import Store
 
 log = logging.getLogger("fl_server.service")
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """Complete JSON lines of a metrics file (a line being written is skipped until it is whole)."""
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return rows
 
 
 def import_bundle(store: Store, artifacts: ArtifactStore, job: dict[str, Any], job_dir: Path) -> str:
@@ -109,6 +98,8 @@ class JobRunner:
         job_dir = self.jobs_dir / job["id"]
         job_dir.mkdir(parents=True, exist_ok=True)
         spec = {**job["spec"], "data_dir": self.cfg.data_dir, "threads": self.cfg.worker_threads}
+        if spec.get("recipe"):  # FILE[:NAME] -> the file in the operator's recipe directory
+            spec["recipe"] = resolve_in_dir(self.cfg.recipes_dir, spec["recipe"])
         (job_dir / "spec.json").write_text(json.dumps(spec, indent=1))
         env = {**os.environ, "OMP_NUM_THREADS": str(self.cfg.worker_threads), "PYTHONPATH": _import_path(),
                "FL_COORDINATOR_PID": str(os.getpid())}
@@ -120,13 +111,13 @@ class JobRunner:
             try:
                 while proc.poll() is None:
                     self._stop.wait(self.cfg.poll_s)
-                    self.store.put_rounds(job["id"], read_metrics(job_dir / "run" / "metrics.jsonl"))
+                    self.store.put_rounds(job["id"], rundir.read_metrics(job_dir / "run"))
             finally:
                 with self._lock:
                     self._procs.pop(job["id"], None)
         if self._stop.is_set():
             return  # interrupted by shutdown: re-queued at the next start
-        self.store.put_rounds(job["id"], read_metrics(job_dir / "run" / "metrics.jsonl"))
+        self.store.put_rounds(job["id"], rundir.read_metrics(job_dir / "run"))
         if proc.returncode != 0:
             tail = (job_dir / "log.txt").read_text(errors="replace")[-2000:]
             self.store.set_job(job["id"], status="failed", finished=time.time(),

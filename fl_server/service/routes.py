@@ -11,6 +11,8 @@ from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, R
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from edge_sdk import btfl, tensors
+from fl_server.recipes.errors import RecipeError
+from fl_server.recipes.loader import resolve_in_dir
 from fl_server.service import schemas as S
 from fl_server.service.auth import Principal, require_admin, require_client
 from fl_server.service.dle import ShapeMismatch, view_json
@@ -217,7 +219,13 @@ def create_job(body: S.JobRequest, _: Principal = Depends(require_admin), svc: S
     """Start a training recipe on a data set and partition; it is exported and served when done."""
     if body.partition == "dirichlet" and body.alpha is None:
         raise HTTPException(422, "partition 'dirichlet' needs alpha")
-    job_id = svc.runner.submit(body.model_dump())
+    spec = body.model_dump(exclude_none=body.recipe is None)  # jobs without a recipe keep their former spec
+    if body.recipe is not None:
+        try:
+            resolve_in_dir(svc.cfg.recipes_dir, body.recipe)  # the file must exist now; the worker loads it
+        except RecipeError as exc:
+            raise HTTPException(404 if svc.cfg.recipes_dir else 422, str(exc)) from None
+    job_id = svc.runner.submit(spec)
     job = svc.store.job(job_id)
     assert job is not None
     return _job_view(svc, job, True)

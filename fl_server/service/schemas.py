@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fl_server.recipes.loader import RECIPE_NAME
 from fl_server.service.config import DATASETS, PARTITIONS, SERVABLE_METHODS
 
 MAX_EMBED_DIM = 4096
@@ -115,6 +116,11 @@ class JobRequest(Strict):
     rounds: int = Field(30, ge=1, le=1000)
     num_clients: int | None = Field(None, ge=2, le=1000, description="default: the data set's protocol")
     seed: int = Field(0, ge=0, le=2**31 - 1)
+    recipe: str | None = Field(None, pattern=RECIPE_NAME,
+                               description="FILE or FILE:NAME: a recipe from the operator's recipe directory "
+                                           "(FL_SERVE_RECIPES_DIR; no code is accepted over the network); its "
+                                           "model and data replace `dataset`, the fields above its method, rounds "
+                                           "and federation")
 
 
 class RoundRow(BaseModel):

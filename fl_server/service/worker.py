@@ -1,6 +1,6 @@
 """One training job in its own process: ``python -m fl_server.service.worker JOB_DIR``.
 
-Reads ``JOB_DIR/spec.json``, trains with the results harness (:func:`fl_server.bench.runner.run_seed`) in the
+Reads ``JOB_DIR/spec.json``, trains its recipe (:func:`job_recipe`, :func:`fl_server.recipes.train`) in the
 resumable run directory ``JOB_DIR/run`` (metrics.jsonl is the progress the coordinator reads), then exports
 the best-validation model to ``JOB_DIR/bundle`` (atomic). Server-only state (ODPFL-HN's hypernetwork theta)
 goes to ``JOB_DIR/server/hn.npz``. A killed worker is simply started again and resumes from its checkpoint
@@ -18,11 +18,14 @@ import json
 import os
 import signal
 import sys
-from dataclasses import replace
+import dataclasses
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:  # the recipes (torch) load after guard() has armed the death signal
+    from fl_server.recipes import Recipe
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -40,28 +43,39 @@ def guard(job_dir: Path) -> IO[str]:
     return lock
 
 
+def job_recipe(spec: dict[str, Any]) -> Recipe:
+    """The job's recipe: ``spec["recipe"]`` (``FILE.py[:NAME]`` in the operator's recipe directory, resolved by
+    the coordinator) or the built-in recipe of ``spec["dataset"]``; the request's method, rounds, clients,
+    partition and alpha replace the recipe's."""
+    from fl_server.recipes import load_recipe
+    from fl_server.recipes.presets import builtin_recipe
+
+    fed_changes = {k: spec[k] for k in ("num_clients", "partition", "alpha") if spec.get(k) is not None}
+    if spec.get("recipe"):
+        recipe = load_recipe(spec["recipe"])
+        federation = dataclasses.replace(recipe.federation, **fed_changes) if fed_changes else recipe.federation
+        return recipe.replace(method=spec["method"], rounds=int(spec.get("rounds") or recipe.rounds),
+                              federation=federation, hyper=recipe.hyper if recipe.method == spec["method"] else {})
+    changes = {**fed_changes, **({"rounds": spec["rounds"]} if spec.get("rounds") is not None else {})}
+    return builtin_recipe(spec["dataset"], spec["method"], spec.get("data_dir"), **changes)
+
+
 def run_job(job_dir: Path) -> None:
     import torch
 
     from export.run import export_run
-    from fl_server.bench.experiments import get_experiment
-    from fl_server.bench.runner import run_seed
+    from fl_server import rundir
+    from fl_server.recipes import train
 
     spec = json.loads((job_dir / "spec.json").read_text())
     torch.set_num_threads(int(spec.get("threads", 1)))
-    base = get_experiment("upfl-table1").protocols[spec["dataset"]]
-    changes = {k: spec[k] for k in ("rounds", "num_clients", "partition", "alpha") if spec.get(k) is not None}
-    protocol = replace(base, **changes)
+    recipe = job_recipe(spec)
     run_dir = job_dir / "run"
-    ckpt = run_dir / "checkpoint.json"
-    done = json.loads(ckpt.read_text())["rounds_done"] if ckpt.is_file() else 0
-    print(f"worker {os.getpid()}: training from round {done} of {protocol.rounds}", flush=True)
-    run_seed(protocol, spec["method"], int(spec.get("seed", 0)), run_dir, device=spec.get("device", "auto"),
-             progress=False, data_root=spec.get("data_dir"), test_at_best_only=True,
-             checkpoint_every=int(spec.get("checkpoint_every", 1)))
+    print(f"worker {os.getpid()}: training from round {rundir.rounds_done(run_dir)} of {recipe.rounds}", flush=True)
+    train(recipe, run_dir, seed=int(spec.get("seed", 0)), device=spec.get("device", "auto"), progress=False,
+          data_root=spec.get("data_dir"), test_at_best_only=True, checkpoint_every=int(spec.get("checkpoint_every", 1)))
     export_run(run_dir, job_dir / "bundle", data_root=spec.get("data_dir"))
-    with np.load(run_dir / "best.npz", allow_pickle=False) as arrays:
-        hn = {k[len("hn/"):]: arrays[k] for k in arrays.files if k.startswith("hn/")}
+    hn = rundir.best_arrays(run_dir, "hn")
     if hn:
         (job_dir / "server").mkdir(exist_ok=True)
         tmp = job_dir / "server" / "hn.tmp.npz"

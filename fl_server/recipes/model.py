@@ -1,0 +1,124 @@
+"""A recipe's model: a zoo name or the user's own ``torch.nn.Module`` (:class:`ModelSpec`), as a
+:class:`~fl_server.models.Classifier` (``features`` then a linear ``head``), which every method builds on.
+
+>>> from torch import nn
+>>> from fl_server.recipes import ModelSpec
+>>> class Net(nn.Module):
+...     def __init__(self, input_shape, num_classes):
+...         super().__init__()
+...         self.body = nn.Sequential(nn.Flatten(), nn.Linear(input_shape[0] * input_shape[1] * input_shape[2], 32),
+...                                   nn.ReLU())
+...         self.fc = nn.Linear(32, num_classes)
+...     def forward(self, x):
+...         return self.fc(self.body(x))
+>>> ModelSpec(Net, head="fc").build((1, 8, 8), 10, seed=0).feature_dim
+32
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Union
+
+import torch
+from torch import nn
+
+from fl_server.models import MODELS, Classifier, build_model
+from fl_server.recipes.errors import RecipeError
+
+InputShape = tuple[int, int, int]
+HeadSplit = Callable[[nn.Module], tuple[nn.Module, nn.Module]]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The user's model: ``factory(input_shape (C, H, W), num_classes) -> nn.Module`` and where its linear head is:
+    ``head`` is the attribute name of the last ``nn.Linear`` (dotted for nested ones: ``"classifier.2"``), which
+    ``forward`` applies last, or a callable ``model -> (features, head)``. ``name`` labels runs and bundles."""
+
+    factory: Callable[[InputShape, int], nn.Module]
+    head: Union[str, HeadSplit] = "fc"
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not callable(self.factory):
+            raise RecipeError(f"model: ModelSpec factory must be callable (input_shape, num_classes) -> nn.Module, "
+                              f"got {type(self.factory).__name__}")
+        if not (isinstance(self.head, str) and self.head) and not callable(self.head):
+            raise RecipeError("model: ModelSpec head must name the linear head attribute (e.g. 'fc') or be a "
+                              "callable model -> (features, head)")
+
+    @property
+    def label(self) -> str:
+        return self.name or getattr(self.factory, "__name__", "custom")
+
+    def build(self, input_shape: InputShape, num_classes: int, seed: int | None = None) -> Classifier:
+        """A fresh classifier (weights seeded by ``seed``, the global torch RNG untouched)."""
+        with torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed)
+            net = self.factory(tuple(input_shape), num_classes)  # type: ignore[arg-type]
+        if not isinstance(net, nn.Module):
+            raise RecipeError(f"model: the factory returned {type(net).__name__}, not a torch.nn.Module")
+        features, head = self._split(net)
+        if not isinstance(head, nn.Linear):
+            raise RecipeError(f"model: the head ({_where(self.head)}) is {type(head).__name__}, not torch.nn.Linear; "
+                              f"the methods need a linear head on the features: name the model's last nn.Linear "
+                              f"(ModelSpec(head='fc')) or split it with head=callable(model) -> (features, linear)")
+        if head.out_features != num_classes:
+            raise RecipeError(f"model: the head has {head.out_features} outputs but the data has {num_classes} "
+                              f"classes; build the head with num_classes outputs (the factory receives it)")
+        return Classifier(features, head.in_features, num_classes, tuple(input_shape), None,  # type: ignore[arg-type]
+                          head=head)
+
+    def _split(self, net: nn.Module) -> tuple[nn.Module, nn.Module]:
+        if callable(self.head):
+            parts = self.head(net)
+            if not (isinstance(parts, tuple) and len(parts) == 2 and isinstance(parts[0], nn.Module)):
+                raise RecipeError("model: the head callable must return (features module, head module)")
+            return parts
+        try:
+            head = net.get_submodule(self.head)
+        except AttributeError:
+            raise RecipeError(f"model: {type(net).__name__} has no submodule {self.head!r}; name its linear head "
+                              f"(ModelSpec(head='classifier')) or pass head=callable(model) -> (features, head)") from None
+        parent, _, leaf = self.head.rpartition(".")
+        setattr(net.get_submodule(parent) if parent else net, leaf, nn.Identity())  # net(x) now gives the features
+        return net, head
+
+
+def _where(head: Union[str, HeadSplit]) -> str:
+    return f"attribute {head!r}" if isinstance(head, str) else "returned by the head callable"
+
+
+def build_classifier(model: Union[str, ModelSpec], input_shape: InputShape, num_classes: int,
+                     seed: int | None = None) -> Classifier:
+    """A zoo model by name or the user's :class:`ModelSpec`, for inputs ``[N, *input_shape]``."""
+    if isinstance(model, ModelSpec):
+        return model.build(input_shape, num_classes, seed)
+    if model not in MODELS:
+        raise RecipeError(f"model: unknown zoo model {model!r}; choose one of {', '.join(MODELS)} or pass "
+                          f"ModelSpec(factory, head) for your own nn.Module")
+    return build_model(model, input_shape, num_classes, seed=seed)
+
+
+def check_classifier(clf: Classifier, input_shape: InputShape) -> None:
+    """Raise :class:`RecipeError` unless ``clf`` reads a batch of ``input_shape`` and its features are
+    ``[N, D]`` with D the head's input width, and it keeps no buffers (the engine's state is parameters only)."""
+    for name, buf in clf.named_buffers():
+        owner = clf.get_submodule(name.rpartition(".")[0]) if "." in name else clf
+        raise RecipeError(f"model: {type(owner).__name__} at {name.rpartition('.')[0] or 'the top'} keeps buffer "
+                          f"{name.rpartition('.')[2]!r} (e.g. BatchNorm running statistics), which the functional "
+                          f"engine cannot carry; use fl_server.models.norm.StatBatchNorm2d or nn.GroupNorm")
+    shape = [2, *input_shape]
+    try:
+        with torch.no_grad():
+            z = clf.features(torch.zeros(shape))
+    except Exception as exc:  # noqa: BLE001 - any failure of the user's forward is the same mistake
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RecipeError(f"model: a batch of the data's shape {shape} fails in the model's forward ({first}); "
+                          f"build the model for input_shape (the factory receives it) or resize the images "
+                          f"(Preprocess(size=(H, W)))") from None
+    if z.ndim != 2 or z.shape[1] != clf.feature_dim:
+        raise RecipeError(f"model: the features (everything before the head) give shape {list(z.shape)} but the head "
+                          f"reads {clf.feature_dim} values per sample; flatten the features to [N, "
+                          f"{clf.feature_dim}] before the head")

@@ -1,0 +1,139 @@
+"""Train a recipe: its clients, its engine run, its run directory; and a finished run's recipe and method again.
+
+>>> from fl_server.recipes import train
+>>> from fl_server.recipes.presets import builtin_recipe
+>>> record = train(builtin_recipe("digits", "FedAvg", rounds=2), "runs/doc", progress=False)  # doctest: +SKIP
+>>> record["best_round"] in (0, 1)  # doctest: +SKIP
+True
+"""
+from __future__ import annotations
+
+import dataclasses
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from edge_sdk.preprocess import Preprocess
+from fl_server.algorithms import Algorithm, build_algorithm
+from fl_server.data.federated import (FederatedData, hold_out_validation_clients, make_federated,
+                                     natural_federated)
+from fl_server.device import describe
+from fl_server.engine import RunConfig, Simulation
+from fl_server.models import Classifier
+from fl_server.recipes.data import BUILTINS, DataSpec
+from fl_server.recipes.errors import RecipeError
+from fl_server.recipes.loader import load_recipe
+from fl_server.recipes.recipe import Federation, Recipe
+
+
+def federate(recipe: Recipe, seed: int = 0, data_root: str | None = None) -> FederatedData:
+    """The recipe's clients for ``seed``: its data preprocessed, partitioned (or the data's own client ids),
+    new clients and validation drawn from ``seed``."""
+    dataset = recipe.data.dataset(recipe.preprocess, data_root)  # type: ignore[arg-type]
+    f = recipe.federation
+    if f.partition == "natural":
+        fed = natural_federated(dataset, recipe.data.client_ids, f.new_fraction, f.val_fraction, seed)  # type: ignore[arg-type]
+    else:
+        fed = make_federated(dataset, f.partition or "pathological", f.num_clients, f.new_fraction, f.val_fraction,
+                             seed=seed, alpha=f.alpha, public_size=f.public_size)
+    if f.val_clients:
+        fed = hold_out_validation_clients(fed, f.val_clients)
+    if fed.num_train_clients < 1:
+        raise RecipeError(f"federation: no training clients ({len(fed.new)} clients, all new); lower new_fraction")
+    return fed
+
+
+def invocation() -> str:
+    """The command line of this process (the record of how a run was made)."""
+    return " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]])
+
+
+def describe_run(recipe: Recipe, algorithm: Algorithm, fed: FederatedData, seed: int) -> dict[str, Any]:
+    """``run.json``: what ``fl-server export`` needs to rebuild the model around ``best.npz``."""
+    return {"method": recipe.method, "hyper": dataclasses.asdict(algorithm.hp), "model": recipe.model_name,
+            "dataset": recipe.data.name, "input_shape": list(recipe.input_shape), "num_classes": recipe.num_classes,
+            "seed": seed, "recipe": recipe.source, "data": recipe.data.describe(),
+            "federation": dataclasses.asdict(recipe.federation),
+            "preprocess": recipe.preprocess.to_dict(),  # type: ignore[union-attr]
+            "command": invocation()}
+
+
+def simulation(recipe: Recipe, seed: int = 0, run_dir: str | Path | None = None, device: str = "auto",
+               mode: str = "auto", progress: bool = True, data_root: str | None = None,
+               fed: FederatedData | None = None, test_at_best_only: bool = True, checkpoint_every: int = 10,
+               description: dict[str, Any] | None = None, **engine: Any) -> Simulation:
+    """The engine run of ``recipe`` for ``seed`` (``run()`` writes ``run.json`` into ``run_dir``). ``fed``: clients
+    built by the caller (the bench's protocols that are not a recipe federation); ``description``: extra
+    ``run.json`` fields; ``engine``: further :class:`~fl_server.engine.RunConfig` fields (``dtype``,
+    ``batch_stream``)."""
+    fed = fed if fed is not None else federate(recipe, seed, data_root)
+    model = recipe.build_model(seed)
+    algorithm = recipe.build_algorithm(model, fed.num_train_clients, seed)
+    cfg = RunConfig(rounds=recipe.rounds, local_iterations=recipe.local_iterations, batch_size=recipe.batch_size,
+                    client_fraction=recipe.federation.client_fraction, eval_every=recipe.eval_every, seed=seed,
+                    mode=mode, device=device, out_dir=str(run_dir) if run_dir else None, progress=progress,
+                    test_at_best_only=test_at_best_only, checkpoint_every=checkpoint_every, **engine)
+    return Simulation(algorithm, fed, cfg, {**describe_run(recipe, algorithm, fed, seed), **(description or {})})
+
+
+def train(recipe: Recipe, run_dir: str | Path, seed: int = 0, device: str = "auto", progress: bool = True,
+          mode: str = "auto", data_root: str | None = None, test_at_best_only: bool = False,
+          checkpoint_every: int = 10) -> dict[str, Any]:
+    """Train ``recipe`` into ``run_dir`` (resumable; ``fl-server export RUN_DIR`` makes its bundle); returns the
+    record: best validation accuracy and round, the new clients' accuracy there, wall time, device."""
+    sim = simulation(recipe, seed, run_dir, device, mode, progress, data_root, None, test_at_best_only,
+                     checkpoint_every)
+    result = sim.run()
+    return {"recipe": recipe.name or recipe.source or recipe.model_name, "dataset": recipe.data.name,
+            "method": recipe.method, "seed": seed, "model": recipe.model_name, "rounds": recipe.rounds,
+            "best_round": result.best_round, "val": 100 * result.best_val,
+            "test": None if result.test_at_best is None else 100 * result.test_at_best,
+            "wall_s": round(result.wall_s, 2), "device": describe(sim.device), "mode": sim.mode,
+            "hyper": sim.algorithm.hp.__dict__, "eval_every": recipe.eval_every, "host": platform.node(),
+            "curve": [{"round": r["round"], "val": r.get("val"), "test": r.get("test")}
+                      for r in result.history if "val" in r]}
+
+
+# ---------------------------------------------------------------------- a finished run, again
+def recipe_of_run(run: dict[str, Any], data_root: str | None = None) -> Recipe:
+    """The recipe a ``run.json`` was trained from: its source file (``"recipe"``) when it has one, else the
+    built-in data set and zoo model it names (with its federation, or the bench's ``protocol``)."""
+    if run.get("recipe"):
+        return load_recipe(run["recipe"])
+    if run.get("data", {}).get("builtin") is None and run["dataset"] not in BUILTINS:
+        raise RecipeError(f"the run of {run['dataset']!r} names no recipe file (its recipe was built in Python): "
+                          f"pass the recipe (export_run(run_dir, dest, recipe=recipe)) or train with fl-server train "
+                          f"--recipe FILE.py:NAME")
+    fed = run.get("federation") or run.get("protocol") or {}
+    keys = {f.name for f in dataclasses.fields(Federation)}
+    data = run.get("data") or {}
+    split = data.get("split") or (run.get("protocol") or {}).get("split", "all")
+    return Recipe(model=run["model"], data=DataSpec.builtin(run["dataset"], data_root, split=split),
+                  federation=Federation(**{k: v for k, v in fed.items() if k in keys}), method=run["method"],
+                  preprocess=Preprocess.from_dict(run["preprocess"]) if run.get("preprocess") else None)
+
+
+def rebuild(run: dict[str, Any], data_root: str | None = None, num_train_clients: int = 1,
+            recipe: Recipe | None = None) -> tuple[Recipe, Classifier, Algorithm]:
+    """(recipe, model, method) of a finished run, with its recorded hyperparameters (``fl-server export``);
+    ``recipe``: the run's recipe when its run.json names no file (built in Python)."""
+    recipe = recipe if recipe is not None else recipe_of_run(run, data_root)
+    model = recipe.build_model(run["seed"])
+    if list(model.input_shape or ()) != list(run["input_shape"]):  # type: ignore[arg-type]
+        raise RecipeError(f"the recipe {run.get('recipe')} now builds inputs {list(model.input_shape or ())}, the "
+                          f"run trained on {run['input_shape']}; restore the recipe the run was trained with")
+    hyper = {k: v for k, v in run["hyper"].items() if not (k == "encoder_model" and v == "recipe")}
+    factory = None if isinstance(recipe.model, str) else recipe.model_factory()
+    algorithm = build_algorithm(recipe.method, model, num_train_clients, seed=run["seed"], model_factory=factory,
+                                **hyper)
+    return recipe, model, algorithm
+
+
+def client_data(run: dict[str, Any], data_root: str | None = None, recipe: Recipe | None = None) -> FederatedData:
+    """The clients of a finished run (BTFL's export averages the training clients' DLEs)."""
+    return federate(recipe if recipe is not None else recipe_of_run(run, data_root), run["seed"], data_root)
+
+
+__all__ = ["client_data", "federate", "rebuild", "recipe_of_run", "simulation", "train"]
