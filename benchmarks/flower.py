@@ -92,7 +92,7 @@ def simulation(config: dict[str, Any], run_dir: Path, cpus: int) -> dict[str, An
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--clients", type=int, default=5, help="training clients = SuperNodes of the deployment")
+    ap.add_argument("--clients", type=int, default=3, help="training clients = SuperNodes of the deployment")
     ap.add_argument("--rounds", type=int, default=5, help=">= 3: the first and the validated last are not timed")
     ap.add_argument("--local-iterations", type=int, default=20)
     ap.add_argument("--batch-size", type=int, default=64)
