@@ -30,8 +30,7 @@ RECIPE = {"dataset": "mnist", "num-clients": 10, "new-fraction": 0.7, "max-sampl
 def in_process(config: dict) -> tuple[dict[str, np.ndarray], float]:
     """The engine's final server state and last-round validation for the same recipe (per-client batches)."""
     recipe = FlowerRecipe.from_config(config)
-    sim = build_simulation(recipe.protocol, recipe.method, recipe.seed, None, device="cpu", mode="loop",
-                           progress=False, batch_stream="per_client", dtype=recipe.dtype)
+    sim = recipe.in_process()
     for r in range(recipe.rounds):
         sim.run_round(r)
     return to_numpy_flat(sim.server_state), sim.evaluate_val(recipe.rounds - 1)
@@ -221,3 +220,50 @@ def test_flower_benchmark_runs_at_smoke_size(tmp_path: Path, data_root: Path) ->
                  "flower_simulation_many"):
         assert result[path]["median_s_per_round"] > 0, path
     assert result["flower_simulation_many"]["clients"] == 20
+
+
+USER_RECIPE = '''
+import os
+import numpy as np
+from torch import nn
+from fl_server.data import load_dataset
+from fl_server.recipes import DataSpec, Federation, ModelSpec, Recipe
+
+
+class TinyNet(nn.Module):
+    """A user's own CNN, its linear head at ``fc``."""
+
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(input_shape[0], 4, 3, stride=2), nn.GroupNorm(2, 4), nn.ReLU(),
+                                  nn.Flatten(), nn.Linear(4 * 13 * 13, 16), nn.ReLU())
+        self.fc = nn.Linear(16, num_classes)
+
+    def forward(self, x):
+        return self.fc(self.body(x))
+
+
+fashion = load_dataset("fashion_mnist", root=os.environ["FL_DATA_DIR"], split="test")
+idx = np.random.default_rng(0).choice(len(fashion), 600, replace=False)
+x = np.round(fashion.x[idx] * 255).astype(np.uint8).transpose(0, 2, 3, 1)  # raw NHWC images
+RECIPE = Recipe(model=ModelSpec(TinyNet, head="fc"), data=DataSpec.from_arrays(x, fashion.y[idx], layout="NHWC"),
+                federation=Federation(partition="iid", num_clients=3, new_fraction=0.0), method="FedTTA",
+                rounds=2, local_iterations=3, batch_size=16, hyper={"inner_lr": 0.05, "lr": 0.1, "adapt_lr": 0.001})
+'''
+
+
+def test_a_users_recipe_file_trains_on_flower_like_in_process(tmp_path: Path, data_root: Path) -> None:
+    """Any recipe (here a user's nn.Module on raw uint8 arrays, loaded from its file on every side) trains through
+    the Flower app's two sides to the in-process engine's weights."""
+    source = tmp_path / "my_recipe.py"
+    source.write_text(USER_RECIPE)
+    config = {"recipe": f"{source}:RECIPE", "dtype": "float64", "seed": 0}
+    recipe = FlowerRecipe.from_config(config)
+    assert recipe.user is not None and recipe.method == "FedTTA" and recipe.rounds == 2
+    run, parts, _ = flower_rounds_without_transport(config)
+    assert len(parts) == 3 and parts[0].x_train.dtype == np.float32  # preprocessed by the recipe on the client
+    flower = to_numpy_flat(run.server_state)
+    engine, _ = in_process(config)
+    assert sorted(flower) == sorted(engine)
+    diff = max(float(np.abs(flower[k] - engine[k]).max()) for k in engine)
+    assert diff <= 1e-6, diff

@@ -33,6 +33,7 @@ from fl_server.engine.simulation import save_state, select_clients
 from fl_server.flower.task import FlowerRecipe, check_supported
 from fl_server.flower.wire import record_to_state, state_to_record
 from fl_server.functional import State, stack, unstack
+from fl_server.recipes.run import describe_run
 
 app = ServerApp()
 
@@ -141,7 +142,7 @@ def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
     best_val, best, t_start = float("-inf"), run.server_state, time.perf_counter()
     for r in range(recipe.rounds):
-        ids = select_clients(k, recipe.protocol.client_fraction, recipe.seed, r)
+        ids = select_clients(k, recipe.client_fraction, recipe.seed, r)
         payloads = dict(zip((node_of[int(i)] for i in ids), run.train_payloads(ids, r)))
         replies = _exchange(grid, "train", payloads, timeout, r)
         run.aggregate(ids, [record_to_state(replies[node_of[int(i)]]["state"]) for i in ids])
@@ -166,8 +167,11 @@ def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
         global_dle = btfl_math.average_dles([dles[node_of[p]]["dle"]["local_dle"].numpy() for p in range(k)])
         np.savez(run_dir / BTFL_DLE_FILE, global_dle=global_dle, dle_clients=np.array([k], dtype=np.int64))
     # what `fl-server export` rebuilds the model from (fl_server.recipes.run.rebuild), as for an engine run
-    description = {"method": recipe.method, "hyper": dataclasses.asdict(run.algorithm.hp),
-                   "model": recipe.protocol.model, "input_shape": list(run.input_shape),
-                   "num_classes": run.num_classes, "seed": recipe.seed, **protocol_description(recipe.protocol),
-                   "engine": "flower"}
+    if recipe.user:
+        description = describe_run(recipe.user, run.algorithm, None, recipe.seed)  # type: ignore[arg-type]
+    else:
+        description = {"method": recipe.method, "hyper": dataclasses.asdict(run.algorithm.hp),
+                       "model": recipe.protocol.model, "input_shape": list(run.input_shape),
+                       "num_classes": run.num_classes, "seed": recipe.seed, **protocol_description(recipe.protocol)}
+    description["engine"] = "flower"
     (run_dir / "run.json").write_text(json.dumps(description, indent=1, default=str))

@@ -30,29 +30,34 @@ from fl_server.algorithms.base import Algorithm, NotApplicable
 from fl_server.algorithms.btfl import BTFL
 from fl_server.bench.experiments import get_experiment
 from fl_server.bench.protocol import Protocol
-from fl_server.bench.runner import build_federated
+from fl_server.bench.runner import build_federated, build_simulation
 from fl_server.data.federated import FederatedData
-from fl_server.engine.simulation import _EVAL, RunConfig, client_batches, client_rng, run_local_steps
+from fl_server.engine.simulation import _EVAL, Simulation, client_batches, client_rng, run_local_steps
 from fl_server.functional import State, stack, unstack
 from fl_server.models import build_model
+from fl_server.recipes import Recipe, load_recipe
+from fl_server.recipes.run import federate, simulation
 
 # run-config key -> Protocol field: what a run may override of its experiment's protocol
 _PROTOCOL_KEYS = {"num-clients": "num_clients", "new-fraction": "new_fraction", "val-fraction": "val_fraction",
                   "rounds": "rounds", "local-iterations": "local_iterations", "batch-size": "batch_size",
                   "client-fraction": "client_fraction", "partition": "partition", "model": "model"}
 _KNOWN = {"experiment", "dataset", "method", "seed", "dtype", "eval-every", "run-dir", "data-dir", "max-samples",
-          "round-timeout", "min-nodes", *_PROTOCOL_KEYS}
+          "round-timeout", "min-nodes", "recipe", *_PROTOCOL_KEYS}
 
 
 @dataclass(frozen=True)
 class FlowerRecipe:
-    """One federated run: the experiment's protocol (with the run config's overrides), method, seed, dtype."""
+    """One federated run: a user's recipe (run config ``recipe = "FILE.py[:NAME]"``, the same file on every
+    machine; it then sets model, data, federation, method and rounds, the run config only seed, dtype and
+    validation) or an experiment's protocol with the run config's overrides; method, seed, dtype."""
 
     protocol: Protocol
     method: str
     seed: int = 0
     dtype: str = "float32"
     eval_every: int = 0  # 0: validate the last round only
+    user: Recipe | None = None
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> FlowerRecipe:
@@ -75,27 +80,43 @@ class FlowerRecipe:
         dtype = str(cfg.get("dtype", "float32"))
         if dtype not in ("float32", "float64"):
             raise ValueError(f"dtype {dtype!r}: use 'float32' or 'float64'")
-        return cls(dataclasses.replace(protocol, **changes), method, int(cfg.get("seed", 0)), dtype,
-                   int(cfg.get("eval-every", 0)))
+        user = load_recipe(str(cfg["recipe"])) if cfg.get("recipe") else None
+        return cls(dataclasses.replace(protocol, **changes), user.method if user else method, int(cfg.get("seed", 0)),
+                   dtype, int(cfg.get("eval-every", 0)), user)
 
     @property
     def rounds(self) -> int:
-        return self.protocol.rounds_for(self.method)
+        return self.user.rounds if self.user else self.protocol.rounds_for(self.method)
+
+    @property
+    def local_iterations(self) -> int:
+        return self.user.local_iterations if self.user else self.protocol.local_iterations
+
+    @property
+    def batch_size(self) -> int:
+        return self.user.batch_size if self.user else self.protocol.batch_size
+
+    @property
+    def client_fraction(self) -> float:
+        return self.user.federation.client_fraction if self.user else self.protocol.client_fraction
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
-    def engine_config(self, out_dir: str | None = None, mode: str = "loop") -> RunConfig:
-        """The in-process engine's configuration of the same run (per-client batch streams)."""
-        return RunConfig(rounds=self.rounds, local_iterations=self.protocol.local_iterations,
-                         batch_size=self.protocol.batch_size, client_fraction=self.protocol.client_fraction,
-                         seed=self.seed, dtype=self.dtype, mode=mode, device="cpu", out_dir=out_dir,
-                         progress=False, batch_stream="per_client",
-                         eval_every=self.eval_every or self.rounds)
+    def in_process(self, data_root: str | None = None, mode: str = "loop") -> Simulation:
+        """The in-process engine's run of the same recipe, clients and batch draws (``batch_stream="per_client"``):
+        what a Flower run of it equals."""
+        engine = {"batch_stream": "per_client", "dtype": self.dtype}
+        if self.user:
+            return simulation(self.user, self.seed, None, "cpu", mode, False, data_root, **engine)
+        return build_simulation(self.protocol, self.method, self.seed, None, device="cpu", mode=mode,
+                                progress=False, data_root=data_root, **engine)
 
     def build_algorithm(self, input_shape: tuple[int, ...], num_classes: int, num_train_clients: int) -> Algorithm:
         """The method object, with the same initial weights on every side (seeded like the engine's runner)."""
+        if self.user:
+            return self.user.build_algorithm(self.user.build_model(self.seed), num_train_clients, self.seed)
         model = build_model(self.protocol.model, input_shape, num_classes, seed=self.seed)
         return build_algorithm(self.method, model, num_train_clients, seed=self.seed,
                                **self.protocol.method_hp.get(self.method, {}))
@@ -125,10 +146,11 @@ def load_partition(recipe: FlowerRecipe, partition_id: int, data_root: str | Non
     """Training client ``partition_id``'s data under the recipe's federation (what a SuperNode of a test or a
     benchmark loads; a user's own ClientApp loads its own data instead). Keeps copies of that client's samples
     only."""
-    key = (repr(recipe.protocol), recipe.seed, data_root)
+    key = (repr(recipe.user or recipe.protocol), recipe.seed, data_root)
     if key not in _FEDERATIONS:  # one build per process (a simulation's worker serves many clients)
         _FEDERATIONS.clear()
-        _FEDERATIONS[key] = build_federated(recipe.protocol, recipe.seed, data_root)
+        _FEDERATIONS[key] = (federate(recipe.user, recipe.seed, data_root) if recipe.user
+                             else build_federated(recipe.protocol, recipe.seed, data_root))
     fed = _FEDERATIONS[key]
     if not 0 <= partition_id < fed.num_train_clients:
         raise ValueError(f"partition-id {partition_id} out of range: the recipe has {fed.num_train_clients} "
@@ -146,8 +168,7 @@ def client_train(algorithm: Algorithm, start: State, server: State, data: Client
     dtype = recipe.torch_dtype
     x = torch.from_numpy(data.x_train).to(dtype)
     y = torch.from_numpy(data.y_train)
-    p = recipe.protocol
-    batches = client_batches([np.arange(len(data.y_train))], p.local_iterations, p.batch_size,
+    batches = client_batches([np.arange(len(data.y_train))], recipe.local_iterations, recipe.batch_size,
                              client_rng(recipe.seed, round_, data.partition_id))
     out = run_local_steps(algorithm.local_step, stack([start]), server, x, y, torch.from_numpy(batches), "loop",
                           step_at=algorithm.local_step_at)
@@ -194,7 +215,7 @@ def client_validation(algorithm: Algorithm, server: State, data: ClientData, rec
         x_tr, y_tr = torch.from_numpy(data.x_train).to(recipe.torch_dtype), torch.from_numpy(data.y_train)
 
         def trainer(step, states, server_state, ids, iterations, step_at=None):  # type: ignore[no-untyped-def]
-            batches = client_batches([np.arange(len(y_tr))], iterations, recipe.protocol.batch_size,
+            batches = client_batches([np.arange(len(y_tr))], iterations, recipe.batch_size,
                                      np.random.default_rng([recipe.seed, round_, _EVAL, data.partition_id]))
             return run_local_steps(step, states, server_state, x_tr, y_tr, torch.from_numpy(batches), "loop",
                                    step_at=step_at)
