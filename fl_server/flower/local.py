@@ -52,7 +52,8 @@ class LocalDeployment:
         self.procs: list[subprocess.Popen] = []
         bin_dir = str(Path(sys.executable).parent)  # flower-superexec and flwr-clientapp must be on PATH
         self.env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
-                    "FLWR_HOME": str(self.workdir / "flwr-home"), "OMP_NUM_THREADS": "1", **(env or {})}
+                    "FLWR_HOME": str(self.workdir / "flwr-home"), "OMP_NUM_THREADS": "1",
+                    "FLWR_DISABLE_UPDATE_CHECK": "1", **(env or {})}  # no call home from tests and benchmarks
         self.port = 0
 
     def _spawn(self, argv: list[str], log: Path) -> subprocess.Popen:
