@@ -121,6 +121,7 @@ def main() -> int:
                 "deployment engine (loopback) vs Flower simulation engine (Ray), one run",
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
         "device": f"cpu ({os.cpu_count()} cores), torch threads 1, {platform.processor() or platform.machine()}",
+        "load_average_at_start": [round(v, 2) for v in os.getloadavg()],  # a shared machine: others' work too
         "torch": torch.__version__, "flwr": __import__("flwr").__version__, "ray": _ray_version(),
         "work": {k: same[k] for k in ("num-clients", "rounds", "local-iterations", "batch-size")},
     }
