@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml setup.py edge_sdk/pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found (Python 3.11 is required; set PYTHON=...)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,flower]'
 	@# the coordinator requires the SDK from ./edge_sdk by path (setup.py); make that copy editable too
 	$(BIN)/pip install -q --no-deps -e ./edge_sdk --config-settings editable_mode=compat
 	@touch $(STAMP)

@@ -74,15 +74,21 @@ def training_global_dle(algorithm: BTFL, server_state: State, run: dict[str, Any
 
 def export_btfl_run(algorithm: BTFL, server_state: State, run: dict[str, Any], dest: str | os.PathLike,
                     extra: dict[str, Any], data_root: str | None = None,
-                    signer: ManifestSigner | None = None, recipe: Recipe | None = None) -> Path:
-    """The served BTFL bundle: graphs ``features`` and ``forward``, weights ``params`` and ``btfl``."""
+                    signer: ManifestSigner | None = None, recipe: Recipe | None = None,
+                    global_dle: tuple[np.ndarray, int] | None = None) -> Path:
+    """The served BTFL bundle: graphs ``features`` and ``forward``, weights ``params`` and ``btfl``.
+    ``global_dle``: (DLE, clients) uploaded by the clients of a Flower run (no data re-read here)."""
     params = {n: v.detach().float().cpu() for n, v in server_state["params"].items()}
     state = {"params": params, "local_heads": server_state["local_heads"].float()}
-    global_dle, clients, mu_global = training_global_dle(algorithm, state, run, data_root, recipe)
+    if global_dle is not None:  # a Flower run: the clients' uploads (no FedTHE prototype: mu_global is left out)
+        (global_dle, clients), mu_global = global_dle, None
+    else:
+        global_dle, clients, mu_global = training_global_dle(algorithm, state, run, data_root, recipe)
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         graphs = export_specs({"features": btfl_features_spec(algorithm, params),
                                "forward": forward_spec(algorithm.model, params)}, Path(tmp))
-        weights = {"params": {n: v.numpy() for n, v in params.items()},
-                   "btfl": {"global_dle": global_dle, "dle_clients": np.array([clients], dtype=np.int64),
-                            "mu_global": np.asarray(mu_global, dtype=np.float64)}}
+        served = {"global_dle": global_dle, "dle_clients": np.array([clients], dtype=np.int64)}
+        if mu_global is not None:
+            served["mu_global"] = np.asarray(mu_global, dtype=np.float64)
+        weights = {"params": {n: v.numpy() for n, v in params.items()}, "btfl": served}
         return write_bundle(dest, graphs, weights, algorithm.name, asdict(algorithm.hp), extra=extra, signer=signer)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from export.btfl import export_btfl_run
@@ -20,6 +21,8 @@ from fl_server.models.norm import calibrate, statistics, stat_norms
 from fl_server.recipes import Recipe
 from fl_server.recipes.run import client_data, rebuild
 from fl_server.signing import ManifestSigner
+
+BTFL_DLE_FILE = "btfl_dle.npz"  # a Flower BTFL run's global DLE, uploaded by its clients (fl_server.flower)
 
 
 BATCH_NORM_RULE = {"statistics": "federated", "min_batch": 16, "small_batch": "running", "ema_momentum": 0.1}
@@ -45,7 +48,13 @@ def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_r
     if isinstance(algorithm, BTFL):
         if int8:
             raise ValueError("--int8 is not available for BTFL bundles")
-        return export_btfl_run(algorithm, rundir.load_best(run_dir), run, dest, extra, data_root, signer, recipe)
+        uploaded = None
+        dle_file = Path(run_dir) / BTFL_DLE_FILE
+        if dle_file.is_file():  # a Flower run: the clients' DLE uploads, averaged by the server
+            with np.load(dle_file, allow_pickle=False) as f:
+                uploaded = (f["global_dle"], int(f["dle_clients"][0]))
+        return export_btfl_run(algorithm, rundir.load_best(run_dir), run, dest, extra, data_root, signer, recipe,
+                               uploaded)
     state = {k: {n: v.float() for n, v in d.items()} for k, d in rundir.load_best(run_dir).items()
              if k in ("params", "phi", "enc")}
     if stat_norms(model):

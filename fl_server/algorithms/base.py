@@ -52,6 +52,12 @@ class Algorithm:
     # True for test-time methods: training clients' validation accuracy is then measured, like the new
     # clients', after ``personalize`` on the (unlabeled) validation data itself.
     adapts_at_test_time: ClassVar[bool] = False
+    # server-state entries with one row per training client (e.g. BTFL's local heads): a client is sent only its
+    # own row (through ``client_start``), never the others' (the Flower app, ``fl_server.flower``)
+    per_client_keys: ClassVar[tuple[str, ...]] = ()
+    # client-state entries that are the client's own between rounds ({client key: per-client server key}, e.g.
+    # BTFL's local head): on Flower they stay on the client and never cross the wire
+    client_private: ClassVar[dict[str, str]] = {}
 
     def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0, **overrides: Any) -> None:
         """``seed`` fixes the initial weights of any module the method adds to ``model`` (e.g. FedTTA's g)."""

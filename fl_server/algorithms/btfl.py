@@ -72,6 +72,8 @@ class ClientArtifacts:
 
 class BTFL(Algorithm):
     name = "BTFL"
+    per_client_keys = ("local_heads",)
+    client_private = {"local_head": "local_heads"}
     Config = BTFLConfig
 
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
@@ -151,6 +153,17 @@ class BTFL(Algorithm):
 
     # ---------------------------------------------------------------- artifacts
     @torch.no_grad()
+    def client_features(self, params: State, x: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+        """phi(x) [N, D] of one client's samples, ``chunk`` at a time."""
+        return torch.cat([self.features(params, x[s:s + chunk]) for s in range(0, len(x), chunk)])
+
+    @torch.no_grad()
+    def local_dle(self, params: State, x: torch.Tensor) -> np.ndarray:
+        """A client's local DLE [D, L] (Eqs. 5-6) on its training samples ``x`` with the global features: what
+        a Flower client uploads for the global DLE (:func:`edge_sdk.btfl.average_dles` of all clients')."""
+        return btfl_math.fit_dle(self.client_features(params, x).double().cpu().numpy(), self.hp.dle_levels)
+
+    @torch.no_grad()
     def client_artifacts(self, server_state: State, x: torch.Tensor, train: list[np.ndarray],
                          chunk: int = 4096, local_heads: State | None = None) -> list[ClientArtifacts]:
         """Per training client: DLEs, mean head entropies and prototypes from its training set (``train[k]``
@@ -162,8 +175,7 @@ class BTFL(Algorithm):
         biases = None if local_heads is None else local_heads["bias"]
         local = []
         for k, idx in enumerate(train):  # one pass per client over its own data (K small)
-            ids = torch.from_numpy(idx).to(x.device)
-            z = torch.cat([self.features(params, x[ids[s:s + chunk]]) for s in range(0, len(ids), chunk)])
+            z = self.client_features(params, x[torch.from_numpy(idx).to(x.device)], chunk)
             h_l = entropy_from_logits(z @ heads[k].T + (0 if biases is None else biases[k])).mean()
             h_g = entropy_from_logits(self.global_head(params, z)).mean()
             z_np = z.double().cpu().numpy()

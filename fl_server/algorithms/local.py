@@ -11,6 +11,7 @@ from fl_server.functional import State, broadcast, index, tree_map
 
 class Local(Algorithm):
     name = "Local"
+    per_client_keys = ("clients",)
 
     def __init__(self, *args, num_train_clients: int = 1, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)

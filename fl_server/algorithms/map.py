@@ -110,6 +110,7 @@ def kd_soft_ce(student: torch.Tensor, teacher: torch.Tensor, tau: float) -> torc
 
 class MAP(Algorithm):
     name = "MAP"
+    per_client_keys = ("hpm", "count", "observed")
     Config = MAPConfig
 
     def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0, **overrides: Any) -> None:

@@ -46,14 +46,19 @@ def build_federated(protocol: Protocol, seed: int, data_root: str | None = None)
 def build_simulation(protocol: Protocol, method: str, seed: int, run_dir: Path | None, device: str = "auto",
                      mode: str = "auto", progress: bool = True, data_root: str | None = None,
                      fed: FederatedData | None = None, test_at_best_only: bool = True,
-                     checkpoint_every: int = 10) -> Simulation:
+                     checkpoint_every: int = 10, **engine: Any) -> Simulation:
     """The engine run of one method and seed under ``protocol``, built from its recipe
-    (:func:`~fl_server.bench.protocol.protocol_recipe`; ``run()`` writes ``run.json`` into ``run_dir``)."""
+    (:func:`~fl_server.bench.protocol.protocol_recipe`; ``run()`` writes ``run.json`` into ``run_dir``).
+    ``engine``: further :class:`~fl_server.engine.RunConfig` fields (``dtype``, ``batch_stream``)."""
     fed = fed if fed is not None else build_federated(protocol, seed, data_root)
     recipe = protocol_recipe(protocol, method, data_root)
     return simulation(recipe, seed, run_dir, device, mode, progress, data_root, fed, test_at_best_only,
-                      checkpoint_every, description={"dataset": protocol.dataset,
-                                                     "protocol": dataclasses.asdict(protocol), "command": invocation()})
+                      checkpoint_every, description=protocol_description(protocol), **engine)
+
+
+def protocol_description(protocol: Protocol) -> dict[str, Any]:
+    """The ``run.json`` fields of a run under ``protocol`` besides its recipe's."""
+    return {"dataset": protocol.dataset, "protocol": dataclasses.asdict(protocol), "command": invocation()}
 
 
 def seed_record(protocol: Protocol, method: str, seed: int, sim: Simulation, result: RunResult) -> dict[str, Any]:

@@ -55,11 +55,19 @@ class RunConfig:
     # train at most up to this round count in this call, then checkpoint and return as if interrupted (a time-
     # limited lease); the next call with the same config resumes. None: to ``rounds``.
     stop_after: int | None = None
+    # where a round's mini-batches come from: "shared", one generator walked client after client (the committed
+    # tables), or "per_client", one generator per client (``client_rng``), which a client that trains on its own
+    # machine (the Flower app, ``fl_server.flower``) reproduces without knowing the other clients' data sizes
+    batch_stream: str = "shared"
 
     def identity(self) -> dict[str, Any]:
-        """The fields that change results (a resumed run must match them)."""
+        """The fields that change results (a resumed run must match them). ``batch_stream`` only when it is not
+        the default, so the fingerprints of runs made before it existed stay the same."""
         keep = ("rounds", "local_iterations", "batch_size", "client_fraction", "eval_every", "seed", "dtype")
-        return {k: getattr(self, k) for k in keep}
+        out = {k: getattr(self, k) for k in keep}
+        if self.batch_stream != "shared":
+            out["batch_stream"] = self.batch_stream
+        return out
 
 
 @dataclass
@@ -84,6 +92,28 @@ def client_batches(client_indices: list[np.ndarray], iterations: int, batch_size
         order = np.concatenate([rng.permutation(len(idx)) for _ in range(reps)])[:need]
         out[k] = idx[order].reshape(iterations, batch_size)
     return out
+
+
+def select_clients(num_clients: int, fraction: float, seed: int, round_: int) -> np.ndarray:
+    """The sorted ids of round ``round_``'s clients: all of them, or ``fraction`` of them drawn without
+    replacement from the round's sampling generator."""
+    m = max(1, int(round(fraction * num_clients)))
+    if m == num_clients:
+        return np.arange(num_clients)
+    return np.sort(np.random.default_rng([seed, round_, _SAMPLE]).choice(num_clients, size=m, replace=False))
+
+
+def client_rng(seed: int, round_: int, client: int) -> np.random.Generator:
+    """Client ``client``'s own batch generator in round ``round_`` (``RunConfig.batch_stream="per_client"``)."""
+    return np.random.default_rng([seed, round_, _BATCHES, client])
+
+
+def per_client_batches(client_indices: list[np.ndarray], ids: np.ndarray, iterations: int, batch_size: int,
+                       seed: int, round_: int) -> np.ndarray:
+    """[K, T, B] like :func:`client_batches`, each client ``ids[k]`` drawing from its own :func:`client_rng`."""
+    return np.concatenate([client_batches([idx], iterations, batch_size, client_rng(seed, round_, int(k)))
+                           for idx, k in zip(client_indices, ids)]) if len(ids) else \
+        np.empty((0, iterations, batch_size), dtype=np.int64)
 
 
 def run_local_steps(step_fn: StepFn, states: State, server_state: State, x: torch.Tensor, y: torch.Tensor,
@@ -186,11 +216,7 @@ class Simulation:
         return any(meta.get("fingerprint") == self._fingerprint(rounds=r) for r in range(max(done, 1), 10_001))
 
     def select_clients(self, round_: int) -> np.ndarray:
-        k = self.fed.num_train_clients
-        m = max(1, int(round(self.cfg.client_fraction * k)))
-        if m == k:
-            return np.arange(k)
-        return np.sort(self._rng(round_, _SAMPLE).choice(k, size=m, replace=False))
+        return select_clients(self.fed.num_train_clients, self.cfg.client_fraction, self.cfg.seed, round_)
 
     def local_train(self, step_fn: StepFn, states: State, server_state: State, ids: np.ndarray,
                     iterations: int, rng: np.random.Generator,
@@ -210,8 +236,18 @@ class Simulation:
         that also communicate something else, e.g. HeteroFedTTA's logits on the public set)."""
         ids = self.select_clients(round_)
         states = self.algorithm.client_start(self.server_state, ids)
-        states = self.local_train(self.algorithm.local_step, states, self.server_state, ids,
-                                  self.cfg.local_iterations, self._rng(round_, _BATCHES), self.algorithm.local_step_at)
+        if self.cfg.batch_stream == "per_client":
+            batches = per_client_batches([self.fed.train[i] for i in ids], ids, self.cfg.local_iterations,
+                                         self.cfg.batch_size, self.cfg.seed, round_)
+            states = run_local_steps(self.algorithm.local_step, states, self.server_state, self.x, self.y,
+                                     torch.from_numpy(batches).to(self.device), self.mode, self.cfg.chunk_size,
+                                     self.algorithm.local_step_at)
+        elif self.cfg.batch_stream == "shared":
+            states = self.local_train(self.algorithm.local_step, states, self.server_state, ids,
+                                      self.cfg.local_iterations, self._rng(round_, _BATCHES),
+                                      self.algorithm.local_step_at)
+        else:
+            raise ValueError(f"unknown batch_stream {self.cfg.batch_stream!r}; use 'shared' or 'per_client'")
         self.server_state = self.algorithm.aggregate(self.server_state, ids, states, self.train_sizes[ids])
         return ids, states
 

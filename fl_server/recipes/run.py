@@ -63,17 +63,18 @@ def describe_run(recipe: Recipe, algorithm: Algorithm, fed: FederatedData, seed:
 def simulation(recipe: Recipe, seed: int = 0, run_dir: str | Path | None = None, device: str = "auto",
                mode: str = "auto", progress: bool = True, data_root: str | None = None,
                fed: FederatedData | None = None, test_at_best_only: bool = True, checkpoint_every: int = 10,
-               description: dict[str, Any] | None = None) -> Simulation:
+               description: dict[str, Any] | None = None, **engine: Any) -> Simulation:
     """The engine run of ``recipe`` for ``seed`` (``run()`` writes ``run.json`` into ``run_dir``). ``fed``: clients
     built by the caller (the bench's protocols that are not a recipe federation); ``description``: extra
-    ``run.json`` fields."""
+    ``run.json`` fields; ``engine``: further :class:`~fl_server.engine.RunConfig` fields (``dtype``,
+    ``batch_stream``)."""
     fed = fed if fed is not None else federate(recipe, seed, data_root)
     model = recipe.build_model(seed)
     algorithm = recipe.build_algorithm(model, fed.num_train_clients, seed)
     cfg = RunConfig(rounds=recipe.rounds, local_iterations=recipe.local_iterations, batch_size=recipe.batch_size,
                     client_fraction=recipe.federation.client_fraction, eval_every=recipe.eval_every, seed=seed,
                     mode=mode, device=device, out_dir=str(run_dir) if run_dir else None, progress=progress,
-                    test_at_best_only=test_at_best_only, checkpoint_every=checkpoint_every)
+                    test_at_best_only=test_at_best_only, checkpoint_every=checkpoint_every, **engine)
     return Simulation(algorithm, fed, cfg, {**describe_run(recipe, algorithm, fed, seed), **(description or {})})
 
 

@@ -1,0 +1,104 @@
+"""The Flower ClientApp: one training client, on the SuperNode that holds its data.
+
+The SuperNode's ``--node-config`` names its partition (``partition-id``; optional ``data-dir``, where the data
+set's files are). Three message kinds: ``query`` (the client's sizes and input shape, so the server can build
+the method without data), ``train`` (the engine's local steps from the state the server sent) and ``evaluate``
+(validation accuracy of the sent state on the client's own validation split).
+
+Example (a SuperNode on the same machine as the SuperLink, insecure, for a try-out)::
+
+    flower-supernode --insecure --superlink 127.0.0.1:9092 --port 9094 --node-config "partition-id=0"
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fl_server.algorithms.btfl import BTFL
+from fl_server.flower.task import (ClientData, FlowerRecipe, client_local_dle, client_round, client_validation,
+                                    load_partition)
+from fl_server.flower.wire import record_to_state, state_to_record
+
+_PRIVATE = "fl-edge-private"  # the client's own entries between rounds (BTFL's local head), never sent
+_PARTITION = "fl-edge-partition"  # the node's partition, kept in the run's context state between messages
+
+
+def _setup(context: Context, overrides: Mapping[str, Any]) -> tuple[FlowerRecipe, ClientData]:
+    """The recipe and this node's partition: loaded on the run's first message, then read back from the
+    context state (Flower starts a fresh ClientApp process per message)."""
+    recipe = FlowerRecipe.from_config({**context.run_config, **overrides})
+    pid = int(context.node_config["partition-id"])
+    if _PARTITION in context.state:
+        meta, kept = context.state[_PARTITION + "-meta"], context.state[_PARTITION]
+        arrays = {k: kept[k].numpy() for k in ("x_train", "y_train", "x_val", "y_val")}
+        return recipe, ClientData(int(meta["partition-id"]), int(meta["num-partitions"]), int(meta["num-classes"]),
+                                  **arrays)
+    data_dir = context.node_config.get("data-dir") or context.run_config.get("data-dir") or None
+    data = load_partition(recipe, pid, str(data_dir) if data_dir else None)
+    context.state[_PARTITION + "-meta"] = ConfigRecord({"partition-id": data.partition_id,
+                                                        "num-partitions": data.num_partitions,
+                                                        "num-classes": data.num_classes})
+    context.state[_PARTITION] = ArrayRecord({k: Array(np.array(getattr(data, k), order="C"))
+                                             for k in ("x_train", "y_train", "x_val", "y_val")})
+    return recipe, data
+
+
+def make_client_app(overrides: Mapping[str, Any] | None = None) -> ClientApp:
+    """The ClientApp; ``overrides`` win over the run config (``flwr.simulation.run_simulation`` passes none)."""
+    overrides = dict(overrides or {})
+    capp = ClientApp()
+
+    @capp.query()
+    def query(msg: Message, context: Context) -> Message:
+        """The client's partition id, sample counts, input shape and class count (no samples)."""
+        _, data = _setup(context, overrides)
+        info = ConfigRecord({"partition-id": data.partition_id, "num-partitions": data.num_partitions,
+                             "num-train": len(data.y_train), "num-val": len(data.y_val),
+                             "input-shape": list(data.input_shape), "num-classes": data.num_classes})
+        return Message(RecordDict({"info": info}), reply_to=msg)
+
+    @capp.train()
+    def train(msg: Message, context: Context) -> Message:
+        """One round of local training: ``state`` (this client's start state) and ``server`` (the server state
+        the method's step reads) in, the trained state out."""
+        recipe, data = _setup(context, overrides)
+        cfg = msg.content["config"]
+        algorithm = recipe.build_algorithm(data.input_shape, int(cfg["num-classes"]), int(cfg["num-clients"]))
+        start = record_to_state(msg.content["state"])
+        server = record_to_state(msg.content["server"])
+        private = record_to_state(context.state[_PRIVATE]) if _PRIVATE in context.state else None
+        trained, kept = client_round(algorithm, start, server, data, recipe, int(cfg["round"]), private)
+        if kept:
+            context.state[_PRIVATE] = state_to_record(kept)
+        return Message(RecordDict({"state": state_to_record(trained),
+                                   "metrics": MetricRecord({"num-examples": len(data.y_train)})}), reply_to=msg)
+
+    @capp.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        """Validation accuracy of the sent server state on this client's validation split."""
+        recipe, data = _setup(context, overrides)
+        cfg = msg.content["config"]
+        algorithm = recipe.build_algorithm(data.input_shape, int(cfg["num-classes"]), int(cfg["num-clients"]))
+        acc = client_validation(algorithm, record_to_state(msg.content["server"]), data, recipe,
+                                int(cfg["round"]))
+        return Message(RecordDict({"metrics": MetricRecord({"accuracy": acc, "num-examples": len(data.y_val)})}),
+                       reply_to=msg)
+
+    @capp.query("dle")
+    def dle(msg: Message, context: Context) -> Message:
+        """BTFL: this client's local DLE with the sent global features (its upload for the global DLE)."""
+        recipe, data = _setup(context, overrides)
+        cfg = msg.content["config"]
+        algorithm = recipe.build_algorithm(data.input_shape, int(cfg["num-classes"]), int(cfg["num-clients"]))
+        if not isinstance(algorithm, BTFL):
+            raise ValueError(f"query.dle is BTFL's message; this run trains {algorithm.name}")
+        local = client_local_dle(algorithm, record_to_state(msg.content["server"]), data, recipe)
+        return Message(RecordDict({"dle": ArrayRecord({"local_dle": Array(local)})}), reply_to=msg)
+
+    return capp
+
+
+app = make_client_app()

@@ -1,0 +1,193 @@
+"""The Flower ServerApp: the coordinator's side of a run whose clients train on their own machines.
+
+It waits for the SuperNodes, asks each for its partition id and sizes (``query``), builds the method from the
+recipe (no data on this side), then per round selects clients like the engine (``select_clients``), sends each
+its row of the method's ``client_start`` with the server state (``train``), and folds the replies in with the
+method's ``aggregate``. Validation (``evaluate``) is the mean over training clients of their own accuracy, as
+the engine's. The run directory it writes (``run.json``, ``best.npz``, ``metrics.jsonl``) is what
+``fl-server export`` and the coordinator take from an in-process run.
+
+Example (after a SuperLink and SuperNodes are up; the app folder is ``examples/flower``)::
+
+    flwr run examples/flower local-deployment --run-config "method='FedTTA' rounds=3 run-dir='/srv/runs/a'"
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.common.constant import ErrorCode
+from flwr.serverapp import Grid, ServerApp
+
+from edge_sdk import btfl as btfl_math
+from fl_server.algorithms.base import Algorithm
+from export.run import BTFL_DLE_FILE
+from fl_server.algorithms.btfl import BTFL
+from fl_server.bench.runner import protocol_description
+from fl_server.engine.simulation import save_state, select_clients
+from fl_server.flower.task import FlowerRecipe, check_supported
+from fl_server.flower.wire import record_to_state, state_to_record
+from fl_server.functional import State, stack, unstack
+from fl_server.recipes.run import describe_run
+
+app = ServerApp()
+
+
+class FlowerError(RuntimeError):
+    """A run the server cannot go on with (missing SuperNodes, a client's error reply)."""
+
+
+def wait_for_nodes(grid: Grid, count: int, timeout: float) -> list[int]:
+    """The ids of at least ``count`` connected SuperNodes, waiting up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        nodes = sorted(grid.get_node_ids())
+        if len(nodes) >= count:
+            return nodes
+        if time.monotonic() > deadline:
+            raise FlowerError(f"only {len(nodes)} of {count} SuperNodes connected within {timeout:.0f} s")
+        time.sleep(0.5)
+
+
+_RETRIES = 2  # resends of a message whose ClientApp crashed (Flower: "ClientApp stopped responding")
+
+
+def _exchange(grid: Grid, kind: str, payloads: dict[int, RecordDict], timeout: float, round_: int) -> dict[int, Any]:
+    """Send one message per node, return each node's reply content. A node whose ClientApp process crashed or
+    missed Flower's heartbeat (a device busy with other work) gets the same message again, up to ``_RETRIES``
+    times: a client's reply depends only on the message and its run state, which a crashed ClientApp never
+    wrote back. Any other error, or no reply within ``timeout``, fails the run."""
+    out: dict[int, Any] = {}
+    pending, attempt = dict(payloads), 0
+    while pending:
+        msgs = [Message(content, dst_node_id=node, message_type=kind, group_id=str(round_))
+                for node, content in pending.items()]
+        replies = {m.metadata.src_node_id: m for m in grid.send_and_receive(msgs, timeout=timeout)}
+        retry: dict[int, RecordDict] = {}
+        for node in pending:
+            reply = replies.get(node)
+            if reply is None:
+                raise FlowerError(f"{kind}: no reply from node {node} within {timeout:.0f} s (round {round_})")
+            if not reply.has_error():
+                out[node] = reply.content
+            elif reply.error.code == ErrorCode.CLIENT_APP_CRASHED and attempt < _RETRIES:
+                retry[node] = payloads[node]
+            else:
+                raise FlowerError(f"{kind}: node {node} failed: {reply.error.reason}")
+        pending, attempt = retry, attempt + 1
+    return out
+
+
+class FederatedRun:
+    """Server state and bookkeeping of one run (the engine's ``Simulation`` without data)."""
+
+    def __init__(self, recipe: FlowerRecipe, infos: list[dict[str, Any]]) -> None:
+        """``infos``: the clients' query replies, ordered by partition id."""
+        self.recipe = recipe
+        self.k = len(infos)
+        self.input_shape = tuple(int(v) for v in infos[0]["input-shape"])
+        self.num_classes = int(infos[0]["num-classes"])
+        self.algorithm: Algorithm = recipe.build_algorithm(self.input_shape, self.num_classes, self.k)
+        check_supported(self.algorithm)
+        dtype = recipe.torch_dtype
+        # methods that size their state by the number of training clients read it here (no data on this side)
+        self.algorithm.attach(torch.empty(0, *self.input_shape, dtype=dtype), torch.empty(0, dtype=torch.long),
+                              [np.empty(0, np.int64)] * self.k)
+        self.server_state: State = self.algorithm.init_state(dtype, torch.device("cpu"))
+        self.sizes = torch.tensor([int(i["num-train"]) for i in infos], dtype=dtype)
+
+    def config(self, round_: int) -> ConfigRecord:
+        return ConfigRecord({"round": round_, "num-classes": self.num_classes, "num-clients": self.k})
+
+    def train_payloads(self, ids: np.ndarray, round_: int) -> list[RecordDict]:
+        """Client ``ids[i]``'s message: its row of ``client_start`` and the server state."""
+        private = self.algorithm.client_private  # the client's own entries (BTFL's local head) stay with it
+        starts = [{k: v for k, v in s.items() if k not in private}
+                  for s in unstack(self.algorithm.client_start(self.server_state, ids))]
+        server = self.shared_record()
+        return [RecordDict({"state": state_to_record(s), "server": server, "config": self.config(round_)})
+                for s in starts]
+
+    def shared_record(self) -> ArrayRecord:
+        """The server state without its per-client rows (``Algorithm.per_client_keys``)."""
+        keys = self.algorithm.per_client_keys
+        return state_to_record({k: v for k, v in self.server_state.items() if k not in keys})
+
+    def aggregate(self, ids: np.ndarray, states: list[State]) -> None:
+        """The method's ``aggregate``; a client's own entries, which never arrive, keep the server's initial rows
+        (so the server-side copy of BTFL's local heads holds no client's training)."""
+        for key, rows in self.algorithm.client_private.items():
+            states = [{**s, key: self.server_state[rows][int(i)]} for s, i in zip(states, ids)]
+        self.server_state = self.algorithm.aggregate(self.server_state, ids, stack(states), self.sizes[ids])
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Train the run config's recipe on the connected SuperNodes; write the run directory ``run-dir``."""
+    train_on_grid(grid, context.run_config)
+
+
+def make_server_app(run_config: Mapping[str, Any]) -> ServerApp:
+    """A ServerApp with a fixed run config (for ``flwr.simulation.run_simulation``, which passes none)."""
+    fixed = ServerApp()
+    fixed.main()(lambda grid, context: train_on_grid(grid, {**context.run_config, **run_config}))
+    return fixed
+
+
+def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
+    """The run: query the nodes, train ``rounds`` rounds, validate, write ``cfg["run-dir"]``."""
+    recipe = FlowerRecipe.from_config(cfg)
+    run_dir = Path(str(cfg.get("run-dir", "runs/flower")))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    timeout = float(cfg.get("round-timeout", 600))
+    nodes = wait_for_nodes(grid, int(cfg.get("min-nodes", 1)), timeout)
+    query = _exchange(grid, "query", {n: RecordDict({"config": ConfigRecord({})}) for n in nodes}, timeout, -1)
+    by_pid = {int(c["info"]["partition-id"]): (n, dict(c["info"])) for n, c in query.items()}
+    k = int(next(iter(by_pid.values()))[1]["num-partitions"])
+    if sorted(by_pid) != list(range(k)):
+        raise FlowerError(f"the recipe has {k} training clients; connected SuperNodes hold partitions "
+                          f"{sorted(by_pid)} (one SuperNode per partition id 0 .. {k - 1})")
+    node_of = {pid: node for pid, (node, _) in by_pid.items()}
+    run = FederatedRun(recipe, [by_pid[p][1] for p in range(k)])
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    best_val, best, t_start = float("-inf"), run.server_state, time.perf_counter()
+    for r in range(recipe.rounds):
+        ids = select_clients(k, recipe.client_fraction, recipe.seed, r)
+        payloads = dict(zip((node_of[int(i)] for i in ids), run.train_payloads(ids, r)))
+        replies = _exchange(grid, "train", payloads, timeout, r)
+        run.aggregate(ids, [record_to_state(replies[node_of[int(i)]]["state"]) for i in ids])
+        row: dict[str, Any] = {"round": r}
+        if (recipe.eval_every and (r + 1) % recipe.eval_every == 0) or r == recipe.rounds - 1:
+            server = run.shared_record()
+            evals = _exchange(grid, "evaluate", {node_of[p]: RecordDict({"server": server, "config": run.config(r)})
+                                                 for p in range(k)}, timeout, r)
+            row["val"] = float(np.mean([evals[node_of[p]]["metrics"]["accuracy"] for p in range(k)]))
+            row["test"] = None
+            if row["val"] > best_val:
+                best_val, best = row["val"], run.server_state
+                save_state(run_dir / "best.npz", run.server_state, {"round": r, "val": row["val"]})
+        row["wall_s"] = round(time.perf_counter() - t_start, 3)
+        with open(run_dir / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+    save_state(run_dir / "final.npz", run.server_state, {"round": recipe.rounds - 1})
+    if isinstance(run.algorithm, BTFL):  # every client's local DLE with the exported features -> the global DLE
+        record = state_to_record({"params": best["params"]})
+        dles = _exchange(grid, "query.dle", {node_of[p]: RecordDict({"server": record, "config": run.config(-1)})
+                                             for p in range(k)}, timeout, recipe.rounds)
+        global_dle = btfl_math.average_dles([dles[node_of[p]]["dle"]["local_dle"].numpy() for p in range(k)])
+        np.savez(run_dir / BTFL_DLE_FILE, global_dle=global_dle, dle_clients=np.array([k], dtype=np.int64))
+    # what `fl-server export` rebuilds the model from (fl_server.recipes.run.rebuild), as for an engine run
+    if recipe.user:
+        description = describe_run(recipe.user, run.algorithm, None, recipe.seed)  # type: ignore[arg-type]
+    else:
+        description = {"method": recipe.method, "hyper": dataclasses.asdict(run.algorithm.hp),
+                       "model": recipe.protocol.model, "input_shape": list(run.input_shape),
+                       "num_classes": run.num_classes, "seed": recipe.seed, **protocol_description(recipe.protocol)}
+    description["engine"] = "flower"
+    (run_dir / "run.json").write_text(json.dumps(description, indent=1, default=str))
