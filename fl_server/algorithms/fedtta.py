@@ -35,7 +35,7 @@ class FedTTAConfig(Hyper):
     patience: int = 0  # 0: one adaptation step (FedTTA); >= 1: entropy early stopping (FedTTA++)
     max_steps: int = 50  # E, the authors' code
     # FedTTA++: first iterate that may be returned (0: the un-adapted model too, SPEC.md's reading; 1: from the
-    # one-step model, docs/fedttapp-diagnosis.md). Left out of run fingerprints at its default.
+    # one-step model, docs/research/fedttapp-diagnosis.md). Left out of run fingerprints at its default.
     first_candidate: int = field(default=0, metadata={"fingerprint": "omit_default"})
     # Reference batch B of the personalization loss: l_per = sqrt(B * mean_i g_i^2), which is the paper's
     # ||g(Z)||_2 on a training batch of B samples, but does not grow as sqrt(N) on a new client's full set of

@@ -59,7 +59,7 @@ EXPERIMENTS: dict[str, Experiment] = {
 # BTFL CNN, SGD wd 5e-4, test batch 32 (paper); rounds and steps per round cut to fit a shared 2-core CPU. With
 # ~1/40 of the paper's SGD steps, its lr 0.01 does not leave the one-class start: in a 4-round probe on the
 # training clients' *validation* split (20 body steps/round, seed 0; not committed) lr 0.01 stayed at one-class
-# accuracy for all 4 rounds, 0.05 and 0.1 left it; we use 0.05 (docs/btgfl-diagnosis.md has the committed probes).
+# accuracy for all 4 rounds, 0.05 and 0.1 left it; we use 0.05 (docs/research/btgfl-diagnosis.md has the committed probes).
 _BTGFL_NOTE = ("{rounds} rounds x {iters} local steps of B=32 (5/6 body, 1/6 local head) instead of 130 rounds "
                "x (5 local + 1 personalization epochs), lr 0.05 instead of 0.01 (chosen on validation): sized to "
                "one shared CPU core; last-round model")
@@ -93,7 +93,7 @@ EXPERIMENTS["btgfl"] = Experiment(
                 "batch size 1); accuracy = mean over clients. BTFL paper Table 2 (CIFAR-10, "
                 "avg): FedAvg 58.67, FedAvg+FT 56.88, FedTHE 66.15, BTFL 68.03. fashion_mnist-paper is the "
                 "paper's training budget (a GPU run, seed 0 so far): BTFL stays about 2 points below FedTHE there "
-                "as at the CPU budget (docs/btgfl-diagnosis.md). See fl_server/bench/btgfl.py.",
+                "as at the CPU budget (docs/research/btgfl-diagnosis.md). See fl_server/bench/btgfl.py.",
     runner="fl_server.bench.btgfl:run_btgfl",
 )
 
@@ -296,7 +296,7 @@ EXPERIMENTS["fedicon-shift"] = Experiment(
 # embeddings at init (``standardize_init``) makes them differ by O(1) across clients. The standardized
 # encoder's effective step on the embeddings is 1/sigma^2 (sigma ~1e-3) times its rate, so the rate must be
 # small: 1e-4 diverges within 5 steps at Dir(1), 1e-5 is stable at both alphas. hn_lr from the paper's grid.
-# Chosen on validation only (scripts/probe_odpfl_hn.py, odpfl-dirichlet, seed 0, new clients removed; rows
+# Chosen on validation only (scripts/research/probe_odpfl_hn.py, odpfl-dirichlet, seed 0, new clients removed; rows
 # in docs/results/odpfl-hn-probe.json).
 ODPFL_PAPER_HP: dict[str, float | bool] = {"local_lr": 0.1, "encoder_lr": 1e-5, "hn_lr": 0.05,
                                           "standardize_init": True}
@@ -309,19 +309,19 @@ _ODPFL_PROTOCOL = Protocol("fashion_mnist", "lenet", rounds=500, partition="diri
                            note="LeNet target; 500 steps x 10% of training clients; best validation step")
 # Client-level validation: 10 of the 90 training clients are held out of training and scored like new clients
 # to choose the step (per-sample validation on the training clients rewards a hypernetwork that memorises them;
-# docs/architecture.md, ODPFL-HN). Both methods use the same 80 training clients.
+# docs/research/odpfl-hn-diagnosis.md). Both methods use the same 80 training clients.
 _ODPFL_DIRICHLET = replace(_ODPFL_PROTOCOL, options={"val_clients": 10, "quick": {"val_clients": 2}},
                            note="LeNet target; 500 steps x 10% of 80 training clients; step chosen on 10 held-out "
                                 "validation clients")
 # Dir(1) with noise of std 1 on the training clients' (standardized) embeddings, the best of 0 / 0.5 / 1 / 2 on the
-# held-out validation clients at seed 0 (scripts/probe_odpfl_hn.py, 500 steps: 0.5 / 1 / 2 -> 87.85 / 88.74 /
+# held-out validation clients at seed 0 (scripts/research/probe_odpfl_hn.py, 500 steps: 0.5 / 1 / 2 -> 87.85 / 88.74 /
 # 88.05, no noise 87.44; rows in docs/results/odpfl-hn-probe.json and the protocol's raw seed-0 row).
-# Not adopted: seed 1 collapses (docs/architecture.md, ODPFL-HN).
+# Not adopted: seed 1 collapses (docs/research/odpfl-hn-diagnosis.md).
 _ODPFL_NOISE_HP = {**_ODPFL_HP, "ODPFL-HN": {**ODPFL_PAPER_HP, "embedding_noise": 1.0}}
 _ODPFL_NOISE_NOTE = "; ODPFL-HN embedding_noise 1.0"
 # Dir(1): the hypernetwork starts at the target model's own init (heads' biases = LeNet's init, heads' weights x 0.1:
 # hn_head_init "target") with the noise above. Chosen on the 10 held-out validation clients at seed 0
-# (scripts/probe_odpfl_hn.py, 500 steps, hn_lr 0.05; rows in docs/results/odpfl-hn-probe.json): best held-out
+# (scripts/research/probe_odpfl_hn.py, 500 steps, hn_lr 0.05; rows in docs/results/odpfl-hn-probe.json): best held-out
 # accuracy 87.44 (default init) / 88.74 (noise 1) / 89.03 (target init) / 89.30 (target init + noise 1), FedAvg's
 # 88.69 on the same clients; hn_lr 0.1 with the same setting: 88.58. Target init without the noise (Dir(0.1)'s
 # setting) was checked on seeds 0-2 under a rule fixed before the runs (commit 1318f66: adopt iff its mean best
@@ -329,7 +329,7 @@ _ODPFL_NOISE_NOTE = "; ODPFL-HN embedding_noise 1.0"
 _ODPFL_TARGET_INIT = {"hn_head_init": "target", "hn_head_scale": 0.1}
 _ODPFL_A1_HP = {**_ODPFL_HP, "ODPFL-HN": {**ODPFL_PAPER_HP, **_ODPFL_TARGET_INIT, "embedding_noise": 1.0}}
 # Dir(0.1): the target-model init without the noise, chosen on the same 10 held-out validation clients at seed 0
-# (scripts/probe_odpfl_hn.py, 500 steps, hn_lr 0.05): best held-out accuracy 91.23 against 90.84 for
+# (scripts/research/probe_odpfl_hn.py, 500 steps, hn_lr 0.05): best held-out accuracy 91.23 against 90.84 for
 # ODPFL_PAPER_HP (the default init) and 87.64 with the noise added.
 _ODPFL_A01_HP = {**_ODPFL_HP, "ODPFL-HN": {**ODPFL_PAPER_HP, **_ODPFL_TARGET_INIT}}
 _ODPFL_A01_NOTE = "; ODPFL-HN hn_head_init target (scale 0.1)"
@@ -354,7 +354,7 @@ EXPERIMENTS["odpfl-dirichlet"] = Experiment(
                 "hypernetwork serves nearly one model, a tenth of a point below FedAvg's global model on the mean, "
                 "within the seed spread; with pFedHN's default init it stayed about 2 points below. At Dir(0.1) "
                 "the target init raised the validation clients' mean by about 2 points over the default init "
-                "and lowered the new clients' by about 1 (docs/architecture.md, ODPFL-HN). The default init "
+                "and lowered the new clients' by about 1 (docs/research/odpfl-hn-diagnosis.md). The default init "
                 "with noise alone: odpfl-dirichlet-noise.",
 )
 EXPERIMENTS["odpfl-dirichlet-noise"] = Experiment(
@@ -366,7 +366,7 @@ EXPERIMENTS["odpfl-dirichlet-noise"] = Experiment(
                 "noise of std 1 on the training clients' embeddings (embedding_noise), the best of 0.5 / 1 / 2 on "
                 "the held-out clients at seed 0. Same clients and FedAvg as odpfl-dirichlet fashion_mnist-a1, "
                 "which adds the target-model init (hn_head_init \"target\") to the same noise. Not adopted alone: "
-                "seed 1 collapses to one class within 25 steps (docs/architecture.md, ODPFL-HN).",
+                "seed 1 collapses to one class within 25 steps (docs/research/odpfl-hn-diagnosis.md).",
 )
 EXPERIMENTS["odpfl-dp"] = Experiment(
     name="odpfl-dp", methods=("FedAvg", "ODPFL-HN"),
@@ -384,7 +384,7 @@ EXPERIMENTS["odpfl-dp"] = Experiment(
                 f"pooled vector (sensitivity 2/|D|) before psi (edge_sdk.dp.privatize_pooled): the same guarantee as "
                 f"Lemma 2's noise on e and less noise. Reading: without noise ODPFL-HN serves each new client a model "
                 f"of its two classes; the noise of eps <= 1 swamps the differences between the clients' pooled "
-                f"vectors except at the largest |D| (docs/architecture.md, ODPFL-HN).",
+                f"vectors except at the largest |D| (docs/research/odpfl-hn-diagnosis.md).",
 )
 # UPFL App. F (Table 2): 1,000 MNIST samples, 50 IID clients of 20; 25 training clients rotated by 0/30/60
 # degrees, 25 new clients by 15/45. The paper reports this experiment as a bar chart only (Fig. 4).
