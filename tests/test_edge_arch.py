@@ -14,7 +14,7 @@ import torch
 
 from export import export_spec, fedtta_step_spec, forward_spec, tent_step_spec
 from fl_server.algorithms import build_algorithm
-from fl_server.algorithms.fedtta import FEDTTA_HP
+from fl_server.recipes.presets import FEDTTA_HP
 from fl_server.functional import make_forward
 from fl_server.models import build_model
 from fl_server.models.norm import calibrate, stat_norms
