@@ -13,7 +13,7 @@ from torch import nn
 
 from edge_sdk.preprocess import Preprocess
 from fl_server import rundir
-from fl_server.recipes import DataSpec, Federation, ModelSpec, Recipe, RecipeError, load_recipe, train
+from fl_server.recipes import DataSpec, Federation, ModelSpec, Recipe, RecipeError, train
 
 REPO = Path(__file__).resolve().parents[1]
 

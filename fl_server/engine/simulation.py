@@ -23,7 +23,9 @@ from fl_server.algorithms.base import Algorithm, LocalTrainer, NotApplicable, St
 from fl_server.data.federated import FederatedData
 from fl_server.device import pick_device
 from fl_server.functional import State, stack, tree_map, unstack
-from fl_server.rundir import (BEST, BEST_AT_CHECKPOINT, CHECKPOINT, CHECKPOINT_JSON, META_KEY, METRICS, RUN,  # noqa: F401
+# the run directory's files belong to fl_server.rundir; checkpoint_meta, complete_rows and load_state are
+# imported from here by research scripts
+from fl_server.rundir import (BEST, BEST_AT_CHECKPOINT, CHECKPOINT, CHECKPOINT_JSON, METRICS,  # noqa: F401
                               atomic_link, atomic_write, checkpoint_meta, complete_rows, load_state, save_state,
                               write_run)
 

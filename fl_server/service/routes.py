@@ -259,7 +259,8 @@ def _job_view(svc: Service, job: dict[str, Any], with_rounds: bool) -> dict[str,
 
 
 @router.post("/v1/jobs", response_model=S.Job, status_code=201, tags=["jobs"],
-             responses=documented(*AUTH, *BODY, 503, 507, e503="the job queue is full (FL_SERVE_MAX_QUEUED_JOBS)"))
+             responses=documented(*AUTH, *BODY, 404, 503, 507, e404="no such recipe file in the recipe directory",
+                                  e503="the job queue is full (FL_SERVE_MAX_QUEUED_JOBS)"))
 def create_job(body: S.JobRequest, _: Principal = Depends(require_admin), svc: Service = Depends(service)) -> dict:
     """Start a training recipe on a data set and partition; it is exported and served when done."""
     if body.partition == "dirichlet" and body.alpha is None:
