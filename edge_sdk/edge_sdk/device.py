@@ -91,7 +91,7 @@ class Device:
         if self._personalizer is not None and self.method != "none":
             self.method = _kind(self._personalizer, bundle.method)
         self.weights: dict[str, np.ndarray] | None = None  # personalised weights (Personalizer methods)
-        self._fedthe: dict[str, np.ndarray] | None = None  # FedTHE: local head, mu_local, mu_global, history
+        self._fedthe: dict[str, np.ndarray] | None = None  # FedTHE: mu_local, mu_global, the feature history
 
     @property
     def needs_labels(self) -> bool:
