@@ -28,7 +28,12 @@ RUN python3 -m venv /opt/venv \
  && (command -v strip >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends binutils \
      >/dev/null) || echo "no binutils (apt unreachable): shared libraries stay unstripped") \
  && sh /tmp/slim_venv.sh /opt/venv \
- && OMP_NUM_THREADS=1 sh /tmp/smoke.sh /opt/venv
+ && OMP_NUM_THREADS=1 sh /tmp/smoke.sh /opt/venv \
+ && cd /opt/venv/lib/python3*/site-packages \
+ && find sympy networkx onnxscript onnx_ir torch/_dynamo torch/_inductor torch/onnx torch/export \
+      -depth -type d -name __pycache__ -exec rm -rf {} +
+# (the last line: bytecode of the packages only the ONNX export loads, 34 MB, goes again: each export compiles
+#  them, a few seconds)
 
 # ---- runtime stage
 FROM ${BASE_IMAGE}

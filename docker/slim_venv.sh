@@ -14,14 +14,19 @@ find "$SP/torch/bin" -mindepth 1 ! -name torch_shm_manager -exec rm -rf {} +
 # every package's own test suite and the ONNX backend's test data
 find "$SP" -depth -type d \( -name tests -o -name testing_data \) -path '*/site-packages/*/*' \
   ! -path '*/torch/testing*' ! -path '*/numpy/testing*' -exec rm -rf {} +
-rm -rf "$SP/onnx/backend/test/data"
+rm -rf "$SP/onnx/backend"
+# subpackages nothing here imports (scipy.signal / ndimage / fft / special / interpolate and sympy's core stay;
+# docker/smoke.sh imports them): about 10 MB
+rm -rf "$SP/scipy/io" "$SP/scipy/odr" "$SP/scipy/cluster" "$SP/scipy/datasets" "$SP/scipy/misc" \
+  "$SP/sympy/physics" "$SP/sympy/stats"
 # type stubs and headers that only build tools read
 find "$SP" -type f \( -name '*.pyi' -o -name '*.h' -o -name '*.hpp' -o -name '*.c' -o -name '*.pxd' \) -delete
 find "$SP" -depth -type d -name include -path '*/numpy/*' -exec rm -rf {} +
-# symbol tables (libtorch_cpu.so alone: 415 -> 345 MB), where binutils' strip exists (the Dockerfile installs it
-# in the build stage when apt can reach a mirror; otherwise this is skipped)
+# torch's symbol tables (libtorch_cpu.so alone: 415 -> 345 MB), where binutils' strip exists (the Dockerfile
+# installs it in the build stage when apt can reach a mirror; otherwise this is skipped). Only torch/lib: the
+# auditwheel-repaired libraries of other wheels (*.libs/, patched by patchelf) no longer load once stripped.
 if command -v strip >/dev/null 2>&1; then
-  find "$SP" -name '*.so*' -type f -exec strip --strip-unneeded {} + 2>/dev/null || true
+  find "$SP/torch/lib" -name '*.so*' -type f -exec strip --strip-unneeded {} +
 fi
 # bytecode: pip compiled every module (about 150 MB); drop it all, and docker/smoke.sh, which runs serving's
 # imports, a training run and an export, then compiles again just the modules those load

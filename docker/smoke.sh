@@ -9,8 +9,12 @@ cd "$WORK"
 "$VENV/bin/python" - <<'PY'
 import importlib.util
 import fl_server.service.app, fl_server.cli, edge_sdk, uvicorn  # noqa: F401  (serving's imports)
+import numpy as np
+import scipy.fft, scipy.interpolate, scipy.ndimage, scipy.signal, scipy.special  # noqa: F401  (kept by slim_venv.sh)
+from edge_sdk import btfl, fedthe  # noqa: F401  (scipy.signal.lfilter, scipy.special.betaln)
 from fl_server.data import load_dataset
 assert len(load_dataset("digits")) == 1797
+assert np.allclose(scipy.signal.lfilter([1.0], [1.0, -0.5], np.ones(3)), [1.0, 1.5, 1.75])
 absent = [m for m in ("matplotlib", "sklearn", "pip") if importlib.util.find_spec(m) is not None]
 assert not absent, f"should not be in the runtime venv: {absent}"
 PY

@@ -26,7 +26,7 @@ fi
 
 if [ "${WHEELS:-1}" = 1 ] && ! ls docker/wheels/torch-*.whl >/dev/null 2>&1; then
   step "wheelhouse (host pip -> docker/wheels)"
-  "$PY" -m pip wheel -q --wheel-dir docker/wheels "torch==2.13.0" "setuptools>=68" wheel ./edge_sdk .
+  "$PY" -m pip wheel -q --wheel-dir docker/wheels "torch==2.13.0" "setuptools>=77" wheel ./edge_sdk .
   rm -f docker/wheels/fl_edge-*.whl docker/wheels/edge_sdk-*.whl  # the image builds these from source
 fi
 ls docker/wheels/*.whl 2>/dev/null | wc -l | xargs echo "wheels for an offline install:"
@@ -34,6 +34,10 @@ ls docker/wheels/*.whl 2>/dev/null | wc -l | xargs echo "wheels for an offline i
 step "docker build"
 docker build -q --build-arg BASE_IMAGE="$BASE" -t "$IMAGE" . | tail -1
 docker image ls "$IMAGE" --format '{{.Repository}}:{{.Tag}} {{.Size}}'
+docker image inspect "$IMAGE" --format '{{.Size}}' | awk '{printf "image size: %.0f MB (limit 900 MB)\n", $1 / 1e6}'
+docker run --rm --entrypoint python "$IMAGE" -c "import importlib.util as u; \
+print('installed in the runtime venv:', {m: u.find_spec(m) is not None for m in \
+('torch', 'onnxruntime', 'scipy', 'sympy', 'matplotlib', 'sklearn', 'pip')})"
 
 step "docker run (fresh volume)"
 docker rm -f "$NAME" >/dev/null 2>&1 || true
