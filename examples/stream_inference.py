@@ -28,6 +28,7 @@ import numpy as np
 from edge_sdk import EdgeClient, EdgeClientError
 from edge_sdk.btfl_device import BTFLDevice
 from edge_sdk.personalize import personalize
+from edge_sdk.safeguard import DEFAULT_THRESHOLD, guard
 from fl_server.data import load_dataset
 from fl_server.data.corruptions import CORRUPTIONS, corrupt
 from fl_server.data.federated import make_federated
@@ -127,6 +128,9 @@ def main() -> int:
     ap.add_argument("--severity", type=int, default=3)
     ap.add_argument("--window", type=int, default=20, help="rolling-accuracy window")
     ap.add_argument("--print-every", type=int, default=20)
+    ap.add_argument("--safeguard", type=float, default=DEFAULT_THRESHOLD,
+                    help="keep the received model when personalisation changes more than this share of the warm-up "
+                         "predictions (edge_sdk.safeguard; 1 = off)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--epsilon", type=float, default=float("inf"),
                     help="odpfl-hn: the device's privacy budget for its embedding (needs a bundle of the DP encoder)")
@@ -178,6 +182,10 @@ def main() -> int:
             baseline = personalize(bundle, warm, "none")
             predict, base_predict, steps = dm.logits, baseline.logits, dm.steps
             what = f"personalised with {args.method} on {len(warm)} unlabeled samples"
+            decision = guard(baseline.logits(warm), dm.logits(warm), args.safeguard)
+            print(decision.message)  # label-free: on the warm-up window only
+            if decision.keep_received:
+                predict = base_predict
         t_personalize = time.perf_counter() - t0
     print(f"{what} in {1e3 * t_personalize:.1f} ms ({steps} step(s)); streaming {len(xs)} samples: "
           f"{' -> '.join(PHASES)} ({args.corruption}, severity {args.severity})")
@@ -217,6 +225,10 @@ def main() -> int:
     print("summary: " + ", ".join(f"{k} {v:.1f}%" for k, v in summary["accuracy"].items())
           + f" (received model: " + ", ".join(f"{v:.1f}%" for v in summary["accuracy_received_model"].values())
           + f"); latency p50 {summary['latency_ms_p50']:.3f} ms, p99 {summary['latency_ms_p99']:.3f} ms per sample")
+    if correct.mean() < base_correct.mean():  # the labelled check: never a silent loss on screen
+        print(f"NOTE: personalisation LOWERED accuracy on this labelled check: {100 * correct.mean():.1f}% against "
+              f"{100 * base_correct.mean():.1f}% for the received model (no label-free rule can tell on the device; "
+              f"see the unseen-domain table in docs/RESULTS.md)")
     png = Path(args.png or f"runs/stream-{args.method}.png")
     if save_plot(png, rolling(correct, args.window), phase,
                  f"{bundle.method} on {bundle.manifest['dataset']}: rolling accuracy (window {args.window})",

@@ -12,6 +12,7 @@ from fl_server.bench.hetero import HETERO_METHODS, run_hetero_seed
 from fl_server.bench.map_incomplete import run_map_seed
 from fl_server.bench.odpfl import DP_DELTA, run_dp_seed
 from fl_server.bench.shift import run_shift_seed
+from fl_server.bench.unseen import UNSEEN_METHODS, run_unseen_seed
 from fl_server.engine import RunConfig
 
 
@@ -527,6 +528,48 @@ EXPERIMENTS["upfl-hetero"] = Experiment(
                 "term) -> revisit (FedTTA on own data) -> logits on the public set -> consensus; a new client "
                 "digests, then personalizes (FedTTA++). Rows per size group and over all clients; 'no KD' = the "
                 "three groups trained independently.",
+)
+
+
+# Issue #39: new clients from domains the federation never saw (fl_server/bench/unseen.py). CPU-sized UPFL
+# protocol: 20 pathological clients sharing 6,000 train-split samples, all of them training clients, MLP,
+# 20 rounds x 10 steps, best of the validations every 5 rounds; 10 new clients of 100 samples (2 classes) per
+# condition. Sized so that 3 seeds of every method on both data sets fit about an hour of one shared CPU core.
+_UNSEEN_ROUNDS = 20
+_UNSEEN_OPTIONS: dict[str, Any] = {
+    "max_samples": 6000, "clients": 10, "per_client": 100, "severities": (3, 5),
+    "test_corruptions": ("gaussian_noise", "motion_blur", "fog", "contrast"),  # noise, blur, weather, digital
+    "val_corruptions": ("impulse_noise", "zoom_blur", "snow", "pixelate"),  # other types of the same families
+    "quick": {"max_samples": 1200, "clients": 3, "per_client": 20, "test_corruptions": ("gaussian_noise",),
+              "val_corruptions": ("impulse_noise",), "severities": (5,)},
+}
+
+
+def _unseen_protocol(dataset: str) -> Protocol:
+    hp = {**_upfl_hp(dataset), "FedICON": {"lr": 0.05, "head_lr": 0.5, "weight_decay": 5e-4, "tta_lr": 0.005,
+                                           "encoder_rounds": int(0.8 * _UNSEEN_ROUNDS)}}
+    return Protocol(dataset, "mlp", rounds=_UNSEEN_ROUNDS, num_clients=20, new_fraction=0.0, local_iterations=10,
+                    split="train", method_hp=hp, options=_UNSEEN_OPTIONS, eval_every=5,
+                    note="CPU protocol: MLP, 20 pathological training clients on 6,000 train-split samples, "
+                         "20 rounds x 10 steps (B=64), best of the validations every 5 rounds; 10 new clients x "
+                         "100 samples (2 classes) per condition")
+
+
+EXPERIMENTS["unseen-domain"] = Experiment(
+    name="unseen-domain", methods=tuple(UNSEEN_METHODS),
+    protocols={"mnist": _unseen_protocol("mnist"), "fashion_mnist": _unseen_protocol("fashion_mnist")},
+    paper={}, run_fn=run_unseen_seed,
+    description="New clients from domains the federation never saw (issue #39): trained on MNIST / "
+                "Fashion-MNIST's train split, new clients (2 classes x 50 samples) from the test split clean, "
+                "corrupted (gaussian noise, motion blur, fog, contrast at severities 3 and 5; covariate-s<k> = "
+                "their mean) and, for MNIST, scikit-learn's 8x8 digits upsampled to 28x28. Measures per method: "
+                "received = the model the device receives, personalised = after the method's test-time step, "
+                "safeguard = edge_sdk.safeguard (keep the received model when the adapted one changes more "
+                "than the threshold share of predictions), worse / safeguard_worse = share of clients below "
+                "their received model. The threshold is chosen on validation shifts only (impulse noise, zoom "
+                "blur, snow, pixelate on the training clients' validation samples). BTFL is not included: its "
+                "new-client path is a stream with a local head fit from labels (btgfl), not a personalisation "
+                "of a received model on an unlabeled set.",
 )
 
 

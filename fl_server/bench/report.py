@@ -9,6 +9,10 @@ from fl_server.bench.criteria import BENCHMARK_INPUTS, status_section
 from fl_server.bench.experiments import EXPERIMENTS
 from fl_server.bench.plots import PLOTS
 from fl_server.bench.rows import write_atomic
+from fl_server.bench.unseen_report import unseen_section
+
+# experiments whose table has its own layout (name -> renderer of the aggregated rows)
+CUSTOM_SECTIONS = {"unseen-domain": unseen_section}
 
 HEADER = """# Results
 
@@ -83,6 +87,7 @@ def write_report(docs: Path = Path("docs")) -> Path:
         path = docs / "results" / f"{name}.json"
         # seed-aggregated experiment tables; other result files (probes, sweeps) as generic rows
         section = experiment_section if all("mean" in r for r in rows) else benchmark_section
+        section = CUSTOM_SECTIONS.get(path.stem, section)
         parts.append(section(path.stem, rows))
         if path.stem in PLOTS and (png := PLOTS[path.stem](rows, docs / f"{path.stem}.png")) is not None:
             parts.append(f"![{path.stem}]({png.name})\n")
