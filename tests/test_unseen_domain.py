@@ -84,15 +84,16 @@ def test_unseen_domain_quick(tmp_path: Path, data_root: Path) -> None:
     rows = json.loads((tmp_path / "docs" / "results" / "unseen-domain.json").read_text())
     by = {(r["method"], r["shift"], r["measure"], r["threshold"]): r["mean"] for r in rows}
     for shift in ("clean", "digits", "gaussian_noise-5", "covariate-s5", "impulse_noise-5", "val-mean"):
-        assert ("TENT", shift, "personalised", DEFAULT_THRESHOLD) in by, shift
+        assert ("TENT", shift, "personalised", None) in by, shift
+        assert {("TENT", shift, "safeguard", t) in by for t in THRESHOLDS} == {True}, shift
     # FedAvg does not adapt: personalised = received, nobody made worse, the safeguard never intervenes
-    assert by[("FedAvg", "digits", "personalised", DEFAULT_THRESHOLD)] == by[("FedAvg", "digits", "received",
-                                                                             DEFAULT_THRESHOLD)]
-    assert by[("FedAvg", "digits", "worse", DEFAULT_THRESHOLD)] == 0
+    assert by[("FedAvg", "digits", "personalised", None)] == by[("FedAvg", "digits", "received", None)]
+    assert by[("FedAvg", "digits", "worse", None)] == 0
     assert by[("FedAvg", "digits", "kept", DEFAULT_THRESHOLD)] == 0
+    # the safeguard at threshold 1 never keeps the received model: it equals personalisation
+    assert by[("TENT", "digits", "safeguard", 1.0)] == by[("TENT", "digits", "personalised", None)]
     # TENT and FedAvg receive the same model (TENT evaluates the FedAvg run)
-    assert by[("TENT", "clean", "received", DEFAULT_THRESHOLD)] == by[("FedAvg", "clean", "received",
-                                                                      DEFAULT_THRESHOLD)]
+    assert by[("TENT", "clean", "received", None)] == by[("FedAvg", "clean", "received", None)]
     report = fl_server("report", "--docs", str(tmp_path / "docs"))
     assert report.returncode == 0, report.stderr
     text = (tmp_path / "docs" / "RESULTS.md").read_text()

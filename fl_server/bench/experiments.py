@@ -543,6 +543,7 @@ _UNSEEN_OPTIONS: dict[str, Any] = {
     "val_corruptions": ("impulse_noise", "zoom_blur", "snow", "pixelate"),  # other types of the same families
     "quick": {"max_samples": 1200, "clients": 3, "per_client": 20, "test_corruptions": ("gaussian_noise",),
               "val_corruptions": ("impulse_noise",), "severities": (5,)},
+    "quick_protocol": {"num_clients": 10, "rounds": 2, "local_iterations": 5},
 }
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from edge_sdk.safeguard import DEFAULT_THRESHOLD, guard
+from edge_sdk.safeguard import guard
 from fl_server.algorithms import build_algorithm
 from fl_server.data import load_dataset
 from fl_server.data.corruptions import corrupt
@@ -118,27 +118,37 @@ def run_unseen_seed(protocol: "Protocol", method: str, seed: int, run_dir: Path 
     state = sim.best_state if sim.best_state is not None else sim.server_state
     algo = sim.algorithm if train_name == method else build_algorithm(
         method, sim.algorithm.model, fed.num_train_clients, seed=seed, **protocol.method_hp.get(method, {}))
-    per_condition = {(split, shift): [client_outcomes(algo, state, xi, yi, sim.device, sim.dtype)
-                                      for xi, yi in zip(xs, ys)]
+    per_condition = {f"{split}/{shift}": [client_outcomes(algo, state, xi, yi, sim.device, sim.dtype)
+                                          for xi, yi in zip(xs, ys)]
                      for split, shift, xs, ys in conditions(protocol, fed, seed, data_root)}
-    results: list[dict[str, Any]] = []
-    for (split, shift), clients in per_condition.items():
-        for threshold in sorted({*THRESHOLDS, DEFAULT_THRESHOLD}):  # every threshold: the default may move
-            summary = summarise(clients, threshold)
-            measures = summary if threshold == DEFAULT_THRESHOLD else {
-                "safeguard": summary["safeguard"], "safeguard_worse": summary["safeguard_worse"]}
-            results += [{"split": split, "shift": shift, "measure": m, "threshold": threshold, "value": v}
-                        for m, v in measures.items()]
-    _add_means(results, protocol.options.get("severities", (3, 5)))
+    results = score(per_condition, protocol.options.get("severities", (3, 5)))
     return {**record, "method": method, "trained_as": train_name, "results": results,
-            "clients": {f"{sp}/{sh}": c for (sp, sh), c in per_condition.items()},
+            "clients": per_condition,
             "wall_s": round(record["wall_s"] + time.perf_counter() - t0, 2)}
+
+
+def score(per_condition: dict[str, list[dict[str, Any]]], severities: tuple[int, ...]) -> list[dict[str, Any]]:
+    """Result entries from each condition's per-client outcomes (keys "split/shift"): the threshold-free
+    measures (received, personalised, worse; ``threshold`` None) and, at every threshold of ``THRESHOLDS``,
+    the safeguarded ones (safeguard, safeguard_worse, kept), then the condition means (:func:`_add_means`)."""
+    results: list[dict[str, Any]] = []
+    for key, clients in per_condition.items():
+        split, shift = key.split("/", 1)
+        free = summarise(clients, 1.0)
+        results += [{"split": split, "shift": shift, "measure": m, "threshold": None, "value": free[m]}
+                    for m in ("received", "personalised", "worse")]
+        for threshold in THRESHOLDS:
+            guarded = summarise(clients, threshold)
+            results += [{"split": split, "shift": shift, "measure": m, "threshold": threshold, "value": guarded[m]}
+                        for m in ("safeguard", "safeguard_worse", "kept")]
+    _add_means(results, severities)
+    return results
 
 
 def _add_means(results: list[dict[str, Any]], severities: tuple[int, ...]) -> None:
     """``covariate-s<k>`` test rows (mean over the corruptions at severity k) and ``val-mean`` rows (mean over
     every validation condition), per measure and threshold."""
-    groups: dict[tuple[str, str, float], list[float]] = {}
+    groups: dict[tuple[str, str, str, float | None], list[float]] = {}
     for r in results:
         if r["split"] == "val":
             groups.setdefault(("val", "val-mean", r["measure"], r["threshold"]), []).append(r["value"])
