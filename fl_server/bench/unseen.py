@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 UNSEEN_METHODS: dict[str, str] = {"FedAvg": "FedAvg", "TENT": "FedAvg", "FedTTA": "FedTTA",
                                   "FedTTA-Prox": "FedTTA-Prox", "FedTTA++": "FedTTA++", "ODPFL-HN": "ODPFL-HN",
                                   "FedICON": "FedICON"}
+# the methods whose device step changes the received model (the safeguard's candidates)
+PERSONALISING: tuple[str, ...] = tuple(m for m in UNSEEN_METHODS if m != "FedAvg")
 # safeguard thresholds scored on the validation conditions (1.0: never keeps the received model = off)
 THRESHOLDS: tuple[float, ...] = (0.05, 0.1, 0.2, 0.3, 0.5, 1.0)
 Condition = tuple[str, str, list[np.ndarray], list[np.ndarray]]  # split, shift, per-client x, per-client y

@@ -41,6 +41,12 @@ def unseen_section(name: str, rows: list[dict[str, Any]]) -> str:
                   f"{first['device']}; command: `{first.get('command', '')}`. Mean +- sample std over seeds; "
                   f"safeguard at threshold {DEFAULT_THRESHOLD} (edge_sdk.safeguard.DEFAULT_THRESHOLD).", ""]
     t = DEFAULT_THRESHOLD
+    if any(r["shift"] == "val-mean" for r in rows):
+        from fl_server.bench.unseen import PERSONALISING, chosen_threshold
+
+        lines += [f"Validation shifts pick threshold {chosen_threshold(rows, PERSONALISING):g} (best mean safeguarded "
+                  f"val-mean accuracy over the personalising methods and data sets; ties to the larger); the device "
+                  f"SDK's default is {t:g}.", ""]
     for dataset in sorted({r["dataset"] for r in rows}):
         lines += [f"### {dataset}: new clients (test)", "",
                   "| condition | method | " + " | ".join(h for h, _ in _COLUMNS) + " | seeds |",
@@ -55,13 +61,14 @@ def unseen_section(name: str, rows: list[dict[str, Any]]) -> str:
                 lines.append(f"| {shift} | {m} | " + " | ".join(cells) + f" | {seeds} |")
         thresholds = sorted({k[5] for k in by if k[0] == dataset and k[3] == "val-mean" and k[5] is not None})
         lines += ["", f"### {dataset}: validation shifts (val-mean), safeguarded accuracy by threshold", "",
-                  "| method | personalised | " + " | ".join(f"t={x:g}" for x in thresholds) + " |",
-                  "|---|---|" + "---|" * len(thresholds)]
+                  "| method | received | personalised | " + " | ".join(f"t={x:g}" for x in thresholds) + " |",
+                  "|---|---|---|" + "---|" * len(thresholds)]
         for m in methods:
             if (dataset, m, "val", "val-mean", "personalised", None) not in by:
                 continue
             cells = [_cell(by, (dataset, m, "val", "val-mean", "safeguard", x)) for x in thresholds]
-            lines.append(f"| {m} | {_cell(by, (dataset, m, 'val', 'val-mean', 'personalised', None))} | "
+            lines.append(f"| {m} | {_cell(by, (dataset, m, 'val', 'val-mean', 'received', None))} | "
+                         f"{_cell(by, (dataset, m, 'val', 'val-mean', 'personalised', None))} | "
                          + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines) + "\n"
