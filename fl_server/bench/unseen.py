@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from edge_sdk.safeguard import guard
+from edge_sdk.safeguard import disagreement
 from fl_server.algorithms import build_algorithm
 from fl_server.data import load_dataset
 from fl_server.data.corruptions import corrupt
@@ -85,9 +85,9 @@ def client_outcomes(algo: Any, state: dict, x: np.ndarray, y: np.ndarray, device
     adapted_params = algo.personalize(state, xt)
     with torch.no_grad():
         adapted = algo.predict(adapted_params, xt).cpu().numpy()
-    decision = guard(received, adapted, 1.0)
-    return {"received": float((received.argmax(-1) == y).mean()), "personalised": float((adapted.argmax(-1) == y).mean()),
-            "disagreement": decision.disagreement}
+    return {"received": float((received.argmax(-1) == y).mean()),
+            "personalised": float((adapted.argmax(-1) == y).mean()),
+            "disagreement": disagreement(received, adapted)}
 
 
 def summarise(clients: list[dict[str, Any]], threshold: float) -> dict[str, float]:
