@@ -31,6 +31,7 @@ import numpy as np
 
 import edge_sdk
 from edge_sdk import EdgeClient, EdgeClientError
+from edge_sdk.safeguard import DEFAULT_THRESHOLD, guard
 
 METHODS = {"btfl": "BTFL", "fedtta++": "FedTTA++", "odpfl-hn": "ODPFL-HN", "tent": "TENT", "none": "none"}
 PHASES = ("in-distribution", "corrupted", "external classes")
@@ -105,6 +106,9 @@ def main() -> int:
     ap.add_argument("--print-every", type=int, default=20)
     ap.add_argument("--epsilon", type=float, default=float("inf"),
                     help="odpfl-hn: the device's privacy budget for its embedding (needs a bundle of the DP encoder)")
+    ap.add_argument("--safeguard", type=float, default=DEFAULT_THRESHOLD,
+                    help="keep the received model when personalisation changes more than this share of the warm-up "
+                         "predictions (edge_sdk.safeguard; 1 = off)")
     ap.add_argument("--wait", type=float, default=600, help="seconds to wait for the coordinator's bundle")
     ap.add_argument("--cache", default="runs/device-cache", help="the device's artifact cache")
     ap.add_argument("--png", default=None, help="plot path (default runs/stream-<method>.png)")
@@ -159,6 +163,15 @@ def main() -> int:
                 f"DLE ({result.details['dle_clients']} client DLE(s) in the aggregate)")
     else:
         what = f"personalised with {device.method} on {len(warm)} unlabeled samples"
+    safeguard: dict | None = None
+    predictor = device
+    if device.method not in ("none", "BTFL", "FedTHE"):  # label-free: on the warm-up window only
+        decision = guard(baseline.predict(warm), device.predict(warm), args.safeguard)
+        print(decision.message)
+        safeguard = {"kept_received": decision.keep_received, "disagreement": round(decision.disagreement, 4),
+                     "threshold": decision.threshold}
+        if decision.keep_received:
+            predictor = baseline
     print(f"{what} in {1e3 * t_personalize:.1f} ms ({result.steps} step(s)); streaming {len(xs)} samples: "
           f"{' -> '.join(PHASES)}")
 
@@ -168,7 +181,7 @@ def main() -> int:
     e = np.full(len(xs), np.nan)  # BTFL's weight of the global head per sample
     for t in range(len(xs)):  # one sample at a time, as a device sees them
         s = time.perf_counter()
-        pred = int(device.predict(xs[t:t + 1]).argmax())
+        pred = int(predictor.predict(xs[t:t + 1]).argmax())
         latency[t] = 1e3 * (time.perf_counter() - s)
         if btfl_info is not None:
             e[t] = device.global_weight
@@ -188,6 +201,7 @@ def main() -> int:
                "accuracy": {name: round(100 * float(correct[phase == k].mean()), 2) for k, name in enumerate(PHASES)},
                "accuracy_received_model": {name: round(100 * float(base_correct[phase == k].mean()), 2)
                                            for k, name in enumerate(PHASES)},
+               "safeguard": safeguard, "lowered_accuracy": bool(correct.mean() < base_correct.mean()),
                "torch_imported": "torch" in sys.modules, "fl_server_imported": "fl_server" in sys.modules}
     if btfl_info is not None:
         summary["btfl"] = {**btfl_info, "mean_e": {name: round(float(e[phase == k].mean()), 4)
@@ -197,6 +211,10 @@ def main() -> int:
     print("summary: " + ", ".join(f"{k} {v:.1f}%" for k, v in summary["accuracy"].items())
           + f" (received model: " + ", ".join(f"{v:.1f}%" for v in summary["accuracy_received_model"].values())
           + f"); latency p50 {summary['latency_ms_p50']:.3f} ms, p99 {summary['latency_ms_p99']:.3f} ms per sample")
+    if summary["lowered_accuracy"]:  # the labelled check: never a silent loss on screen
+        print(f"NOTE: personalisation LOWERED accuracy on this labelled check: {100 * correct.mean():.1f}% against "
+              f"{100 * base_correct.mean():.1f}% for the received model (no label-free rule can tell on the device; "
+              f"see the unseen-domain table in docs/RESULTS.md)")
     png = Path(args.png or f"runs/stream-{args.method}.png")
     title = f"{bundle.method} on {bundle.manifest.get('dataset', 'your data')}: rolling accuracy (window {args.window})"
     if save_plot(png, rolling(correct, args.window), phase, title, e if btfl_info is not None else None):
