@@ -468,7 +468,7 @@ _UNSEEN_OPTIONS: dict[str, Any] = {
 
 
 def _unseen_protocol(dataset: str) -> Protocol:
-    hp = {**_upfl_hp(dataset), "FedICON": {"lr": 0.05, "head_lr": 0.5, "weight_decay": 5e-4, "tta_lr": 0.005,
+    hp = {**upfl_hyper(dataset), "FedICON": {"lr": 0.05, "head_lr": 0.5, "weight_decay": 5e-4, "tta_lr": 0.005,
                                            "encoder_rounds": int(0.8 * _UNSEEN_ROUNDS)}}
     return Protocol(dataset, "mlp", rounds=_UNSEEN_ROUNDS, num_clients=20, new_fraction=0.0, local_iterations=10,
                     split="train", method_hp=hp, options=_UNSEEN_OPTIONS, eval_every=5,
