@@ -481,7 +481,7 @@ EXPERIMENTS["unseen-domain"] = Experiment(
     name="unseen-domain", methods=tuple(UNSEEN_METHODS),
     protocols={"mnist": _unseen_protocol("mnist"), "fashion_mnist": _unseen_protocol("fashion_mnist")},
     paper={}, run_fn=run_unseen_seed,
-    description="New clients from domains the federation never saw (issue #39): trained on MNIST / "
+    description="New clients from domains the federation never saw: trained on MNIST / "
                 "Fashion-MNIST's train split, new clients (2 classes x 50 samples) from the test split clean, "
                 "corrupted (gaussian noise, motion blur, fog, contrast at severities 3 and 5; covariate-s<k> = "
                 "their mean) and, for MNIST, scikit-learn's 8x8 digits upsampled to 28x28. Measures per method: "
@@ -493,8 +493,8 @@ EXPERIMENTS["unseen-domain"] = Experiment(
                 "new-client path is a stream with a local head fit from labels (btgfl), not a personalisation "
                 "of a received model on an unlabeled set. Reading the rows (3 seeds, CPU protocol): "
                 "personalisation makes a large share of clients worse for every adaptive method on every unseen "
-                "condition, FedTTA++'s early-stopped adaptation most (far below its received model, as issue #39 "
-                "found); validation picks threshold 0.5, which is ahead of the safeguard off on the validation "
+                "condition, FedTTA++'s early-stopped adaptation most (far below its received model); "
+                "validation picks threshold 0.5, which is ahead of the safeguard off on the validation "
                 "mean, and on the test domains it brings FedTTA++ and FedTTA-Prox back to about their received "
                 "model and cuts their share of clients made worse, but it does not catch TENT's losses on the "
                 "8x8 digits (for almost every client TENT's adapted model changes at most half of the predictions "

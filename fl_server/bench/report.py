@@ -27,10 +27,10 @@ from fl_server.bench.summary import md_cell, split_label, summary_section
 __all__ = ["split_label", "write_report", "DETAIL_PAGE"]
 
 DETAIL_PAGE = Path("research") / "results-detail.md"  # relative to the docs folder
-from fl_server.bench.unseen_report import unseen_section
+from fl_server.bench.unseen_report import unseen_section, unseen_summary
 
-# experiments whose table has its own layout (name -> renderer of the aggregated rows)
-CUSTOM_SECTIONS = {"unseen-domain": unseen_section}
+# experiments whose tables have their own layout: name -> (RESULTS.md section, research-page section)
+CUSTOM_SECTIONS = {"unseen-domain": (unseen_summary, unseen_section)}
 
 HEADER = """# Results
 
@@ -124,8 +124,9 @@ def write_report(docs: Path = Path("docs")) -> Path:
     for name, rows in experiments.items():
         exp = EXPERIMENTS.get(name)
         if name in CUSTOM_SECTIONS:  # a layout of its own, on both pages
-            main.append(CUSTOM_SECTIONS[name](name, rows))
-            detail.append(CUSTOM_SECTIONS[name](name, rows))
+            summary, full = CUSTOM_SECTIONS[name]
+            main.append(summary(name, rows))
+            detail.append(full(name, rows))
             continue
         main.append(summary_section(name, rows, exp.description if exp is not None else ""))
         if name in PLOTS and (png := PLOTS[name](rows, docs / f"{name}.png")) is not None:

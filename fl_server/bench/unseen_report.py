@@ -72,3 +72,38 @@ def unseen_section(name: str, rows: list[dict[str, Any]]) -> str:
                          + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def unseen_summary(name: str, rows: list[dict[str, Any]]) -> str:
+    """The compact unseen-domain section of docs/RESULTS.md: per data set one method x condition table whose
+    cells read "received -> personalised (safeguard on)", seed means; every measure with its spread, the
+    share of clients made worse and the validation tables are on the research page (:func:`unseen_section`)."""
+    from fl_server.bench.experiments import EXPERIMENTS  # heavy import, only when rendering
+
+    exp = EXPERIMENTS[name]
+    by = {(r["dataset"], r["method"], r["split"], r["shift"], r["measure"], r["threshold"]): r for r in rows}
+    methods = [m for m in exp.methods if any(r["method"] == m for r in rows)]
+    t = DEFAULT_THRESHOLD
+    lines = [f"## {name}", "", exp.description.split(". ")[0].rstrip(".") + ".", ""]
+    if rows:
+        lines += [f"Protocol: {rows[0].get('note', '')}. {max(r['seeds'] for r in rows)} seeds; "
+                  f"`{rows[0].get('command', '')}`. Cells: received -> personalised (safeguard on, threshold {t:g}), "
+                  f"mean over seeds. Spreads, the share of clients made worse and the validation shifts that chose "
+                  f"the threshold: [research page](research/results-detail.md#{name}).", ""]
+
+    def mean(key: tuple) -> str:
+        r = by.get(key)
+        return "-" if r is None else f"{r['mean']:.1f}"
+
+    for dataset in sorted({r["dataset"] for r in rows}):
+        shifts = [s for s in _TEST_ORDER if any(k[0] == dataset and k[3] == s for k in by)]
+        lines += [f"**{dataset}**", "", "| method | " + " | ".join(shifts) + " |", "|---|" + "---|" * len(shifts)]
+        for m in methods:
+            cells = []
+            for s in shifts:
+                base = (dataset, m, "test", s)
+                cells.append(f"{mean((*base, 'received', None))} -> {mean((*base, 'personalised', None))} "
+                             f"({mean((*base, 'safeguard', t))})")
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines) + "\n"
