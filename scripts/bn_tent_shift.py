@@ -111,7 +111,8 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict[str, Any]:
         for how in ("received", "BN stats", "TENT"):
             rows.append({"shift": shift, "method": how,
                          "value": round(mean_accuracy(fed.new, how, shift, tent_with(lr)), 3)})
-    covariate = {how: round(float(np.mean([r["value"] for r in rows if r["method"] == how and r["shift"] != "clean"])), 3)
+    shifted = [r for r in rows if r["shift"] != "clean"]
+    covariate = {how: round(float(np.mean([r["value"] for r in shifted if r["method"] == how])), 3)
                  for how in ("received", "BN stats", "TENT")}
     return {"seed": seed, "tent_lr": lr, "tent_lr_val": val, "results": rows, "covariate_mean": covariate,
             "train_s": round(train_s, 1), "wall_s": round(time.perf_counter() - t0, 1)}

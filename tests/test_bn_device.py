@@ -6,8 +6,6 @@ the rule (test-batch statistics for a batch of 64, the population's or their exp
 from __future__ import annotations
 
 import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch

@@ -132,7 +132,7 @@ def test_help_lists_the_registries_and_serve_shows_its_defaults() -> None:
     text = " ".join(train.stdout.split())  # argparse wraps lines
     assert all(m in text for m in ALGORITHMS) and "any letter case" in text
     assert "{" + ",".join(MODELS) + "}" in text and "{digits,mnist,fashion_mnist}" in text
-    assert "(default: FedAvg)" in text and "(default: digits)" in text
+    assert "default: the recipe's, FedAvg" in text and "(default: digits)" in text
     serve = " ".join(fl_server("serve", "--help").stdout.split())
     for default in ("(default: 127.0.0.1)", "(default: 8000)", "(default: runs/store)", "(default: info)",
                     "(default: 4096)", "(default: $FL_SERVE_ROUNDS or 60)"):

@@ -207,7 +207,8 @@ def calibrate(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
 
 
 def client_statistics(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
-                      clients: Sequence[Iterable[torch.Tensor]], how: str = "federated") -> list[dict[str, torch.Tensor]]:
+                      clients: Sequence[Iterable[torch.Tensor]],
+                      how: str = "federated") -> list[dict[str, torch.Tensor]]:
     """Population statistics per client (:func:`statistics`' names), each client's batches in ``clients``.
     ``"federated"`` (default): every client sends its sums of x and x^2 and its count, the server adds them up
     (FedAvg of the clients' statistics weighted by sample count; equal to :func:`calibrate` over their union)
