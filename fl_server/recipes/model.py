@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from fl_server.models import MODELS, Classifier, build_model
+from fl_server.models.norm import convert_batchnorm
 from fl_server.recipes.errors import RecipeError
 
 InputShape = tuple[int, int, int]
@@ -59,6 +60,9 @@ class ModelSpec:
             net = self.factory(tuple(input_shape), num_classes)  # type: ignore[arg-type]
         if not isinstance(net, nn.Module):
             raise RecipeError(f"model: the factory returned {type(net).__name__}, not a torch.nn.Module")
+        # nn.BatchNorm2d -> StatBatchNorm2d: its statistics live outside the functional state (federated after
+        # training, applied on the device by the bundle's batch_norm rule; docs/edge-architectures.md)
+        net = convert_batchnorm(net)
         features, head = self._split(net)
         if not isinstance(head, nn.Linear):
             raise RecipeError(f"model: the head ({_where(self.head)}) is {type(head).__name__}, not torch.nn.Linear; "
@@ -108,7 +112,7 @@ def check_classifier(clf: Classifier, input_shape: InputShape) -> None:
         owner = clf.get_submodule(name.rpartition(".")[0]) if "." in name else clf
         raise RecipeError(f"model: {type(owner).__name__} at {name.rpartition('.')[0] or 'the top'} keeps buffer "
                           f"{name.rpartition('.')[2]!r} (e.g. BatchNorm running statistics), which the functional "
-                          f"engine cannot carry; use fl_server.models.norm.StatBatchNorm2d or nn.GroupNorm")
+                          f"engine cannot carry; use nn.BatchNorm2d (converted), fl_server.models.norm.StatBatchNorm2d or nn.GroupNorm")
     shape = [2, *input_shape]
     try:
         with torch.no_grad():
