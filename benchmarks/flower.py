@@ -8,7 +8,7 @@ which warms up, are left out); the Flower paths' start-up (processes, Ray) is re
 (docs/benchmarks/flower.json).
 
     python benchmarks/flower.py                       # the committed figures
-    python benchmarks/flower.py --smoke --out /tmp/x  # CI: every path at a tiny size
+    python benchmarks/flower.py --smoke --out runs/flower-smoke.json  # CI: every path at a tiny size
 """
 from __future__ import annotations
 
