@@ -140,7 +140,8 @@ def main() -> int:
         except (RuntimeError, subprocess.TimeoutExpired) as exc:
             if args.smoke:
                 raise
-            result["flower_deployment"] = {"error": str(exc).splitlines()[0][:300]}
+            lines = [ln for ln in str(exc).splitlines() if "Error" in ln] or str(exc).splitlines()
+            result["flower_deployment"] = {"error": lines[-1][:300]}
     base_s = result["in_process_loop"]["median_s_per_round"]
     result["ratio_to_in_process_loop"] = {
         k: round(result[k]["median_s_per_round"] / base_s, 2)
