@@ -80,7 +80,7 @@ def simulation(config: dict[str, Any], run_dir: Path, cpus: int) -> dict[str, An
     from fl_server.flower.server_app import make_server_app
 
     recipe = FlowerRecipe.from_config(config)
-    cfg = {**config, "run-dir": str(run_dir)}
+    cfg = {**config, "run-dir": str(run_dir), "min-nodes": recipe.protocol.num_clients}  # all registered first
     t0 = time.perf_counter()
     run_simulation(make_server_app(cfg), make_client_app(cfg), num_supernodes=recipe.protocol.num_clients,
                    backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": cpus}})
