@@ -8,7 +8,7 @@ which warms up, are left out); the Flower paths' start-up (processes, Ray) is re
 (docs/benchmarks/flower.json).
 
     python benchmarks/flower.py                       # the committed figures
-    python benchmarks/flower.py --smoke --out flower-smoke.json  # CI: every path at a tiny size
+    python benchmarks/flower.py --smoke --out runs/flower-smoke.json  # CI: every path at a tiny size
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -60,13 +61,13 @@ def in_process(config: dict[str, Any], mode: str) -> dict[str, Any]:
     return {"mode": sim.mode, **summary(times[1:])}  # round 0 warms up (allocations, vmap tracing)
 
 
-def deployment(config: dict[str, Any], workdir: Path, data_dir: str) -> dict[str, Any]:
+def deployment(config: dict[str, Any], workdir: Path, data_dir: str, timeout: float) -> dict[str, Any]:
     clients = FlowerRecipe.from_config(config).protocol.num_clients
     t0 = time.perf_counter()
     with LocalDeployment(clients, workdir, env={"FL_DATA_DIR": data_dir}) as dep:
         startup = time.perf_counter() - t0
         t1 = time.perf_counter()
-        dep.run({**config, "run-dir": str(workdir / "run")}, timeout=3000)
+        dep.run({**config, "run-dir": str(workdir / "run")}, timeout=timeout)
         total = time.perf_counter() - t1
     return {**summary(round_seconds(workdir / "run")), "startup_s": round(startup, 2),
             "flwr_run_wall_s": round(total, 2)}
@@ -79,7 +80,7 @@ def simulation(config: dict[str, Any], run_dir: Path, cpus: int) -> dict[str, An
     from fl_server.flower.server_app import make_server_app
 
     recipe = FlowerRecipe.from_config(config)
-    cfg = {**config, "run-dir": str(run_dir)}
+    cfg = {**config, "run-dir": str(run_dir), "min-nodes": recipe.protocol.num_clients}  # all registered first
     t0 = time.perf_counter()
     run_simulation(make_server_app(cfg), make_client_app(cfg), num_supernodes=recipe.protocol.num_clients,
                    backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": cpus}})
@@ -100,6 +101,7 @@ def main() -> int:
     ap.add_argument("--sim-fraction", type=float, default=0.1)
     ap.add_argument("--sim-rounds", type=int, default=4)
     ap.add_argument("--cpus", type=int, default=2, help="Ray's CPUs (one per client at a time)")
+    ap.add_argument("--deployment-timeout", type=float, default=900, help="seconds for the deployment's flwr run")
     ap.add_argument("--smoke", action="store_true", help="every path at a tiny size (CI)")
     ap.add_argument("--data-dir", default=os.environ.get("FL_DATA_DIR"))
     ap.add_argument("--out", default="docs/benchmarks/flower.json")
@@ -128,15 +130,22 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         result["in_process_vmap"] = in_process(same, "vmap")
         result["in_process_loop"] = in_process(same, "loop")
-        result["flower_deployment"] = deployment(same, Path(tmp) / "deployment", args.data_dir)
         result["flower_simulation"] = simulation(same, Path(tmp) / "sim", args.cpus)
         result["flower_simulation_many"] = {
             "clients": args.sim_clients, "fraction": args.sim_fraction, "rounds": args.sim_rounds,
             **simulation(many, Path(tmp) / "sim-many", args.cpus)}
+        try:  # last: the one path whose processes can fail on an overloaded machine (Flower's ClientApp heartbeat)
+            result["flower_deployment"] = deployment(same, Path(tmp) / "deployment", args.data_dir,
+                                                     args.deployment_timeout)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            if args.smoke:
+                raise
+            lines = [ln for ln in str(exc).splitlines() if "Error" in ln] or str(exc).splitlines()
+            result["flower_deployment"] = {"error": lines[-1][:300]}
     base_s = result["in_process_loop"]["median_s_per_round"]
     result["ratio_to_in_process_loop"] = {
         k: round(result[k]["median_s_per_round"] / base_s, 2)
-        for k in ("in_process_vmap", "flower_deployment", "flower_simulation")}
+        for k in ("in_process_vmap", "flower_deployment", "flower_simulation") if "error" not in result[k]}
     result["overhead"] = (
         "Deployment: Flower starts a fresh ClientApp process per message (Python, torch and the app imported "
         "again, the node's partition read back from the run's context state), an idle SuperNode polls the "

@@ -23,6 +23,7 @@ from fl_server.flower.task import (ClientData, FlowerRecipe, client_local_dle, c
 from fl_server.flower.wire import record_to_state, state_to_record
 
 _PRIVATE = "fl-edge-private"  # the client's own entries between rounds (BTFL's local head), never sent
+_STATE_LIMIT = 8 << 20  # bytes of partition kept in the context state (tens of MB there miss Flower's heartbeat)
 _PARTITION = "fl-edge-partition"  # the node's partition, kept in the run's context state between messages
 
 
@@ -38,6 +39,8 @@ def _setup(context: Context, overrides: Mapping[str, Any]) -> tuple[FlowerRecipe
                                   **arrays)
     data_dir = context.node_config.get("data-dir") or context.run_config.get("data-dir") or None
     data = load_partition(recipe, pid, str(data_dir) if data_dir else None)
+    if sum(getattr(data, k).nbytes for k in ("x_train", "y_train", "x_val", "y_val")) > _STATE_LIMIT:
+        return recipe, data  # a large partition is rebuilt per message (the context state crosses processes)
     context.state[_PARTITION + "-meta"] = ConfigRecord({"partition-id": data.partition_id,
                                                         "num-partitions": data.num_partitions,
                                                         "num-classes": data.num_classes})

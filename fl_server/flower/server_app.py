@@ -22,7 +22,6 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
-from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid, ServerApp
 
 from edge_sdk import btfl as btfl_math
@@ -55,33 +54,18 @@ def wait_for_nodes(grid: Grid, count: int, timeout: float) -> list[int]:
         time.sleep(0.5)
 
 
-_RETRIES = 2  # resends of a message whose ClientApp crashed (Flower: "ClientApp stopped responding")
-
-
 def _exchange(grid: Grid, kind: str, payloads: dict[int, RecordDict], timeout: float, round_: int) -> dict[int, Any]:
-    """Send one message per node, return each node's reply content. A node whose ClientApp process crashed or
-    missed Flower's heartbeat (a device busy with other work) gets the same message again, up to ``_RETRIES``
-    times: a client's reply depends only on the message and its run state, which a crashed ClientApp never
-    wrote back. Any other error, or no reply within ``timeout``, fails the run."""
-    out: dict[int, Any] = {}
-    pending, attempt = dict(payloads), 0
-    while pending:
-        msgs = [Message(content, dst_node_id=node, message_type=kind, group_id=str(round_))
-                for node, content in pending.items()]
-        replies = {m.metadata.src_node_id: m for m in grid.send_and_receive(msgs, timeout=timeout)}
-        retry: dict[int, RecordDict] = {}
-        for node in pending:
-            reply = replies.get(node)
-            if reply is None:
-                raise FlowerError(f"{kind}: no reply from node {node} within {timeout:.0f} s (round {round_})")
-            if not reply.has_error():
-                out[node] = reply.content
-            elif reply.error.code == ErrorCode.CLIENT_APP_CRASHED and attempt < _RETRIES:
-                retry[node] = payloads[node]
-            else:
-                raise FlowerError(f"{kind}: node {node} failed: {reply.error.reason}")
-        pending, attempt = retry, attempt + 1
-    return out
+    """Send one message per node, return each node's reply content; any error or missing reply fails the run."""
+    msgs = {node: Message(content, dst_node_id=node, message_type=kind, group_id=str(round_))
+            for node, content in payloads.items()}
+    replies = {m.metadata.src_node_id: m for m in grid.send_and_receive(list(msgs.values()), timeout=timeout)}
+    for node in payloads:
+        reply = replies.get(node)
+        if reply is None:
+            raise FlowerError(f"{kind}: no reply from node {node} within {timeout:.0f} s (round {round_})")
+        if reply.has_error():
+            raise FlowerError(f"{kind}: node {node} failed: {reply.error.reason}")
+    return {node: replies[node].content for node in payloads}
 
 
 class FederatedRun:
