@@ -18,7 +18,6 @@ setup(install_requires=[
     "numpy>=1.26",
     "scipy>=1.11",
     "tqdm>=4.66",
-    "Pillow>=10",  # recipes: image-folder data (PNG/JPEG)
     "onnx>=1.16",
     "onnxruntime>=1.18",
     "onnxscript>=0.5",  # the dynamo ONNX exporter

@@ -89,8 +89,13 @@ class DataSpec:
     @classmethod
     def from_image_folder(cls, path: str | Path, client_ids: Any = None) -> "DataSpec":
         """One subfolder per class (sorted names are labels 0..K-1), PNG/JPEG files (sorted) read with Pillow:
-        grayscale stays one channel, anything else becomes RGB. Layout NHWC, uint8."""
-        from PIL import Image, UnidentifiedImageError
+        grayscale stays one channel, anything else becomes RGB. Layout NHWC, uint8. Needs Pillow (the
+        ``images`` extra: ``pip install 'fl-edge[images]'``; serving and training on arrays do not)."""
+        try:
+            from PIL import Image, UnidentifiedImageError
+        except ImportError:
+            raise RecipeError("data: reading an image folder needs Pillow; pip install 'fl-edge[images]' "
+                              "(or Pillow)") from None
 
         root = Path(path)
         if not root.is_dir():
