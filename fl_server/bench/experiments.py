@@ -385,7 +385,11 @@ EXPERIMENTS["odpfl-dp"] = Experiment(
                 f"pooled vector (sensitivity 2/|D|) before psi (edge_sdk.dp.privatize_pooled): the same guarantee as "
                 f"Lemma 2's noise on e and less noise. Reading: without noise ODPFL-HN serves each new client a model "
                 f"of its two classes; the noise of eps <= 1 swamps the differences between the clients' pooled "
-                f"vectors except at the largest |D| (docs/research/odpfl-hn-diagnosis.md).",
+                f"vectors except at the largest |D| (docs/research/odpfl-hn-diagnosis.md). Calibration: the "
+                f"committed rows used the classic Gaussian mechanism, sigma = sqrt(2 ln(1.25/delta)) Delta / eps; "
+                f"the SDK now uses the analytic Gaussian mechanism (Balle and Wang 2018), which adds less noise at "
+                f"the same (eps, delta) and is valid for eps >= 1 too, so these rows are a conservative bound until "
+                f"they are rerun with the current code.",
 )
 # UPFL App. F (Table 2): 1,000 MNIST samples, 50 IID clients of 20; 25 training clients rotated by 0/30/60
 # degrees, 25 new clients by 15/45. The paper reports this experiment as a bar chart only (Fig. 4).
