@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 import tempfile
@@ -10,18 +9,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fl_server.bench.rows import merge_rows
-from fl_server.data import load_dataset
-from fl_server.data.federated import FederatedData, make_federated
+from fl_server import rundir
+from fl_server.data.federated import FederatedData
+from fl_server.recipes.run import client_data
 
 
 def run_clients(run_dir: Path, data_dir: str | None) -> tuple[dict[str, Any], FederatedData]:
-    """The run's description and its federated data, rebuilt from the protocol and seed in run.json."""
-    run = json.loads((run_dir / "run.json").read_text())
-    proto = run["protocol"]
-    ds = load_dataset(run["dataset"], root=data_dir, split="all")
-    fed = make_federated(ds, proto["partition"], proto["num_clients"], proto["new_fraction"], proto["val_fraction"],
-                         seed=run["seed"], alpha=proto["alpha"])
-    return run, fed
+    """The run's description and its federated data, rebuilt from run.json by the recipe layer (the one
+    place that partitions: a run of a built-in data set, a bench protocol or a recipe file)."""
+    run = rundir.read_run(run_dir)
+    return run, client_data(run, data_dir)
 
 
 def measure_runs(doc: str | None, script: str, measure: Callable[[Path, str | None, Path, str], dict],

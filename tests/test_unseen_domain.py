@@ -95,5 +95,7 @@ def test_unseen_domain_quick(tmp_path: Path, data_root: Path) -> None:
     assert by[("TENT", "clean", "received", None)] == by[("FedAvg", "clean", "received", None)]
     report = fl_server("report", "--docs", str(tmp_path / "docs"))
     assert report.returncode == 0, report.stderr
-    text = (tmp_path / "docs" / "RESULTS.md").read_text()
-    assert "### mnist: new clients (test)" in text and "| digits | TENT |" in text
+    text = (tmp_path / "docs" / "RESULTS.md").read_text()  # the compact table: method x condition
+    assert "**mnist**" in text and "| method | clean | digits |" in text and "\n| TENT | " in text
+    detail = (tmp_path / "docs" / "research" / "results-detail.md").read_text()  # every measure, per condition
+    assert "### mnist: new clients (test)" in detail and "| digits | TENT |" in detail

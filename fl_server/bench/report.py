@@ -50,8 +50,35 @@ sweep tables the protocols were chosen with (result files that are not seed-aggr
 """
 
 
-def _is_experiment(rows: list[dict[str, Any]]) -> bool:
-    return all("mean" in r for r in rows)
+def bn_tent_shift_section(name: str, data: dict[str, Any], per_seed: bool = True) -> str:
+    """``docs/results/bn-tent-shift.json`` (scripts/bn_tent_shift.py): accuracy on covariate-shifted new
+    clients, mean over the corruptions, per seed (``per_seed``) and their mean; the clean condition per seed."""
+    means = data["covariate_mean_over_seeds"]
+    seeds = data["seeds"]
+    methods = list(means)
+    clean = {s["seed"]: {r["method"]: r["value"] for r in s["results"] if r["shift"] == "clean"} for s in seeds}
+    lines = [f"## result: {name}", "",
+             f"{data['model']} on {data['dataset']}, {data['settings']['seeds']} seeds, {data['device']}: "
+             f"`{data['command']}` (docs/edge-architectures.md). Accuracy (%) of the new clients under "
+             f"{', '.join(data['settings']['corruptions'])}, mean over the corruptions (per seed, with the clean "
+             f"condition: research page).", "",
+             "| seed | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+    for i, s in enumerate(seeds if per_seed else ()):
+        cells = (f"{means[m]['per_seed'][i]:.2f} ({clean[s['seed']].get(m, float('nan')):.2f})" for m in methods)
+        lines.append(f"| {s['seed']} | " + " | ".join(cells) + " |")
+    lines.append("| mean | " + " | ".join(f"{means[m]['mean']:.2f}" for m in methods) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# benchmark files shown on the research page only (the series behind a benchmark the main page shows)
+RESEARCH_ONLY = {"coordinator-load-series"}
+# result files (not seed-aggregated tables) with a layout of their own
+RESULT_SECTIONS = {"bn-tent-shift": bn_tent_shift_section}
+
+
+def _is_experiment(rows: Any) -> bool:
+    """A seed-aggregated experiment table: a list of rows that each carry a mean."""
+    return isinstance(rows, list) and all(isinstance(r, dict) and "mean" in r for r in rows)
 
 
 def experiment_section(name: str, rows: list[dict[str, Any]]) -> str:
@@ -134,14 +161,29 @@ def write_report(docs: Path = Path("docs")) -> Path:
         detail.append(experiment_section(name, rows))
     for name, data in benchmarks.items():  # a summary object's first table here, every table on the research page
         tables_of = benchmark_tables(data)
+        if name in RESEARCH_ONLY:
+            detail += [benchmark_section(name + suffix, rows) for suffix, rows in tables_of.items()]
+            continue
         first = next(iter(tables_of))
         main.append(benchmark_section(name + first, tables_of[first]))
         if len(tables_of) > 1:
             main[-1] += f"\nEvery table of this file: [research page](research/results-detail.md).\n"
             detail += [benchmark_section(name + suffix, rows) for suffix, rows in tables_of.items()]
-    for name, rows in tables.items():
-        if not _is_experiment(rows):
-            detail.append(benchmark_section(name, rows).replace("## benchmark: ", "## probe: ", 1))
+    for name, data in tables.items():
+        if _is_experiment(data):
+            continue
+        if name in RESULT_SECTIONS:  # a result file with a layout of its own: the seeds on the research page
+            main.append(RESULT_SECTIONS[name](name, data, per_seed=False))
+            detail.append(RESULT_SECTIONS[name](name, data))
+            continue
+        if isinstance(data, dict):  # a result summary object: its first table on the page
+            tables_of = benchmark_tables(data)
+            first = next(iter(tables_of))
+            main.append(benchmark_section(name + first, tables_of[first]).replace("## benchmark: ", "## result: ", 1))
+            detail += [benchmark_section(name + suffix, rows).replace("## benchmark: ", "## result: ", 1)
+                       for suffix, rows in tables_of.items()]
+            continue
+        detail.append(benchmark_section(name, data).replace("## benchmark: ", "## probe: ", 1))
     (docs / DETAIL_PAGE).parent.mkdir(parents=True, exist_ok=True)
     write_atomic(docs / DETAIL_PAGE, "\n".join(detail))
     out = docs / "RESULTS.md"
