@@ -21,17 +21,15 @@ from tqdm.auto import tqdm
 from edge_sdk.bundle import load_bundle
 from edge_sdk.personalize import Personalizer
 from export.run import export_run
-from fl_server.algorithms import build_algorithm
 from fl_server.engine.simulation import load_state
-from fl_server.models import build_model
+from fl_server.recipes.run import rebuild
 from run_dirs import measure_runs, run_clients
 
 
 def measure(run_dir: Path, data_dir: str | None, work: Path, command: str) -> dict:
     run, fed = run_clients(run_dir, data_dir)
     ds = fed.dataset
-    model = build_model(run["model"], tuple(run["input_shape"]), run["num_classes"], seed=run["seed"])
-    algorithm = build_algorithm(run["method"], model, 1, seed=run["seed"], **run["hyper"])
+    recipe, _, algorithm = rebuild(run, data_dir)  # the run's own model and method (zoo or a recipe file)
     state = {k: {n: v.float() for n, v in d.items()} for k, d in load_state(run_dir / "best.npz").items()}
     device = Personalizer(load_bundle(export_run(run_dir, work / run_dir.name)))
     acc_torch, acc_sdk, agree = [], [], []
@@ -51,7 +49,7 @@ def measure(run_dir: Path, data_dir: str | None, work: Path, command: str) -> di
             "metric": "accuracy_diff_points_sdk_minus_torch", "value": round(s - t, 3),
             "accuracy_torch": round(t, 3), "accuracy_sdk": round(s, 3),
             "prediction_agreement": round(100 * float(np.mean(agree)), 3), "new_clients": len(fed.new),
-            "protocol_rounds": run["protocol"]["rounds"],
+            "protocol_rounds": recipe.rounds,
             "device_kind": device.kind, "run": str(run_dir), "device": "cpu", "torch": torch.__version__,
             "command": command, "trained_by": run.get("command", "not recorded")}
 
