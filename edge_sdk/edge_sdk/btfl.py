@@ -902,19 +902,19 @@ class BTFLStream:
         takes :meth:`predict_one`'s scalar path (same result to ~1e-15, a few times faster).
         """
         if self._q_delta is not None and self._one_valid_row(local_logits, global_logits, features):
-            probs, e, event, a, b, lt = self._step_one(local_logits[0], global_logits[0], features[0])  # type: ignore[index]
-            self.last_weights, self.last_alphas, self.last_betas = np.array([e]), np.array([a]), np.array([b])
-            self.last_events, self.last_log_tau_hat = np.array([event]), np.array([lt])
-            self.last_weight, self.last_event = e, event
-            return probs[None]
+            return self._predict_row(local_logits[0], global_logits[0], features[0])  # type: ignore[index]
         lo, gl, ft = self._validate(local_logits, global_logits, features)
         if len(lo) == 1 and self._q_delta is not None:
-            probs, e, event, a, b, lt = self._step_one(lo[0], gl[0], ft[0])
-            self.last_weights, self.last_alphas, self.last_betas = np.array([e]), np.array([a]), np.array([b])
-            self.last_events, self.last_log_tau_hat = np.array([event]), np.array([lt])
-            self.last_weight, self.last_event = e, event
-            return probs[None]
+            return self._predict_row(lo[0], gl[0], ft[0])
         return self._predict_batch(lo, gl, ft)
+
+    def _predict_row(self, lo: np.ndarray, gl: np.ndarray, ft: np.ndarray) -> np.ndarray:
+        """:meth:`predict` on one validated row through the scalar path, with the batch fields of a batch of 1."""
+        probs, e, event, a, b, lt = self._step_one(lo, gl, ft)
+        self.last_weights, self.last_alphas, self.last_betas = np.array([e]), np.array([a]), np.array([b])
+        self.last_events, self.last_log_tau_hat = np.array([event]), np.array([lt])
+        self.last_weight, self.last_event = e, event
+        return probs[None]
 
     def _one_valid_row(self, lo: object, gl: object, ft: object) -> bool:
         """True for one row of float arrays of the right shapes, finite logits and finite non-negative

@@ -45,24 +45,11 @@ def graph_feeds(session: ort.InferenceSession, feeds: dict[str, np.ndarray]) -> 
     """The entries of ``feeds`` that ``session``'s graph takes as inputs. A frozen graph (bundle format 2)
     embeds its weights and takes only ``x``; a format-1 graph takes them as inputs: feeding through this
     serves both. Raises ValueError naming any input the graph needs that ``feeds`` lacks."""
-    names = _input_names(session)
+    names = [i.name for i in session.get_inputs()]
     missing = [n for n in names if n not in feeds]
     if missing:
         raise ValueError(f"the graph needs inputs {missing} that were not given")
     return {n: feeds[n] for n in names}
-
-
-_INPUT_NAMES: dict[int, tuple[object, tuple[str, ...]]] = {}
-
-
-def _input_names(session: ort.InferenceSession) -> tuple[str, ...]:
-    hit = _INPUT_NAMES.get(id(session))
-    if hit is None or hit[0] is not session:  # id reuse after a session is freed
-        hit = (session, tuple(i.name for i in session.get_inputs()))
-        if len(_INPUT_NAMES) > 256:
-            _INPUT_NAMES.clear()
-        _INPUT_NAMES[id(session)] = hit
-    return hit[1]
 
 
 def check_batch(x: np.ndarray, session: ort.InferenceSession) -> np.ndarray:
