@@ -15,8 +15,9 @@ Example::
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from fl_server.bench.criteria import BENCHMARK_INPUTS, status_section
 from fl_server.bench.experiments import EXPERIMENTS
@@ -29,8 +30,7 @@ __all__ = ["split_label", "write_report", "DETAIL_PAGE"]
 DETAIL_PAGE = Path("research") / "results-detail.md"  # relative to the docs folder
 from fl_server.bench.unseen_report import unseen_section, unseen_summary
 
-# experiments whose tables have their own layout: name -> (RESULTS.md section, research-page section)
-CUSTOM_SECTIONS = {"unseen-domain": (unseen_summary, unseen_section)}
+
 
 HEADER = """# Results
 
@@ -72,8 +72,23 @@ def bn_tent_shift_section(name: str, data: dict[str, Any], per_seed: bool = True
 
 # benchmark files shown on the research page only (the series behind a benchmark the main page shows)
 RESEARCH_ONLY = {"coordinator-load-series"}
-# result files (not seed-aggregated tables) with a layout of their own
-RESULT_SECTIONS = {"bn-tent-shift": bn_tent_shift_section}
+# result files with a layout of their own: name -> (RESULTS.md section, research-page section)
+OWN_LAYOUT: dict[str, tuple[Callable[[str, Any], str], Callable[[str, Any], str]]] = {
+    "unseen-domain": (unseen_summary, unseen_section),
+    "bn-tent-shift": (partial(bn_tent_shift_section, per_seed=False), bn_tent_shift_section),  # seeds: research
+}
+
+
+def _tables_sections(name: str, data: Any, kind: str) -> tuple[str, list[str]]:
+    """A file's first table for RESULTS.md and every table for the research page (``kind``: the heading's word)."""
+    tables_of = benchmark_tables(data)
+    heads = {suffix: benchmark_section(name + suffix, rows).replace("## benchmark: ", f"## {kind}: ", 1)
+             for suffix, rows in tables_of.items()}
+    first = next(iter(heads.values()))
+    if len(heads) > 1:
+        note = "\nEvery table of this file: [research page](research/results-detail.md).\n"
+        return first + note, list(heads.values())
+    return first, []
 
 
 def _is_experiment(rows: Any) -> bool:
@@ -149,41 +164,36 @@ def write_report(docs: Path = Path("docs")) -> Path:
                            if isinstance(rows := benchmarks.get(name), list)})
     main, detail = [HEADER, status_section(verdict_inputs)], [DETAIL_HEADER]
     for name, rows in experiments.items():
-        exp = EXPERIMENTS.get(name)
-        if name in CUSTOM_SECTIONS:  # a layout of its own, on both pages
-            summary, full = CUSTOM_SECTIONS[name]
+        if name in OWN_LAYOUT:
+            summary, full = OWN_LAYOUT[name]
             main.append(summary(name, rows))
             detail.append(full(name, rows))
             continue
+        exp = EXPERIMENTS.get(name)
         main.append(summary_section(name, rows, exp.description if exp is not None else ""))
         if name in PLOTS and (png := PLOTS[name](rows, docs / f"{name}.png")) is not None:
             main.append(f"![{name}]({png.name})\n")
         detail.append(experiment_section(name, rows))
-    for name, data in benchmarks.items():  # a summary object's first table here, every table on the research page
-        tables_of = benchmark_tables(data)
+    for name, data in benchmarks.items():
+        first, every = _tables_sections(name, data, "benchmark")
         if name in RESEARCH_ONLY:
-            detail += [benchmark_section(name + suffix, rows) for suffix, rows in tables_of.items()]
+            detail += every or [first]
             continue
-        first = next(iter(tables_of))
-        main.append(benchmark_section(name + first, tables_of[first]))
-        if len(tables_of) > 1:
-            main[-1] += f"\nEvery table of this file: [research page](research/results-detail.md).\n"
-            detail += [benchmark_section(name + suffix, rows) for suffix, rows in tables_of.items()]
+        main.append(first)
+        detail += every
     for name, data in tables.items():
         if _is_experiment(data):
             continue
-        if name in RESULT_SECTIONS:  # a result file with a layout of its own: the seeds on the research page
-            main.append(RESULT_SECTIONS[name](name, data, per_seed=False))
-            detail.append(RESULT_SECTIONS[name](name, data))
-            continue
-        if isinstance(data, dict):  # a result summary object: its first table on the page
-            tables_of = benchmark_tables(data)
-            first = next(iter(tables_of))
-            main.append(benchmark_section(name + first, tables_of[first]).replace("## benchmark: ", "## result: ", 1))
-            detail += [benchmark_section(name + suffix, rows).replace("## benchmark: ", "## result: ", 1)
-                       for suffix, rows in tables_of.items()]
-            continue
-        detail.append(benchmark_section(name, data).replace("## benchmark: ", "## probe: ", 1))
+        if name in OWN_LAYOUT:
+            summary, full = OWN_LAYOUT[name]
+            main.append(summary(name, data))
+            detail.append(full(name, data))
+        elif isinstance(data, dict):  # a result summary object: its first table here, every table there
+            first, every = _tables_sections(name, data, "result")
+            main.append(first)
+            detail += every or [first]
+        else:
+            detail.append(benchmark_section(name, data).replace("## benchmark: ", "## probe: ", 1))
     (docs / DETAIL_PAGE).parent.mkdir(parents=True, exist_ok=True)
     write_atomic(docs / DETAIL_PAGE, "\n".join(detail))
     out = docs / "RESULTS.md"
