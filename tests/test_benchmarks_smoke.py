@@ -24,6 +24,7 @@ SMOKE: dict[str, list[str]] = {
     "edge_sdk_footprint.py": ["--repeats", "1"],
     "edge_step_speed.py": ["--batch", "4", "--repeats", "1"],
     "fedtta_step.py": ["--models", "mlp", "--repeats", "1", "--device", "cpu"],
+    "gpu_engine.py": ["--smoke", "--repeats", "1", "--device", "cpu", "--methods", "FedTTA"],
     "int8_frozen.py": ["{run}"],
     "odpfl_round.py": ["--dataset", "digits", "--repeats", "1"],
     "phase_steps.py": ["--repeats", "1", "--device", "cpu", "--smoke"],

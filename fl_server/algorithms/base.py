@@ -58,6 +58,10 @@ class Algorithm:
     # client-state entries that are the client's own between rounds ({client key: per-client server key}, e.g.
     # BTFL's local head): on Flower they stay on the client and never cross the wire
     client_private: ClassVar[dict[str, str]] = {}
+    # True when ``local_step`` is a pure function of its tensor arguments and of hyperparameters fixed for the run
+    # (no Python state that changes between rounds): the engine may then record a round's steps once as a CUDA
+    # graph and replay it (fl_server/engine/graphs.py)
+    graph_safe: ClassVar[bool] = False
 
     def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0, **overrides: Any) -> None:
         """``seed`` fixes the initial weights of any module the method adds to ``model`` (e.g. FedTTA's g)."""

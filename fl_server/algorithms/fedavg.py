@@ -22,6 +22,7 @@ class FedAvgConfig(Hyper):
 
 class FedAvg(Algorithm):
     name = "FedAvg"
+    graph_safe = True
     Config = FedAvgConfig
 
     def client_start(self, server_state: State, ids: np.ndarray) -> State:

@@ -17,6 +17,7 @@ class FedProxConfig(Hyper):
 
 class FedProx(Algorithm):
     name = "FedProx"
+    graph_safe = True
     Config = FedProxConfig
 
     def loss(self, params: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

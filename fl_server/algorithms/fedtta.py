@@ -46,6 +46,7 @@ class FedTTAConfig(Hyper):
 
 class FedTTA(Algorithm):
     name = "FedTTA"
+    graph_safe = True
     Config = FedTTAConfig
     adapts_at_test_time = True
 

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from fl_server.algorithms.base import Algorithm, LocalTrainer, NotApplicable, StepFn
 from fl_server.data.federated import FederatedData
 from fl_server.device import pick_device
+from fl_server.engine.graphs import GraphedLocalSteps, vmapped_round
 from fl_server.functional import State, stack, tree_map, unstack
 # the run directory's files belong to fl_server.rundir; checkpoint_meta, complete_rows and load_state are
 # imported from here by research scripts
@@ -61,6 +62,10 @@ class RunConfig:
     # tables), or "per_client", one generator per client (``client_rng``), which a client that trains on its own
     # machine (the Flower app, ``fl_server.flower``) reproduces without knowing the other clients' data sizes
     batch_stream: str = "shared"
+    # replay a round's vmapped local steps as one CUDA graph (fl_server/engine/graphs.py) where the run is vmapped
+    # on a GPU and the method's step allows it (``Algorithm.graph_safe``); the same kernels on the same inputs,
+    # so it is not part of the run's identity. False: launch every kernel from Python (the reference).
+    cuda_graphs: bool = True
 
     def identity(self) -> dict[str, Any]:
         """The fields that change results (a resumed run must match them). ``batch_stream`` only when it is not
@@ -120,19 +125,17 @@ def per_client_batches(client_indices: list[np.ndarray], ids: np.ndarray, iterat
 
 def run_local_steps(step_fn: StepFn, states: State, server_state: State, x: torch.Tensor, y: torch.Tensor,
                     batches: torch.Tensor, mode: str, chunk_size: int | None = None,
-                    step_at: Callable[[int], StepFn] | None = None) -> State:
+                    step_at: Callable[[int], StepFn] | None = None,
+                    graphed: GraphedLocalSteps | None = None) -> State:
     """Apply the local step for every client (leading axis of ``states``) over its batches [K, T, B]:
-    ``step_fn``, or ``step_at(t)`` at iteration t when given (``Algorithm.local_step_at``)."""
+    ``step_fn``, or ``step_at(t)`` at iteration t when given (``Algorithm.local_step_at``). ``graphed``: in vmap
+    mode, replay the round as a CUDA graph (:class:`~fl_server.engine.graphs.GraphedLocalSteps`)."""
     at = step_at or (lambda t: step_fn)
     if mode == "vmap":
-        vmapped: dict[StepFn, StepFn] = {}  # one vmapped function per distinct step (phase)
-        for t in range(batches.shape[1]):
-            fn = at(t)
-            if fn not in vmapped:
-                vmapped[fn] = torch.vmap(fn, in_dims=(0, None, 0, 0), chunk_size=chunk_size)
-            idx = batches[:, t]
-            states = vmapped[fn](states, server_state, x[idx], y[idx])
-        return states
+        steps = tuple(at(t) for t in range(batches.shape[1]))
+        if graphed is not None:
+            return graphed(steps, states, server_state, x, y, batches, chunk_size)
+        return vmapped_round(steps, states, server_state, x, y, batches, chunk_size)
     if mode == "loop":
         out = []
         for k, state in enumerate(unstack(states)):
@@ -179,6 +182,8 @@ class Simulation:
         algorithm.attach(self.x, self.y, fed.train)
         self.server_state = algorithm.init_state(self.dtype, self.device)
         self.mode = resolve_mode(cfg.mode, self.device, algorithm.model)
+        self.graphed = GraphedLocalSteps() if (cfg.cuda_graphs and self.mode == "vmap" and self.device.type == "cuda"
+                                               and algorithm.graph_safe) else None
         self.out_dir = Path(cfg.out_dir) if cfg.out_dir else None
         self.fingerprint = self._fingerprint()
         self.best_state: State | None = None
@@ -225,7 +230,8 @@ class Simulation:
                     step_at: Callable[[int], StepFn] | None = None) -> State:
         batches = client_batches([self.fed.train[i] for i in ids], iterations, self.cfg.batch_size, rng)
         return run_local_steps(step_fn, states, server_state, self.x, self.y,
-                               torch.from_numpy(batches).to(self.device), self.mode, self.cfg.chunk_size, step_at)
+                               torch.from_numpy(batches).to(self.device), self.mode, self.cfg.chunk_size, step_at,
+                               self.graphed)
 
     def trainer(self, rng: np.random.Generator) -> LocalTrainer:
         """:meth:`local_train` with the batch draws of ``rng``: what an algorithm that trains at evaluation time
@@ -243,7 +249,7 @@ class Simulation:
                                          self.cfg.batch_size, self.cfg.seed, round_)
             states = run_local_steps(self.algorithm.local_step, states, self.server_state, self.x, self.y,
                                      torch.from_numpy(batches).to(self.device), self.mode, self.cfg.chunk_size,
-                                     self.algorithm.local_step_at)
+                                     self.algorithm.local_step_at, self.graphed)
         elif self.cfg.batch_stream == "shared":
             states = self.local_train(self.algorithm.local_step, states, self.server_state, ids,
                                       self.cfg.local_iterations, self._rng(round_, _BATCHES),

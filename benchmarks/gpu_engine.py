@@ -1,0 +1,133 @@
+"""The engine's round with and without CUDA-graph replay (``RunConfig(cuda_graphs=)``), side by side in one run:
+the UPFL Table-1 Fashion-MNIST round (ConvNet, 50 clients x 20 second-order meta-steps of batch 64, vmap) of FedTTA
+and FedTTA++ on a GPU; on the CPU, where the engine takes the same path either way, the MNIST MLP FedTTA round.
+
+Per case: seconds per round (median over ``--repeats`` rounds after a warm-up; the graphed run's first round,
+which records the graph, is reported apart), the host's kernel launches and the kernels run per round (CUDA
+profiler), and parity: the server state after ``--parity-rounds`` rounds in float64, graphed against eager
+(max abs difference). Rows merge into docs/benchmarks/gpu-engine.json by (what, device).
+
+    python benchmarks/gpu_engine.py --device cuda            # on a GPU
+    python benchmarks/gpu_engine.py --device cpu --repeats 2 # the CPU row
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from fl_server.bench.experiments import get_experiment
+from fl_server.bench.rows import merge_rows
+from fl_server.bench.runner import build_federated, build_simulation
+from fl_server.device import describe, pick_device
+from fl_server.engine import Simulation
+
+from timing import sync
+
+
+def make_sim(protocol: Any, method: str, fed: Any, device: str, dtype: str, graphs: bool) -> Simulation:
+    return build_simulation(protocol, method, 0, None, device, "vmap", False, None, fed, dtype=dtype,
+                            cuda_graphs=graphs)
+
+
+def state_diff(a: dict, b: dict) -> float:
+    return max(float((a[k][n] - b[k][n]).abs().max()) for k in ("params", "phi") if k in a for n in a[k])
+
+
+def time_rounds(sim: Simulation, repeats: int) -> tuple[float, float]:
+    """(first round's seconds, median seconds of the next ``repeats`` rounds)."""
+    times = []
+    for r in range(repeats + 1):
+        sync(sim.device)
+        t0 = time.perf_counter()
+        sim.run_round(r)
+        sync(sim.device)
+        times.append(time.perf_counter() - t0)
+    return times[0], statistics.median(times[1:])
+
+
+def launches(sim: Simulation, round_: int) -> dict[str, int]:
+    """Host-side launch calls and GPU kernels of one round (torch.profiler; CUDA only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        sim.run_round(round_)
+        sync(sim.device)
+    host = {"cudaLaunchKernel": 0, "cuLaunchKernel": 0, "cudaLaunchKernelExC": 0, "cudaGraphLaunch": 0}
+    kernels = 0
+    for evt in prof.events():
+        if evt.name in host:
+            host[evt.name] += 1
+        elif evt.device_type == torch.autograd.DeviceType.CUDA and "memcpy" not in evt.name.lower() \
+                and "memset" not in evt.name.lower():
+            kernels += 1
+    return {"host_kernel_launches": host["cudaLaunchKernel"] + host["cuLaunchKernel"] + host["cudaLaunchKernelExC"],
+            "host_graph_launches": host["cudaGraphLaunch"], "gpu_kernels": kernels}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--parity-rounds", type=int, default=2, help="rounds compared in float64 (the second replays)")
+    ap.add_argument("--methods", nargs="*", default=["FedTTA", "FedTTA++"])
+    ap.add_argument("--smoke", action="store_true", help="10 clients, 3 local steps (CI)")
+    ap.add_argument("--out", default="docs/benchmarks/gpu-engine.json")
+    args = ap.parse_args()
+    device = pick_device(args.device)
+    torch.backends.cudnn.allow_tf32 = False  # parity is about the engine, not TF32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dataset = "fashion_mnist" if device.type == "cuda" else "mnist"
+    protocol = get_experiment("upfl-table1").protocols[dataset]
+    if args.smoke:
+        protocol = replace(protocol, num_clients=10, local_iterations=3)
+    fed = build_federated(protocol, 0)
+    command = "python benchmarks/gpu_engine.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    rows = []
+    for method in args.methods:
+        what = (f"{method} round, UPFL Table 1 {dataset} ({protocol.model}, {fed.num_train_clients} clients x "
+                f"{protocol.local_iterations} steps of {protocol.batch_size})")
+        row: dict[str, Any] = {"benchmark": "gpu-engine", "what": what, "metric": "speedup"}
+        # parity in float64: the same rounds, eager and graphed
+        pair = {g: make_sim(protocol, method, fed, str(device), "float64", g) for g in (False, True)}
+        for r in range(args.parity_rounds):
+            for sim in pair.values():
+                sim.run_round(r)
+        row["max_abs_diff_float64"] = state_diff(pair[False].server_state, pair[True].server_state)
+        graphed = pair[True].graphed
+        row["graph_captures_replays"] = [graphed.captures, graphed.replays] if graphed else None
+        del pair
+        secs = {}
+        for g in (False, True):
+            sim = make_sim(protocol, method, fed, str(device), "float32", g)
+            first, median = time_rounds(sim, args.repeats)
+            secs[g] = median
+            key = "graphed" if g else "eager"
+            row[f"{key}_s"] = round(median, 4)
+            row[f"{key}_first_round_s"] = round(first, 4)
+            if device.type == "cuda":
+                row[f"{key}_launches"] = launches(sim, args.repeats + 1)
+            del sim
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        row["value"] = round(secs[False] / secs[True], 2)
+        row.update({"graphs_used": device.type == "cuda", "repeats": args.repeats, "device": describe(device),
+                    "load_average_1min": round(os.getloadavg()[0], 2), "torch": torch.__version__,
+                    "command": command})
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    merge_rows(args.out, rows)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
