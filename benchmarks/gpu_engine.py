@@ -1,11 +1,15 @@
-"""The engine's round with and without CUDA-graph replay (``RunConfig(cuda_graphs=)``), side by side in one run:
-the UPFL Table-1 Fashion-MNIST round (ConvNet, 50 clients x 20 second-order meta-steps of batch 64, vmap) of FedTTA
-and FedTTA++ on a GPU; on the CPU, where the engine takes the same path either way, the MNIST MLP FedTTA round.
+"""The engine's vmapped round in three variants, side by side in one run: ``eager`` (today's default path without
+CUDA graphs: every kernel launched from Python, vmap's grouped convolutions), ``graphed`` (the round replayed as one
+CUDA graph, ``RunConfig(cuda_graphs=True)``) and ``gemm_graphed`` (graphed, with the clients' convolutions as
+unfold plus one batched matrix product, ``RunConfig(batched_conv="gemm")``). On a GPU: the UPFL Table-1
+Fashion-MNIST round (ConvNet, 50 clients x 20 second-order meta-steps of batch 64) of FedTTA and FedTTA++; on the
+CPU, where graphs do not apply, the MNIST MLP FedTTA round.
 
-Per case: seconds per round (median over ``--repeats`` rounds after a warm-up; the graphed run's first round,
-which records the graph, is reported apart), the host's kernel launches and the kernels run per round (CUDA
-profiler), and parity: the server state after ``--parity-rounds`` rounds in float64, graphed against eager
-(max abs difference). Rows merge into docs/benchmarks/gpu-engine.json by (what, device).
+Per case and variant: seconds per round (median over ``--repeats`` rounds after the first, which records a graph
+and is reported apart), the host's kernel launches and the kernels run per round (CUDA profiler), and parity: the
+server state after ``--parity-rounds`` rounds in float64 against the eager variant's (max abs difference). The
+row's value is eager seconds over the fastest variant's. Rows merge into docs/benchmarks/gpu-engine.json by
+(what, device).
 
     python benchmarks/gpu_engine.py --device cuda            # on a GPU
     python benchmarks/gpu_engine.py --device cpu --repeats 2 # the CPU row
@@ -33,9 +37,13 @@ from fl_server.engine import Simulation
 from timing import sync
 
 
-def make_sim(protocol: Any, method: str, fed: Any, device: str, dtype: str, graphs: bool) -> Simulation:
+VARIANTS = {"eager": {"cuda_graphs": False}, "graphed": {"cuda_graphs": True},
+            "gemm_graphed": {"cuda_graphs": True, "batched_conv": "gemm"}}
+
+
+def make_sim(protocol: Any, method: str, fed: Any, device: str, dtype: str, variant: str) -> Simulation:
     return build_simulation(protocol, method, 0, None, device, "vmap", False, None, fed, dtype=dtype,
-                            cuda_graphs=graphs)
+                            **VARIANTS[variant])
 
 
 def state_diff(a: dict, b: dict) -> float:
@@ -80,8 +88,11 @@ def main() -> int:
     ap.add_argument("--parity-rounds", type=int, default=2, help="rounds compared in float64 (the second replays)")
     ap.add_argument("--methods", nargs="*", default=["FedTTA", "FedTTA++"])
     ap.add_argument("--smoke", action="store_true", help="10 clients, 3 local steps (CI)")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                    help="eager (the reference) is always run")
     ap.add_argument("--out", default="docs/benchmarks/gpu-engine.json")
     args = ap.parse_args()
+    args.variants = ["eager", *[v for v in args.variants if v != "eager"]]
     device = pick_device(args.device)
     torch.backends.cudnn.allow_tf32 = False  # parity is about the engine, not TF32
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -96,29 +107,32 @@ def main() -> int:
         what = (f"{method} round, UPFL Table 1 {dataset} ({protocol.model}, {fed.num_train_clients} clients x "
                 f"{protocol.local_iterations} steps of {protocol.batch_size})")
         row: dict[str, Any] = {"benchmark": "gpu-engine", "what": what, "metric": "speedup"}
-        # parity in float64: the same rounds, eager and graphed
-        pair = {g: make_sim(protocol, method, fed, str(device), "float64", g) for g in (False, True)}
+        # parity in float64: the same rounds in every variant, against the eager one
+        sims = {v: make_sim(protocol, method, fed, str(device), "float64", v) for v in args.variants}
         for r in range(args.parity_rounds):
-            for sim in pair.values():
+            for sim in sims.values():
                 sim.run_round(r)
-        row["max_abs_diff_float64"] = state_diff(pair[False].server_state, pair[True].server_state)
-        graphed = pair[True].graphed
-        row["graph_captures_replays"] = [graphed.captures, graphed.replays] if graphed else None
-        del pair
+        for v, sim in sims.items():
+            if v != "eager":
+                row[f"{v}_max_abs_diff_float64"] = state_diff(sims["eager"].server_state, sim.server_state)
+                row[f"{v}_graph_captures_replays"] = [sim.graphed.captures, sim.graphed.replays] \
+                    if sim.graphed else None
+        del sims
         secs = {}
-        for g in (False, True):
-            sim = make_sim(protocol, method, fed, str(device), "float32", g)
+        for v in args.variants:
+            sim = make_sim(protocol, method, fed, str(device), "float32", v)
             first, median = time_rounds(sim, args.repeats)
-            secs[g] = median
-            key = "graphed" if g else "eager"
-            row[f"{key}_s"] = round(median, 4)
-            row[f"{key}_first_round_s"] = round(first, 4)
+            secs[v] = median
+            row[f"{v}_s"] = round(median, 4)
+            row[f"{v}_first_round_s"] = round(first, 4)
             if device.type == "cuda":
-                row[f"{key}_launches"] = launches(sim, args.repeats + 1)
+                row[f"{v}_launches"] = launches(sim, args.repeats + 1)
             del sim
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        row["value"] = round(secs[False] / secs[True], 2)
+        fastest = min((v for v in secs if v != "eager"), key=secs.__getitem__)
+        row.update({"value": round(secs["eager"] / secs[fastest], 2), "fastest": fastest,
+                    **{f"{v}_speedup": round(secs["eager"] / secs[v], 2) for v in secs if v != "eager"}})
         row.update({"graphs_used": device.type == "cuda", "repeats": args.repeats, "device": describe(device),
                     "load_average_1min": round(os.getloadavg()[0], 2), "torch": torch.__version__,
                     "command": command})

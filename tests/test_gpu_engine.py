@@ -1,5 +1,7 @@
-"""CUDA-graph replay of the engine's local steps (fl_server/engine/graphs.py): on a GPU the graphed rounds equal the
-eager ones in float64; elsewhere the engine takes the eager path and the graph runner passes rounds through."""
+"""The engine's fast paths for vmapped rounds: CUDA-graph replay of the local steps (fl_server/engine/graphs.py) and
+convolutions as unfold plus a batched matrix product (fl_server/engine/gemm_conv.py). On a GPU the graphed rounds
+equal the eager ones in float64; elsewhere the engine takes the eager path and the graph runner passes rounds
+through. The GEMM convolution equals torch's, also under vmap and second-order gradients."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,17 +10,29 @@ import torch
 
 from fl_server.algorithms import build_algorithm
 from fl_server.data.federated import make_federated
+import torch.nn.functional as F
+
 from fl_server.engine import RunConfig, Simulation
+from fl_server.engine.gemm_conv import GemmConv, conv2d_gemm
 from fl_server.engine.graphs import GraphedLocalSteps, vmapped_round
 from fl_server.models import build_model
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on a GPU lease)")
 
 
-def _sim(fed, method: str, model: str, device: str, graphs: bool, **hp) -> Simulation:  # type: ignore[no-untyped-def]
+def _sim(fed, method: str, model: str, device: str, graphs: bool, conv: str = "native", steps: int = 4,  # type: ignore[no-untyped-def]
+         batch: int = 64, **hp) -> Simulation:
     alg = build_algorithm(method, build_model(model, (1, 28, 28), 10, seed=0), fed.num_train_clients, **hp)
-    return Simulation(alg, fed, RunConfig(rounds=3, local_iterations=4, seed=0, mode="vmap", dtype="float64",
-                                          device=device, progress=False, cuda_graphs=graphs))
+    return Simulation(alg, fed, RunConfig(rounds=3, local_iterations=steps, batch_size=batch, seed=0, mode="vmap",
+                                          dtype="float64", device=device, progress=False, cuda_graphs=graphs,
+                                          batched_conv=conv))
+
+
+def _assert_states_close(got: dict, want: dict, tol: float) -> None:
+    for key in ("params", "phi"):
+        for name, ref in want.get(key, {}).items():
+            assert bool(torch.isfinite(ref).all()), (key, name)  # a diverged run would compare inf with inf
+            assert float((got[key][name] - ref).abs().max()) <= tol, (key, name)
 
 
 @pytest.fixture(scope="module")
@@ -44,22 +58,61 @@ def test_graph_runner_passes_cpu_rounds_through(small_fed) -> None:  # type: ign
             assert torch.equal(got[key][name], want[key][name])
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"stride": 2, "padding": 1}, {"padding": 2, "dilation": 2},
+                                    {"stride": (2, 1), "padding": (1, 0)}, {"groups": 3}, {"padding": "same"}])
+def test_gemm_convolution_equals_torch(kwargs: dict) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 6, 12, 12, dtype=torch.float64, generator=gen)
+    w = torch.randn(9, 6 // kwargs.get("groups", 1), 3, 3, dtype=torch.float64, generator=gen)
+    b = torch.randn(9, dtype=torch.float64, generator=gen)
+    assert float((conv2d_gemm(x, w, b, **kwargs) - F.conv2d(x, w, b, **kwargs)).abs().max()) <= 1e-12
+    assert float((conv2d_gemm(x[0], w, None, **kwargs) - F.conv2d(x[0], w, None, **kwargs)).abs().max()) <= 1e-12
+
+
+def test_gemm_convolution_engine_round_equals_native(small_fed) -> None:  # type: ignore[no-untyped-def]
+    """FedTTA's second-order meta-step on the ConvNet, vmapped over the clients: one round with the convolutions as
+    unfold + matmul equals the round with vmap's grouped convolution in float64."""
+    native, gemm = (_sim(small_fed, "FedTTA", "convnet", "cpu", False, conv, steps=2, batch=4, lr=0.05,
+                         inner_lr=0.1) for conv in ("native", "gemm"))
+    native.run_round(0)
+    gemm.run_round(0)
+    _assert_states_close(gemm.server_state, native.server_state, 1e-10)
+    calls = []
+
+    class Spy(GemmConv):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            calls.append(func is torch.conv2d)
+            return super().__torch_function__(func, types, args, kwargs)
+
+    with Spy():
+        gemm.algorithm.forward(gemm.server_state["params"], gemm.x[:2])
+    assert sum(calls) == 2  # the ConvNet's two convolutions went through the GEMM form
+
+
+def test_unknown_batched_conv_is_refused(small_fed) -> None:  # type: ignore[no-untyped-def]
+    sim = _sim(small_fed, "FedAvg", "mlp", "cpu", False, "winograd")
+    with pytest.raises(ValueError, match="unknown batched_conv 'winograd'; use 'native' or 'gemm'"):
+        sim.run_round(0)
+
+
 @cuda
-@pytest.mark.parametrize("method,model,hp", [("FedTTA-Prox", "mlp", {"mu": 0.1}), ("FedTTA", "convnet", {}),
-                                             ("FedAvg", "convnet", {"lr": 0.1})])
-def test_graphed_rounds_equal_eager_rounds_on_cuda(small_fed, method: str, model: str, hp: dict) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("method,model,conv,hp", [
+    ("FedTTA-Prox", "mlp", "native", {"mu": 0.1}),
+    ("FedTTA", "convnet", "native", {"lr": 0.05, "inner_lr": 0.1}),
+    ("FedTTA", "convnet", "gemm", {"lr": 0.05, "inner_lr": 0.1}),
+    ("FedAvg", "convnet", "native", {"lr": 0.1})])
+def test_graphed_rounds_equal_eager_rounds_on_cuda(small_fed, method: str, model: str, conv: str, hp: dict) -> None:  # type: ignore[no-untyped-def]
     """Three rounds (the first records the graph, the next two replay it) equal the eager engine's in float64."""
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
-    eager, graphed = (_sim(small_fed, method, model, "cuda", g, **hp) for g in (False, True))
+    eager = _sim(small_fed, method, model, "cuda", False, **hp)
+    graphed = _sim(small_fed, method, model, "cuda", True, conv, **hp)
     assert eager.graphed is None and graphed.graphed is not None
     for r in range(3):
         eager.run_round(r)
         graphed.run_round(r)
     assert (graphed.graphed.captures, graphed.graphed.replays) == (1, 2)
-    for key in ("params", "phi"):
-        for name, want in eager.server_state.get(key, {}).items():
-            assert float((graphed.server_state[key][name] - want).abs().max()) <= 1e-10, (key, name)
+    _assert_states_close(graphed.server_state, eager.server_state, 1e-10)
 
 
 @cuda

@@ -7,6 +7,7 @@ run repeats exactly what an uninterrupted run would have done.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -22,6 +23,7 @@ from tqdm.auto import tqdm
 from fl_server.algorithms.base import Algorithm, LocalTrainer, NotApplicable, StepFn
 from fl_server.data.federated import FederatedData
 from fl_server.device import pick_device
+from fl_server.engine.gemm_conv import GemmConv
 from fl_server.engine.graphs import GraphedLocalSteps, vmapped_round
 from fl_server.functional import State, stack, tree_map, unstack
 # the run directory's files belong to fl_server.rundir; checkpoint_meta, complete_rows and load_state are
@@ -66,6 +68,9 @@ class RunConfig:
     # on a GPU and the method's step allows it (``Algorithm.graph_safe``); the same kernels on the same inputs,
     # so it is not part of the run's identity. False: launch every kernel from Python (the reference).
     cuda_graphs: bool = True
+    # how a vmapped round computes its clients' convolutions: "native" (vmap's grouped convolution) or "gemm"
+    # (patch extraction plus one batched matrix product, fl_server/engine/gemm_conv.py); equal up to rounding
+    batched_conv: str = "native"
 
     def identity(self) -> dict[str, Any]:
         """The fields that change results (a resumed run must match them). ``batch_stream`` only when it is not
@@ -126,16 +131,21 @@ def per_client_batches(client_indices: list[np.ndarray], ids: np.ndarray, iterat
 def run_local_steps(step_fn: StepFn, states: State, server_state: State, x: torch.Tensor, y: torch.Tensor,
                     batches: torch.Tensor, mode: str, chunk_size: int | None = None,
                     step_at: Callable[[int], StepFn] | None = None,
-                    graphed: GraphedLocalSteps | None = None) -> State:
+                    graphed: GraphedLocalSteps | None = None, batched_conv: str = "native") -> State:
     """Apply the local step for every client (leading axis of ``states``) over its batches [K, T, B]:
     ``step_fn``, or ``step_at(t)`` at iteration t when given (``Algorithm.local_step_at``). ``graphed``: in vmap
-    mode, replay the round as a CUDA graph (:class:`~fl_server.engine.graphs.GraphedLocalSteps`)."""
+    mode, replay the round as a CUDA graph (:class:`~fl_server.engine.graphs.GraphedLocalSteps`); ``batched_conv``:
+    "gemm" computes the vmapped convolutions as unfold plus a batched matrix product
+    (:class:`~fl_server.engine.gemm_conv.GemmConv`)."""
     at = step_at or (lambda t: step_fn)
     if mode == "vmap":
+        if batched_conv not in ("native", "gemm"):
+            raise ValueError(f"unknown batched_conv {batched_conv!r}; use 'native' or 'gemm'")
         steps = tuple(at(t) for t in range(batches.shape[1]))
-        if graphed is not None:
-            return graphed(steps, states, server_state, x, y, batches, chunk_size)
-        return vmapped_round(steps, states, server_state, x, y, batches, chunk_size)
+        with GemmConv() if batched_conv == "gemm" else contextlib.nullcontext():
+            if graphed is not None:
+                return graphed(steps, states, server_state, x, y, batches, chunk_size)
+            return vmapped_round(steps, states, server_state, x, y, batches, chunk_size)
     if mode == "loop":
         out = []
         for k, state in enumerate(unstack(states)):
@@ -231,7 +241,7 @@ class Simulation:
         batches = client_batches([self.fed.train[i] for i in ids], iterations, self.cfg.batch_size, rng)
         return run_local_steps(step_fn, states, server_state, self.x, self.y,
                                torch.from_numpy(batches).to(self.device), self.mode, self.cfg.chunk_size, step_at,
-                               self.graphed)
+                               self.graphed, self.cfg.batched_conv)
 
     def trainer(self, rng: np.random.Generator) -> LocalTrainer:
         """:meth:`local_train` with the batch draws of ``rng``: what an algorithm that trains at evaluation time
@@ -249,7 +259,7 @@ class Simulation:
                                          self.cfg.batch_size, self.cfg.seed, round_)
             states = run_local_steps(self.algorithm.local_step, states, self.server_state, self.x, self.y,
                                      torch.from_numpy(batches).to(self.device), self.mode, self.cfg.chunk_size,
-                                     self.algorithm.local_step_at, self.graphed)
+                                     self.algorithm.local_step_at, self.graphed, self.cfg.batched_conv)
         elif self.cfg.batch_stream == "shared":
             states = self.local_train(self.algorithm.local_step, states, self.server_state, ids,
                                       self.cfg.local_iterations, self._rng(round_, _BATCHES),
