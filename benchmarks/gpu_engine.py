@@ -50,16 +50,18 @@ def state_diff(a: dict, b: dict) -> float:
     return max(float((a[k][n] - b[k][n]).abs().max()) for k in ("params", "phi") if k in a for n in a[k])
 
 
-def time_rounds(sim: Simulation, repeats: int) -> tuple[float, float]:
-    """(first round's seconds, median seconds of the next ``repeats`` rounds)."""
-    times = []
+def time_rounds(sims: dict[str, Simulation], repeats: int) -> dict[str, tuple[float, float]]:
+    """Per variant: (first round's seconds, median seconds of the next ``repeats`` rounds), the variants' rounds
+    alternating (A B C A B C ...) so that load changes on a shared machine hit every variant alike."""
+    times: dict[str, list[float]] = {v: [] for v in sims}
     for r in range(repeats + 1):
-        sync(sim.device)
-        t0 = time.perf_counter()
-        sim.run_round(r)
-        sync(sim.device)
-        times.append(time.perf_counter() - t0)
-    return times[0], statistics.median(times[1:])
+        for v, sim in sims.items():
+            sync(sim.device)
+            t0 = time.perf_counter()
+            sim.run_round(r)
+            sync(sim.device)
+            times[v].append(time.perf_counter() - t0)
+    return {v: (t[0], statistics.median(t[1:])) for v, t in times.items()}
 
 
 def launches(sim: Simulation, round_: int) -> dict[str, int]:
@@ -118,18 +120,17 @@ def main() -> int:
                 row[f"{v}_graph_captures_replays"] = [sim.graphed.captures, sim.graphed.replays] \
                     if sim.graphed else None
         del sims
+        sims = {v: make_sim(protocol, method, fed, str(device), "float32", v) for v in args.variants}
         secs = {}
-        for v in args.variants:
-            sim = make_sim(protocol, method, fed, str(device), "float32", v)
-            first, median = time_rounds(sim, args.repeats)
+        for v, (first, median) in time_rounds(sims, args.repeats).items():
             secs[v] = median
             row[f"{v}_s"] = round(median, 4)
             row[f"{v}_first_round_s"] = round(first, 4)
             if device.type == "cuda":
-                row[f"{v}_launches"] = launches(sim, args.repeats + 1)
-            del sim
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+                row[f"{v}_launches"] = launches(sims[v], args.repeats + 1)
+        del sims
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         fastest = min((v for v in secs if v != "eager"), key=secs.__getitem__)
         row.update({"value": round(secs["eager"] / secs[fastest], 2), "fastest": fastest,
                     **{f"{v}_speedup": round(secs["eager"] / secs[v], 2) for v in secs if v != "eager"}})

@@ -4,11 +4,13 @@
 # side (one per method, seeds in turn), each row followed by its upfl-data-size step, all cut off at the deadline.
 #  1. tests/test_gpu_engine.py (graphed rounds equal eager rounds in float64 on the GPU);
 #  2. benchmarks/gpu_engine.py --device cuda: eager against graphed rounds, kernels per round, float64 parity;
-#  3. rows until BUDGET_S seconds after the start. A row cut off leaves its checkpoint: ckpt-<row>.tgz holds its run
-#     folder; unpack it into the runs folder (runs/device-rows/runs) and the same command resumes it.
-# Everything lands in $OUT: log.txt, gpu-engine.json, rows.tgz (logs, results, metrics), ckpt-*.tgz.
+#  3. rows until BUDGET_S seconds after the start. A row cut off leaves its checkpoint: ckpt-<run>.tgz holds its run
+#     folder (split into ckpt-<run>.tgz.partNN where it exceeds what a lease returns per file; `cat` them back).
+#     Put the archives of an earlier lease into .gpu_ckpt/ (carried) and the rows resume from them.
+# Everything lands in $OUT: log.txt, gpu-engine.json, rows.tgz (logs, results, metrics), ckpt-*.tgz[.partNN].
 #
-#   bash scripts/research/gpu_engine_session.sh   # carry .gpu_data: a copy of ../shared/data's mnist/ and fashion-mnist/
+#   bash scripts/research/gpu_engine_session.sh   # carry .gpu_data (a copy of ../shared/data's mnist/ and
+#                                                 # fashion-mnist/) and .gpu_ckpt; NO_BENCH=1 skips steps 1-2
 # Merge here (DIR: the call's files_at): python scripts/research/merge_device_results.py DIR/rows.tgz for finished
 # rows; the benchmark rows with fl_server.bench.rows.merge_rows into docs/benchmarks/gpu-engine.json.
 set -uo pipefail
@@ -34,6 +36,7 @@ fi
 
 Q=${QUEUE_DIR:-$PWD/runs/device-rows}
 mkdir -p "$Q"/{logs,results,runs}
+for a in "${CKPT_DIR:-$PWD/.gpu_ckpt}"/ckpt-*.tgz; do [ -e "$a" ] && tar xzf "$a" -C "$Q/runs" && say "resumes $a"; done
 run_row() {  # one row of device_rows.tsv (both its steps), cut off at the deadline
     local name=$1 line cmd left
     line=$(grep -P "^$name\t" scripts/research/device_rows.tsv) || { say "no row $name"; return 1; }
@@ -67,7 +70,9 @@ done
 for d in $(find "$Q/runs" -name checkpoint.npz -printf '%h\n' | sort); do
     rel=${d#"$Q/runs/"}  # <experiment>/<dataset>/<method>/seedK, as the raw result's path
     if [ ! -e "$Q/results/raw/$rel.json" ]; then
-        (cd "$Q/runs" && tar czf "$O/ckpt-$(echo "$rel" | tr '/+ ' '_pp_').tgz" "$rel")
+        f="$O/ckpt-$(echo "$rel" | tr '/+ ' '_pp_').tgz"
+        (cd "$Q/runs" && tar czf "$f" "$rel")
+        [ "$(stat -c %s "$f")" -le 15000000 ] || { split -b 15000000 -d "$f" "$f.part" && rm "$f"; }
     fi
 done
 ls -la "$O" >> "$LOG"
