@@ -72,7 +72,7 @@ def test_gemm_convolution_equals_torch(kwargs: dict) -> None:
 def test_gemm_convolution_engine_round_equals_native(small_fed) -> None:  # type: ignore[no-untyped-def]
     """FedTTA's second-order meta-step on the ConvNet, vmapped over the clients: one round with the convolutions as
     unfold + matmul equals the round with vmap's grouped convolution in float64."""
-    native, gemm = (_sim(small_fed, "FedTTA", "convnet", "cpu", False, conv, steps=2, batch=4, lr=0.05,
+    native, gemm = (_sim(small_fed, "FedTTA", "convnet_small", "cpu", False, conv, steps=1, batch=4, lr=0.05,
                          inner_lr=0.1) for conv in ("native", "gemm"))
     native.run_round(0)
     gemm.run_round(0)
