@@ -120,3 +120,11 @@ def test_methods_with_round_dependent_steps_are_not_graphed(small_fed) -> None: 
     """MAP's step reads its phase from Python state: it is never recorded."""
     sim = _sim(small_fed, "MAP", "mlp", "cuda", graphs=True)
     assert sim.graphed is None
+
+
+def test_batchnorm_models_are_not_graphed() -> None:
+    """StatBatchNorm2d switches its statistics by a Python attribute, which a recorded graph would freeze."""
+    from fl_server.engine.simulation import graphable
+
+    assert not graphable(build_model("resnet8_bn", (3, 32, 32), 10, seed=0))
+    assert graphable(build_model("convnet", (1, 28, 28), 10, seed=0))

@@ -26,6 +26,7 @@ from fl_server.device import pick_device
 from fl_server.engine.gemm_conv import GemmConv
 from fl_server.engine.graphs import GraphedLocalSteps, vmapped_round
 from fl_server.functional import State, stack, tree_map, unstack
+from fl_server.models.norm import StatBatchNorm2d
 # the run directory's files belong to fl_server.rundir; checkpoint_meta, complete_rows and load_state are
 # imported from here by research scripts
 from fl_server.rundir import (BEST, BEST_AT_CHECKPOINT, CHECKPOINT, CHECKPOINT_JSON, METRICS,  # noqa: F401
@@ -166,6 +167,12 @@ def resolve_mode(mode: str, device: torch.device, model: torch.nn.Module) -> str
     return "vmap" if device.type == "cuda" or not has_conv else "loop"
 
 
+def graphable(model: torch.nn.Module) -> bool:
+    """Whether a model's forward is a function of its parameters and input alone: StatBatchNorm2d reads a Python
+    ``mode`` (batch, population, collect) that a recorded graph would freeze."""
+    return not any(isinstance(m, StatBatchNorm2d) for m in model.modules())
+
+
 def fingerprint_hp(hp: Any) -> dict[str, Any]:
     """The hyperparameters that identify a run. A field added later with ``metadata={"fingerprint":
     "omit_default"}`` is left out while it has its default (which reproduces the older behaviour), so runs
@@ -193,7 +200,7 @@ class Simulation:
         self.server_state = algorithm.init_state(self.dtype, self.device)
         self.mode = resolve_mode(cfg.mode, self.device, algorithm.model)
         self.graphed = GraphedLocalSteps() if (cfg.cuda_graphs and self.mode == "vmap" and self.device.type == "cuda"
-                                               and algorithm.graph_safe) else None
+                                               and algorithm.graph_safe and graphable(algorithm.model)) else None
         self.out_dir = Path(cfg.out_dir) if cfg.out_dir else None
         self.fingerprint = self._fingerprint()
         self.best_state: State | None = None
