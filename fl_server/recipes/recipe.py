@@ -35,7 +35,8 @@ class Federation:
     ``num_clients``; ``new_fraction`` of the clients never train (they adapt at test time); each training
     client keeps ``val_fraction`` of its samples for validation; ``val_clients`` moves that many training
     clients out of training into client-level validation; ``client_fraction`` of the training clients train
-    each round; ``public_size`` samples are held out of every client (HeteroFedTTA's public set)."""
+    each round; ``public_size`` samples are held out of every client (HeteroFedTTA's public set);
+    ``max_samples`` > 0 first keeps that many random samples of the data (smoke runs)."""
 
     partition: str | None = None
     num_clients: int = 100
@@ -45,6 +46,7 @@ class Federation:
     val_clients: int = 0
     client_fraction: float = 1.0
     public_size: int = 0
+    max_samples: int = 0
 
     def __post_init__(self) -> None:
         if self.partition is not None and self.partition not in (*PARTITIONS, "natural"):
@@ -61,8 +63,8 @@ class Federation:
             raise RecipeError(f"federation: val_fraction must be in [0, 1), got {self.val_fraction!r}")
         if not 0.0 < self.client_fraction <= 1.0:
             raise RecipeError(f"federation: client_fraction must be in (0, 1], got {self.client_fraction!r}")
-        if self.val_clients < 0 or self.public_size < 0:
-            raise RecipeError("federation: val_clients and public_size must be >= 0")
+        if self.val_clients < 0 or self.public_size < 0 or self.max_samples < 0:
+            raise RecipeError("federation: val_clients, public_size and max_samples must be >= 0")
 
 
 @dataclass(frozen=True, eq=False)
