@@ -5,10 +5,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fl_server.algorithms.base import Algorithm, LocalTrainer, NotApplicable
+from fl_server.algorithms.base import Algorithm, LocalTrainer, NotApplicable, register
 from fl_server.functional import State, broadcast, index, tree_map
 
 
+@register
 class Local(Algorithm):
     name = "Local"
     per_client_keys = ("clients",)

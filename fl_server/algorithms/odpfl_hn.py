@@ -48,7 +48,7 @@ from torch import nn
 from torch.func import functional_call
 
 from edge_sdk import dp as edge_dp
-from fl_server.algorithms.base import Algorithm, Hyper, LocalTrainer
+from fl_server.algorithms.base import Algorithm, Hyper, LocalTrainer, register
 from fl_server.functional import (State, clip_by_global_norm, get_params, make_forward, sgd, sgd_step,
                                   tree_map)
 from fl_server.models import Classifier, build_model
@@ -189,8 +189,11 @@ class HyperNetwork(nn.Module):
         return {n: head(h).reshape(*lead, *s) for n, s, head in zip(self.names, self.shapes, self.heads)}
 
 
+@register
 class ODPFLHN(Algorithm):
     name = "ODPFL-HN"
+    device_step = "encoder"  # the device encodes its set; theta (hn) stays on the server
+    device_weights = ("params", "enc")
     Config = ODPFLHNConfig
 
     def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0,
