@@ -123,6 +123,20 @@ def test_a_built_in_run_is_the_data_sets_preset_recipe_with_the_overrides() -> N
         FlowerRecipe.from_config({"experiment": "upfl-table1"})
 
 
+@pytest.mark.parametrize("method, reason", [
+    ("MAP", "its server state is built from every client's class set"),
+    ("FedPHP", "its server state is built from every client's class set"),
+    ("ODPFL-HN", "the server embeds each client's data"), ("Local", "its per-client models live in the server")])
+def test_a_method_whose_server_needs_client_data_is_refused_with_its_reason(method: str, reason: str) -> None:
+    from fl_server.algorithms import NotApplicable
+    from fl_server.flower.task import check_supported
+
+    recipe = FlowerRecipe.from_config({**RECIPE, "method": method})
+    with pytest.raises(NotApplicable, match=f"^{method} cannot run on Flower yet: {reason}"):
+        check_supported(recipe.build_algorithm(3))
+    check_supported(FlowerRecipe.from_config({**RECIPE, "method": "FedAvg"}).build_algorithm(3))  # no refusal
+
+
 def flower_rounds_without_transport(config: dict) -> tuple[Any, list, list]:
     """The Flower app's two sides (FederatedRun on the server, client_round on each client's own partition, the
     states through the wire format) without the processes: what each method computes over Flower."""

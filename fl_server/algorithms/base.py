@@ -87,6 +87,9 @@ class Algorithm:
     device_step: ClassVar[str | None] = None
     # the server-state entries a bundle ships as weights (FedTTA's adaptation model phi, ODPFL-HN's encoder enc)
     device_weights: ClassVar[tuple[str, ...]] = ("params",)
+    # why the server's step needs what only the clients hold ("" when it does not): such a method cannot train yet
+    # with its clients on their own machines (the Flower app refuses it with this reason)
+    needs_client_data: ClassVar[str] = ""
 
     def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0, **overrides: Any) -> None:
         """``seed`` fixes the initial weights of any module the method adds to ``model`` (e.g. FedTTA's g)."""

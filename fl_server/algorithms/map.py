@@ -111,6 +111,8 @@ def kd_soft_ce(student: torch.Tensor, teacher: torch.Tensor, tau: float) -> torc
 @register
 class MAP(Algorithm):
     name = "MAP"
+    needs_client_data = ("its server state is built from every client's class set (attach); no message carries "
+                         "it yet")
     per_client_keys = ("hpm", "count", "observed")
     Config = MAPConfig
 

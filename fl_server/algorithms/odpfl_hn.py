@@ -192,6 +192,8 @@ class HyperNetwork(nn.Module):
 @register
 class ODPFLHN(Algorithm):
     name = "ODPFL-HN"
+    needs_client_data = ("the server embeds each client's data in client_start / aggregate; the client-side "
+                         "embedding message is not built yet")
     device_step = "encoder"  # the device encodes its set; theta (hn) stays on the server
     device_weights = ("params", "enc")
     Config = ODPFLHNConfig

@@ -210,18 +210,8 @@ def client_validation(algorithm: Algorithm, server: State, data: ClientData, rec
     return float((pred == y).double().mean())
 
 
-# methods whose server-side step needs what only the clients hold; why each cannot run on Flower yet
-NOT_ON_FLOWER = {
-    "MAP": "its server state is built from every client's class set (attach); no message carries it yet",
-    "FedRS": "its server state is built from every client's class set (attach); no message carries it yet",
-    "FedPHP": "its server state is built from every client's class set (attach); no message carries it yet",
-    "ODPFL-HN": "the server embeds each client's data in client_start / aggregate; the client-side embedding "
-                "message is not built yet",
-    "Local": "its per-client models live in the server state and are validated per client",
-}
-
-
 def check_supported(algorithm: Algorithm) -> None:
-    """Refuse, with the reason, a method that cannot run on Flower yet (:data:`NOT_ON_FLOWER`)."""
-    if algorithm.name in NOT_ON_FLOWER:
-        raise NotApplicable(f"{algorithm.name} cannot run on Flower yet: {NOT_ON_FLOWER[algorithm.name]}")
+    """Refuse, with the reason, a method whose server step needs what only the clients hold
+    (``Algorithm.needs_client_data``): it cannot run on Flower yet."""
+    if algorithm.needs_client_data:
+        raise NotApplicable(f"{algorithm.name} cannot run on Flower yet: {algorithm.needs_client_data}")
