@@ -98,6 +98,13 @@ class Algorithm:
         self.model = model
         self.forward = make_forward(model)
 
+    @classmethod
+    def check_model(cls, model: Classifier, hyper: dict[str, Any]) -> bool:
+        """Raise ``ValueError`` (one line: why, and what to do) where this method cannot serve ``model`` with
+        ``hyper``, checked without building the method; True when that settles it (a method too large to build
+        only to check it), False to check by building the method (the recipe's default)."""
+        return False
+
     # ---------------------------------------------------------------- training
     def attach(self, x: torch.Tensor, y: torch.Tensor, train: list[np.ndarray]) -> None:
         """Called once by the simulation with the data tensors (on the run's device) and each training

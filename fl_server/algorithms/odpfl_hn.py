@@ -63,6 +63,11 @@ from fl_server.models import Classifier, build_model
 ENCODE_CHUNK_SAMPLES = {"cpu": 0, "cuda": 8192}
 
 
+# ODPFL-HN's hypernetwork has about hn_width x (the target model's weights) parameters: the ConvNet of UPFL Table 1
+# (1.66M weights, width 100: 166M) fits
+MAX_HYPERNETWORK_PARAMS = 200_000_000
+
+
 @dataclass
 class ODPFLHNConfig(Hyper):
     """Defaults: UPFL Table 4, MNIST. ``lr`` (base field) is unused: the local step uses ``local_lr``."""
@@ -196,6 +201,20 @@ class ODPFLHN(Algorithm):
                          "embedding message is not built yet")
     device_step = "encoder"  # the device encodes its set; theta (hn) stays on the server
     device_weights = ("params", "enc")
+
+    @classmethod
+    def check_model(cls, model: Classifier, hyper: dict[str, Any]) -> bool:
+        """The hypernetwork has one output head per weight tensor of the target model, ``hn_width`` wide: about
+        hn_width x (the model's weights) parameters, over :data:`MAX_HYPERNETWORK_PARAMS` refused. The encoder and
+        hypernetwork themselves are built when the run starts (they can be large)."""
+        width = cls.Config(**hyper).hn_width
+        weights = sum(p.numel() for p in model.parameters())
+        size = weights * (width + 1)
+        if size > MAX_HYPERNETWORK_PARAMS:
+            raise ValueError(f"its hypernetwork generates all {weights:,} weights, about {size:,} parameters at "
+                             f"hn_width {width} (limit {MAX_HYPERNETWORK_PARAMS:,}); use a smaller model (e.g. "
+                             f"'lenet') or another method")
+        return True
     Config = ODPFLHNConfig
 
     def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0,
