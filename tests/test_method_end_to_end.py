@@ -93,3 +93,37 @@ def test_two_methods_of_one_name_are_refused() -> None:
     with pytest.raises(ValueError, match=r"two methods are named 'FedAvg': fl_server\.algorithms\.fedavg\.FedAvg and "):
         register(Clash)
     assert ALGORITHMS["FedAvg"] is FedAvg
+
+
+def test_a_step_of_a_new_kind_is_traced_by_the_method_itself(tmp_path: Path) -> None:
+    """A method whose device step is a new kind exports it through its own ``export_step`` (no exporter change);
+    the graph is real ONNX that onnxruntime runs."""
+    import onnxruntime as ort
+
+    from export.bundle import export_specs
+    from export.steps import StepSpec, device_specs
+    from fl_server.algorithms.fedavg import FedAvg
+    from fl_server.models import build_model
+
+    class Sharpen(FedAvg):  # a made-up device step: the logits at temperature 1/2
+        name = "Sharpen"
+        device_step = "sharpen"
+
+        def export_step(self, state: dict) -> StepSpec:
+            names = list(state["params"])
+
+            def fn(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                return (2 * self.forward(dict(zip(names, weights)), x),)
+
+            return StepSpec(fn, [torch.zeros(4, 1, 8, 8), *state["params"].values()],
+                            ["x", *(f"psi.{n}" for n in names)], ["logits"])
+
+    algorithm = Sharpen(build_model("mlp", (1, 8, 8), 4, seed=0))
+    params = {n: p.detach() for n, p in algorithm.model.named_parameters()}
+    specs = device_specs(algorithm, {"params": params})
+    assert sorted(specs) == ["forward", "sharpen"]
+    graph = export_specs({"sharpen": specs["sharpen"]}, tmp_path)["sharpen"]
+    session = ort.InferenceSession(str(graph))
+    x = np.random.default_rng(0).random((3, 1, 8, 8), dtype=np.float32)
+    out = session.run(["logits"], {"x": x, **{f"psi.{n}": v.numpy() for n, v in params.items()}})[0]
+    np.testing.assert_allclose(out, 2 * algorithm.forward(params, torch.from_numpy(x)).detach().numpy(), atol=1e-5)
