@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from fl_server.bench.runner import build_simulation
 from fl_server.flower.local import LocalDeployment
 from fl_server.flower.task import FlowerRecipe
 
@@ -51,8 +50,7 @@ def summary(seconds: list[float]) -> dict[str, Any]:
 
 def in_process(config: dict[str, Any], mode: str) -> dict[str, Any]:
     recipe = FlowerRecipe.from_config(config)
-    sim = build_simulation(recipe.protocol, recipe.method, recipe.seed, None, device="cpu", mode=mode,
-                           progress=False, batch_stream="per_client", dtype=recipe.dtype)
+    sim = recipe.in_process(mode=mode)
     times = []
     for r in range(recipe.rounds):
         t0 = time.perf_counter()
@@ -62,7 +60,7 @@ def in_process(config: dict[str, Any], mode: str) -> dict[str, Any]:
 
 
 def deployment(config: dict[str, Any], workdir: Path, data_dir: str, timeout: float) -> dict[str, Any]:
-    clients = FlowerRecipe.from_config(config).protocol.num_clients
+    clients = FlowerRecipe.from_config(config).recipe.federation.num_clients
     t0 = time.perf_counter()
     with LocalDeployment(clients, workdir, env={"FL_DATA_DIR": data_dir}) as dep:
         startup = time.perf_counter() - t0
@@ -80,9 +78,9 @@ def simulation(config: dict[str, Any], run_dir: Path, cpus: int) -> dict[str, An
     from fl_server.flower.server_app import make_server_app
 
     recipe = FlowerRecipe.from_config(config)
-    cfg = {**config, "run-dir": str(run_dir), "min-nodes": recipe.protocol.num_clients}  # all registered first
+    cfg = {**config, "run-dir": str(run_dir), "min-nodes": recipe.recipe.federation.num_clients}  # all registered first
     t0 = time.perf_counter()
-    run_simulation(make_server_app(cfg), make_client_app(cfg), num_supernodes=recipe.protocol.num_clients,
+    run_simulation(make_server_app(cfg), make_client_app(cfg), num_supernodes=recipe.recipe.federation.num_clients,
                    backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": cpus}})
     total = time.perf_counter() - t0
     if not (run_dir / "final.npz").exists():

@@ -10,12 +10,9 @@ import torch
 from export.btfl import export_btfl_run
 from export.bundle import export_specs, write_bundle
 from export.quantize import freeze_weights, quantize_int8
-from export.steps import StepSpec, encoder_spec, fedtta_step_spec, forward_spec, tent_step_spec
+from export.steps import device_specs
 from fl_server import rundir
 from fl_server.algorithms.btfl import BTFL
-from fl_server.algorithms.fedtta import FedTTA
-from fl_server.algorithms.odpfl_hn import ODPFLHN
-from fl_server.algorithms.tent import Tent
 from fl_server.functional import make_forward
 from fl_server.models.norm import calibrate, statistics, stat_norms
 from fl_server.recipes import Recipe
@@ -56,7 +53,7 @@ def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_r
         return export_btfl_run(algorithm, rundir.load_best(run_dir), run, dest, extra, data_root, signer, recipe,
                                uploaded)
     state = {k: {n: v.float() for n, v in d.items()} for k, d in rundir.load_best(run_dir).items()
-             if k in ("params", "phi", "enc")}
+             if k in algorithm.device_weights}
     if stat_norms(model):
         if int8:
             raise ValueError("--int8 is not available for batch-normalised models")
@@ -65,13 +62,7 @@ def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_r
         calibrate(model, lambda xb: forward(state["params"], xb),
                   (x[torch.as_tensor(t[i:i + 256])] for t in fed.train for i in range(0, len(t), 256)))
         extra["batch_norm"] = {**BATCH_NORM_RULE, **(batch_norm or {})}
-    specs: dict[str, StepSpec] = {"forward": forward_spec(model, state["params"])}
-    if isinstance(algorithm, FedTTA):
-        specs["fedtta_step"] = fedtta_step_spec(algorithm, state["params"], state["phi"])
-    elif isinstance(algorithm, Tent):
-        specs["tent_step"] = tent_step_spec(algorithm, state["params"])
-    elif isinstance(algorithm, ODPFLHN):  # the device encodes its set; theta (hn) stays on the server
-        specs["encoder"] = encoder_spec(algorithm, state["enc"])
+    specs = device_specs(algorithm, state)  # forward and the method's device step (Algorithm.device_step)
     weights = {k: {n: v.numpy() for n, v in d.items()} for k, d in state.items()}
     if stat_norms(model):
         weights["stats"] = {n: v.float().numpy() for n, v in statistics(model).items()}

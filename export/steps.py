@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from fl_server.algorithms.base import Algorithm
 from fl_server.algorithms.fedtta import FedTTA
 from fl_server.algorithms.losses import entropy_from_logits
 from fl_server.algorithms.odpfl_hn import ODPFLHN
@@ -136,3 +137,31 @@ def encoder_spec(algorithm: ODPFLHN, gamma: State, batch: int = 4) -> StepSpec:
     outputs = ["embedding", "pooled"] if algorithm.hp.dp else ["embedding"]
     return StepSpec(fn, [_example_x(algorithm.model, gamma, batch), *gamma.values()],
                     ["x", *(f"gamma.{n}" for n in names)], outputs)
+
+
+# a method's device step kind (``Algorithm.device_step``) -> its graph, from the method and its best state. A
+# method that reuses a kind needs nothing here; a method with a new kind traces it in its own ``export_step``
+STEP_SPECS: dict[str, Callable[..., StepSpec]] = {
+    "fedtta_step": lambda algorithm, state: fedtta_step_spec(algorithm, state["params"], state["phi"]),
+    "tent_step": lambda algorithm, state: tent_step_spec(algorithm, state["params"]),
+    "encoder": lambda algorithm, state: encoder_spec(algorithm, state["enc"]),
+}
+
+
+def device_specs(algorithm: Algorithm, state: State) -> dict[str, StepSpec]:
+    """The graphs of ``algorithm``'s bundle: ``forward`` and its device step (``algorithm.device_step``), by
+    the step kind's builder (:data:`STEP_SPECS`) or the method's own ``export_step(state)``.
+
+    >>> from fl_server.algorithms import build_algorithm
+    >>> from fl_server.models import build_model
+    >>> tent = build_algorithm("TENT", build_model("mlp", (1, 8, 8), 4, seed=0), 1)
+    >>> sorted(device_specs(tent, {"params": dict(tent.model.named_parameters())}))
+    ['forward', 'tent_step']
+    """
+    specs = {"forward": forward_spec(algorithm.model, state["params"])}
+    kind = algorithm.device_step
+    if kind is not None:
+        build = STEP_SPECS.get(kind)
+        own = getattr(algorithm, "export_step", None)  # a method's step of a new kind
+        specs[kind] = build(algorithm, state) if build is not None else own(state)  # type: ignore[misc]
+    return specs

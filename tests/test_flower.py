@@ -15,7 +15,6 @@ import pytest
 
 pytest.importorskip("flwr", reason="the flower extra is not installed (pip install 'fl-edge[flower]')")
 
-from fl_server.bench.runner import build_simulation  # noqa: E402
 from fl_server.engine.simulation import load_state  # noqa: E402
 from fl_server.flower.local import LocalDeployment  # noqa: E402
 from fl_server.flower.task import FlowerRecipe  # noqa: E402
@@ -101,11 +100,41 @@ def test_flower_run_exports_and_a_torch_free_device_personalises(deployment: Loc
     assert device["torch"] is False
     assert device["steps"] == 1  # FedTTA: one adaptation step (Eq. 5) on the device
     recipe = FlowerRecipe.from_config({**RECIPE, "method": "FedTTA"})
-    algorithm = recipe.build_algorithm(x.shape[1:], 10, 3)
+    algorithm = recipe.build_algorithm(3)
     state = {k: {n: v.float() for n, v in d.items()} for k, d in load_state(run_dir / "best.npz").items()}
     server_pred = algorithm.predict(algorithm.personalize(state, torch.from_numpy(x)), torch.from_numpy(x))
     agree = float(np.mean(np.array(device["pred"]) == server_pred.argmax(-1).numpy()))
     assert agree >= 0.99, f"device and server personalisation agree on {agree:.3f} of the samples"
+
+
+def test_a_built_in_run_is_the_data_sets_preset_recipe_with_the_overrides() -> None:
+    """Without a recipe file the run config names a built-in data set and method: its preset recipe
+    (fl_server.recipes.presets, UPFL Table 1's protocol and hyperparameters) with the run config's overrides."""
+    from fl_server.recipes.presets import builtin_recipe
+
+    recipe = FlowerRecipe.from_config({**RECIPE, "method": "fedtta++"}).recipe
+    preset = builtin_recipe("mnist", "FedTTA++")
+    assert recipe.method == "FedTTA++" and recipe.hyper == preset.hyper and recipe.model == preset.model == "mlp"
+    assert (recipe.rounds, recipe.local_iterations, recipe.federation.num_clients) == (3, 10, 10)
+    assert (recipe.federation.new_fraction, recipe.federation.max_samples) == (0.7, 6000)
+    with pytest.raises(ValueError, match="no built-in recipe for data set 'cifar'"):
+        FlowerRecipe.from_config({"dataset": "cifar"})
+    with pytest.raises(ValueError, match=r"unknown run-config key\(s\) experiment"):
+        FlowerRecipe.from_config({"experiment": "upfl-table1"})
+
+
+@pytest.mark.parametrize("method, reason", [
+    ("MAP", "its server state is built from every client's class set"),
+    ("FedPHP", "its server state is built from every client's class set"),
+    ("ODPFL-HN", "the server embeds each client's data"), ("Local", "its per-client models live in the server")])
+def test_a_method_whose_server_needs_client_data_is_refused_with_its_reason(method: str, reason: str) -> None:
+    from fl_server.algorithms import NotApplicable
+    from fl_server.flower.task import check_supported
+
+    recipe = FlowerRecipe.from_config({**RECIPE, "method": method})
+    with pytest.raises(NotApplicable, match=f"^{method} cannot run on Flower yet: {reason}"):
+        check_supported(recipe.build_algorithm(3))
+    check_supported(FlowerRecipe.from_config({**RECIPE, "method": "FedAvg"}).build_algorithm(3))  # no refusal
 
 
 def flower_rounds_without_transport(config: dict) -> tuple[Any, list, list]:
@@ -121,7 +150,7 @@ def flower_rounds_without_transport(config: dict) -> tuple[Any, list, list]:
     infos = [{"input-shape": list(d.input_shape), "num-classes": d.num_classes, "num-train": len(d.y_train)}
              for d in parts]
     run = FederatedRun(recipe, infos)
-    client = recipe.build_algorithm(parts[0].input_shape, parts[0].num_classes, len(parts))
+    client = recipe.build_algorithm(len(parts))
     kept: list = [None] * len(parts)  # each client's own entries (BTFL's local head), never sent
     for r in range(recipe.rounds):
         ids = np.arange(len(parts))
@@ -163,8 +192,7 @@ def test_btfl_on_flower_keeps_heads_on_clients_and_its_global_dle_equals_the_eng
     config = {**RECIPE, "method": "BTFL", "rounds": 2, "local-iterations": 6, "max-samples": 3000}
     run, parts, kept = flower_rounds_without_transport(config)
     recipe = FlowerRecipe.from_config(config)
-    sim = build_simulation(recipe.protocol, "BTFL", recipe.seed, None, device="cpu", mode="loop", progress=False,
-                           batch_stream="per_client", dtype="float64")
+    sim = recipe.in_process()
     initial_heads = sim.server_state["local_heads"].clone()
     for r in range(recipe.rounds):
         sim.run_round(r)
@@ -190,8 +218,7 @@ def test_btfl_over_the_deployment_uploads_dles_and_exports(deployment: LocalDepl
     config = {**RECIPE, "method": "BTFL", "rounds": 2}
     deployment.run({**config, "run-dir": str(run_dir)}, timeout=500)
     recipe = FlowerRecipe.from_config(config)
-    sim = build_simulation(recipe.protocol, "BTFL", recipe.seed, None, device="cpu", mode="loop", progress=False,
-                           batch_stream="per_client", dtype="float64")
+    sim = recipe.in_process()
     for r in range(recipe.rounds):
         sim.run_round(r)
     engine_dle = btfl_math.average_dles([a.local_dle for a in sim.algorithm.client_artifacts(
@@ -259,7 +286,7 @@ def test_a_users_recipe_file_trains_on_flower_like_in_process(tmp_path: Path, da
     source.write_text(USER_RECIPE)
     config = {"recipe": f"{source}:RECIPE", "dtype": "float64", "seed": 0}
     recipe = FlowerRecipe.from_config(config)
-    assert recipe.user is not None and recipe.method == "FedTTA" and recipe.rounds == 2
+    assert recipe.recipe.source == f"{source}:RECIPE" and recipe.method == "FedTTA" and recipe.rounds == 2
     run, parts, _ = flower_rounds_without_transport(config)
     assert len(parts) == 3 and parts[0].x_train.dtype == np.float32  # preprocessed by the recipe on the client
     flower = to_numpy_flat(run.server_state)

@@ -13,7 +13,7 @@ from fl_server.algorithms.hetero_fedtta import SIZE_GROUPS, assign_sizes, digest
 from fl_server.bench.experiments import EXPERIMENTS
 from fl_server.bench.hetero import HeteroRun, split_by_size
 from fl_server.data.federated import make_federated
-from fl_server.engine import Simulation
+from fl_server.engine import RunConfig, Simulation
 from fl_server.models import build_model
 
 
@@ -122,7 +122,9 @@ def test_without_knowledge_exchange_each_group_is_plain_fedtta(data_root) -> Non
         arch, width = SIZE_GROUPS[name]
         alg = build_algorithm("FedTTA", build_model(arch, (1, 28, 28), 10, seed=0), group.num_train_clients, seed=0,
                               adapt_width=width, **protocol.method_hp["HeteroFedTTA"])
-        ref = Simulation(alg, group, protocol.run_config(0, None, mode="loop", progress=False))
+        cfg = RunConfig(rounds=protocol.rounds, local_iterations=protocol.local_iterations,
+                        batch_size=protocol.batch_size, seed=0, mode="loop", progress=False)
+        ref = Simulation(alg, group, cfg)
         for r in range(2):
             ref.run_round(r)
         got = run.sims[name].server_state

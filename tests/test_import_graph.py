@@ -1,5 +1,7 @@
-"""The product path (service, the CLI's train/serve/export, export/, recipes) never imports the research harness
-(fl_server.bench), and the harness's own modules import one another without a circle."""
+"""The product path (service, the CLI's train/serve/export, export/, recipes, the Flower app) never imports the
+research harness (fl_server.bench), the harness's own modules import one another without a circle, and every
+experiment builds its engine runs through the recipe layer (fl_server.recipes), never by constructing the engine
+itself."""
 from __future__ import annotations
 
 import ast
@@ -9,9 +11,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PRODUCT_MODULES = ("fl_server.cli", "fl_server.service.app", "fl_server.service.worker", "fl_server.service.hypernet",
-                   "fl_server.recipes", "fl_server.recipes.presets", "fl_server.rundir", "export.run", "export.btfl")
+                   "fl_server.recipes", "fl_server.recipes.presets", "fl_server.rundir", "export.run", "export.btfl",
+                   "fl_server.flower.task")
 PRODUCT_FILES = ("fl_server/service", "fl_server/recipes", "export", "fl_server/rundir.py", "fl_server/engine",
-                 "fl_server/algorithms", "fl_server/models", "fl_server/data")
+                 "fl_server/algorithms", "fl_server/models", "fl_server/data", "fl_server/flower")
 CLI_PRODUCT_COMMANDS = ("train_recipe", "cmd_train", "cmd_serve", "cmd_export", "cmd_data")
 
 
@@ -66,3 +69,33 @@ def test_the_bench_has_no_import_circle() -> None:
 
     for name in sorted(modules):
         visit(name, [])
+
+
+def _calls(tree: ast.AST) -> set[str]:
+    """The names every call in ``tree`` calls (``Simulation(...)`` and ``engine.Simulation(...)`` alike)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            names.add(f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else "")
+    return names
+
+
+# the experiments with their own procedure: each builds its runs through the recipe layer (runner.own_simulation
+# or runner.build_simulation over fl_server.recipes.run.simulation)
+OWN_RUNNERS = {"shift": "own_simulation", "map_incomplete": "own_simulation", "hetero": "own_simulation",
+               "odpfl": "own_simulation", "btgfl": "own_simulation", "data_size": "build_simulation",
+               "unseen": "build_simulation"}
+
+
+def test_the_bench_builds_every_run_through_recipes() -> None:
+    engine = {"Simulation", "RunConfig", "build_model"}  # what building a run outside the recipe layer calls
+    offenders = [f"{p.relative_to(REPO)}: {sorted(_calls(ast.parse(p.read_text())) & engine)}"
+                 for p in _files("fl_server/bench") if _calls(ast.parse(p.read_text())) & engine]
+    assert offenders == []
+    for module, builder in OWN_RUNNERS.items():
+        tree = ast.parse((REPO / "fl_server/bench" / f"{module}.py").read_text())
+        assert builder in _calls(tree), f"{module} builds no run through {builder}"
+        assert f"fl_server.bench.runner.{builder}" in _imports(tree), module
+    runner = ast.parse((REPO / "fl_server/bench/runner.py").read_text())
+    assert "fl_server.recipes.run.simulation" in _imports(runner) and "simulation" in _calls(runner)

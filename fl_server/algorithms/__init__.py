@@ -1,25 +1,21 @@
 """Federated methods behind one interface (:mod:`fl_server.algorithms.base`)."""
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Any, Callable
 
-from fl_server.algorithms.base import Algorithm, Hyper, NotApplicable
-from fl_server.algorithms.btfl import BTFL
-from fl_server.algorithms.fedavg import FedAvg
-from fl_server.algorithms.fedicon import FedICON, FedICONNoTTA
-from fl_server.algorithms.fedprox import FedProx
-from fl_server.algorithms.fedtta import FedTTA, FedTTAPlusPlus, FedTTAProx
-from fl_server.algorithms.finetune import FedAvgFT
-from fl_server.algorithms.local import Local
-from fl_server.algorithms.map import MAP, FedPHP, FedRS
-from fl_server.algorithms.odpfl_hn import ODPFLHN
-from fl_server.algorithms.tent import Tent
+from fl_server.algorithms.base import ALGORITHMS, Algorithm, Hyper, NotApplicable, register
 from fl_server.models import Classifier
 
-ALGORITHMS: dict[str, type[Algorithm]] = {a.name: a for a in (FedAvg, FedProx, FedAvgFT, Local, Tent,
-                                                                FedTTA, FedTTAProx, FedTTAPlusPlus, ODPFLHN, BTFL,
-                                                                FedICON, FedICONNoTTA, MAP, FedRS, FedPHP)}
+# every module of this package is imported, so a method registers itself (@register) where it is defined; the
+# built-in ones first, in the order their names are listed (FedAvg first), then any other module
+_BUILTIN = ("fedavg", "fedprox", "finetune", "local", "tent", "fedtta", "odpfl_hn", "btfl", "fedicon", "map")
+for _module in (*_BUILTIN, *sorted(m.name for m in pkgutil.iter_modules(__path__))):
+    importlib.import_module(f"{__name__}.{_module}")
 
+from fl_server.algorithms.local import Local  # noqa: E402 - registered above, in order
+from fl_server.algorithms.odpfl_hn import ODPFLHN  # noqa: E402
 
 def canonical_method(name: str) -> str:
     """The display name of a method given in any letter case (``"tent"`` -> ``"TENT"``)."""
@@ -51,4 +47,4 @@ def build_algorithm(name: str, model: Classifier, num_train_clients: int, seed: 
     return cls(model, seed=seed, **hyper)
 
 
-__all__ = ["ALGORITHMS", "Algorithm", "Hyper", "NotApplicable", "build_algorithm", "canonical_method"]
+__all__ = ["ALGORITHMS", "Algorithm", "Hyper", "NotApplicable", "build_algorithm", "canonical_method", "register"]

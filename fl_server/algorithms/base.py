@@ -13,7 +13,7 @@ Evaluation:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, ClassVar, Protocol
+from typing import Any, Callable, ClassVar, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -46,6 +46,29 @@ class Hyper:
     clip_norm: float | None = None  # per-client gradient-norm clip of the local step (authors' code: 10)
 
 
+A = TypeVar("A", bound="Algorithm")
+ALGORITHMS: dict[str, type["Algorithm"]] = {}  # name -> method, in registration order (:func:`register`)
+
+
+def register(cls: type[A]) -> type[A]:
+    """Class decorator: make a method known by its ``name`` to recipes, the CLI, the coordinator's jobs and the
+    exporter (:data:`ALGORITHMS`). The one place a method is listed; a module in ``fl_server/algorithms/``
+    registers its methods when the package is imported.
+
+    >>> @register
+    ... class Mine(Algorithm):
+    ...     name = "Mine"
+    >>> ALGORITHMS.pop("Mine") is Mine
+    True
+    """
+    known = ALGORITHMS.get(cls.name)
+    if known is not None and known is not cls:
+        raise ValueError(f"two methods are named {cls.name!r}: {known.__module__}.{known.__qualname__} and "
+                         f"{cls.__module__}.{cls.__qualname__}")
+    ALGORITHMS[cls.name] = cls
+    return cls
+
+
 class Algorithm:
     name: ClassVar[str] = "base"
     Config: ClassVar[type[Hyper]] = Hyper
@@ -62,6 +85,15 @@ class Algorithm:
     # (no Python state that changes between rounds): the engine may then record a round's steps once as a CUDA
     # graph and replay it (fl_server/engine/graphs.py)
     graph_safe: ClassVar[bool] = False
+    # what the device runs to personalise (the bundle's step graph, ``export/steps.py: STEP_SPECS``): "tent_step",
+    # "fedtta_step", "encoder" (ODPFL-HN's set encoder) or None (plain inference). A method with a step of a new
+    # kind traces it in its own ``export_step(self, state) -> StepSpec``
+    device_step: ClassVar[str | None] = None
+    # the server-state entries a bundle ships as weights (FedTTA's adaptation model phi, ODPFL-HN's encoder enc)
+    device_weights: ClassVar[tuple[str, ...]] = ("params",)
+    # why the server's step needs what only the clients hold ("" when it does not): such a method cannot train yet
+    # with its clients on their own machines (the Flower app refuses it with this reason)
+    needs_client_data: ClassVar[str] = ""
 
     def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0, **overrides: Any) -> None:
         """``seed`` fixes the initial weights of any module the method adds to ``model`` (e.g. FedTTA's g)."""
@@ -69,6 +101,13 @@ class Algorithm:
         self.hp = type(base)(**{**asdict(base), **overrides})
         self.model = model
         self.forward = make_forward(model)
+
+    @classmethod
+    def check_model(cls, model: Classifier, hyper: dict[str, Any]) -> bool:
+        """Raise ``ValueError`` (one line: why, and what to do) where this method cannot serve ``model`` with
+        ``hyper``, checked without building the method; True when that settles it (a method too large to build
+        only to check it), False to check by building the method (the recipe's default)."""
+        return False
 
     # ---------------------------------------------------------------- training
     def attach(self, x: torch.Tensor, y: torch.Tensor, train: list[np.ndarray]) -> None:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from edge_sdk import btfl as btfl_math
-from fl_server.algorithms.base import Algorithm, Hyper, StepFn
+from fl_server.algorithms.base import Algorithm, Hyper, StepFn, register
 from fl_server.algorithms.losses import entropy_from_logits
 from fl_server.functional import State, broadcast, tree_map, weighted_mean
 
@@ -70,6 +70,7 @@ class ClientArtifacts:
         return out if self.local_bias is None else {**out, "local_bias": self.local_bias}
 
 
+@register
 class BTFL(Algorithm):
     name = "BTFL"
     per_client_keys = ("local_heads",)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from fl_server.algorithms.base import Algorithm, Hyper
+from fl_server.algorithms.base import Algorithm, Hyper, register
 from fl_server.functional import State, tree_map
 
 
@@ -20,6 +20,7 @@ class FedAvgConfig(Hyper):
     local_momentum: float = field(default=0.0, metadata={"fingerprint": "omit_default"})
 
 
+@register
 class FedAvg(Algorithm):
     name = "FedAvg"
     graph_safe = True

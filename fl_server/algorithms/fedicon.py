@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fl_server.algorithms.base import Algorithm, Hyper, LocalTrainer
+from fl_server.algorithms.base import Algorithm, Hyper, LocalTrainer, register
 from fl_server.algorithms.contrastive import memory_contrastive_loss, normalize, supcon_loss, unsup_contrastive_loss
 from fl_server.data.augment import AugmentConfig, augment, hash_uniform, num_uniforms, two_views
 from fl_server.functional import State, broadcast, get_params, make_forward, sgd, weighted_mean
@@ -71,6 +71,7 @@ def _mix_key(key: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     return key * 1_000_003 + step
 
 
+@register
 class FedICON(Algorithm):
     name = "FedICON"
     Config = FedICONConfig
@@ -263,6 +264,7 @@ class FedICON(Algorithm):
         return memory
 
 
+@register
 class FedICONNoTTA(FedICON):
     """The ablation without test-time adaptation (same training)."""
 

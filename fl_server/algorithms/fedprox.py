@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fl_server.algorithms.base import Algorithm, Hyper
+from fl_server.algorithms.base import Algorithm, Hyper, register
 from fl_server.functional import State
 
 
@@ -15,6 +15,7 @@ class FedProxConfig(Hyper):
     mu: float = 0.001
 
 
+@register
 class FedProx(Algorithm):
     name = "FedProx"
     graph_safe = True

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from edge_sdk import EntropyEarlyStopping
-from fl_server.algorithms.base import Algorithm, Hyper
+from fl_server.algorithms.base import Algorithm, Hyper, register
 from fl_server.algorithms.losses import entropy_from_logits, kl_from_logits
 from fl_server.functional import State, broadcast, clip_by_global_norm, get_params, make_forward, sgd, weighted_mean
 from fl_server.models import AdaptationMLP, Classifier
@@ -44,9 +44,12 @@ class FedTTAConfig(Hyper):
     loss_batch: int | None = 64
 
 
+@register
 class FedTTA(Algorithm):
     name = "FedTTA"
     graph_safe = True
+    device_step = "fedtta_step"
+    device_weights = ("params", "phi")
     Config = FedTTAConfig
     adapts_at_test_time = True
 
@@ -140,11 +143,13 @@ class FedTTA(Algorithm):
             current = {k: v.detach() for k, v in sgd(current, grads, self.hp.inner_lr).items()}
 
 
+@register
 class FedTTAProx(FedTTA):
     name = "FedTTA-Prox"
     Config = FedTTAConfig
 
 
+@register
 class FedTTAPlusPlus(FedTTA):
     name = "FedTTA++"
     Config = FedTTAConfig

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fl_server.algorithms.base import LocalTrainer
+from fl_server.algorithms.base import LocalTrainer, register
 from fl_server.algorithms.fedavg import FedAvg, FedAvgConfig
 from fl_server.functional import State
 
@@ -16,6 +16,7 @@ class FedAvgFTConfig(FedAvgConfig):
     ft_iterations: int = 20  # local SGD iterations of fine-tuning (one round's worth by default)
 
 
+@register
 class FedAvgFT(FedAvg):
     name = "FedAvg+FT"
     Config = FedAvgFTConfig

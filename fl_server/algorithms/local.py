@@ -5,12 +5,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fl_server.algorithms.base import Algorithm, LocalTrainer, NotApplicable
+from fl_server.algorithms.base import Algorithm, LocalTrainer, NotApplicable, register
 from fl_server.functional import State, broadcast, index, tree_map
 
 
+@register
 class Local(Algorithm):
     name = "Local"
+    needs_client_data = "its per-client models live in the server state and are validated per client"
     per_client_keys = ("clients",)
 
     def __init__(self, *args, num_train_clients: int = 1, **kwargs) -> None:  # type: ignore[no-untyped-def]

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fl_server.algorithms.base import Algorithm, Hyper, LocalTrainer, StepFn
+from fl_server.algorithms.base import Algorithm, Hyper, LocalTrainer, StepFn, register
 from fl_server.functional import State, broadcast, get_params, index, tree_map, weighted_mean
 from fl_server.models import Classifier
 
@@ -108,8 +108,11 @@ def kd_soft_ce(student: torch.Tensor, teacher: torch.Tensor, tau: float) -> torc
     return -(F.softmax(teacher / tau, -1) * F.log_softmax(student, -1)).sum(-1).mean()
 
 
+@register
 class MAP(Algorithm):
     name = "MAP"
+    needs_client_data = ("its server state is built from every client's class set (attach); no message carries "
+                         "it yet")
     per_client_keys = ("hpm", "count", "observed")
     Config = MAPConfig
 
@@ -253,6 +256,7 @@ class MAP(Algorithm):
         return {"weight": server_state["hpm"]["head.weight"], "bias": server_state["hpm"]["head.bias"]}
 
 
+@register
 class FedRS(MAP):
     """RS only: restricted softmax for every local step, uploaded and used as the personalised model."""
 
@@ -262,6 +266,7 @@ class FedRS(MAP):
         super().__init__(model, config, seed, **{"stage1_fraction": 1.0, "hpm": False, **overrides})
 
 
+@register
 class FedPHP(MAP):
     """FedAvg + HPM (Sec. 4.2): every local step on (1 - lambda) CE + lambda L_kd (Eq. 13) and psi_hat is
     uploaded -- the two stages are MAP's addition ("Different from FedAvg, we take two stages", Sec. 4.3).

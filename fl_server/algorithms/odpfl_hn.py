@@ -48,7 +48,7 @@ from torch import nn
 from torch.func import functional_call
 
 from edge_sdk import dp as edge_dp
-from fl_server.algorithms.base import Algorithm, Hyper, LocalTrainer
+from fl_server.algorithms.base import Algorithm, Hyper, LocalTrainer, register
 from fl_server.functional import (State, clip_by_global_norm, get_params, make_forward, sgd, sgd_step,
                                   tree_map)
 from fl_server.models import Classifier, build_model
@@ -61,6 +61,11 @@ from fl_server.models import Classifier, build_model
 # is launch-bound, they are concatenated: on an H200, 1.7x faster than one pass per client (embedding and
 # backprop of 50 clients, 0.09 s against 0.15 s; same file, `python benchmarks/odpfl_round.py --device cuda`).
 ENCODE_CHUNK_SAMPLES = {"cpu": 0, "cuda": 8192}
+
+
+# ODPFL-HN's hypernetwork has about hn_width x (the target model's weights) parameters: the ConvNet of UPFL Table 1
+# (1.66M weights, width 100: 166M) fits
+MAX_HYPERNETWORK_PARAMS = 200_000_000
 
 
 @dataclass
@@ -189,8 +194,27 @@ class HyperNetwork(nn.Module):
         return {n: head(h).reshape(*lead, *s) for n, s, head in zip(self.names, self.shapes, self.heads)}
 
 
+@register
 class ODPFLHN(Algorithm):
     name = "ODPFL-HN"
+    needs_client_data = ("the server embeds each client's data in client_start / aggregate; the client-side "
+                         "embedding message is not built yet")
+    device_step = "encoder"  # the device encodes its set; theta (hn) stays on the server
+    device_weights = ("params", "enc")
+
+    @classmethod
+    def check_model(cls, model: Classifier, hyper: dict[str, Any]) -> bool:
+        """The hypernetwork has one output head per weight tensor of the target model, ``hn_width`` wide: about
+        hn_width x (the model's weights) parameters, over :data:`MAX_HYPERNETWORK_PARAMS` refused. The encoder and
+        hypernetwork themselves are built when the run starts (they can be large)."""
+        width = cls.Config(**hyper).hn_width
+        weights = sum(p.numel() for p in model.parameters())
+        size = weights * (width + 1)
+        if size > MAX_HYPERNETWORK_PARAMS:
+            raise ValueError(f"its hypernetwork generates all {weights:,} weights, about {size:,} parameters at "
+                             f"hn_width {width} (limit {MAX_HYPERNETWORK_PARAMS:,}); use a smaller model (e.g. "
+                             f"'lenet') or another method")
+        return True
     Config = ODPFLHNConfig
 
     def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0,

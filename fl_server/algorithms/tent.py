@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fl_server.algorithms.base import Hyper
+from fl_server.algorithms.base import Hyper, register
 from fl_server.algorithms.fedavg import FedAvg, FedAvgConfig
 from fl_server.algorithms.losses import entropy_from_logits
 from fl_server.functional import State, sgd
@@ -51,8 +51,10 @@ class TentConfig(FedAvgConfig):
     adapt: str = "all"  # "all" | "norm_affine" (the original TENT's, for batch-normalised models)
 
 
+@register
 class Tent(FedAvg):
     name = "TENT"
+    device_step = "tent_step"
     Config = TentConfig
     adapts_at_test_time = True
 

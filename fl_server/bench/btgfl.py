@@ -36,15 +36,14 @@ from edge_sdk.fedthe import fedthe_predict
 from fl_server.algorithms.btfl import BTFL, ClientArtifacts
 from fl_server.bench.protocol import Experiment, Protocol
 from fl_server.bench.rows import write_atomic
-from fl_server.bench.runner import raw_path, seed_list
+from fl_server.bench.runner import own_simulation, raw_path, seed_list
 from fl_server.data import load_dataset, partitions
 from fl_server.data.corruptions import CORRUPTIONS, corrupt
 from fl_server.data.datasets import ArrayDataset
 from fl_server.data.federated import FederatedData
 from fl_server.data.shifts import rotate
 from fl_server.device import describe
-from fl_server.engine import RunConfig, Simulation
-from fl_server.models import build_model
+from fl_server.engine import Simulation
 
 COLUMNS = ("orig_ind", "shifted_ind", "orig_exd", "shifted_exd", "synthetic")
 
@@ -177,18 +176,22 @@ def _body_iterations(local_iterations: int) -> int:
     return local_iterations - max(1, round(local_iterations / 6))
 
 
+def build_btfl_simulation(protocol: Protocol, seed: int, run_dir: Path | None, fed: FederatedData,
+                          device: str = "auto", mode: str = "auto", progress: bool = True,
+                          data_root: str | None = None) -> Simulation:
+    """The one BTFL training run of ``seed`` every method's streams are scored on, built from its recipe."""
+    hyper = {**protocol.method_hp.get("BTFL", {}), "body_iterations": _body_iterations(protocol.local_iterations)}
+    return own_simulation(protocol, "BTFL", seed, run_dir, fed, device, mode, progress, data_root,
+                          checkpoint_every=5, hyper=hyper)
+
+
 def run_seed(protocol: Protocol, seed: int, run_dir: Path, cfg: StreamConfig, device: str = "auto",
              mode: str = "auto", progress: bool = True, data_root: str | None = None) -> dict[str, dict[str, Any]]:
     """Train BTFL once (resumable in ``run_dir``) and evaluate every method; returns method -> raw record."""
     dataset = load_dataset(protocol.dataset, root=data_root, split="all")
     data = build_data(dataset, protocol, seed, cfg)
-    model = build_model(protocol.model, dataset.x.shape[1:], dataset.num_classes, seed=seed)
-    hyper = {**protocol.method_hp.get("BTFL", {}), "body_iterations": _body_iterations(protocol.local_iterations)}
-    algorithm = BTFL(model, seed=seed, **hyper)
-    run = RunConfig(rounds=protocol.rounds, local_iterations=protocol.local_iterations,
-                    batch_size=protocol.batch_size, eval_every=protocol.eval_every, seed=seed, mode=mode,
-                    device=device, out_dir=str(run_dir), progress=progress, checkpoint_every=5)
-    sim = Simulation(algorithm, data.fed, run)
+    sim = build_btfl_simulation(protocol, seed, run_dir, data.fed, device, mode, progress, data_root)
+    algorithm: BTFL = sim.algorithm  # type: ignore[assignment]
     result = sim.run()
     evals = evaluate_methods(algorithm, sim.server_state, data, sim.x)
     common = {"dataset": protocol.dataset, "seed": seed, "model": protocol.model, "rounds": protocol.rounds,

@@ -31,16 +31,14 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from fl_server.algorithms import build_algorithm
 from fl_server.algorithms.hetero_fedtta import (SIZE_GROUPS, assign_sizes, clients_public_logits, digest,
                                                 public_chunks)
 from fl_server.bench.protocol import Protocol
-from fl_server.bench.runner import build_federated
+from fl_server.bench.runner import build_federated, own_simulation
 from fl_server.data.federated import FederatedData
 from fl_server.device import describe
 from fl_server.engine import Simulation
 from fl_server.functional import State, tree_map
-from fl_server.models import build_model
 from fl_server.rundir import checkpoint_meta, load_state, save_state
 
 
@@ -68,16 +66,14 @@ class HeteroRun:
     """The size groups of one seed, and the exchange between them."""
 
     def __init__(self, protocol: Protocol, fed: FederatedData, seed: int, lam: float | None, device: str = "auto",
-                 mode: str = "auto") -> None:
+                 mode: str = "auto", data_root: str | None = None) -> None:
         self.lam, self.opt = lam, protocol.options
-        shape, classes = fed.dataset.x.shape[1:], fed.dataset.num_classes
         hp = protocol.method_hp.get("HeteroFedTTA", {})
         self.sims: dict[str, Simulation] = {}
-        for name, group in split_by_size(fed, seed).items():
+        for name, group in split_by_size(fed, seed).items():  # each group: the FedTTA recipe of its model size
             arch, width = SIZE_GROUPS[name]
-            algo = build_algorithm("FedTTA", build_model(arch, shape, classes, seed=seed), group.num_train_clients,
-                                   seed=seed, **{**hp, "adapt_width": width})
-            self.sims[name] = Simulation(algo, group, protocol.run_config(seed, None, device, mode, progress=False))
+            self.sims[name] = own_simulation(protocol, "FedTTA", seed, None, group, device, mode, False, data_root,
+                                             model=arch, hyper={**hp, "adapt_width": width})
         first = next(iter(self.sims.values()))
         self.chunks = public_chunks(first.x[torch.from_numpy(fed.public)], self.opt.get("public_batch", 64))
         self.digest_steps = int(self.opt.get("digest_epochs", 1) * len(self.chunks))
@@ -195,7 +191,7 @@ def run_hetero_seed(protocol: Protocol, method: str, seed: int, run_dir: Path | 
     if method not in HETERO_METHODS:
         raise ValueError(f"upfl-hetero has no method {method!r}; choose one of {', '.join(HETERO_METHODS)}")
     fed = fed if fed is not None else build_federated(protocol, seed, data_root)
-    run = HeteroRun(protocol, fed, seed, HETERO_METHODS[method], device, mode)
+    run = HeteroRun(protocol, fed, seed, HETERO_METHODS[method], device, mode, data_root)
     state = train_hetero(run, protocol, run_dir, progress)
     t0 = time.perf_counter()
     test = run.accuracies("new", state.best_states)

@@ -22,14 +22,13 @@ from typing import Any
 
 import torch
 
-from fl_server.algorithms.map import MAP, authors_code_procedure
+from fl_server.algorithms.map import authors_code_procedure
 from fl_server.bench.protocol import Protocol
-from fl_server.bench.runner import build_federated
+from fl_server.bench.runner import build_federated, own_simulation
 from fl_server.data import load_dataset
 from fl_server.data.federated import FederatedData
 from fl_server.device import describe
 from fl_server.engine import Simulation
-from fl_server.models import build_model
 
 
 # display name -> MAP-family overrides
@@ -57,15 +56,12 @@ def build_map_simulation(protocol: Protocol, method: str, seed: int, run_dir: Pa
     if method not in MAP_METHODS:
         raise ValueError(f"map-incomplete has no method {method!r}; choose one of {', '.join(MAP_METHODS)}")
     fed = fed if fed is not None else build_federated(protocol, seed, data_root)
-    shape = fed.dataset.x.shape[1:]
-    model = build_model(protocol.model, shape, fed.dataset.num_classes, seed=seed)
     hp = {**MAP_METHODS[method], "local_iterations": protocol.local_iterations,
           "expected_selections": protocol.client_fraction * protocol.rounds, **protocol.method_hp.get(method, {})}
     if method in AUTHORS_CODE_METHODS:  # the protocol's steps are E epochs; the code adds its KD stage
         hp.update(authors_code_procedure(protocol.local_iterations))
-        protocol = dataclasses.replace(protocol, local_iterations=hp["local_iterations"])
-    algo = MAP(model, seed=seed, **hp)
-    return Simulation(algo, fed, protocol.run_config(seed, str(run_dir) if run_dir else None, device, mode, progress))
+    return own_simulation(protocol, "MAP", seed, run_dir, fed, device, mode, progress, data_root, hyper=hp,
+                          local_iterations=hp["local_iterations"])
 
 
 def run_map_seed(protocol: Protocol, method: str, seed: int, run_dir: Path | None, device: str = "auto",

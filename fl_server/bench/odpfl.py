@@ -27,13 +27,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from fl_server.algorithms import build_algorithm
+from fl_server.bench.runner import own_simulation
 from fl_server.data import load_dataset, partitions
 from fl_server.data.datasets import ArrayDataset
 from fl_server.data.federated import FederatedData
 from fl_server.device import describe
 from fl_server.engine import Simulation
-from fl_server.models import build_model
 
 DP_SET_SIZES = (100, 300, 1000, 3000)
 DP_EPSILONS = (0.3, 1.0, math.inf)
@@ -75,19 +74,24 @@ def dp_split(dataset: ArrayDataset, num_train_clients: int, rng: np.random.Gener
     return DPSplit(FederatedData(dataset, list(train), list(val), [], info), embed_pools, eval_sets)
 
 
+def build_dp_simulation(protocol: Any, method: str, seed: int, run_dir: Path | None, device: str = "auto",
+                        mode: str = "auto", progress: bool = True,
+                        data_root: str | None = None) -> tuple[Simulation, DPSplit]:
+    """The engine run of ``method`` on the odpfl-dp split of ``seed`` (built from its recipe) and the split."""
+    opts = protocol.options
+    dataset = load_dataset(protocol.dataset, root=data_root, split="all")
+    split = dp_split(dataset, protocol.num_clients, np.random.default_rng([seed, 11]), opts.get("pool", 3000),
+                     opts.get("eval_size", 300), protocol.val_fraction)
+    return own_simulation(protocol, method, seed, run_dir, split.fed, device, mode, progress, data_root), split
+
+
 def run_dp_seed(protocol: Any, method: str, seed: int, run_dir: Path | None, device: str = "auto",
                 mode: str = "auto", progress: bool = True, data_root: str | None = None,
                 fed: FederatedData | None = None) -> dict[str, Any]:
     """Train ``method`` on the odpfl-dp split, then score the new clients per (|D|, eps); one raw record."""
     opts = protocol.options
-    dataset = load_dataset(protocol.dataset, root=data_root, split="all")
-    split = dp_split(dataset, protocol.num_clients, np.random.default_rng([seed, 11]), opts.get("pool", 3000),
-                     opts.get("eval_size", 300), protocol.val_fraction)
-    model = build_model(protocol.model, dataset.x.shape[1:], dataset.num_classes, seed=seed)
-    hyper = protocol.method_hp.get(method, {})
-    algorithm = build_algorithm(method, model, split.fed.num_train_clients, seed=seed, **hyper)
-    sim = Simulation(algorithm, split.fed, protocol.run_config(seed, str(run_dir) if run_dir else None, device,
-                                                               mode, progress))
+    sim, split = build_dp_simulation(protocol, method, seed, run_dir, device, mode, progress, data_root)
+    algorithm = sim.algorithm
     result = sim.run()
     state = sim.best_state if sim.best_state is not None else sim.server_state
     x = sim.x

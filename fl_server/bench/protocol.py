@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from fl_server.engine import RunConfig
 from fl_server.recipes import DataSpec, Federation, Recipe
 
 
@@ -52,16 +51,6 @@ class Protocol:
     split: str = "all"  # which split of the data set the clients partition
     options: dict[str, Any] = field(default_factory=dict)  # experiment-specific (read by its run_fn)
 
-    def run_config(self, seed: int, out_dir: str | None, device: str = "auto", mode: str = "auto",
-                   progress: bool = True) -> RunConfig:
-        """The engine configuration of one seed of this protocol, for experiments without per-method budgets
-        (``method_rounds`` and ``method_eval_every`` are read by runner.build_simulation)."""
-        if self.method_rounds:
-            raise ValueError("a protocol with method_rounds runs through fl_server.bench.runner.build_simulation")
-        return RunConfig(rounds=self.rounds, local_iterations=self.local_iterations, batch_size=self.batch_size,
-                         client_fraction=self.client_fraction, eval_every=self.eval_every, seed=seed, mode=mode,
-                         device=device, out_dir=out_dir, progress=progress)
-
     def quick(self) -> "Protocol":
         """A CI-sized version: about a minute per row on 2 CPU cores. ``options["quick"]`` overrides options,
         ``options["quick_protocol"]`` fields of the quick protocol itself."""
@@ -94,11 +83,13 @@ def _federation(protocol: Protocol) -> Federation:
                       public_size=protocol.options.get("public_size", 0))
 
 
-def protocol_recipe(protocol: Protocol, method: str, data_root: str | None = None) -> Recipe:
+def protocol_recipe(protocol: Protocol, method: str, data_root: str | None = None, **changes: Any) -> Recipe:
     """``method`` under ``protocol`` as a recipe: its model, data set and split, federation, the method's
-    hyperparameters, round budget, local steps and validation interval."""
-    return Recipe(model=protocol.model, data=DataSpec.builtin(protocol.dataset, data_root, split=protocol.split),
+    hyperparameters, round budget, local steps and validation interval. ``changes``: Recipe fields on top (an
+    experiment with its own procedure sets ``model``, ``hyper`` or ``local_iterations`` of its own)."""
+    fields = dict(model=protocol.model, data=DataSpec.builtin(protocol.dataset, data_root, split=protocol.split),
                   federation=_federation(protocol), method=method, hyper=protocol.method_hp.get(method, {}),
                   rounds=protocol.rounds_for(method), local_iterations=protocol.local_iterations,
                   batch_size=protocol.batch_size, eval_every=protocol.eval_every_for(method),
                   name=f"{protocol.dataset}-{method}")
+    return Recipe(**{**fields, **changes})  # type: ignore[arg-type]

@@ -18,7 +18,7 @@ from fl_server.bench.protocol import Experiment, Protocol, protocol_recipe
 from fl_server.bench.rows import invocation, write_atomic
 from fl_server.data import load_dataset
 from fl_server.data.federated import (FederatedData, hold_out_validation_clients, make_federated,
-                                     rotation_concept_shift)
+                                     random_subset, rotation_concept_shift)
 from fl_server.device import describe
 from fl_server.engine import RunResult, Simulation
 from fl_server.recipes.run import simulation
@@ -30,8 +30,7 @@ def build_federated(protocol: Protocol, seed: int, data_root: str | None = None)
     ``options["val_clients"]`` moves that many training clients out of training into client-level validation;
     ``options["max_samples"]`` first keeps that many random samples of the split (smoke profiles)."""
     dataset = load_dataset(protocol.dataset, root=data_root, split=protocol.split)
-    if (keep := protocol.options.get("max_samples")) and keep < len(dataset):
-        dataset = dataset.subset(np.sort(np.random.default_rng([seed, 0x5A3]).choice(len(dataset), keep, False)))
+    dataset = random_subset(dataset, protocol.options.get("max_samples", 0), seed)
     if protocol.partition == "rotation":
         return rotation_concept_shift(dataset, seed, n_samples=protocol.options.get("n_samples", 1000),
                                       num_clients=protocol.num_clients, val_fraction=protocol.val_fraction)
@@ -54,6 +53,27 @@ def build_simulation(protocol: Protocol, method: str, seed: int, run_dir: Path |
     recipe = protocol_recipe(protocol, method, data_root)
     return simulation(recipe, seed, run_dir, device, mode, progress, data_root, fed, test_at_best_only,
                       checkpoint_every, description=protocol_description(protocol), **engine)
+
+
+def own_simulation(protocol: Protocol, method: str, seed: int, run_dir: Path | None, fed: FederatedData,
+                   device: str = "auto", mode: str = "auto", progress: bool = True, data_root: str | None = None,
+                   checkpoint_every: int = 10, **changes: Any) -> Simulation:
+    """The engine run of an experiment with its own procedure (shift, map_incomplete, hetero, odpfl, btgfl),
+    built from the recipe of ``method`` (an engine method) under ``protocol`` with ``changes`` (Recipe fields:
+    ``model``, ``hyper``, ``local_iterations``). Such experiments train every method for the protocol's
+    ``rounds``, validate every ``eval_every`` rounds and test the new clients at every validation, as they did
+    before they built through recipes (same fingerprints, so their checkpoints resume).
+
+    >>> from fl_server.bench.experiments import get_experiment
+    >>> protocol = get_experiment("map-incomplete").protocols["fashion_mnist"]
+    >>> sim = own_simulation(protocol, "MAP", 0, None, build_federated(protocol, 0))  # doctest: +SKIP
+    """
+    if protocol.method_rounds:
+        raise ValueError("an experiment with its own procedure has no per-method round budgets (method_rounds)")
+    recipe = protocol_recipe(protocol, method, data_root, **{"rounds": protocol.rounds,
+                                                             "eval_every": protocol.eval_every, **changes})
+    return simulation(recipe, seed, run_dir, device, mode, progress, data_root, fed, test_at_best_only=False,
+                      checkpoint_every=checkpoint_every, description=protocol_description(protocol))
 
 
 def protocol_description(protocol: Protocol) -> dict[str, Any]:

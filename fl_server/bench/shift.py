@@ -33,7 +33,7 @@ import torch
 from fl_server.algorithms import build_algorithm
 from fl_server.algorithms.fedicon import FedICON
 from fl_server.bench.protocol import Protocol
-from fl_server.bench.runner import build_federated, safe_name
+from fl_server.bench.runner import build_federated, own_simulation, safe_name
 from fl_server.data import load_dataset
 from fl_server.data.corruptions import corrupt
 from fl_server.data.federated import FederatedData
@@ -41,7 +41,6 @@ from fl_server.data.shifts import resize
 from fl_server.device import describe
 from fl_server.engine import Simulation
 from fl_server.functional import make_forward, unstack
-from fl_server.models import build_model
 from fl_server.models.norm import calibrate, norm_mode, stat_norms
 
 
@@ -166,6 +165,26 @@ def _tune_and_evaluate(protocol: Protocol, grid: dict[str, Any], algo: Any,
             results.append({"split": "test", "shift": f"covariate-s{sev}", "value": float(np.mean(vals))})
 
 
+def training_hyper(protocol: Protocol, train_name: str) -> dict[str, Any]:
+    """The training run's hyperparameters: the protocol's, and FedICON's encoder stage over ``encoder_fraction``
+    of the rounds."""
+    hp = dict(protocol.method_hp.get(train_name, {}))
+    if train_name == "FedICON":
+        hp["encoder_rounds"] = int(round(protocol.options.get("encoder_fraction", 0.8) * protocol.rounds))
+    return hp
+
+
+def build_shift_simulation(protocol: Protocol, method: str, seed: int, run_dir: Path | None, fed: FederatedData,
+                           device: str = "auto", mode: str = "auto", progress: bool = True,
+                           data_root: str | None = None) -> Simulation:
+    """The training run ``method`` evaluates (shared by the methods trained alike: the run folder is the
+    training method's, beside ``run_dir``), built from its recipe."""
+    train_name = SHIFT_METHODS[method][0]
+    train_dir = None if run_dir is None else run_dir.parent.parent / safe_name(train_name) / run_dir.name
+    return own_simulation(protocol, train_name, seed, train_dir, fed, device, mode, progress, data_root,
+                          hyper=training_hyper(protocol, train_name))
+
+
 def run_shift_seed(protocol: Protocol, method: str, seed: int, run_dir: Path | None, device: str = "auto",
                    mode: str = "auto", progress: bool = True, data_root: str | None = None,
                    fed: FederatedData | None = None) -> dict[str, Any]:
@@ -175,18 +194,11 @@ def run_shift_seed(protocol: Protocol, method: str, seed: int, run_dir: Path | N
         raise ValueError(f"fedicon-shift has no method {method!r}; choose one of {', '.join(SHIFT_METHODS)}")
     train_name, eval_name = SHIFT_METHODS[method]
     fed = fed if fed is not None else build_federated(protocol, seed, data_root)
-    shape = fed.dataset.x.shape[1:]
-    hp = dict(protocol.method_hp.get(train_name, {}))
-    if train_name == "FedICON":
-        hp["encoder_rounds"] = int(round(protocol.options.get("encoder_fraction", 0.8) * protocol.rounds))
-    model = build_model(protocol.model, shape, fed.dataset.num_classes, seed=seed)
+    sim = build_shift_simulation(protocol, method, seed, run_dir, fed, device, mode, progress, data_root)
+    model, hp = sim.algorithm.model, training_hyper(protocol, train_name)
     if protocol.method_hp.get(method, {}).get("adapt") == "norm_affine" and not stat_norms(model):
         raise ValueError(f"{method} needs a batch-normalised model and {protocol.model} has none "
                          "(run it on a -bn protocol)")
-    train_algo = build_algorithm(train_name, model, fed.num_train_clients, seed=seed, **hp)
-    train_dir = None if run_dir is None else run_dir.parent.parent / safe_name(train_name) / run_dir.name
-    cfg = protocol.run_config(seed, str(train_dir) if train_dir else None, device, mode, progress)
-    sim = Simulation(train_algo, fed, cfg)
     result = sim.run()
     t0 = time.perf_counter()
     eval_hp = {**hp, **protocol.method_hp.get(method, {})}

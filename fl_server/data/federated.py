@@ -104,6 +104,14 @@ def natural_federated(dataset: ArrayDataset, client_ids: np.ndarray, new_fractio
     return split_clients(dataset, clients, new_fraction, val_fraction, np.random.default_rng(seed), info)
 
 
+def random_subset(dataset: ArrayDataset, keep: int, seed: int) -> ArrayDataset:
+    """``keep`` random samples of ``dataset`` (in their order), drawn from ``seed``; all of it when ``keep`` is 0
+    or not smaller (smoke runs of the bench and the Flower app)."""
+    if not keep or keep >= len(dataset):
+        return dataset
+    return dataset.subset(np.sort(np.random.default_rng([seed, 0x5A3]).choice(len(dataset), keep, False)))
+
+
 def hold_out_validation_clients(fed: FederatedData, count: int) -> FederatedData:
     """Client-level validation: the first ``count`` training clients leave training and become validation
     clients (all their samples, scored like new clients), so that model selection sees whether a method

@@ -69,7 +69,7 @@ def make_client_app(overrides: Mapping[str, Any] | None = None) -> ClientApp:
         the method's step reads) in, the trained state out."""
         recipe, data = _setup(context, overrides)
         cfg = msg.content["config"]
-        algorithm = recipe.build_algorithm(data.input_shape, int(cfg["num-classes"]), int(cfg["num-clients"]))
+        algorithm = recipe.build_algorithm(int(cfg["num-clients"]))
         start = record_to_state(msg.content["state"])
         server = record_to_state(msg.content["server"])
         private = record_to_state(context.state[_PRIVATE]) if _PRIVATE in context.state else None
@@ -84,7 +84,7 @@ def make_client_app(overrides: Mapping[str, Any] | None = None) -> ClientApp:
         """Validation accuracy of the sent server state on this client's validation split."""
         recipe, data = _setup(context, overrides)
         cfg = msg.content["config"]
-        algorithm = recipe.build_algorithm(data.input_shape, int(cfg["num-classes"]), int(cfg["num-clients"]))
+        algorithm = recipe.build_algorithm(int(cfg["num-clients"]))
         acc = client_validation(algorithm, record_to_state(msg.content["server"]), data, recipe,
                                 int(cfg["round"]))
         return Message(RecordDict({"metrics": MetricRecord({"accuracy": acc, "num-examples": len(data.y_val)})}),
@@ -95,7 +95,7 @@ def make_client_app(overrides: Mapping[str, Any] | None = None) -> ClientApp:
         """BTFL: this client's local DLE with the sent global features (its upload for the global DLE)."""
         recipe, data = _setup(context, overrides)
         cfg = msg.content["config"]
-        algorithm = recipe.build_algorithm(data.input_shape, int(cfg["num-classes"]), int(cfg["num-clients"]))
+        algorithm = recipe.build_algorithm(int(cfg["num-clients"]))
         if not isinstance(algorithm, BTFL):
             raise ValueError(f"query.dle is BTFL's message; this run trains {algorithm.name}")
         local = client_local_dle(algorithm, record_to_state(msg.content["server"]), data, recipe)

@@ -13,7 +13,6 @@ Example (after a SuperLink and SuperNodes are up; the app folder is ``examples/f
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from pathlib import Path
@@ -28,7 +27,6 @@ from edge_sdk import btfl as btfl_math
 from fl_server.algorithms.base import Algorithm
 from export.run import BTFL_DLE_FILE
 from fl_server.algorithms.btfl import BTFL
-from fl_server.bench.runner import protocol_description
 from fl_server.engine.simulation import save_state, select_clients
 from fl_server.flower.task import FlowerRecipe, check_supported
 from fl_server.flower.wire import record_to_state, state_to_record
@@ -77,7 +75,7 @@ class FederatedRun:
         self.k = len(infos)
         self.input_shape = tuple(int(v) for v in infos[0]["input-shape"])
         self.num_classes = int(infos[0]["num-classes"])
-        self.algorithm: Algorithm = recipe.build_algorithm(self.input_shape, self.num_classes, self.k)
+        self.algorithm: Algorithm = recipe.build_algorithm(self.k)
         check_supported(self.algorithm)
         dtype = recipe.torch_dtype
         # methods that size their state by the number of training clients read it here (no data on this side)
@@ -167,11 +165,6 @@ def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
         global_dle = btfl_math.average_dles([dles[node_of[p]]["dle"]["local_dle"].numpy() for p in range(k)])
         np.savez(run_dir / BTFL_DLE_FILE, global_dle=global_dle, dle_clients=np.array([k], dtype=np.int64))
     # what `fl-server export` rebuilds the model from (fl_server.recipes.run.rebuild), as for an engine run
-    if recipe.user:
-        description = describe_run(recipe.user, run.algorithm, None, recipe.seed)  # type: ignore[arg-type]
-    else:
-        description = {"method": recipe.method, "hyper": dataclasses.asdict(run.algorithm.hp),
-                       "model": recipe.protocol.model, "input_shape": list(run.input_shape),
-                       "num_classes": run.num_classes, "seed": recipe.seed, **protocol_description(recipe.protocol)}
+    description = describe_run(recipe.recipe, run.algorithm, None, recipe.seed)  # type: ignore[arg-type]
     description["engine"] = "flower"
     (run_dir / "run.json").write_text(json.dumps(description, indent=1, default=str))

@@ -1,9 +1,10 @@
 """The federated run a Flower app trains, and the in-process engine's pieces each side of it calls.
 
 A run is described by the Flower run config (``[tool.flwr.app.config]`` of the app, ``flwr run --run-config``):
-an experiment protocol and data set of the bench harness, a method, a seed and overrides. Both sides build the
-same method object from it; the server never holds data: each SuperNode loads its own training client's
-partition (``partition-id`` in its ``--node-config``), and only states and the method's messages cross the wire.
+a recipe (a user's recipe file, or a built-in data set's preset recipe, :func:`fl_server.recipes.presets.
+builtin_recipe`, with the run config's overrides), a seed and a dtype. Both sides build the same method object
+from it; the server never holds data: each SuperNode loads its own training client's partition (``partition-id``
+in its ``--node-config``), and only states and the method's messages cross the wire.
 
 The client step is the engine's :func:`~fl_server.engine.simulation.run_local_steps` over the client's own
 batch stream (:func:`~fl_server.engine.simulation.client_rng`, the engine's ``batch_stream="per_client"``); the
@@ -13,92 +14,80 @@ server calls the method's own ``client_start`` and ``aggregate``. So a Flower ru
 Example:
     >>> recipe = FlowerRecipe.from_config({"dataset": "mnist", "method": "FedAvg", "num-clients": 3,
     ...                                    "new-fraction": 0.0, "rounds": 3})
-    >>> recipe.protocol.num_clients, recipe.rounds
+    >>> recipe.recipe.federation.num_clients, recipe.rounds
     (3, 3)
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
 import torch
 
-from fl_server.algorithms import build_algorithm, canonical_method
 from fl_server.algorithms.base import Algorithm, NotApplicable
 from fl_server.algorithms.btfl import BTFL
-from fl_server.bench.experiments import get_experiment
-from fl_server.bench.protocol import Protocol
-from fl_server.bench.runner import build_federated, build_simulation
-from fl_server.data.federated import FederatedData
 from fl_server.engine.simulation import _EVAL, Simulation, client_batches, client_rng, run_local_steps
 from fl_server.functional import State, stack, unstack
-from fl_server.models import build_model
 from fl_server.recipes import Recipe, load_recipe
+from fl_server.recipes.presets import builtin_recipe
 from fl_server.recipes.run import federate, simulation
 
-# run-config key -> Protocol field: what a run may override of its experiment's protocol
-_PROTOCOL_KEYS = {"num-clients": "num_clients", "new-fraction": "new_fraction", "val-fraction": "val_fraction",
-                  "rounds": "rounds", "local-iterations": "local_iterations", "batch-size": "batch_size",
-                  "client-fraction": "client_fraction", "partition": "partition", "model": "model"}
-_KNOWN = {"experiment", "dataset", "method", "seed", "dtype", "eval-every", "run-dir", "data-dir", "max-samples",
-          "round-timeout", "min-nodes", "recipe", *_PROTOCOL_KEYS}
+# run-config key -> field of the built-in data set's preset recipe (Recipe or Federation) it overrides
+_RECIPE_KEYS = {"num-clients": "num_clients", "new-fraction": "new_fraction", "val-fraction": "val_fraction",
+                "rounds": "rounds", "local-iterations": "local_iterations", "batch-size": "batch_size",
+                "client-fraction": "client_fraction", "partition": "partition", "model": "model",
+                "max-samples": "max_samples"}
+_KNOWN = {"dataset", "method", "seed", "dtype", "eval-every", "run-dir", "data-dir", "round-timeout", "min-nodes",
+          "recipe", *_RECIPE_KEYS}
 
 
 @dataclass(frozen=True)
 class FlowerRecipe:
-    """One federated run: a user's recipe (run config ``recipe = "FILE.py[:NAME]"``, the same file on every
-    machine; it then sets model, data, federation, method and rounds, the run config only seed, dtype and
-    validation) or an experiment's protocol with the run config's overrides; method, seed, dtype."""
+    """One federated run: its recipe (a user's recipe file, run config ``recipe = "FILE.py[:NAME]"``, the same
+    file on every machine, which sets model, data, federation, method and rounds; or the preset recipe of the
+    run config's ``dataset`` and ``method`` with its overrides), seed, dtype and validation interval."""
 
-    protocol: Protocol
-    method: str
+    recipe: Recipe
     seed: int = 0
     dtype: str = "float32"
     eval_every: int = 0  # 0: validate the last round only
-    user: Recipe | None = None
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> FlowerRecipe:
-        """Build from a Flower run config; an unknown key or method fails here, with its name."""
+        """Build from a Flower run config; an unknown key, data set or method fails here, with its name."""
         unknown = sorted(set(cfg) - _KNOWN)
         if unknown:
             raise ValueError(f"unknown run-config key(s) {', '.join(unknown)}; known: {', '.join(sorted(_KNOWN))}")
-        experiment = get_experiment(str(cfg.get("experiment", "upfl-table1")))
-        dataset = str(cfg.get("dataset", "mnist"))
-        if dataset not in experiment.protocols:
-            raise ValueError(f"experiment {experiment.name!r} has no protocol for dataset {dataset!r}; "
-                             f"choose one of {', '.join(experiment.protocols)}")
-        protocol = experiment.protocols[dataset]
-        changes = {field: cfg[key] for key, field in _PROTOCOL_KEYS.items() if key in cfg}
-        method = canonical_method(str(cfg.get("method", "FedAvg")))
-        if "rounds" in changes:
-            changes["method_rounds"] = {}  # an explicit round count is every method's budget
-        if int(cfg.get("max-samples", 0)) > 0:
-            changes["options"] = {**protocol.options, "max_samples": int(cfg["max-samples"])}
         dtype = str(cfg.get("dtype", "float32"))
         if dtype not in ("float32", "float64"):
             raise ValueError(f"dtype {dtype!r}: use 'float32' or 'float64'")
-        user = load_recipe(str(cfg["recipe"])) if cfg.get("recipe") else None
-        return cls(dataclasses.replace(protocol, **changes), user.method if user else method, int(cfg.get("seed", 0)),
-                   dtype, int(cfg.get("eval-every", 0)), user)
+        if cfg.get("recipe"):
+            recipe = load_recipe(str(cfg["recipe"]))
+        else:
+            changes = {field: cfg[key] for key, field in _RECIPE_KEYS.items() if key in cfg}
+            recipe = builtin_recipe(str(cfg.get("dataset", "mnist")), str(cfg.get("method", "FedAvg")), **changes)
+        return cls(recipe, int(cfg.get("seed", 0)), dtype, int(cfg.get("eval-every", 0)))
+
+    @property
+    def method(self) -> str:
+        return self.recipe.method
 
     @property
     def rounds(self) -> int:
-        return self.user.rounds if self.user else self.protocol.rounds_for(self.method)
+        return self.recipe.rounds
 
     @property
     def local_iterations(self) -> int:
-        return self.user.local_iterations if self.user else self.protocol.local_iterations
+        return self.recipe.local_iterations
 
     @property
     def batch_size(self) -> int:
-        return self.user.batch_size if self.user else self.protocol.batch_size
+        return self.recipe.batch_size
 
     @property
     def client_fraction(self) -> float:
-        return self.user.federation.client_fraction if self.user else self.protocol.client_fraction
+        return self.recipe.federation.client_fraction
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -107,19 +96,12 @@ class FlowerRecipe:
     def in_process(self, data_root: str | None = None, mode: str = "loop") -> Simulation:
         """The in-process engine's run of the same recipe, clients and batch draws (``batch_stream="per_client"``):
         what a Flower run of it equals."""
-        engine = {"batch_stream": "per_client", "dtype": self.dtype}
-        if self.user:
-            return simulation(self.user, self.seed, None, "cpu", mode, False, data_root, **engine)
-        return build_simulation(self.protocol, self.method, self.seed, None, device="cpu", mode=mode,
-                                progress=False, data_root=data_root, **engine)
+        return simulation(self.recipe, self.seed, None, "cpu", mode, False, data_root, batch_stream="per_client",
+                          dtype=self.dtype)
 
-    def build_algorithm(self, input_shape: tuple[int, ...], num_classes: int, num_train_clients: int) -> Algorithm:
-        """The method object, with the same initial weights on every side (seeded like the engine's runner)."""
-        if self.user:
-            return self.user.build_algorithm(self.user.build_model(self.seed), num_train_clients, self.seed)
-        model = build_model(self.protocol.model, input_shape, num_classes, seed=self.seed)
-        return build_algorithm(self.method, model, num_train_clients, seed=self.seed,
-                               **self.protocol.method_hp.get(self.method, {}))
+    def build_algorithm(self, num_train_clients: int) -> Algorithm:
+        """The method object, with the same initial weights on every side (seeded like the engine's runs)."""
+        return self.recipe.build_algorithm(self.recipe.build_model(self.seed), num_train_clients, self.seed)
 
 
 @dataclass
@@ -146,11 +128,10 @@ def load_partition(recipe: FlowerRecipe, partition_id: int, data_root: str | Non
     """Training client ``partition_id``'s data under the recipe's federation (what a SuperNode of a test or a
     benchmark loads; a user's own ClientApp loads its own data instead). Keeps copies of that client's samples
     only."""
-    key = (repr(recipe.user or recipe.protocol), recipe.seed, data_root)
+    key = (repr(recipe.recipe), recipe.seed, data_root)
     if key not in _FEDERATIONS:  # one build per process (a simulation's worker serves many clients)
         _FEDERATIONS.clear()
-        _FEDERATIONS[key] = (federate(recipe.user, recipe.seed, data_root) if recipe.user
-                             else build_federated(recipe.protocol, recipe.seed, data_root))
+        _FEDERATIONS[key] = federate(recipe.recipe, recipe.seed, data_root)
     fed = _FEDERATIONS[key]
     if not 0 <= partition_id < fed.num_train_clients:
         raise ValueError(f"partition-id {partition_id} out of range: the recipe has {fed.num_train_clients} "
@@ -229,18 +210,8 @@ def client_validation(algorithm: Algorithm, server: State, data: ClientData, rec
     return float((pred == y).double().mean())
 
 
-# methods whose server-side step needs what only the clients hold; why each cannot run on Flower yet
-NOT_ON_FLOWER = {
-    "MAP": "its server state is built from every client's class set (attach); no message carries it yet",
-    "FedRS": "its server state is built from every client's class set (attach); no message carries it yet",
-    "FedPHP": "its server state is built from every client's class set (attach); no message carries it yet",
-    "ODPFL-HN": "the server embeds each client's data in client_start / aggregate; the client-side embedding "
-                "message is not built yet",
-    "Local": "its per-client models live in the server state and are validated per client",
-}
-
-
 def check_supported(algorithm: Algorithm) -> None:
-    """Refuse, with the reason, a method that cannot run on Flower yet (:data:`NOT_ON_FLOWER`)."""
-    if algorithm.name in NOT_ON_FLOWER:
-        raise NotApplicable(f"{algorithm.name} cannot run on Flower yet: {NOT_ON_FLOWER[algorithm.name]}")
+    """Refuse, with the reason, a method whose server step needs what only the clients hold
+    (``Algorithm.needs_client_data``): it cannot run on Flower yet."""
+    if algorithm.needs_client_data:
+        raise NotApplicable(f"{algorithm.name} cannot run on Flower yet: {algorithm.needs_client_data}")

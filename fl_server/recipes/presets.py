@@ -8,6 +8,7 @@ built-in data sets) and the papers' hyperparameter tables those protocols use.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fl_server.recipes.data import DataSpec
@@ -78,11 +79,11 @@ SPARSE_EVAL: dict[str, int] = {m: 5 for m in ("FedTTA", "FedTTA-Prox", "FedTTA++
 def builtin_recipe(dataset: str, method: str = "FedAvg", data_dir: str | None = None, **changes: Any) -> Recipe:
     """UPFL Table 1's protocol for ``method`` on a built-in data set (100 pathological clients, half of them new,
     tau = 20, B = 64; ``digits``: 20 clients, 60 rounds). ``changes``: Recipe fields (``rounds``, ...) and
-    Federation fields (``num_clients``, ``partition``, ``alpha``)."""
+    Federation fields (``num_clients``, ``partition``, ``alpha``, ``max_samples``, ...)."""
     if dataset not in UPFL_MODELS:
         raise ValueError(f"no built-in recipe for data set {dataset!r}; choose one of {', '.join(UPFL_MODELS)}")
     model, rounds, clients = UPFL_MODELS[dataset]
-    fed_keys = {"num_clients", "partition", "alpha", "new_fraction", "val_fraction", "client_fraction"}
+    fed_keys = {f.name for f in dataclasses.fields(Federation)}
     fed = Federation(**{"partition": "pathological", "num_clients": clients,
                         **{k: v for k, v in changes.items() if k in fed_keys}})
     probe = Recipe(model=model, data=DataSpec.builtin(dataset, data_dir), federation=fed, method=method,

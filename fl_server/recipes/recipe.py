@@ -16,17 +16,11 @@ import torch
 
 from edge_sdk.preprocess import Preprocess
 from fl_server.algorithms import ALGORITHMS, Algorithm, build_algorithm
-from fl_server.algorithms.odpfl_hn import ODPFLHN
 from fl_server.data.federated import PARTITIONS
 from fl_server.models import Classifier
 from fl_server.recipes.data import DataSpec
 from fl_server.recipes.errors import RecipeError
 from fl_server.recipes.model import ModelSpec, build_classifier, check_classifier
-
-# ODPFL-HN's hypernetwork has one output head per weight tensor of the target model, hn_width wide: its size is
-# about hn_width x (the model's weights). The ConvNet of UPFL Table 1 (1.66M weights, width 100: 166M) fits.
-MAX_HYPERNETWORK_PARAMS = 200_000_000
-
 
 @dataclass(frozen=True)
 class Federation:
@@ -35,7 +29,8 @@ class Federation:
     ``num_clients``; ``new_fraction`` of the clients never train (they adapt at test time); each training
     client keeps ``val_fraction`` of its samples for validation; ``val_clients`` moves that many training
     clients out of training into client-level validation; ``client_fraction`` of the training clients train
-    each round; ``public_size`` samples are held out of every client (HeteroFedTTA's public set)."""
+    each round; ``public_size`` samples are held out of every client (HeteroFedTTA's public set);
+    ``max_samples`` > 0 first keeps that many random samples of the data (smoke runs)."""
 
     partition: str | None = None
     num_clients: int = 100
@@ -45,6 +40,7 @@ class Federation:
     val_clients: int = 0
     client_fraction: float = 1.0
     public_size: int = 0
+    max_samples: int = 0
 
     def __post_init__(self) -> None:
         if self.partition is not None and self.partition not in (*PARTITIONS, "natural"):
@@ -61,8 +57,8 @@ class Federation:
             raise RecipeError(f"federation: val_fraction must be in [0, 1), got {self.val_fraction!r}")
         if not 0.0 < self.client_fraction <= 1.0:
             raise RecipeError(f"federation: client_fraction must be in (0, 1], got {self.client_fraction!r}")
-        if self.val_clients < 0 or self.public_size < 0:
-            raise RecipeError("federation: val_clients and public_size must be >= 0")
+        if self.val_clients < 0 or self.public_size < 0 or self.max_samples < 0:
+            raise RecipeError("federation: val_clients, public_size and max_samples must be >= 0")
 
 
 @dataclass(frozen=True, eq=False)
@@ -190,16 +186,13 @@ def _check_hyper(method: str, hyper: dict[str, Any]) -> None:
 
 
 def _check_method_serves(recipe: Recipe, model: Classifier) -> None:
-    """Fail now, not deep inside a run, where the method cannot serve the model."""
-    if recipe.method == "ODPFL-HN":
-        hp = ODPFLHN.Config(**recipe.hyper)
-        weights = sum(p.numel() for p in model.parameters())
-        size = weights * (hp.hn_width + 1)
-        if size > MAX_HYPERNETWORK_PARAMS:
-            raise RecipeError(f"method: ODPFL-HN cannot serve this model: its hypernetwork generates all "
-                              f"{weights:,} weights, about {size:,} parameters at hn_width {hp.hn_width} (limit "
-                              f"{MAX_HYPERNETWORK_PARAMS:,}); use a smaller model (e.g. 'lenet') or another method")
-        return  # the encoder and hypernetwork themselves are built when the run starts (they can be large)
+    """Fail now, not deep inside a run, where the method cannot serve the model: the method's own check
+    (``Algorithm.check_model``), else building it."""
+    try:
+        if ALGORITHMS[recipe.method].check_model(model, recipe.hyper):
+            return
+    except ValueError as exc:
+        raise RecipeError(f"method: {recipe.method} cannot serve this model: {exc}") from None
     try:
         recipe.build_algorithm(model, 2, seed=0)
     except (ValueError, TypeError) as exc:

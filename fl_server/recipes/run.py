@@ -18,7 +18,7 @@ from typing import Any
 from edge_sdk.preprocess import Preprocess
 from fl_server.algorithms import Algorithm, build_algorithm
 from fl_server.data.federated import (FederatedData, hold_out_validation_clients, make_federated,
-                                     natural_federated)
+                                     natural_federated, random_subset)
 from fl_server.device import describe
 from fl_server.engine import RunConfig, Simulation
 from fl_server.models import Classifier
@@ -33,6 +33,7 @@ def federate(recipe: Recipe, seed: int = 0, data_root: str | None = None) -> Fed
     new clients and validation drawn from ``seed``."""
     dataset = recipe.data.dataset(recipe.preprocess, data_root)  # type: ignore[arg-type]
     f = recipe.federation
+    dataset = random_subset(dataset, f.max_samples, seed)
     if f.partition == "natural":
         fed = natural_federated(dataset, recipe.data.client_ids, f.new_fraction, f.val_fraction, seed)  # type: ignore[arg-type]
     else:
