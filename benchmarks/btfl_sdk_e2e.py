@@ -15,6 +15,9 @@ docs/benchmarks/edge-sdk.json by (what, device).
 
     python benchmarks/btfl_sdk_e2e.py --dataset fashion_mnist --seed 0 --run-dir runs/bench/btgfl/fashion_mnist/seed0
     python benchmarks/btfl_sdk_e2e.py --latency-only     # latency of bundle formats 1 vs 2, no training run
+
+``--latency-only`` also times the features graph's onnxruntime call alone on the same samples (its own pass after
+each end-to-end pass): the rest of the per-sample CPU time is the SDK's (local head, ``predict_one``).
 """
 from __future__ import annotations
 
@@ -50,27 +53,49 @@ from fl_server.models import build_model
 def device_stream(bundle_dir: Path, x: np.ndarray, cpu: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Stream ``x`` one sample at a time through the bundle: (predicted classes [N], seconds per sample [N]).
     ``cpu`` [N], when given, receives each sample's CPU seconds of this thread (onnxruntime runs on it with one
-    intra-op thread): what a sample costs on a core of its own, whatever else the machine is doing."""
+    intra-op thread): what a sample costs on a core of its own, whatever else the machine is doing.
+
+    Per sample: the features graph (features + global logits, float32), the local head in float64, then
+    ``predict_one``, which takes the float32 rows as they come (it converts them itself, exactly)."""
     bundle = load_bundle(bundle_dir)
     sess = bundle.session("features", threads=1)
     state = bundle.weights("btfl")
-    local_head = state["local_head"]
-    local_bias = state.get("local_bias", 0.0)  # present when the local head is MAP's (fl_server.algorithms.compose)
-    feeds = graph_feeds(sess, {"x": x[:1], **{f"psi.{n}": v for n, v in bundle.weights("psi").items()}})
-    feeds.pop("x")  # none for a frozen features graph (bundle format 2): the weights are in the graph
+    local_head = np.ascontiguousarray(state["local_head"], dtype=np.float64)
+    local_bias = state.get("local_bias")  # present when the local head is MAP's (fl_server.algorithms.compose)
+    # format 1 feeds the weights too; format 2 (frozen) takes x alone. Built once, x replaced per sample
+    feed = graph_feeds(sess, {"x": x[:1], **{f"psi.{n}": v for n, v in bundle.weights("psi").items()}})
+    outputs = ["features", "global_logits"]
     stream = BTFLStream.from_arrays(state)
     pred = np.empty(len(x), dtype=np.int64)
     secs = np.empty(len(x))
     for i in range(len(x)):
         c0, t0 = time.thread_time(), time.perf_counter()
-        z, g = sess.run(["features", "global_logits"], {"x": x[i:i + 1], **feeds})
-        z64 = z[0].astype(np.float64)
-        probs = stream.predict_one(local_head @ z64 + local_bias, g[0].astype(np.float64), z64)
-        pred[i] = int(np.argmax(probs))
+        feed["x"] = x[i:i + 1]
+        z, g = sess.run(outputs, feed)
+        local = local_head @ z[0]  # float64 (z is converted exactly)
+        if local_bias is not None:
+            local += local_bias
+        pred[i] = int(stream.predict_one(local, g[0], z[0]).argmax())
         secs[i] = time.perf_counter() - t0
         if cpu is not None:
             cpu[i] = time.thread_time() - c0
     return pred, secs
+
+
+def onnxruntime_alone(bundle_dir: Path, x: np.ndarray) -> np.ndarray:
+    """CPU seconds per sample [N] of the features graph's call alone (same session options and feed as
+    :func:`device_stream`): the part of the pipeline that is onnxruntime's."""
+    bundle = load_bundle(bundle_dir)
+    sess = bundle.session("features", threads=1)
+    feed = graph_feeds(sess, {"x": x[:1], **{f"psi.{n}": v for n, v in bundle.weights("psi").items()}})
+    outputs = ["features", "global_logits"]
+    cpu = np.empty(len(x))
+    for i in range(len(x)):
+        c0 = time.thread_time()
+        feed["x"] = x[i:i + 1]
+        sess.run(outputs, feed)
+        cpu[i] = time.thread_time() - c0
+    return cpu
 
 
 def latency_only(args: argparse.Namespace, command: str) -> None:
@@ -89,6 +114,7 @@ def latency_only(args: argparse.Namespace, command: str) -> None:
     x = dataset.x[-args.samples:]
     secs: dict[int, list[np.ndarray]] = {1: [], 2: []}
     cpus: dict[int, list[np.ndarray]] = {1: [], 2: []}
+    ort_cpus: dict[int, list[np.ndarray]] = {1: [], 2: []}
     with tempfile.TemporaryDirectory() as tmp:
         dirs = {fmt: export_btfl_client(algorithm, state["params"], art, Path(tmp) / f"format{fmt}", frozen=fmt == 2)
                 for fmt in (1, 2)}
@@ -99,6 +125,7 @@ def latency_only(args: argparse.Namespace, command: str) -> None:
                 preds[fmt], s = device_stream(d, x, cpu)
                 secs[fmt].append(s)
                 cpus[fmt].append(cpu)
+                ort_cpus[fmt].append(onnxruntime_alone(d, x))
     agree = float((preds[1] == preds[2]).mean())
     base = {"benchmark": "edge-sdk", "device": f"cpu:1 thread, {platform.machine()}", "command": command,
             "load_average_1min": round(os.getloadavg()[0], 2), "dataset": args.dataset,
@@ -107,12 +134,16 @@ def latency_only(args: argparse.Namespace, command: str) -> None:
     rows = []
     for fmt, how in ((1, "graph weights as inputs (format 1)"), (2, "weights embedded (format 2)")):
         us, cpu_us = 1e6 * np.concatenate(secs[fmt]), 1e6 * np.concatenate(cpus[fmt])
+        ort_p50 = float(np.percentile(1e6 * np.concatenate(ort_cpus[fmt]), 50))
         rows.append({**base, "what": f"BTFL end-to-end latency per sample, batch 1, btfl_cnn {args.dataset}, {how}",
                      "metric": "cpu_p50_us", "value": round(float(np.percentile(cpu_us, 50)), 1),
+                     "onnxruntime_alone_cpu_p50_us": round(ort_p50, 1),
+                     "rest_cpu_p50_us": round(float(np.percentile(cpu_us, 50)) - ort_p50, 1),
                      "wall_p50_us": round(float(np.percentile(us, 50)), 1),
                      "wall_p99_us": round(float(np.percentile(us, 99)), 1),
                      "prediction_agreement_format1_vs_2_pct": round(100 * agree, 3)})
-        print(f"{how}: CPU p50 {rows[-1]['value']} us, wall p50 {rows[-1]['wall_p50_us']} us")
+        print(f"{how}: CPU p50 {rows[-1]['value']} us (onnxruntime alone {rows[-1]['onnxruntime_alone_cpu_p50_us']} us), "
+              f"wall p50 {rows[-1]['wall_p50_us']} us")
     rows[1]["speedup_p50_vs_format1"] = round(rows[0]["value"] / rows[1]["value"], 2)
     merge_rows(args.out, rows, key=("what", "device"))
     print(f"agreement {100 * agree:.2f}%  speed-up (p50) {rows[1]['speedup_p50_vs_format1']}x")

@@ -35,7 +35,8 @@ SMOKE: dict[str, list[str]] = {
 # run against a coordinator (test_coordinator_benchmarks)
 SERVED = {"coordinator_load.py", "profile_burst.py", "summarize_load.py"}
 # smoke-run by another test module (it needs that module's fixtures)
-ELSEWHERE = {"flower.py": "tests/test_flower.py::test_flower_benchmark_runs_at_smoke_size"}
+ELSEWHERE = {"flower.py": "tests/test_flower.py::test_flower_benchmark_runs_at_smoke_size",
+             "peer_fedavg.py": "tests/test_peer_fedavg.py::test_peer_benchmark_smoke"}
 
 
 def _env(data_root: Path) -> dict[str, str]:

@@ -357,6 +357,23 @@ def _require_nonnegative_finite(name: str, x: np.ndarray) -> None:
         raise ValueError(f"{name} must be non-negative (post-ReLU); fsq maps R+ to {{0, ..., levels-1}}")
 
 
+def _tanh_half_threshold() -> float:
+    """The smallest float64 z with ``np.tanh(z) > 0.5`` (~ atanh(1/2) = 0.5493): Eq. 5's two-level code of a
+    feature z >= 0 is 1 iff z >= this, one comparison instead of a tanh (np.tanh is monotone; the test sweeps
+    the neighbourhood). Bisection on the float64 bit patterns of [0.5, 0.6], with np.tanh itself as the oracle."""
+    lo, hi = np.array([0.5, 0.6]).view(np.int64).tolist()  # tanh: 0.46 <= 0.5 < 0.54
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if np.tanh(np.array(mid, dtype=np.int64).view(np.float64)) > 0.5:
+            hi = mid
+        else:
+            lo = mid
+    return float(np.array(hi, dtype=np.int64).view(np.float64))
+
+
+_TANH_HALF = _tanh_half_threshold()
+
+
 def _fsq_codes(z: np.ndarray, levels: int) -> np.ndarray:
     """Unchecked Eq. 5: z [..., D] >= 0 -> integer codes (intp) round((levels - 1) tanh z)."""
     t = np.tanh(z)
@@ -634,13 +651,15 @@ def _hbu_run(
 # --------------------------------------------------------------------------------------------------------
 # scalar helpers of the batch-1 path (BTFLStream.predict_one)
 # --------------------------------------------------------------------------------------------------------
-def _softmax_entropy(x: list[float]) -> tuple[list[float], float, float, float]:
-    """Python floats: logits -> (exp(x - max), their sum S, entropy H = log Z - sum p x, log Z); p = exp / S."""
+def _softmax_entropy(x: list[float], exp=math.exp, log=math.log, mul=operator.mul  # type: ignore[no-untyped-def]
+                     ) -> tuple[list[float], float, float, float]:
+    """Python floats: logits -> (exp(x - max), their sum S, entropy H = log Z - sum p x, log Z); p = exp / S.
+    (The defaults bind the functions as locals: this runs twice per streamed sample.)"""
     m = max(x)
-    ex = [math.exp(v - m) for v in x]
+    ex = [exp(v - m) for v in x]
     s = sum(ex)
-    lz = m + math.log(s)
-    return ex, s, lz - sum(map(operator.mul, ex, x)) / s, lz
+    lz = m + log(s)
+    return ex, s, lz - sum(map(mul, ex, x)) / s, lz
 
 
 _Grid = tuple[np.ndarray, np.ndarray]
@@ -783,6 +802,7 @@ class BTFLStream:
         if self.levels == 2 and not self._tables_may_be_inf:
             self._q_base = (self._log_tables[:, :, 0].sum(1) / self.dim).tolist()
             self._q_delta = (self._log_tables[:, :, 1] - self._log_tables[:, :, 0]) / self.dim
+            self._codes = np.empty(self.dim)  # c_d as 0.0 / 1.0, rewritten by every _step_one
         self._grids = _GridCache(cache_size)  # e's grid per Beta state, for the batch-1 path
         self.alpha, self.beta = self.alpha0, self.beta0
         self.last_weights: np.ndarray | None = None  # e per sample of the last predict call, [B]
@@ -844,7 +864,8 @@ class BTFLStream:
         ex_g, s_g, h_g, lz_g = _softmax_entropy(gl_l)
         if not math.isfinite(h_l + h_g + lz_l + lz_g):  # any NaN / inf logit ends up here
             raise ValueError("local_logits and global_logits must be finite (no NaN/inf)")
-        q_l, q_g = (self._q_delta @ (np.tanh(ft) > 0.5)).tolist()  # Eq. 5 (round(tanh z) = 1 iff tanh z > 1/2)
+        codes = np.greater_equal(ft, _TANH_HALF, out=self._codes, casting="unsafe")  # Eq. 5: round(tanh z)
+        q_l, q_g = (self._q_delta @ codes).tolist()
         lq_l, lq_g = self._q_base[0] + q_l, self._q_base[1] + q_g
         dh_l, dh_g = h_l - self.h_local_bar, h_g - self.h_global_bar
         lt_raw = lq_l - lq_g  # sign of log tau (Eq. 9) and the inspection pi (Eq. 10)

@@ -609,3 +609,15 @@ def test_import_edge_sdk_is_lazy() -> None:
         import edge_sdk
 
         edge_sdk.nope  # noqa: B018
+
+
+def test_two_level_code_threshold_equals_rounded_tanh() -> None:
+    """predict_one's Eq. 5 for two levels is one comparison with btfl._TANH_HALF: the same codes as
+    round(tanh z) on every float64 within 2^16 ulps of the threshold and on a spread of features."""
+    t = btfl._TANH_HALF
+    bits = np.array(t).view(np.int64) + np.arange(-(1 << 16), 1 << 16)
+    near = bits.view(np.float64)
+    spread = np.abs(np.random.default_rng(0).standard_cauchy(100_000))
+    for z in (near, spread, np.array([0.0, np.nextafter(t, 0), t, 0.5493061443340549, 1e300])):
+        np.testing.assert_array_equal(z >= t, fsq_quantize(z[None], 2)[0] == 1)
+    assert np.tanh(t) > 0.5 >= np.tanh(np.nextafter(t, 0))
