@@ -1,4 +1,4 @@
-"""Decompositions that let gradient-step graphs of ConvNets lower to ONNX.
+"""Decompositions that let gradient-step graphs of ConvNets lower to ONNX, and lower to cheaper ONNX.
 
 ``aten.convolution_backward`` has no ONNX lowering. For a 2-D, non-transposed convolution
 y = conv2d(x, W, b; stride s, padding p, dilation d, groups G), W [C_out, C_in / G, kh, kw]:
@@ -8,6 +8,9 @@ y = conv2d(x, W, b; stride s, padding p, dilation d, groups G), W [C_out, C_in /
           becomes the convolution's channel sum and each group's weights see only their own inputs
           (G = 1: x' = x^T; depthwise G = C_in: x' = one channel whose G * N planes are (channel, sample) pairs)
   dL/db = sum of dL/dy over batch and space
+
+ReLU / ReLU6 backward: dL/dx = dL/dy * [x inside the open interval], a multiply by a 0/1 mask (the exporter's
+lowering, a Where with a broadcast zero, is several times slower on onnxruntime's CPU kernels).
 """
 from __future__ import annotations
 
@@ -53,4 +56,16 @@ def convolution_backward(
     return grad_input, grad_weight, grad_bias
 
 
-DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {aten.convolution_backward.default: convolution_backward}
+def threshold_backward(grad_output: torch.Tensor, input: torch.Tensor, threshold: float) -> torch.Tensor:
+    return grad_output * (input > threshold).to(grad_output.dtype)
+
+
+def hardtanh_backward(grad_output: torch.Tensor, input: torch.Tensor, min_val: float, max_val: float) -> torch.Tensor:
+    return grad_output * ((input > min_val) & (input < max_val)).to(grad_output.dtype)
+
+
+DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
+    aten.convolution_backward.default: convolution_backward,
+    aten.threshold_backward.default: threshold_backward,
+    aten.hardtanh_backward.default: hardtanh_backward,
+}

@@ -74,10 +74,11 @@ def _resize_batch(t: torch.Tensor, size: int | None) -> torch.Tensor:
 
 
 def _dynamic_batch(path: Path, name: str) -> bool:
-    """Whether the exported graph's input ``name`` has a symbolic axis 0."""
+    """Whether the exported graph's input ``name`` has a symbolic axis 0 (or is not an input: the graph does not
+    read it)."""
     model = onnx.load(str(path), load_external_data=False)
-    info = next(i for i in model.graph.input if i.name == name)
-    return bool(info.type.tensor_type.shape.dim[0].dim_param)
+    info = next((i for i in model.graph.input if i.name == name), None)
+    return info is None or bool(info.type.tensor_type.shape.dim[0].dim_param)
 
 
 @contextlib.contextmanager
