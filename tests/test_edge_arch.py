@@ -115,6 +115,27 @@ def test_convolution_backward_decomposition(c_in, c_out, groups, kernel, stride,
         torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("shape,kernel,stride", [
+    ((3, 4, 8, 6), [2, 2], [2, 2]), ((2, 3, 9, 6), [3], []), ((2, 3, 8, 9), [2, 3], [2, 3]),
+])
+def test_max_pool_backward_decomposition(shape, kernel, stride) -> None:  # type: ignore[no-untyped-def]
+    """Tiling windows (square or not, stride given or defaulted): the gradient goes where autograd sends it, ties
+    (many, from rounding ReLU outputs) to the first maximum of a window; overlapping windows are left to the
+    exporter."""
+    from export.decompositions import max_pool2d_with_indices_backward
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.relu(torch.randn(shape, generator=g)).round().requires_grad_(True)
+    y, indices = torch.ops.aten.max_pool2d_with_indices(x, kernel, stride)
+    gy = torch.randn(y.shape, generator=g)
+    want = torch.autograd.grad(y, x, gy)[0]
+    got = max_pool2d_with_indices_backward(gy, x.detach(), kernel, stride, [0, 0], [1, 1], False, indices)
+    assert torch.equal(got, want)
+    x = torch.randn(2, 3, 7, 7, generator=g)
+    y, indices = torch.ops.aten.max_pool2d_with_indices(x, [3, 3], [2, 2])
+    assert max_pool2d_with_indices_backward(y, x, [3, 3], [2, 2], [0, 0], [1, 1], False, indices) is NotImplemented
+
+
 @pytest.mark.parametrize("model_name", ["resnet8_bn", "mobilenet_s", "resnet8_gn"])
 def test_edge_models_train_under_vmap_and_grad(model_name: str, fashion_batches) -> None:  # type: ignore[no-untyped-def]
     """The engine's local step (vmapped over clients, functional grad) runs on each model and lowers the loss."""

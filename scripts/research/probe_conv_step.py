@@ -2,12 +2,12 @@
 
 Each variant is a decomposition table for the trace (:mod:`export.decompositions`); all four export the same
 step (parity against torch is printed) and are timed with the calls interleaved:
-- ``exporter``: only ``convolution_backward`` decomposed (ReLU's backward is the exporter's Where);
-- ``product``: ``export.decompositions.DECOMPOSITIONS`` (ReLU's backward as a 0/1 mask multiply);
+- ``exporter``: only ``convolution_backward`` decomposed (the exporter's lowerings: ReLU's backward a Where,
+  max pooling with indices and a scatter backward);
+- ``+ ReLU backward as mask``: a 0/1 mask multiply;
+- ``product``: ``export.decompositions.DECOMPOSITIONS`` (also the max-pool backward without indices);
 - ``+ weight gradient as patch products``: dL/dW of an ungrouped convolution as one MatMul per kernel offset,
-  dL/dy [C_out, N*Ho*Wo] @ x_ij [N*Ho*Wo, C_in] (patch extraction by strided slices of the channels-last input);
-- ``+ max-pool backward without indices``: the forward's MaxPool loses its indices output; the gradient goes to
-  the first position of each window equal to the window's maximum (Resize-upsampled maximum and rank).
+  dL/dy [C_out, N*Ho*Wo] @ x_ij [N*Ho*Wo, C_in] (patch extraction by strided slices of the channels-last input).
 
     python scripts/research/probe_conv_step.py [--batch 64] [--repeats 20] [--data-dir DIR] [--out FILE]
 """
@@ -63,33 +63,13 @@ def patches_convolution_backward(*args: Any) -> Any:
     return grad_input, grad_weight, grad_bias
 
 
-def _upsample(t: torch.Tensor, kh: int, kw: int) -> torch.Tensor:
-    return aten.upsample_nearest2d.default(t, [t.shape[2] * kh, t.shape[3] * kw])
-
-
-def pool_backward_without_indices(grad_output: torch.Tensor, input: torch.Tensor, kernel_size: list[int],
-                                  stride: list[int], padding: list[int], dilation: list[int], ceil_mode: bool,
-                                  indices: torch.Tensor) -> Any:
-    kh, kw = (list(kernel_size) * 2)[:2]
-    h, w = input.shape[2], input.shape[3]
-    if list(stride or [kh, kw]) != [kh, kw] or any(padding) or any(d != 1 for d in dilation) or h % kh or w % kw:
-        return NotImplemented
-    values = F.max_pool2d(input, (kh, kw))
-    hit = input == _upsample(values, kh, kw)
-    # ties: the first maximum in window order wins (torch's kernel): the hit of highest rank kh*kw - offset
-    rank = (kh * kw - (torch.arange(h) % kh).view(h, 1) * kw - (torch.arange(w) % kw).view(1, w)).to(input.dtype)
-    ranked = rank * hit.to(input.dtype)
-    first = ranked == _upsample(F.max_pool2d(ranked, (kh, kw)), kh, kw)
-    return _upsample(grad_output, kh, kw) * (first & hit).to(grad_output.dtype)
-
-
 VARIANTS: dict[str, dict[Any, Callable[..., Any]]] = {
     "exporter": {aten.convolution_backward.default: convolution_backward},
-    "product": dict(DECOMPOSITIONS),
+    "+ ReLU backward as mask": {k: v for k, v in DECOMPOSITIONS.items()
+                                if k != aten.max_pool2d_with_indices_backward.default},
+    "product (+ max-pool without indices)": dict(DECOMPOSITIONS),
     "+ weight gradient as patch products": {**DECOMPOSITIONS,
                                             aten.convolution_backward.default: patches_convolution_backward},
-    "+ max-pool backward without indices": {**DECOMPOSITIONS,
-                                            aten.max_pool2d_with_indices_backward.default: pool_backward_without_indices},
 }
 
 
