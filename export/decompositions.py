@@ -1,4 +1,4 @@
-"""Decompositions that let gradient-step graphs of ConvNets lower to ONNX.
+"""Decompositions that let gradient-step graphs of ConvNets lower to ONNX, and lower to cheaper ONNX.
 
 ``aten.convolution_backward`` has no ONNX lowering. For a 2-D, non-transposed convolution
 y = conv2d(x, W, b; stride s, padding p, dilation d, groups G), W [C_out, C_in / G, kh, kw]:
@@ -8,6 +8,16 @@ y = conv2d(x, W, b; stride s, padding p, dilation d, groups G), W [C_out, C_in /
           becomes the convolution's channel sum and each group's weights see only their own inputs
           (G = 1: x' = x^T; depthwise G = C_in: x' = one channel whose G * N planes are (channel, sample) pairs)
   dL/db = sum of dL/dy over batch and space
+
+Max-pooling backward where the windows tile the input (kernel = stride, no padding or dilation, sizes divisible):
+the exporter keeps the forward's flat indices (an ONNX MaxPool with indices, several times slower on onnxruntime
+than one without) to scatter the gradient into zeros. Here the gradient goes, by comparison, to the first position
+of each window (in window order, as torch's kernel keeps the first maximum) that equals the window's maximum:
+  hit = x == up(max),  rank = kh * kw - offset within the window,  first = rank * hit == up(max(rank * hit))
+  dL/dx = up(dL/dy) * (first & hit)          (up: nearest upsampling by the kernel, an ONNX Resize)
+so the forward's indices are no longer read and its MaxPool drops them.
+ReLU / ReLU6 backward: dL/dx = dL/dy * [x inside the open interval], a multiply by a 0/1 mask (the exporter's
+lowering, a Where with a broadcast zero, is several times slower on onnxruntime's CPU kernels).
 """
 from __future__ import annotations
 
@@ -53,4 +63,44 @@ def convolution_backward(
     return grad_input, grad_weight, grad_bias
 
 
-DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {aten.convolution_backward.default: convolution_backward}
+def _pair(v: Any) -> list[int]:
+    """A pooling argument (an int, or a list of one or two ints) as two ints."""
+    v = [v] if isinstance(v, int) else list(v)
+    return v * (3 - len(v))
+
+
+def _upsample(t: torch.Tensor, kh: int, kw: int) -> torch.Tensor:
+    """[N, C, h, w] -> [N, C, h * kh, w * kw], each value repeated over its window (lowers to ONNX Resize)."""
+    return aten.upsample_nearest2d.default(t, [t.shape[2] * kh, t.shape[3] * kw])
+
+
+def max_pool2d_with_indices_backward(grad_output: torch.Tensor, input: torch.Tensor, kernel_size: list[int],
+                                     stride: list[int], padding: list[int], dilation: list[int], ceil_mode: bool,
+                                     indices: torch.Tensor) -> Any:
+    kh, kw = _pair(kernel_size)
+    h, w = input.shape[2], input.shape[3]
+    if (input.dim() != 4 or (_pair(stride) if stride else [kh, kw]) != [kh, kw] or _pair(padding) != [0, 0]
+            or _pair(dilation) != [1, 1] or h % kh or w % kw):
+        return NotImplemented  # overlapping or padded windows: the exporter's lowering (indices and scatter)
+    values = F.max_pool2d(input, (kh, kw))
+    hit = input == _upsample(values, kh, kw)
+    offset = (torch.arange(h, device=input.device) % kh).view(h, 1) * kw + (torch.arange(w, device=input.device) % kw)
+    ranked = (kh * kw - offset).to(input.dtype) * hit.to(input.dtype)
+    first = ranked == _upsample(F.max_pool2d(ranked, (kh, kw)), kh, kw)
+    return _upsample(grad_output, kh, kw) * (first & hit).to(grad_output.dtype)
+
+
+def threshold_backward(grad_output: torch.Tensor, input: torch.Tensor, threshold: float) -> torch.Tensor:
+    return grad_output * (input > threshold).to(grad_output.dtype)
+
+
+def hardtanh_backward(grad_output: torch.Tensor, input: torch.Tensor, min_val: float, max_val: float) -> torch.Tensor:
+    return grad_output * ((input > min_val) & (input < max_val)).to(grad_output.dtype)
+
+
+DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
+    aten.convolution_backward.default: convolution_backward,
+    aten.max_pool2d_with_indices_backward.default: max_pool2d_with_indices_backward,
+    aten.threshold_backward.default: threshold_backward,
+    aten.hardtanh_backward.default: hardtanh_backward,
+}

@@ -36,13 +36,49 @@ def _positional_module(graph: torch.nn.Module, arg_names: Sequence[str]) -> torc
     return module.eval()
 
 
+# example batch sizes to retry with when tracing fixed the batch axis (see export_function)
+RETRY_BATCHES = (5, 11, 13)
+
+
 def export_function(fn: Callable[..., tuple[torch.Tensor, ...]], example: Sequence[torch.Tensor],
                     input_names: Sequence[str], output_names: Sequence[str], batch_inputs: Sequence[str],
                     path: str | os.PathLike) -> Path:
     """Export ``fn(*example)`` to ONNX at ``path``; inputs named in ``batch_inputs`` get a dynamic axis 0.
-    Written atomically (temp file + rename)."""
-    with _quiet():
-        return _export(fn, example, input_names, output_names, batch_inputs, Path(path))
+    Written atomically (temp file + rename).
+
+    Symbolic tracing gives equal sizes one symbol, so an example batch that equals some width of the graph
+    (FedICON's two views of a batch of 4 against a width of 8) can turn into a constant, and the graph would take
+    only that batch size. The export is then retraced with the batch inputs' rows repeated to another batch size
+    (``RETRY_BATCHES``); a ``ValueError`` if every size is fixed.
+
+    >>> export_function(lambda x, w: (x @ w,), [torch.rand(4, 3), torch.rand(3, 2)], ["x", "w"], ["y"], ["x"],
+    ...                 "matmul.onnx")  # doctest: +SKIP
+    PosixPath('matmul.onnx')
+    """
+    path = Path(path)
+    batch = len(example[list(input_names).index(batch_inputs[0])]) if batch_inputs else None
+    for size in (batch, *(b for b in RETRY_BATCHES if b != batch)):
+        feeds = [_resize_batch(t, size) if n in batch_inputs else t for n, t in zip(input_names, example)]
+        with _quiet():
+            _export(fn, feeds, input_names, output_names, batch_inputs, path)
+        if not batch_inputs or all(_dynamic_batch(path, n) for n in batch_inputs):
+            return path
+    path.unlink()
+    raise ValueError(f"tracing fixed the batch axis of {', '.join(batch_inputs)} at every example batch size "
+                     f"({batch}, {', '.join(map(str, RETRY_BATCHES))}); the graph would take only that batch")
+
+
+def _resize_batch(t: torch.Tensor, size: int | None) -> torch.Tensor:
+    """``t``'s rows repeated cyclically to ``size`` rows."""
+    return t if size is None or size == len(t) else t[torch.arange(size) % len(t)]
+
+
+def _dynamic_batch(path: Path, name: str) -> bool:
+    """Whether the exported graph's input ``name`` has a symbolic axis 0 (or is not an input: the graph does not
+    read it)."""
+    model = onnx.load(str(path), load_external_data=False)
+    info = next((i for i in model.graph.input if i.name == name), None)
+    return info is None or bool(info.type.tensor_type.shape.dim[0].dim_param)
 
 
 @contextlib.contextmanager

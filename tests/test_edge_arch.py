@@ -16,7 +16,7 @@ from export import export_spec, fedtta_step_spec, forward_spec, tent_step_spec
 from fl_server.algorithms import build_algorithm
 from fl_server.recipes.presets import FEDTTA_HP
 from fl_server.functional import make_forward
-from fl_server.models import build_model
+from fl_server.models import Classifier, build_model
 from fl_server.models.norm import calibrate, stat_norms
 
 TOL = 1e-5
@@ -55,20 +55,22 @@ def _algorithm(model_name: str, method: str, calib: torch.Tensor, **hp):  # type
     return alg, state
 
 
-def _check(spec, path: Path, batches, momenta=(None,)) -> None:  # type: ignore[no-untyped-def]
+def _check(spec, path: Path, batches, momenta=(None,), extra=None) -> None:  # type: ignore[no-untyped-def]
+    """``extra``: per batch, the graph's second batch input (FedICON's uniforms ``u``), fed after ``x``."""
     export_spec(spec, path)
     options = ort.SessionOptions()
     options.intra_op_num_threads = options.inter_op_num_threads = 1
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     assert [i.name for i in session.get_inputs()] == spec.input_names
     for m in momenta:
-        rest = list(spec.example[1:])
+        rest = list(spec.example[1 if extra is None else 2:])
         if m is not None:
             rest[-1] = torch.tensor(m)
-        for x in batches:
-            feeds = dict(zip(spec.input_names, [x.numpy(), *(w.detach().numpy() for w in rest)]))
+        for i, x in enumerate(batches):
+            inputs = [x, *([] if extra is None else [extra[i]]), *rest]
+            feeds = dict(zip(spec.input_names, [v.detach().numpy() for v in inputs]))
             got = session.run(spec.output_names, feeds)
-            want = spec.fn(x, *rest)
+            want = spec.fn(*inputs)
             for name, g, w in zip(spec.output_names, got, want):
                 np.testing.assert_allclose(g, w.detach().numpy(), rtol=TOL, atol=TOL,
                                            err_msg=f"{name} at batch {len(x)}, bn_momentum {m}")
@@ -111,6 +113,27 @@ def test_convolution_backward_decomposition(c_in, c_out, groups, kernel, stride,
                                False, [0, 0], groups, [True, True, True])
     for a, e in zip(got, want):
         torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("shape,kernel,stride", [
+    ((3, 4, 8, 6), [2, 2], [2, 2]), ((2, 3, 9, 6), [3], []), ((2, 3, 8, 9), [2, 3], [2, 3]),
+])
+def test_max_pool_backward_decomposition(shape, kernel, stride) -> None:  # type: ignore[no-untyped-def]
+    """Tiling windows (square or not, stride given or defaulted): the gradient goes where autograd sends it, ties
+    (many, from rounding ReLU outputs) to the first maximum of a window; overlapping windows are left to the
+    exporter."""
+    from export.decompositions import max_pool2d_with_indices_backward
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.relu(torch.randn(shape, generator=g)).round().requires_grad_(True)
+    y, indices = torch.ops.aten.max_pool2d_with_indices(x, kernel, stride)
+    gy = torch.randn(y.shape, generator=g)
+    want = torch.autograd.grad(y, x, gy)[0]
+    got = max_pool2d_with_indices_backward(gy, x.detach(), kernel, stride, [0, 0], [1, 1], False, indices)
+    assert torch.equal(got, want)
+    x = torch.randn(2, 3, 7, 7, generator=g)
+    y, indices = torch.ops.aten.max_pool2d_with_indices(x, [3, 3], [2, 2])
+    assert max_pool2d_with_indices_backward(y, x, [3, 3], [2, 2], [0, 0], [1, 1], False, indices) is NotImplemented
 
 
 @pytest.mark.parametrize("model_name", ["resnet8_bn", "mobilenet_s", "resnet8_gn"])
@@ -203,3 +226,49 @@ def test_bn_tent_shift_script_smoke(fashion_all) -> None:  # type: ignore[no-unt
     assert {(r["shift"], r["method"]) for r in seed["results"]} == {
         (s, m) for s in ("clean", "gaussian_noise") for m in ("received", "BN stats", "TENT")}
     assert all(0.0 <= r["value"] <= 100.0 for r in seed["results"])
+
+
+def _every_feature_net() -> Classifier:
+    """A small net with every feature of docs/edge-architectures.md's coverage table, so one export per method
+    covers all of them: a strided padded convolution, BatchNorm, a residual block with a depthwise and a
+    grouped 1x1 convolution under GroupNorm, global average pooling, LayerNorm on the pooled features."""
+    from torch import nn
+
+    from fl_server.models.edge import Residual
+    from fl_server.models.norm import StatBatchNorm2d
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        features = nn.Sequential(
+            nn.Conv2d(1, 8, 3, 2, 1, bias=False), StatBatchNorm2d(8), nn.ReLU6(),
+            Residual(nn.Sequential(nn.Conv2d(8, 8, 3, 1, 1, groups=8, bias=False), nn.GroupNorm(2, 8), nn.ReLU(),
+                                   nn.Conv2d(8, 8, 1, groups=2), StatBatchNorm2d(8)), post=nn.ReLU()),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.LayerNorm(8),
+        )
+        return Classifier(features, 8, 10, (1, 28, 28))
+
+
+def test_tent_all_weights_and_fedicon_step_parity(fashion_batches, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The coverage table's TENT (all weights) and FedICON step columns: both steps on a net with every feature
+    match torch within 1e-5 at batch 1, 17 and 64, at both ends of the bn_momentum rule (population and
+    test-batch statistics)."""
+    from export.fedicon import fedicon_tta_step_spec
+    from fl_server.data.augment import hash_uniform, num_uniforms
+    from fl_server.functional import get_params
+
+    calib, batches = fashion_batches
+    model = _every_feature_net()
+    params = get_params(model)
+    forward = make_forward(model)
+    calibrate(model, lambda xb: forward(params, xb), calib.split(64))
+    tent = build_algorithm("TENT", model, 1, seed=0, adapt="all", tent_lr=0.5)
+    spec = tent_step_spec(tent, params)
+    _check(spec, tmp_path / "tent.onnx", batches, (0.0, 1.0))
+    assert spec.output_names[:len(params)] == [f"new.{n}" for n in params]
+
+    fedicon = build_algorithm("FedICON", model, 1, seed=0, tta_lr=0.5)
+    state = fedicon.init_state(torch.float32, torch.device("cpu"))
+    spec = fedicon_tta_step_spec(fedicon, state["params"], state["proj"])
+    uniforms = [hash_uniform(torch.tensor(i), 2 * len(x), num_uniforms(x.shape[1:])).reshape(len(x), 2, -1)
+                for i, x in enumerate(batches)]
+    _check(spec, tmp_path / "fedicon.onnx", batches, (0.0, 1.0), extra=uniforms)
