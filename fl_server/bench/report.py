@@ -70,8 +70,10 @@ def bn_tent_shift_section(name: str, data: dict[str, Any], per_seed: bool = True
     return "\n".join(lines) + "\n"
 
 
-# benchmark files shown on the research page only (the series behind a benchmark the main page shows)
-RESEARCH_ONLY = {"coordinator-load-series"}
+# benchmark files shown on the research page only: the series behind a benchmark the main page shows,
+# and the engine's internal micro-benchmarks (a step's phases, the fused weight update), which the main page's
+# round timings already include
+RESEARCH_ONLY = {"coordinator-load-series", "phase-steps", "update-kernels"}
 # result files with a layout of their own: name -> (RESULTS.md section, research-page section)
 OWN_LAYOUT: dict[str, tuple[Callable[[str, Any], str], Callable[[str, Any], str]]] = {
     "unseen-domain": (unseen_summary, unseen_section),
