@@ -17,6 +17,7 @@ for _module in (*_BUILTIN, *sorted(m.name for m in pkgutil.iter_modules(__path__
 from fl_server.algorithms.local import Local  # noqa: E402 - registered above, in order
 from fl_server.algorithms.odpfl_hn import ODPFLHN  # noqa: E402
 
+
 def canonical_method(name: str) -> str:
     """The display name of a method given in any letter case (``"tent"`` -> ``"TENT"``)."""
     if name in ALGORITHMS:

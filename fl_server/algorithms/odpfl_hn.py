@@ -197,6 +197,7 @@ class HyperNetwork(nn.Module):
 @register
 class ODPFLHN(Algorithm):
     name = "ODPFL-HN"
+    Config = ODPFLHNConfig
     needs_client_data = ("the server embeds each client's data in client_start / aggregate; the client-side "
                          "embedding message is not built yet")
     device_step = "encoder"  # the device encodes its set; theta (hn) stays on the server
@@ -215,7 +216,6 @@ class ODPFLHN(Algorithm):
                              f"hn_width {width} (limit {MAX_HYPERNETWORK_PARAMS:,}); use a smaller model (e.g. "
                              f"'lenet') or another method")
         return True
-    Config = ODPFLHNConfig
 
     def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0,
                  encoder_factory: Callable[[], Classifier] | None = None, **overrides: Any) -> None:

@@ -74,7 +74,6 @@ class FederatedRun:
         self.recipe = recipe
         self.k = len(infos)
         self.input_shape = tuple(int(v) for v in infos[0]["input-shape"])
-        self.num_classes = int(infos[0]["num-classes"])
         self.algorithm: Algorithm = recipe.build_algorithm(self.k)
         check_supported(self.algorithm)
         dtype = recipe.torch_dtype
@@ -85,7 +84,7 @@ class FederatedRun:
         self.sizes = torch.tensor([int(i["num-train"]) for i in infos], dtype=dtype)
 
     def config(self, round_: int) -> ConfigRecord:
-        return ConfigRecord({"round": round_, "num-classes": self.num_classes, "num-clients": self.k})
+        return ConfigRecord({"round": round_, "num-clients": self.k})
 
     def train_payloads(self, ids: np.ndarray, round_: int) -> list[RecordDict]:
         """Client ``ids[i]``'s message: its row of ``client_start`` and the server state."""

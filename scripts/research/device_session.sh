@@ -27,6 +27,7 @@ LOG="$O/log.txt"
 # default: rows that one lease can finish (btgfl-paper about 10 GPU-minutes, a fedicon-shift paper row about 8)
 ROWS=${ROWS:-"btgfl-paper-s1 fic-fashion_mnist-paper-fedicon-s1 btgfl-paper-s2"}
 say() { echo "== $(( $(date +%s) - start )) s: $*" | tee -a "$LOG"; }
+source "$(dirname "$0")/rows_lib.sh"
 
 say "$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1)"
 python3 -c "import torch, onnxruntime; print('torch', torch.__version__, torch.cuda.get_device_name())" >> "$LOG" 2>&1
@@ -53,14 +54,6 @@ for name in $ROWS; do
     timeout "$left" python3 -m fl_server.cli "$@" --device cuda --no-progress --results-dir "$Q/results" \
         --runs-dir "$Q/runs" > "$Q/logs/$name.log" 2>&1 &
 done
-while [ -n "$(jobs -r)" ]; do
-    echo "$(( $(date +%s) - start )) s: $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader)" \
-        >> "$Q/logs/gpu.log"
-    sleep 15
-done
-say "rows ended"
-for m in $(find "$Q/runs" -name metrics.jsonl | sort); do
-    echo "${m#"$Q/runs/"}: $(tail -1 "$m")" >> "$LOG"
-done
-(cd "$Q" && tar czf "$O/rows.tgz" logs results $(find runs -name metrics.jsonl -o -name '*.json'))
+watch_rows 15
+pack_rows
 say "done"

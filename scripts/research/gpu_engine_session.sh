@@ -21,6 +21,7 @@ deadline=$(( start + ${BUDGET_S:-555} ))
 export PYTHONPATH="$PWD:$PWD/edge_sdk" FL_DATA_DIR="${FL_DATA_DIR:-$PWD/.gpu_data}" PYTHONUNBUFFERED=1
 LOG="$O/log.txt"
 say() { echo "== $(( $(date +%s) - start )) s: $*" | tee -a "$LOG"; }
+source "$(dirname "$0")/rows_lib.sh"
 [ -e ../shared/data ] || { mkdir -p ../shared && ln -sfn "$FL_DATA_DIR" ../shared/data; }  # the tests' data folder
 
 say "$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1)"
@@ -56,16 +57,8 @@ ROWS_FEDTTA=${ROWS_FEDTTA:-"t1-fedtta-s0 t1-fedtta-s1 t1-fedtta-s2"}
 ROWS_PROX=${ROWS_PROX:-"t1-fedtta-prox-s0 t1-fedtta-prox-s1 t1-fedtta-prox-s2"}
 ROWS_PP=${ROWS_PP:-"t1-fedttapp-s0 t1-fedttapp-s1 t1-fedttapp-s2"}
 lane $ROWS_FEDTTA & lane $ROWS_PROX & lane $ROWS_PP &
-while [ -n "$(jobs -r)" ]; do
-    echo "$(( $(date +%s) - start )) s: $(nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader)" \
-        >> "$Q/logs/gpu.log"
-    sleep 10
-done
-say "rows ended"
-for m in $(find "$Q/runs" -name metrics.jsonl | sort); do
-    echo "${m#"$Q/runs/"}: $(tail -1 "$m")" >> "$LOG"
-done
-(cd "$Q" && tar czf "$O/rows.tgz" logs results $(find runs -name metrics.jsonl -o -name '*.json'))
+watch_rows 10
+pack_rows
 # run folders whose row has no result yet: their checkpoints, to resume in a later lease
 for d in $(find "$Q/runs" -name checkpoint.npz -printf '%h\n' | sort); do
     rel=${d#"$Q/runs/"}  # <experiment>/<dataset>/<method>/seedK, as the raw result's path
