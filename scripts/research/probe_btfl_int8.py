@@ -1,0 +1,161 @@
+"""Can int8 bring BTFL's features graph under the device budget? The BTFL CNN's frozen ``features`` graph (bundle
+format 2, what ``benchmarks/btfl_sdk_e2e.py --latency-only`` streams) against int8 versions of it, at batch 1 on one
+onnxruntime thread, in one run:
+
+- ``fp32``: the graph as exported (weights as initializers);
+- ``int8``: onnxruntime's static quantization (QOperator: QLinearConv / QGemm, uint8 activations, int8 weights,
+  ranges calibrated on 512 training images; never the timed test images);
+- ``int8, conv1 in fp32``: the same with the 1-channel first convolution left in float32;
+- ``identity``: a graph that copies its input, the fixed cost of a ``run`` call from Python.
+
+Per variant: CPU p50 microseconds per sample (passes interleaved), outputs against fp32 (max abs feature
+difference, global-head argmax agreement), and the top kernels of onnxruntime's profiler (which slows every
+kernel: compare shares, not sums). The second convolution's rate in fp32 (6.55 MFLOP per sample) says how close
+the float path is to what one core can do.
+
+    python scripts/research/probe_btfl_int8.py [--samples 2000] [--passes 3] [--data-dir DIR] [--out FILE]
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections import defaultdict  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import onnx  # noqa: E402
+import onnxruntime as ort  # noqa: E402
+import torch  # noqa: E402
+from onnx import TensorProto, helper  # noqa: E402
+
+from export.btfl import export_btfl_client  # noqa: E402
+from fl_server.algorithms.btfl import BTFL  # noqa: E402
+from fl_server.bench.experiments import get_experiment  # noqa: E402
+from fl_server.data import load_dataset  # noqa: E402
+from fl_server.models import build_model  # noqa: E402
+
+CONV2_MFLOP = 2 * 8 * 8 * 64 * 32 * 5 * 5 / 1e6  # 64 outputs of 8x8 from 32 channels, 5x5 kernels
+
+
+def session(path: Path, profile: str | None = None) -> ort.InferenceSession:
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    if profile:
+        so.enable_profiling, so.profile_file_prefix = True, profile
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+def cpu_us_per_sample(sess: ort.InferenceSession, x: np.ndarray) -> np.ndarray:
+    name, outs = sess.get_inputs()[0].name, [o.name for o in sess.get_outputs()]
+    cpu = np.empty(len(x))
+    for i in range(len(x)):
+        c0 = time.thread_time()
+        sess.run(outs, {name: x[i:i + 1]})
+        cpu[i] = time.thread_time() - c0
+    return 1e6 * cpu
+
+
+def top_kernels(path: Path, x: np.ndarray, tmp: Path, top: int = 6) -> list[tuple[str, str, float]]:
+    """(node, op, median us under the profiler) of the slowest kernels of a batch-1 run."""
+    sess = session(path, str(tmp / "prof"))
+    name = sess.get_inputs()[0].name
+    for i in range(min(len(x), 1000)):
+        sess.run(None, {name: x[i:i + 1]})
+    events = json.loads(Path(sess.end_profiling()).read_text())
+    times: dict[tuple[str, str], list[int]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
+            times[(e["name"].removesuffix("_kernel_time"), e["args"].get("op_name", ""))].append(e["dur"])
+    rows = sorted(((n, op, float(np.median(d))) for (n, op), d in times.items()), key=lambda r: -r[2])
+    return rows[:top]
+
+
+def identity_graph(dest: Path) -> Path:
+    io = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [None, 1, 28, 28]) for n in ("x", "y")]
+    model = helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "id", io[:1], io[1:]),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    onnx.save(model, str(dest))
+    return dest
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=2000, help="test images streamed per pass")
+    ap.add_argument("--passes", type=int, default=3, help="interleaved passes per variant")
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--out", default="docs/research/btfl-int8-probe.txt")
+    args = ap.parse_args()
+    from onnxruntime.quantization import (CalibrationDataReader, QuantFormat, QuantType, quant_pre_process,
+                                          quantize_static)
+
+    torch.set_num_threads(1)
+    protocol = get_experiment("btgfl").protocols["fashion_mnist"]
+    dataset = load_dataset(protocol.dataset, root=args.data_dir, split="all")
+    model = build_model(protocol.model, dataset.x.shape[1:], dataset.num_classes, seed=0)
+    algorithm = BTFL(model, seed=0, **protocol.method_hp.get("BTFL", {}))
+    train = torch.from_numpy(dataset.x[:512])
+    parts = [np.arange(256), np.arange(256, 512)]
+    algorithm.attach(train, torch.from_numpy(dataset.y[:512]).long(), parts)
+    state = algorithm.init_state(torch.float32, torch.device("cpu"))
+    art = algorithm.client_artifacts(state, train, parts)[0]
+    x = np.ascontiguousarray(dataset.x[-args.samples:], dtype=np.float32)
+
+    class Calibration(CalibrationDataReader):  # 512 training images in batches of 64
+        def __init__(self) -> None:
+            self.batches = iter({"x": dataset.x[i:i + 64].astype(np.float32)} for i in range(0, 512, 64))
+
+        def get_next(self) -> dict | None:
+            return next(self.batches, None)
+
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        fp32 = export_btfl_client(algorithm, state["params"], art, tmp / "bundle", frozen=True) / "features.onnx"
+        pre = tmp / "pre.onnx"
+        quant_pre_process(str(fp32), str(pre))
+        conv1 = next(n.name for n in onnx.load(str(pre)).graph.node if n.op_type == "Conv")
+        paths = {"fp32": fp32, "int8": tmp / "int8.onnx", "int8, conv1 in fp32": tmp / "int8_conv1_fp32.onnx",
+                 "identity": identity_graph(tmp / "identity.onnx")}
+        for key, exclude in (("int8", []), ("int8, conv1 in fp32", [conv1])):
+            quantize_static(str(pre), str(paths[key]), Calibration(), quant_format=QuantFormat.QOperator,
+                            activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, nodes_to_exclude=exclude)
+        sessions = {k: session(p) for k, p in paths.items()}
+        cpu: dict[str, list[np.ndarray]] = {k: [] for k in sessions}
+        for _ in range(args.passes):
+            for k, s in sessions.items():
+                cpu[k].append(cpu_us_per_sample(s, x))
+        ref = sessions["fp32"].run(None, {"x": x[:500]})
+        lines = [f"# {Path(__file__).name}: BTFL CNN features graph at batch 1, one onnxruntime thread "
+                 f"(onnxruntime {ort.__version__}, {platform.machine()}, load {os.getloadavg()[0]:.2f}), "
+                 f"{args.samples} Fashion-MNIST test images x {args.passes} interleaved passes", "",
+                 "| variant | CPU p50 us | vs fp32 | max abs feature diff (feature scale) | global argmax agreement |",
+                 "|---|---|---|---|---|"]
+        p50 = {k: float(np.percentile(np.concatenate(v), 50)) for k, v in cpu.items()}
+        for k, s in sessions.items():
+            if k == "identity":
+                diff = "-"
+                agree = "-"
+            else:
+                out = s.run(None, {"x": x[:500]})
+                diff = f"{np.abs(out[0] - ref[0]).max():.2e} ({np.abs(ref[0]).max():.2e})"
+                agree = f"{100 * (out[1].argmax(1) == ref[1].argmax(1)).mean():.1f}%"
+            lines.append(f"| {k} | {p50[k]:.1f} | {p50['fp32'] / p50[k]:.2f}x | {diff} | {agree} |")
+        for k in ("fp32", "int8", "int8, conv1 in fp32"):
+            lines += ["", f"Top kernels under the profiler, {k}:", ""]
+            for node, op, us in top_kernels(paths[k], x, tmp):
+                rate = f" ({CONV2_MFLOP / us * 1e3:.0f} GFLOP/s)" if k == "fp32" and op == "Conv" and us > 20 else ""
+                lines.append(f"- {op} `{node}`: {us:.0f} us{rate}")
+    text = "\n".join(lines) + "\n"
+    Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
