@@ -12,6 +12,7 @@ row's value is eager seconds over the fastest variant's. Rows merge into docs/be
 (what, device).
 
     python benchmarks/gpu_engine.py --device cuda            # on a GPU
+    python benchmarks/gpu_engine.py --device cuda --tf32     # ... at torch's default precision, as runs go
     python benchmarks/gpu_engine.py --device cpu --repeats 2 # the CPU row
 """
 from __future__ import annotations
@@ -92,12 +93,16 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="10 clients, 3 local steps (CI)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                     help="eager (the reference) is always run")
+    ap.add_argument("--tf32", action="store_true",
+                    help="time with torch's default precision, as the engine's runs go: cuDNN convolutions in TF32, "
+                         "matrix products (the GEMM variant's convolutions) in float32; default: TF32 off everywhere")
     ap.add_argument("--out", default="docs/benchmarks/gpu-engine.json")
     args = ap.parse_args()
     args.variants = ["eager", *[v for v in args.variants if v != "eager"]]
     device = pick_device(args.device)
-    torch.backends.cudnn.allow_tf32 = False  # parity is about the engine, not TF32
-    torch.backends.cuda.matmul.allow_tf32 = False
+    if not args.tf32:  # the same arithmetic in every variant; parity (float64) is about the engine either way
+        torch.backends.cudnn.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_tf32 = False
     dataset = "fashion_mnist" if device.type == "cuda" else "mnist"
     protocol = get_experiment("upfl-table1").protocols[dataset]
     if args.smoke:
@@ -107,7 +112,8 @@ def main() -> int:
     rows = []
     for method in args.methods:
         what = (f"{method} round, UPFL Table 1 {dataset} ({protocol.model}, {fed.num_train_clients} clients x "
-                f"{protocol.local_iterations} steps of {protocol.batch_size})")
+                f"{protocol.local_iterations} steps of {protocol.batch_size})"
+                + (", torch's default precision (TF32 convolutions)" if args.tf32 and device.type == "cuda" else ""))
         row: dict[str, Any] = {"benchmark": "gpu-engine", "what": what, "metric": "speedup"}
         # parity in float64: the same rounds in every variant, against the eager one
         sims = {v: make_sim(protocol, method, fed, str(device), "float64", v) for v in args.variants}

@@ -89,6 +89,15 @@ def test_gemm_convolution_engine_round_equals_native(small_fed) -> None:  # type
     assert sum(calls) == 2  # the ConvNet's two convolutions went through the GEMM form
 
 
+def test_batched_conv_default_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("FL_BATCHED_CONV", raising=False)
+    assert RunConfig().batched_conv == "native"
+    monkeypatch.setenv("FL_BATCHED_CONV", "gemm")  # how the lease scripts switch `fl-server bench` to the GEMM path
+    assert RunConfig().batched_conv == "gemm"
+    assert RunConfig(batched_conv="native").batched_conv == "native"
+    assert "batched_conv" not in RunConfig().identity()  # a run resumes whichever path its checkpoint came from
+
+
 def test_unknown_batched_conv_is_refused(small_fed) -> None:  # type: ignore[no-untyped-def]
     sim = _sim(small_fed, "FedAvg", "mlp", "cpu", False, "winograd")
     with pytest.raises(ValueError, match="unknown batched_conv 'winograd'; use 'native' or 'gemm'"):

@@ -93,6 +93,7 @@ def seed_record(protocol: Protocol, method: str, seed: int, sim: Simulation, res
         "eval_every": protocol.eval_every_for(method), "host": platform.node(),
         "curve": [{"round": r["round"], "val": r.get("val"), "test": r.get("test")}
                   for r in result.history if "val" in r],
+        **({"batched_conv": sim.cfg.batched_conv} if sim.cfg.batched_conv != "native" else {}),
     }
 
 

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,8 +71,10 @@ class RunConfig:
     # so it is not part of the run's identity. False: launch every kernel from Python (the reference).
     cuda_graphs: bool = True
     # how a vmapped round computes its clients' convolutions: "native" (vmap's grouped convolution) or "gemm"
-    # (patch extraction plus one batched matrix product, fl_server/engine/gemm_conv.py); equal up to rounding
-    batched_conv: str = "native"
+    # (patch extraction plus one batched matrix product, fl_server/engine/gemm_conv.py); equal up to rounding, so
+    # not part of the run's identity either. The default comes from $FL_BATCHED_CONV (else "native"): how the
+    # harness's commands (`fl-server bench`, `train`) are switched to the faster path on a given GPU.
+    batched_conv: str = field(default_factory=lambda: os.environ.get("FL_BATCHED_CONV", "native"))
 
     def identity(self) -> dict[str, Any]:
         """The fields that change results (a resumed run must match them). ``batch_stream`` only when it is not

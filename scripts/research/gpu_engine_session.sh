@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
-# One device call sized for a 15-minute lease: the CUDA-graph engine checked and measured on the idle GPU, then the
-# Fashion-MNIST UPFL Table-1 rows of the FedTTA family (scripts/research/device_rows.tsv) in three lanes side by
-# side (one per method, seeds in turn), each row followed by its upfl-data-size step, all cut off at the deadline.
-#  1. tests/test_gpu_engine.py (graphed rounds equal eager rounds in float64 on the GPU);
-#  2. benchmarks/gpu_engine.py --device cuda: eager against graphed rounds, kernels per round, float64 parity;
-#  3. rows until BUDGET_S seconds after the start. A row cut off leaves its checkpoint: ckpt-<run>.tgz holds its run
-#     folder (split into ckpt-<run>.tgz.partNN where it exceeds what a lease returns per file; `cat` them back).
-#     Put the archives of an earlier lease into .gpu_ckpt/ (carried) and the rows resume from them.
+# One device call sized for a 15-minute lease: the engine's convolution paths checked and timed on the idle GPU, the
+# faster one chosen, then the Fashion-MNIST UPFL Table-1 rows of the FedTTA family (scripts/research/device_rows.tsv)
+# one at a time (each followed by its upfl-data-size step), all cut off at the deadline.
+#  1. tests/test_gpu_engine.py (graphed and GEMM rounds equal eager rounds in float64 on the GPU);
+#  2. benchmarks/gpu_engine.py --device cuda $BENCH_ARGS (default: FedTTA at torch's default precision, as rows run):
+#     eager against graphed against gemm_graphed rounds, kernels per round, float64 parity;
+#  3. FL_BATCHED_CONV (the engine's convolution path for the rows): as given, else the faster of graphed and
+#     gemm_graphed in step 2's row, else native;
+#  4. rows until BUDGET_S seconds after the start, LANES at a time (default 1: a row alone has the GPU). A row cut
+#     off leaves its checkpoint: ckpt-<run>.tgz holds its run folder (split into ckpt-<run>.tgz.partNN where it
+#     exceeds what a lease returns per file; `cat` them back). Put the archives of an earlier lease into .gpu_ckpt/
+#     (carried) and the rows resume from them (the convolution path is not part of a run's identity).
 # Everything lands in $OUT: log.txt, gpu-engine.json, rows.tgz (logs, results, metrics), ckpt-*.tgz[.partNN].
 #
-#   bash scripts/research/gpu_engine_session.sh   # carry .gpu_data (a copy of ../shared/data's mnist/ and
-#                                                 # fashion-mnist/) and .gpu_ckpt; NO_BENCH=1 skips steps 1-2
+#   bash scripts/research/gpu_engine_session.sh   # carry .gpu_data (a copy of ../shared/data's fashion-mnist/,
+#                                                 # and mnist/ for step 1) and .gpu_ckpt; NO_BENCH=1 skips 1-2
+# Mind the 64 MiB a call carries: the tree, fashion-mnist (30 MB) and one or two checkpoints (12-18 MB each).
 # Merge here (DIR: the call's files_at): python scripts/research/merge_device_results.py DIR/rows.tgz for finished
 # rows; the benchmark rows with fl_server.bench.rows.merge_rows into docs/benchmarks/gpu-engine.json.
 set -uo pipefail
@@ -31,9 +36,17 @@ if [ -z "${NO_BENCH:-}" ]; then
 say "tests/test_gpu_engine.py"
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py >> "$LOG" 2>&1 || say "pytest exit $?"
 say "benchmarks/gpu_engine.py"
-timeout 240 python3 benchmarks/gpu_engine.py --device cuda --repeats 3 --out "$O/gpu-engine.json" >> "$LOG" 2>&1 \
-    || say "gpu_engine exit $?"
+timeout 240 python3 benchmarks/gpu_engine.py --device cuda ${BENCH_ARGS:---repeats 2 --tf32 --methods FedTTA} \
+    --out "$O/gpu-engine.json" >> "$LOG" 2>&1 || say "gpu_engine exit $?"
 fi
+if [ -z "${FL_BATCHED_CONV:-}" ]; then  # the faster path of the benchmark's first row, native without one
+    FL_BATCHED_CONV=$(python3 -c 'import json, sys
+rows = json.load(open(sys.argv[1])) if __import__("os").path.exists(sys.argv[1]) else []
+row = next((r for r in rows if r.get("gemm_graphed_s") and r.get("graphed_s")), None)
+print("gemm" if row and row["gemm_graphed_s"] < row["graphed_s"] else "native")' "$O/gpu-engine.json")
+fi
+export FL_BATCHED_CONV
+say "rows take batched_conv=$FL_BATCHED_CONV"
 
 Q=${QUEUE_DIR:-$PWD/runs/device-rows}
 mkdir -p "$Q"/{logs,results,runs}
@@ -53,10 +66,14 @@ run_row() {  # one row of device_rows.tsv (both its steps), cut off at the deadl
     say "row $name done"
 }
 lane() { for name in "$@"; do run_row "$name" || return; done; }
-ROWS_FEDTTA=${ROWS_FEDTTA:-"t1-fedtta-s0 t1-fedtta-s1 t1-fedtta-s2"}
-ROWS_PROX=${ROWS_PROX:-"t1-fedtta-prox-s0 t1-fedtta-prox-s1 t1-fedtta-prox-s2"}
-ROWS_PP=${ROWS_PP:-"t1-fedttapp-s0 t1-fedttapp-s1 t1-fedttapp-s2"}
-lane $ROWS_FEDTTA & lane $ROWS_PROX & lane $ROWS_PP &
+# the rows in order, cut-off ones first; LANES lanes take every LANES-th row
+ROWS=(${ROWS:-t1-fedtta-s0 t1-fedtta-prox-s0 t1-fedttapp-s0 t1-fedtta-s1 t1-fedtta-prox-s1 t1-fedttapp-s1
+      t1-fedtta-s2 t1-fedtta-prox-s2 t1-fedttapp-s2})
+LANES=${LANES:-1}
+for (( k = 0; k < LANES; k++ )); do
+    mine=(); for (( i = k; i < ${#ROWS[@]}; i += LANES )); do mine+=("${ROWS[i]}"); done
+    lane "${mine[@]}" &
+done
 watch_rows 10
 pack_rows
 # run folders whose row has no result yet: their checkpoints, to resume in a later lease
