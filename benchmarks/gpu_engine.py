@@ -94,8 +94,9 @@ def main() -> int:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                     help="eager (the reference) is always run")
     ap.add_argument("--tf32", action="store_true",
-                    help="time with torch's default precision, as the engine's runs go: cuDNN convolutions in TF32, "
-                         "matrix products (the GEMM variant's convolutions) in float32; default: TF32 off everywhere")
+                    help="time with torch's default precision, as the engine's runs go: convolutions in TF32 (the "
+                         "GEMM variant's too, fl_server/engine/gemm_conv.py), other matrix products in float32; "
+                         "default: TF32 off everywhere")
     ap.add_argument("--out", default="docs/benchmarks/gpu-engine.json")
     args = ap.parse_args()
     args.variants = ["eager", *[v for v in args.variants if v != "eager"]]

@@ -98,6 +98,22 @@ def test_batched_conv_default_comes_from_the_environment(monkeypatch: pytest.Mon
     assert "batched_conv" not in RunConfig().identity()  # a run resumes whichever path its checkpoint came from
 
 
+def test_gemm_matrix_products_take_the_convolutions_precision() -> None:
+    """Inside GemmConv, CUDA matrix products may use TF32 exactly where cuDNN's convolutions may; restored after."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        for conv_tf32 in (True, False):
+            torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = conv_tf32, False
+            with GemmConv():
+                assert torch.backends.cuda.matmul.allow_tf32 is conv_tf32
+                with GemmConv(tf32=not conv_tf32):
+                    assert torch.backends.cuda.matmul.allow_tf32 is (not conv_tf32)
+                assert torch.backends.cuda.matmul.allow_tf32 is conv_tf32
+            assert torch.backends.cuda.matmul.allow_tf32 is False
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 def test_unknown_batched_conv_is_refused(small_fed) -> None:  # type: ignore[no-untyped-def]
     sim = _sim(small_fed, "FedAvg", "mlp", "cpu", False, "winograd")
     with pytest.raises(ValueError, match="unknown batched_conv 'winograd'; use 'native' or 'gemm'"):

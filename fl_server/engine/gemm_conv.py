@@ -53,7 +53,27 @@ def conv2d_gemm(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 
 class GemmConv(TorchFunctionMode):
-    """While active, ``torch.conv2d`` / ``F.conv2d`` calls (``nn.Conv2d`` included) run :func:`conv2d_gemm`."""
+    """While active, ``torch.conv2d`` / ``F.conv2d`` calls (``nn.Conv2d`` included) run :func:`conv2d_gemm`.
+
+    The convolutions keep the precision torch gives convolutions: while the mode is active, CUDA matrix products
+    may use TF32 exactly where cuDNN's convolutions may (``torch.backends.cudnn.allow_tf32``, torch's default: on),
+    so that the GEMM form is not held to full float32 where the native kernels are not. The switch is global for
+    the duration (the round's dense layers follow it too) and restored on exit; ``tf32`` overrides it. It has no
+    effect on float64 or on the CPU."""
+
+    def __init__(self, tf32: bool | None = None) -> None:
+        super().__init__()
+        self.tf32 = tf32
+        self._saved: list[bool] = []
+
+    def __enter__(self) -> "GemmConv":
+        self._saved.append(torch.backends.cuda.matmul.allow_tf32)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 if self.tf32 is None else self.tf32
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.backends.cuda.matmul.allow_tf32 = self._saved.pop()
+        super().__exit__(*exc)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func is torch.conv2d:  # F.conv2d is the same builtin

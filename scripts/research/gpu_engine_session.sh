@@ -4,7 +4,7 @@
 # one at a time (each followed by its upfl-data-size step), all cut off at the deadline.
 #  1. tests/test_gpu_engine.py (graphed and GEMM rounds equal eager rounds in float64 on the GPU);
 #  2. benchmarks/gpu_engine.py --device cuda $BENCH_ARGS (default: FedTTA at torch's default precision, as rows run):
-#     eager against graphed against gemm_graphed rounds, kernels per round, float64 parity;
+#     eager against graphed against gemm_graphed rounds (TF32 convolutions either way), kernels per round, parity;
 #  3. FL_BATCHED_CONV (the engine's convolution path for the rows): as given, else the faster of graphed and
 #     gemm_graphed in step 2's row, else native;
 #  4. rows until BUDGET_S seconds after the start, LANES at a time (default 1: a row alone has the GPU). A row cut
