@@ -38,7 +38,8 @@ from fl_server.engine import Simulation
 from timing import sync
 
 
-VARIANTS = {"eager": {"cuda_graphs": False}, "graphed": {"cuda_graphs": True},
+VARIANTS = {"eager": {"cuda_graphs": False, "batched_conv": "native"},  # explicit: not $FL_BATCHED_CONV's default
+            "graphed": {"cuda_graphs": True, "batched_conv": "native"},
             "gemm_graphed": {"cuda_graphs": True, "batched_conv": "gemm"}}
 
 
