@@ -6,7 +6,9 @@ onnxruntime thread, in one run:
 - ``int8``: onnxruntime's static quantization (QOperator: QLinearConv / QGemm, uint8 activations, int8 weights,
   ranges calibrated on 512 training images; never the timed test images);
 - ``int8, conv1 in fp32``: the same with the 1-channel first convolution left in float32;
-- ``identity``: a graph that copies its input, the fixed cost of a ``run`` call from Python.
+- ``identity``: a graph that copies its input, the fixed cost of a ``run`` call from Python;
+- ``openvino f32`` / ``openvino bf16``: the fp32 graph on OpenVINO's CPU plugin (oneDNN kernels; bf16 on AMX
+  where the CPU has it), one thread, latency hint, when ``openvino`` is installed (it is no dependency of the SDK).
 
 Per variant: CPU p50 microseconds per sample (passes interleaved), outputs against fp32 (max abs feature
 difference, global-head argmax agreement), and the top kernels of onnxruntime's profiler (which slows every
@@ -28,6 +30,7 @@ import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections import defaultdict  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Callable  # noqa: E402
 
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
@@ -53,12 +56,38 @@ def session(path: Path, profile: str | None = None) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
-def cpu_us_per_sample(sess: ort.InferenceSession, x: np.ndarray) -> np.ndarray:
+Runner = Callable[[np.ndarray], list[np.ndarray]]  # x [N, 1, 28, 28] -> (features, global logits)
+
+
+def onnxruntime_runner(sess: ort.InferenceSession) -> Runner:
     name, outs = sess.get_inputs()[0].name, [o.name for o in sess.get_outputs()]
+    return lambda x: sess.run(outs, {name: x})
+
+
+def openvino_runners(path: Path) -> dict[str, Runner]:
+    """OpenVINO's CPU plugin on the fp32 graph, batch 1, one thread (empty without ``openvino``)."""
+    try:
+        import openvino as ov
+    except ImportError:
+        return {}
+    core, runners = ov.Core(), {}
+    for precision in ("f32", "bf16"):
+        model = core.read_model(str(path))
+        model.reshape({"x": [1, 1, 28, 28]})
+        compiled = core.compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": 1, "NUM_STREAMS": 1,
+                                                     "PERFORMANCE_HINT": "LATENCY",
+                                                     "INFERENCE_PRECISION_HINT": precision})
+        request = compiled.create_infer_request()
+        runners[f"openvino {precision} ({ov.__version__.split('-')[0]})"] = (
+            lambda x, r=request: [np.copy(o) for o in r.infer({0: x}, share_inputs=True).values()])
+    return runners
+
+
+def cpu_us_per_sample(run: Runner, x: np.ndarray) -> np.ndarray:
     cpu = np.empty(len(x))
     for i in range(len(x)):
         c0 = time.thread_time()
-        sess.run(outs, {name: x[i:i + 1]})
+        run(x[i:i + 1])
         cpu[i] = time.thread_time() - c0
     return 1e6 * cpu
 
@@ -126,27 +155,40 @@ def main() -> None:
         for key, exclude in (("int8", []), ("int8, conv1 in fp32", [conv1])):
             quantize_static(str(pre), str(paths[key]), Calibration(), quant_format=QuantFormat.QOperator,
                             activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8, nodes_to_exclude=exclude)
-        sessions = {k: session(p) for k, p in paths.items()}
-        cpu: dict[str, list[np.ndarray]] = {k: [] for k in sessions}
+        runners = {k: onnxruntime_runner(session(p)) for k, p in paths.items()}
+        cpu: dict[str, list[np.ndarray]] = {k: [] for k in runners}
         for _ in range(args.passes):
-            for k, s in sessions.items():
-                cpu[k].append(cpu_us_per_sample(s, x))
-        ref = sessions["fp32"].run(None, {"x": x[:500]})
+            for k, run in runners.items():
+                cpu[k].append(cpu_us_per_sample(run, x))
+        # OpenVINO after the onnxruntime passes, beside an fp32 control: its runtime's worker threads stay
+        # resident once loaded and may share the core with whatever runs next
+        later = openvino_runners(fp32)
+        if later:
+            later = {"fp32, again after OpenVINO loaded": runners["fp32"], **later}
+            cpu |= {k: [] for k in later}
+            for _ in range(args.passes):
+                for k, run in later.items():
+                    cpu[k].append(cpu_us_per_sample(run, x))
+            runners |= later
+        compared = x[:200]
+        ref = [runners["fp32"](compared[i:i + 1]) for i in range(len(compared))]
         lines = [f"# {Path(__file__).name}: BTFL CNN features graph at batch 1, one onnxruntime thread "
                  f"(onnxruntime {ort.__version__}, {platform.machine()}, load {os.getloadavg()[0]:.2f}), "
                  f"{args.samples} Fashion-MNIST test images x {args.passes} interleaved passes", "",
                  "| variant | CPU p50 us | vs fp32 | max abs feature diff (feature scale) | global argmax agreement |",
                  "|---|---|---|---|---|"]
         p50 = {k: float(np.percentile(np.concatenate(v), 50)) for k, v in cpu.items()}
-        for k, s in sessions.items():
+        for k, run in runners.items():
             if k == "identity":
                 diff = "-"
                 agree = "-"
             else:
-                out = s.run(None, {"x": x[:500]})
-                diff = f"{np.abs(out[0] - ref[0]).max():.2e} ({np.abs(ref[0]).max():.2e})"
-                agree = f"{100 * (out[1].argmax(1) == ref[1].argmax(1)).mean():.1f}%"
+                out = [run(compared[i:i + 1]) for i in range(len(compared))]
+                feats = [(np.abs(o[0] - r[0]).max(), np.abs(r[0]).max()) for o, r in zip(out, ref)]
+                diff = f"{max(f[0] for f in feats):.2e} ({max(f[1] for f in feats):.2e})"
+                agree = f"{100 * np.mean([o[1].argmax() == r[1].argmax() for o, r in zip(out, ref)]):.1f}%"
             lines.append(f"| {k} | {p50[k]:.1f} | {p50['fp32'] / p50[k]:.2f}x | {diff} | {agree} |")
+        lines += ["", f"Outputs compared on the first {len(compared)} images, one at a time."]
         for k in ("fp32", "int8", "int8, conv1 in fp32"):
             lines += ["", f"Top kernels under the profiler, {k}:", ""]
             for node, op, us in top_kernels(paths[k], x, tmp):
