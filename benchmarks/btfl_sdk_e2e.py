@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -98,19 +99,26 @@ def onnxruntime_alone(bundle_dir: Path, x: np.ndarray) -> np.ndarray:
     return cpu
 
 
+def seeded_btfl(dataset_name: str, seed: int, data_dir: str | None) -> tuple[BTFL, dict, Any, Any]:
+    """(algorithm, state, client 0's artifacts, dataset): the btgfl protocol's BTFL CNN at its seeded init, client
+    0's BTFL state from 512 real training samples (two clients of 256). Latency does not depend on the weights'
+    values, so this stands in for a training run wherever only the device path's speed is measured."""
+    protocol = get_experiment("btgfl").protocols[dataset_name]
+    dataset = load_dataset(protocol.dataset, root=data_dir, split="all")
+    model = build_model(protocol.model, dataset.x.shape[1:], dataset.num_classes, seed=seed)
+    algorithm = BTFL(model, seed=seed, **protocol.method_hp.get("BTFL", {}))
+    x_train, parts = torch.from_numpy(dataset.x[:512]), [np.arange(256), np.arange(256, 512)]
+    algorithm.attach(x_train, torch.from_numpy(dataset.y[:512]).long(), parts)
+    state = algorithm.init_state(torch.float32, torch.device("cpu"))
+    return algorithm, state, algorithm.client_artifacts(state, x_train, parts)[0], dataset
+
+
 def latency_only(args: argparse.Namespace, command: str) -> None:
     """Per-sample latency of the device pipeline alone (no training run needed: latency does not depend on
     the weights' values): the BTFL CNN at its seeded init, client 0's state from real training samples, one
     bundle whose ``features`` graph takes the weights as inputs (format 1) and one with them embedded
     (format 2), both streamed over the same real test samples in one run, alternating passes."""
-    protocol = get_experiment("btgfl").protocols[args.dataset]
-    dataset = load_dataset(protocol.dataset, root=args.data_dir, split="all")
-    model = build_model(protocol.model, dataset.x.shape[1:], dataset.num_classes, seed=args.seed)
-    algorithm = BTFL(model, seed=args.seed, **protocol.method_hp.get("BTFL", {}))
-    x_train = torch.from_numpy(dataset.x[:512])
-    algorithm.attach(x_train, torch.from_numpy(dataset.y[:512]).long(), [np.arange(256), np.arange(256, 512)])
-    state = algorithm.init_state(torch.float32, torch.device("cpu"))
-    art = algorithm.client_artifacts(state, x_train, [np.arange(256), np.arange(256, 512)])[0]
+    algorithm, state, art, dataset = seeded_btfl(args.dataset, args.seed, args.data_dir)
     x = dataset.x[-args.samples:]
     secs: dict[int, list[np.ndarray]] = {1: [], 2: []}
     cpus: dict[int, list[np.ndarray]] = {1: [], 2: []}

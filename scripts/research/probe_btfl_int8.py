@@ -26,6 +26,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from collections import defaultdict  # noqa: E402
@@ -38,11 +39,9 @@ import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
 from onnx import TensorProto, helper  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from btfl_sdk_e2e import seeded_btfl  # noqa: E402
 from export.btfl import export_btfl_client  # noqa: E402
-from fl_server.algorithms.btfl import BTFL  # noqa: E402
-from fl_server.bench.experiments import get_experiment  # noqa: E402
-from fl_server.data import load_dataset  # noqa: E402
-from fl_server.models import build_model  # noqa: E402
 
 CONV2_MFLOP = 2 * 8 * 8 * 64 * 32 * 5 * 5 / 1e6  # 64 outputs of 8x8 from 32 channels, 5x5 kernels
 
@@ -126,15 +125,7 @@ def main() -> None:
                                           quantize_static)
 
     torch.set_num_threads(1)
-    protocol = get_experiment("btgfl").protocols["fashion_mnist"]
-    dataset = load_dataset(protocol.dataset, root=args.data_dir, split="all")
-    model = build_model(protocol.model, dataset.x.shape[1:], dataset.num_classes, seed=0)
-    algorithm = BTFL(model, seed=0, **protocol.method_hp.get("BTFL", {}))
-    train = torch.from_numpy(dataset.x[:512])
-    parts = [np.arange(256), np.arange(256, 512)]
-    algorithm.attach(train, torch.from_numpy(dataset.y[:512]).long(), parts)
-    state = algorithm.init_state(torch.float32, torch.device("cpu"))
-    art = algorithm.client_artifacts(state, train, parts)[0]
+    algorithm, state, art, dataset = seeded_btfl("fashion_mnist", 0, args.data_dir)  # the graph --latency-only streams
     x = np.ascontiguousarray(dataset.x[-args.samples:], dtype=np.float32)
 
     class Calibration(CalibrationDataReader):  # 512 training images in batches of 64
