@@ -40,7 +40,7 @@ def test_data_size_quick_and_plot(tmp_path: Path, data_root: Path) -> None:
     raw = json.loads(_raw(tmp_path, "upfl-data-size")[0].read_text())
     by_a = {e["fraction"]: e["value"] for e in raw["results"] if e["split"] == "test"}
     assert by_a[1.0] == pytest.approx(raw["test"])  # a = 1 is the plain new-client test
-    assert "/upfl-data-size/" in raw["training_run"]  # the smoke protocol is not upfl-table1's: own folder
+    assert raw["training_run"].startswith("upfl-data-size/")  # the smoke protocol is not upfl-table1's: own folder
     report = fl_server("report", "--docs", str(tmp_path / "docs"))
     assert report.returncode == 0, report.stderr
     png = tmp_path / "docs" / "upfl-data-size.png"

@@ -64,4 +64,5 @@ def run_data_size_seed(protocol: Protocol, method: str, seed: int, run_dir: Path
         sizes[str(a)] = float(np.mean([len(s) for s in subsets]))
     return {**record, "results": results, "samples_per_client": sizes,
             "wall_s": round(record["wall_s"] + time.perf_counter() - t0, 2),
-            "training_run": str(sim.out_dir) if sim.out_dir else None}
+            # where under the runs directory (<experiment>/<dataset>/<method>/seedK): no machine's path
+            "training_run": "/".join(sim.out_dir.parts[-4:]) if sim.out_dir else None}

@@ -8,14 +8,18 @@
 #  3. FL_BATCHED_CONV (the engine's convolution path for the rows): as given, else the faster of graphed and
 #     gemm_graphed in step 2's row, else native;
 #  4. rows until BUDGET_S seconds after the start, LANES at a time (default 1: a row alone has the GPU). A row cut
-#     off leaves its checkpoint: ckpt-<run>.tgz holds its run folder (split into ckpt-<run>.tgz.partNN where it
-#     exceeds what a lease returns per file; `cat` them back). Put the archives of an earlier lease into .gpu_ckpt/
-#     (carried) and the rows resume from them (the convolution path is not part of a run's identity).
-# Everything lands in $OUT: log.txt, gpu-engine.json, rows.tgz (logs, results, metrics), ckpt-*.tgz[.partNN].
+#     off leaves its checkpoint: ckpt-<run>.tgz holds what resuming needs of its run folder
+#     (scripts/research/lease_checkpoints.py: 6 MB when the best round is the checkpoint's, else 12 MB; split into
+#     ckpt-<run>.tgz.partNN where it exceeds what a lease returns per file, `cat` them back). Put the archives of an
+#     earlier lease into .gpu_ckpt/ (carried) and the rows resume from them (the convolution path is not part of a
+#     run's identity). Finished rows send their best states back (best-states.tgz[.partNN]) for the CPU probes.
+# Everything lands in $OUT: log.txt, gpu-engine.json, rows.tgz (logs, results, metrics), ckpt-*.tgz[.partNN],
+# best-states.tgz[.partNN]. On an H200, alone: about 1.0 s a round for FedTTA, 1.4 s for FedTTA++ (it validates
+# with up to 50 adaptation steps), 16 s for a row's upfl-data-size step.
 #
 #   bash scripts/research/gpu_engine_session.sh   # carry .gpu_data (a copy of ../shared/data's fashion-mnist/,
 #                                                 # and mnist/ for step 1) and .gpu_ckpt; NO_BENCH=1 skips 1-2
-# Mind the 64 MiB a call carries: the tree, fashion-mnist (30 MB) and one or two checkpoints (12-18 MB each).
+# Mind the 64 MiB a call carries: the tree (16 MB), fashion-mnist (30 MB) and the checkpoints (6 or 12 MB each).
 # Merge here (DIR: the call's files_at): python scripts/research/merge_device_results.py DIR/rows.tgz for finished
 # rows; the benchmark rows with fl_server.bench.rows.merge_rows into docs/benchmarks/gpu-engine.json.
 set -uo pipefail
@@ -51,6 +55,7 @@ say "rows take batched_conv=$FL_BATCHED_CONV"
 Q=${QUEUE_DIR:-$PWD/runs/device-rows}
 mkdir -p "$Q"/{logs,results,runs}
 for a in "${CKPT_DIR:-$PWD/.gpu_ckpt}"/ckpt-*.tgz; do [ -e "$a" ] && tar xzf "$a" -C "$Q/runs" && say "resumes $a"; done
+python3 scripts/research/lease_checkpoints.py restore "$Q/runs" >> "$LOG" 2>&1 || say "restore exit $?"
 run_row() {  # one row of device_rows.tsv (both its steps), cut off at the deadline
     local name=$1 line cmd left
     line=$(grep -P "^$name\t" scripts/research/device_rows.tsv) || { say "no row $name"; return 1; }
@@ -67,7 +72,7 @@ run_row() {  # one row of device_rows.tsv (both its steps), cut off at the deadl
 }
 lane() { for name in "$@"; do run_row "$name" || return; done; }
 # the rows in order, cut-off ones first; LANES lanes take every LANES-th row
-ROWS=(${ROWS:-t1-fedtta-s0 t1-fedtta-prox-s0 t1-fedttapp-s0 t1-fedtta-s1 t1-fedtta-prox-s1 t1-fedttapp-s1
+ROWS=(${ROWS:-t1-fedttapp-s1 t1-fedtta-s1 t1-fedtta-prox-s1
       t1-fedtta-s2 t1-fedtta-prox-s2 t1-fedttapp-s2})
 LANES=${LANES:-1}
 for (( k = 0; k < LANES; k++ )); do
@@ -76,14 +81,17 @@ for (( k = 0; k < LANES; k++ )); do
 done
 watch_rows 10
 pack_rows
+split_big() { [ ! -e "$1" ] || [ "$(stat -c %s "$1")" -le 15000000 ] || { split -b 15000000 -d "$1" "$1.part" && rm "$1"; }; }
 # run folders whose row has no result yet: their checkpoints, to resume in a later lease
 for d in $(find "$Q/runs" -name checkpoint.npz -printf '%h\n' | sort); do
     rel=${d#"$Q/runs/"}  # <experiment>/<dataset>/<method>/seedK, as the raw result's path
     if [ ! -e "$Q/results/raw/$rel.json" ]; then
         f="$O/ckpt-$(echo "$rel" | tr '/+ ' '_pp_').tgz"
-        (cd "$Q/runs" && tar czf "$f" "$rel")
-        [ "$(stat -c %s "$f")" -le 15000000 ] || { split -b 15000000 -d "$f" "$f.part" && rm "$f"; }
+        python3 scripts/research/lease_checkpoints.py pack "$Q/runs" "$rel" "$f" >> "$LOG" 2>&1
+        split_big "$f"
     fi
 done
+python3 scripts/research/lease_checkpoints.py bests "$Q/runs" "$Q/results" "$O/best-states.tgz" >> "$LOG" 2>&1
+split_big "$O/best-states.tgz"
 ls -la "$O" >> "$LOG"
 say "done"

@@ -1,0 +1,122 @@
+"""Run folders across GPU leases: what a lease sends back, in as few bytes as resuming needs.
+
+A call carries at most 64 MiB (the tree, Fashion-MNIST's 30 MB and the checkpoints) and returns 8 files of at most
+16 MiB. A run folder holds three states of about 6.7 MB each: checkpoint.npz, best.npz (moves on after the
+checkpoint; a resumed run replays those rounds and finds it again) and best.ckpt.npz (the best state as of the
+checkpoint). Resuming needs only the first and the last, and not even the last when the best round is the
+checkpoint's own round: then both hold the same arrays (checked before it is left out) and ``restore`` writes it
+back from the checkpoint.
+
+    python scripts/research/lease_checkpoints.py pack RUNS REL OUT.tgz   # a cut-off run folder RUNS/REL, slim
+    python scripts/research/lease_checkpoints.py restore RUNS           # after unpacking: best files put back
+    python scripts/research/lease_checkpoints.py bests RUNS RESULTS OUT.tgz  # finished rows' best.npz (probes)
+
+Only numpy and the standard library: it runs on a bare device machine before anything else is installed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+META = "__checkpoint__"  # fl_server.rundir's key of the JSON metadata inside a state .npz
+RUN_FILES = ("metrics.jsonl", "checkpoint.json", "run.json", "checkpoint.npz")
+
+
+def read_npz(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any] | None]:
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    meta = arrays.pop(META, None)
+    return arrays, None if meta is None else json.loads(meta.tobytes())
+
+
+def same_arrays(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def best_is_checkpoint(run: Path) -> bool:
+    """Whether best.ckpt.npz holds exactly the checkpoint's state (the best round is the checkpoint's last)."""
+    best = run / "best.ckpt.npz"
+    state, meta = read_npz(run / "checkpoint.npz")
+    if meta is None or meta.get("best_round") != meta.get("rounds_done", 0) - 1:
+        return False
+    if not best.exists():
+        return True
+    best_state, best_meta = read_npz(best)
+    return (best_meta or {}).get("round") == meta["best_round"] and same_arrays(state, best_state)
+
+
+def pack(runs: Path, rel: str, out: Path) -> list[str]:
+    """tar.gz of RUNS/REL with what resuming needs; returns the member names."""
+    run = runs / rel
+    names = [f for f in RUN_FILES if (run / f).exists()]
+    if (run / "best.ckpt.npz").exists() and not best_is_checkpoint(run):
+        names.append("best.ckpt.npz")
+    with tarfile.open(out, "w:gz") as tar:
+        for name in names:
+            tar.add(run / name, arcname=f"{rel}/{name}")
+    return names
+
+
+def restore(runs: Path) -> list[Path]:
+    """Write best.npz / best.ckpt.npz back into every run folder whose archive left them out."""
+    done = []
+    for ckpt in sorted(runs.rglob("checkpoint.npz")):
+        run = ckpt.parent
+        if (run / "best.ckpt.npz").exists() or not best_is_checkpoint(run):
+            continue
+        state, meta = read_npz(ckpt)
+        assert meta is not None
+        state[META] = np.frombuffer(json.dumps({"round": meta["best_round"], "val": meta["best_val"]}).encode(),
+                                    dtype=np.uint8)
+        np.savez(run / "best.npz", **state)
+        os.link(run / "best.npz", run / "best.ckpt.npz")
+        done.append(run)
+    return done
+
+
+def bests(runs: Path, results: Path, out: Path) -> list[str]:
+    """tar.gz of best.npz, run.json and checkpoint.json of every run folder whose row has a raw result."""
+    members = []
+    with tarfile.open(out, "w:gz") as tar:
+        for best in sorted(runs.rglob("best.npz")):
+            rel = best.parent.relative_to(runs)
+            if not (results / "raw" / rel).with_suffix(".json").exists():
+                continue
+            for name in ("best.npz", "run.json", "checkpoint.json"):
+                if (best.parent / name).exists():
+                    tar.add(best.parent / name, arcname=f"{rel}/{name}")
+                    members.append(f"{rel}/{name}")
+    return members
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("pack")
+    p.add_argument("runs", type=Path)
+    p.add_argument("rel")
+    p.add_argument("out", type=Path)
+    r = sub.add_parser("restore")
+    r.add_argument("runs", type=Path)
+    b = sub.add_parser("bests")
+    b.add_argument("runs", type=Path)
+    b.add_argument("results", type=Path)
+    b.add_argument("out", type=Path)
+    args = ap.parse_args()
+    if args.what == "pack":
+        print(f"{args.out.name}: {', '.join(pack(args.runs, args.rel, args.out))}")
+    elif args.what == "restore":
+        for run in restore(args.runs):
+            print(f"restored the best state of {run} from its checkpoint")
+    else:
+        print(f"{args.out.name}: {len(bests(args.runs, args.results, args.out))} files")
+
+
+if __name__ == "__main__":
+    main()
