@@ -56,7 +56,7 @@ def test_status_section_on_the_committed_tables(tmp_path: Path) -> None:
     text = status_section({k: v for k, v in tables.items() if all("mean" in r for r in v)})
     lines = [line for line in text.splitlines() if line.startswith("| #")]
     assert len(lines) == len(CRITERIA)
-    assert all(line.split(" | ")[2] in {"met", "not met", "partial", "missing"} for line in lines)
+    assert all(line.split(" | ")[2].split(" ([why]")[0] in {"met", "not met", "partial", "missing"} for line in lines)
     mnist_fedavg = next(line for line in lines if "Table 1 MNIST: FedAvg" in line)
     fedavg = next(r for r in tables["upfl-table1"]
                   if (r["dataset"], r["method"], r["split"]) == ("mnist", "FedAvg", "test"))
@@ -67,6 +67,26 @@ def test_status_section_on_the_committed_tables(tmp_path: Path) -> None:
     report = write_report(docs).read_text()
     assert report.index("## Reproduction status") < report.index("## upfl-table1")
     assert "| #2 | UPFL Table 1 MNIST: FedAvg new clients >= paper 94.69 - 2 | met |" in report
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return "".join(c for c in heading.strip().lower() if c.isalnum() or c in " -_").replace(" ", "-")
+
+
+def test_diagnosis_links_resolve_and_show_only_while_not_met() -> None:
+    for c in CRITERIA:
+        if not c.diagnosis:
+            continue
+        page, _, anchor = c.diagnosis.partition("#")
+        text = (REPO / "docs" / page).read_text()
+        headings = {_anchor(line.lstrip("#")) for line in text.splitlines() if line.startswith("#")}
+        assert not anchor or anchor in headings, f"{c.text}: no heading #{anchor} in {page}"
+    failing = Criterion(9, "t", at_least("x", "mnist", "A", 5.0), "research/x.md")
+    met = Criterion(9, "t", at_least("x", "mnist", "A", 1.0), "research/x.md")
+    results = {"x": [row("A", 2.0)]}
+    assert "| not met ([why](research/x.md)) |" in status_section(results, [failing])
+    assert "| met |" in status_section(results, [met]) and "[why]" not in status_section(results, [met])
 
 
 def test_criterion_is_a_plain_record() -> None:
