@@ -8,6 +8,7 @@ import tarfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from fl_server.recipes.presets import builtin_recipe
 from fl_server.recipes.run import train
@@ -27,33 +28,47 @@ def _train(run_dir: Path, rounds: int) -> dict:
     return train(recipe, run_dir, seed=0, device="cpu", progress=False, checkpoint_every=1)
 
 
-def _arrays(path: Path) -> dict[str, np.ndarray]:
-    with np.load(path, allow_pickle=False) as z:
-        return {k: z[k] for k in z.files if k != lease.META}
+def same_state(a: Path, b: Path) -> bool:
+    return lease.same_arrays(lease.read_npz(a)[0], lease.read_npz(b)[0])
 
 
-def test_slim_checkpoint_resumes_to_the_uncut_run(tmp_path: Path) -> None:
-    cut = tmp_path / "lease1" / REL
-    _train(cut, rounds=2)
+@pytest.mark.parametrize("cut, total", [(2, 4), (6, 8)])
+def test_slim_checkpoint_resumes_to_the_uncut_run(tmp_path: Path, cut: int, total: int) -> None:
+    """Cut after 2 rounds the best round is the checkpoint's (validation rises every early round on seed 0), so the
+    best state stays behind and restore rebuilds it; cut after 6 it is round 4 (round 5 validates lower), so
+    best.ckpt.npz travels and restore puts best.npz back beside it."""
+    run = tmp_path / "lease1" / REL
+    _train(run, rounds=cut)
     archive = tmp_path / "ckpt.tgz"
     names = lease.pack(tmp_path / "lease1", REL, archive)
-    meta = json.loads((cut / "checkpoint.json").read_text())
-    # the best state travels only when the checkpoint cannot stand in for it; here it can (seed 0's validation
-    # rises every early round), so restore must rebuild it
-    assert meta["best_round"] == meta["rounds_done"] - 1 == 1
-    assert "best.ckpt.npz" not in names
-    assert "best.npz" not in names and "checkpoint.npz" in names
+    meta = json.loads((run / "checkpoint.json").read_text())
+    slim = cut == 2
+    assert meta["rounds_done"] == cut and meta["best_round"] == (cut - 1 if slim else 4)
+    assert ("best.ckpt.npz" in names) != slim and "best.npz" not in names and "checkpoint.npz" in names
     with tarfile.open(archive) as tar:
         assert sorted(m.name for m in tar.getmembers()) == sorted(f"{REL}/{n}" for n in names)
         tar.extractall(tmp_path / "lease2", filter="data")
-    assert lease.restore(tmp_path / "lease2") == [tmp_path / "lease2" / REL]
+    resumed_dir = tmp_path / "lease2" / REL
+    assert lease.restore(tmp_path / "lease2") == [resumed_dir]
+    assert same_state(resumed_dir / "best.npz", run / "best.ckpt.npz")
+    assert same_state(resumed_dir / "best.ckpt.npz", run / "best.ckpt.npz")
 
-    resumed = _train(tmp_path / "lease2" / REL, rounds=4)
-    uncut = _train(tmp_path / "uncut" / REL, rounds=4)
+    resumed = _train(resumed_dir, rounds=total)
+    uncut = _train(tmp_path / "uncut" / REL, rounds=total)
     for key in ("best_round", "val", "test"):
         assert resumed[key] == uncut[key], key
-    a, b = _arrays(tmp_path / "lease2" / REL / "best.npz"), _arrays(tmp_path / "uncut" / REL / "best.npz")
-    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    assert same_state(resumed_dir / "best.npz", tmp_path / "uncut" / REL / "best.npz")
+
+
+def test_a_best_npz_without_best_ckpt_travels_unless_it_is_the_checkpoint(tmp_path: Path) -> None:
+    """Hetero run folders keep best.npz (written at the checkpoint's validation round) and no best.ckpt.npz."""
+    run = tmp_path / REL
+    _train(run, rounds=6)  # best round 4, checkpoint after round 5
+    (run / "best.ckpt.npz").unlink()
+    assert "best.npz" in lease.pack(tmp_path, REL, tmp_path / "a.tgz")
+    _train(run, rounds=7)  # round 6 improves: the best state is now the checkpoint's
+    (run / "best.ckpt.npz").unlink()
+    assert "best.npz" not in lease.pack(tmp_path, REL, tmp_path / "b.tgz")
 
 
 def test_restore_leaves_a_folder_whose_best_is_older_than_its_checkpoint(tmp_path: Path) -> None:

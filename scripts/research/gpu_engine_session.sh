@@ -87,7 +87,8 @@ for d in $(find "$Q/runs" -name checkpoint.npz -printf '%h\n' | sort); do
     rel=${d#"$Q/runs/"}  # <experiment>/<dataset>/<method>/seedK, as the raw result's path
     if [ ! -e "$Q/results/raw/$rel.json" ]; then
         f="$O/ckpt-$(echo "$rel" | tr '/+ ' '_pp_').tgz"
-        python3 scripts/research/lease_checkpoints.py pack "$Q/runs" "$rel" "$f" >> "$LOG" 2>&1
+        python3 scripts/research/lease_checkpoints.py pack "$Q/runs" "$rel" "$f" >> "$LOG" 2>&1 ||
+            { say "slim pack of $rel failed: the whole folder instead"; rm -f "$f"; (cd "$Q/runs" && tar czf "$f" "$rel"); }
         split_big "$f"
     fi
 done

@@ -1,11 +1,14 @@
 """Run folders across GPU leases: what a lease sends back, in as few bytes as resuming needs.
 
 A call carries at most 64 MiB (the tree, Fashion-MNIST's 30 MB and the checkpoints) and returns 8 files of at most
-16 MiB. A run folder holds three states of about 6.7 MB each: checkpoint.npz, best.npz (moves on after the
-checkpoint; a resumed run replays those rounds and finds it again) and best.ckpt.npz (the best state as of the
-checkpoint). Resuming needs only the first and the last, and not even the last when the best round is the
-checkpoint's own round: then both hold the same arrays (checked before it is left out) and ``restore`` writes it
-back from the checkpoint.
+16 MiB. A simulation's run folder holds three states of about 6.7 MB each: checkpoint.npz, best.npz (moves on
+after the checkpoint; a resumed run replays those rounds and finds it again) and best.ckpt.npz (the best state as
+of the checkpoint). A hetero run folder holds checkpoint.npz and best.npz, written at the same validation round.
+Resuming needs the checkpoint and the best state as of it (best.ckpt.npz, else best.npz), and not even that when
+the best round is the checkpoint's own: then both hold the same arrays (checked before it is left out) and
+``restore`` writes it back from the checkpoint. ``restore`` also puts best.npz back beside a carried
+best.ckpt.npz (as a hard link: states are replaced by rename, never written through), so a resumed run that does
+not improve again still has its best.npz.
 
     python scripts/research/lease_checkpoints.py pack RUNS REL OUT.tgz   # a cut-off run folder RUNS/REL, slim
     python scripts/research/lease_checkpoints.py restore RUNS           # after unpacking: best files put back
@@ -39,24 +42,31 @@ def same_arrays(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
     return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
+def best_at_checkpoint(run: Path) -> Path | None:
+    """The file holding the best state as of the checkpoint: best.ckpt.npz (simulations), else best.npz (hetero)."""
+    return next((run / n for n in ("best.ckpt.npz", "best.npz") if (run / n).exists()), None)
+
+
 def best_is_checkpoint(run: Path) -> bool:
-    """Whether best.ckpt.npz holds exactly the checkpoint's state (the best round is the checkpoint's last)."""
-    best = run / "best.ckpt.npz"
+    """Whether the best state as of the checkpoint is the checkpoint's own state (its best round is the checkpoint's
+    last round and, where a best file exists, that file holds the same arrays)."""
     state, meta = read_npz(run / "checkpoint.npz")
     if meta is None or meta.get("best_round") != meta.get("rounds_done", 0) - 1:
         return False
-    if not best.exists():
-        return True
+    best = best_at_checkpoint(run)
+    if best is None:
+        return True  # after a slim pack: the checkpoint's meta alone says so
     best_state, best_meta = read_npz(best)
-    return (best_meta or {}).get("round") == meta["best_round"] and same_arrays(state, best_state)
+    return (best_meta is None or best_meta.get("round") == meta["best_round"]) and same_arrays(state, best_state)
 
 
 def pack(runs: Path, rel: str, out: Path) -> list[str]:
     """tar.gz of RUNS/REL with what resuming needs; returns the member names."""
     run = runs / rel
     names = [f for f in RUN_FILES if (run / f).exists()]
-    if (run / "best.ckpt.npz").exists() and not best_is_checkpoint(run):
-        names.append("best.ckpt.npz")
+    best = best_at_checkpoint(run)
+    if best is not None and not best_is_checkpoint(run):
+        names.append(best.name)
     with tarfile.open(out, "w:gz") as tar:
         for name in names:
             tar.add(run / name, arcname=f"{rel}/{name}")
@@ -64,11 +74,16 @@ def pack(runs: Path, rel: str, out: Path) -> list[str]:
 
 
 def restore(runs: Path) -> list[Path]:
-    """Write best.npz / best.ckpt.npz back into every run folder whose archive left them out."""
+    """Put the best files back into every run folder whose archive left them out; returns the folders touched."""
     done = []
     for ckpt in sorted(runs.rglob("checkpoint.npz")):
         run = ckpt.parent
-        if (run / "best.ckpt.npz").exists() or not best_is_checkpoint(run):
+        if (run / "best.ckpt.npz").exists():
+            if not (run / "best.npz").exists():
+                os.link(run / "best.ckpt.npz", run / "best.npz")
+                done.append(run)
+            continue
+        if (run / "best.npz").exists() or not best_is_checkpoint(run):
             continue
         state, meta = read_npz(ckpt)
         assert meta is not None
@@ -113,7 +128,7 @@ def main() -> None:
         print(f"{args.out.name}: {', '.join(pack(args.runs, args.rel, args.out))}")
     elif args.what == "restore":
         for run in restore(args.runs):
-            print(f"restored the best state of {run} from its checkpoint")
+            print(f"restored the best files of {run}")
     else:
         print(f"{args.out.name}: {len(bests(args.runs, args.results, args.out))} files")
 
