@@ -39,6 +39,7 @@ FEDTTAPP_FMNIST = ("research/fedttapp-diagnosis.md"
                    "#fashion-mnist-seed-0-finished-most-of-the-gap-to-950-is-in-the-shared-training")
 ODPFL_NOTES, BTGFL_NOTES, MAP_NOTES = ("research/odpfl-hn-diagnosis.md", "research/btgfl-diagnosis.md",
                                       "research/map-diagnosis.md")
+FEDICON_NOTES = "research/results-detail.md#fedicon-shift"  # the experiment's description: rates, budget, CNN
 
 
 def find(results: Results, experiment: str, dataset: str, method: str, split: str = "test",
@@ -211,15 +212,17 @@ CRITERIA: tuple[Criterion, ...] = (
     Criterion(5, "btgfl Fashion-MNIST average: BTFL at batch 1 and 32 within 0.5",
               within("btgfl", "fashion_mnist", "BTFL (bs=1)", "BTFL (bs=32)", 0.5, column="avg")),
     *(Criterion(6, f"fedicon-shift {ds}: FedICON above FedAvg and TENT under covariate shift (severity 1/3/5)",
-                beats("fedicon-shift", ds, "FedICON", ("FedAvg", "TENT"), strict=True, fields=_COVARIATE))
+                beats("fedicon-shift", ds, "FedICON", ("FedAvg", "TENT"), strict=True, fields=_COVARIATE),
+                FEDICON_NOTES)
       for ds in ("mnist", "fashion_mnist")),
     *(Criterion(6, f"fedicon-shift {ds}: FedICON above FedICON w/o TTA under covariate shift (the TTA gain)",
-                beats("fedicon-shift", ds, "FedICON", ("FedICON w/o TTA",), strict=True, fields=_COVARIATE))
+                beats("fedicon-shift", ds, "FedICON", ("FedICON w/o TTA",), strict=True, fields=_COVARIATE),
+                FEDICON_NOTES)
       for ds in ("mnist", "fashion_mnist")),
     # the same with a batch-normalised encoder (the papers' kind of CNN), where a TTA gain can come from statistics
     *(Criterion(6, f"fedicon-shift {ds}: FedICON above FedAvg, TENT and FedICON w/o TTA under covariate shift",
                 beats("fedicon-shift", ds, "FedICON", ("FedAvg", "TENT", "FedICON w/o TTA"), strict=True,
-                      fields=_COVARIATE))
+                      fields=_COVARIATE), FEDICON_NOTES)
       for ds in ("mnist-bn", "fashion_mnist-bn")),
     # MAP = Algorithm 1; MAP (code) = the client procedure of the authors' released code (docs/architecture.md)
     *(Criterion(6, f"map-incomplete {ds}: {method} personalization >= FedAvg and FedPHP",
