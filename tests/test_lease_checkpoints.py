@@ -88,6 +88,6 @@ def test_restore_leaves_a_folder_whose_best_is_older_than_its_checkpoint(tmp_pat
     for name in ("best.ckpt.npz", "best.npz"):
         (run / name).unlink(missing_ok=True)
     np.savez(run / "checkpoint.npz", **state,
-             **{lease.META: np.frombuffer(json.dumps(ckpt_meta).encode(), dtype=np.uint8)})
+             **{lease.META_KEY: np.frombuffer(json.dumps(ckpt_meta).encode(), dtype=np.uint8)})
     assert lease.restore(tmp_path) == []
     assert not (run / "best.ckpt.npz").exists()

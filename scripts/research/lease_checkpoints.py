@@ -13,28 +13,30 @@ not improve again still has its best.npz.
     python scripts/research/lease_checkpoints.py pack RUNS REL OUT.tgz   # a cut-off run folder RUNS/REL, slim
     python scripts/research/lease_checkpoints.py restore RUNS           # after unpacking: best files put back
     python scripts/research/lease_checkpoints.py bests RUNS RESULTS OUT.tgz  # finished rows' best.npz (probes)
-
-Only numpy and the standard library: it runs on a bare device machine before anything else is installed.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
 import tarfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-META = "__checkpoint__"  # fl_server.rundir's key of the JSON metadata inside a state .npz
-RUN_FILES = ("metrics.jsonl", "checkpoint.json", "run.json", "checkpoint.npz")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from fl_server.rundir import (BEST, BEST_AT_CHECKPOINT, CHECKPOINT, CHECKPOINT_JSON, META_KEY,  # noqa: E402
+                              METRICS, RUN)
+
+RUN_FILES = (METRICS, CHECKPOINT_JSON, RUN, CHECKPOINT)
 
 
 def read_npz(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any] | None]:
     with np.load(path, allow_pickle=False) as z:
         arrays = {k: z[k] for k in z.files}
-    meta = arrays.pop(META, None)
+    meta = arrays.pop(META_KEY, None)
     return arrays, None if meta is None else json.loads(meta.tobytes())
 
 
@@ -44,13 +46,13 @@ def same_arrays(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
 
 def best_at_checkpoint(run: Path) -> Path | None:
     """The file holding the best state as of the checkpoint: best.ckpt.npz (simulations), else best.npz (hetero)."""
-    return next((run / n for n in ("best.ckpt.npz", "best.npz") if (run / n).exists()), None)
+    return next((run / n for n in (BEST_AT_CHECKPOINT, BEST) if (run / n).exists()), None)
 
 
 def best_is_checkpoint(run: Path) -> bool:
     """Whether the best state as of the checkpoint is the checkpoint's own state (its best round is the checkpoint's
     last round and, where a best file exists, that file holds the same arrays)."""
-    state, meta = read_npz(run / "checkpoint.npz")
+    state, meta = read_npz(run / CHECKPOINT)
     if meta is None or meta.get("best_round") != meta.get("rounds_done", 0) - 1:
         return False
     best = best_at_checkpoint(run)
@@ -76,21 +78,21 @@ def pack(runs: Path, rel: str, out: Path) -> list[str]:
 def restore(runs: Path) -> list[Path]:
     """Put the best files back into every run folder whose archive left them out; returns the folders touched."""
     done = []
-    for ckpt in sorted(runs.rglob("checkpoint.npz")):
+    for ckpt in sorted(runs.rglob(CHECKPOINT)):
         run = ckpt.parent
-        if (run / "best.ckpt.npz").exists():
-            if not (run / "best.npz").exists():
-                os.link(run / "best.ckpt.npz", run / "best.npz")
+        if (run / BEST_AT_CHECKPOINT).exists():
+            if not (run / BEST).exists():
+                os.link(run / BEST_AT_CHECKPOINT, run / BEST)
                 done.append(run)
             continue
-        if (run / "best.npz").exists() or not best_is_checkpoint(run):
+        if (run / BEST).exists() or not best_is_checkpoint(run):
             continue
         state, meta = read_npz(ckpt)
         assert meta is not None
-        state[META] = np.frombuffer(json.dumps({"round": meta["best_round"], "val": meta["best_val"]}).encode(),
+        state[META_KEY] = np.frombuffer(json.dumps({"round": meta["best_round"], "val": meta["best_val"]}).encode(),
                                     dtype=np.uint8)
-        np.savez(run / "best.npz", **state)
-        os.link(run / "best.npz", run / "best.ckpt.npz")
+        np.savez(run / BEST, **state)
+        os.link(run / BEST, run / BEST_AT_CHECKPOINT)
         done.append(run)
     return done
 
@@ -99,11 +101,11 @@ def bests(runs: Path, results: Path, out: Path) -> list[str]:
     """tar.gz of best.npz, run.json and checkpoint.json of every run folder whose row has a raw result."""
     members = []
     with tarfile.open(out, "w:gz") as tar:
-        for best in sorted(runs.rglob("best.npz")):
+        for best in sorted(runs.rglob(BEST)):
             rel = best.parent.relative_to(runs)
             if not (results / "raw" / rel).with_suffix(".json").exists():
                 continue
-            for name in ("best.npz", "run.json", "checkpoint.json"):
+            for name in (BEST, RUN, CHECKPOINT_JSON):
                 if (best.parent / name).exists():
                     tar.add(best.parent / name, arcname=f"{rel}/{name}")
                     members.append(f"{rel}/{name}")
