@@ -22,6 +22,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "edge_sdk")]
+from fl_server.bench.experiments import UPFL_TABLE1_PAPER  # noqa: E402
 from fl_server.bench.runner import safe_name  # noqa: E402
 
 FAMILY = ("FedTTA", "FedTTA-Prox", "FedTTA++")
@@ -52,6 +53,23 @@ def paired(prox: dict[str, Any], plus: dict[str, Any]) -> dict[str, Any]:
             "rounds_rule_below": int((diff < 0).sum()), "rounds_compared": len(rounds),
             "test_prox": prox["test"], "test_plus": plus["test"],
             "test_diff": round(plus["test"] - prox["test"], 3)}
+
+
+def paper_gap(dataset: str, seed: int, rows: dict[str, dict[int, dict[str, Any]]], pair: dict[str, Any],
+              devices: str, command: str, floor: float = 95.0) -> dict[str, Any]:
+    """Where FedTTA++'s distance to ``floor`` sits: the shared training (each method's shortfall under its UPFL
+    Table 1 row) against the rule (FedTTA++'s margin over FedTTA-Prox, ours and the paper's)."""
+    paper = {(m, split): UPFL_TABLE1_PAPER[(dataset, m, split)] for m in FAMILY for split in ("test", "val")}
+    margin_test = paper[("FedTTA++", "test")] - paper[("FedTTA-Prox", "test")]
+    return {"what": f"FedTTA++ against {floor}, {dataset} seed {seed}", "metric": "points below the floor",
+            "value": round(floor - pair["test_plus"], 2),
+            **{f"shortfall_{m}": round(paper[(m, "test")] - rows[m][seed]["test"], 2)
+               for m in FAMILY if seed in rows.get(m, {})},
+            "paper_margin_test": round(margin_test, 2),
+            "paper_margin_val": round(paper[("FedTTA++", "val")] - paper[("FedTTA-Prox", "val")], 2),
+            "paper_training_our_rule": round(paper[("FedTTA-Prox", "test")] + pair["test_diff"], 2),
+            "our_training_paper_margin": round(pair["test_prox"] + margin_test, 2),
+            "device": devices, "command": command}
 
 
 def late_gain(record: dict[str, Any], window: int = 50) -> float:
@@ -127,8 +145,10 @@ def main() -> None:
          "value": p["test_diff"], "test_plus": round(p["test_plus"], 2), "test_prox": round(p["test_prox"], 2),
          "val_diff_last": p["val_diff_last"], "val_diff_first_half_median": p["val_diff_first_half_median"],
          "val_diff_second_half_median": p["val_diff_second_half_median"],
-         "rounds_rule_below": f"{p['rounds_rule_below']}/{p['rounds_compared']}", "device": devices,
-         "command": command} for s, p in pairs.items()]
+         "rounds_rule_below": f"{p['rounds_rule_below']}/{p['rounds_compared']}",
+         "val_diff_by_round": " ".join(f"{r}:{d:+.2f}" for r, d in zip(p["rounds"], p["val_diff"])),
+         "device": devices, "command": command} for s, p in pairs.items()]
+    table += [paper_gap(args.dataset, s, rows, p, devices, command) for s, p in pairs.items()]
     table += [{"what": f"{m}, {args.dataset} seed {s}", "metric": "validation points gained over the last 50 rounds",
                "value": late_gain(r), "best_round": r["best_round"], "rounds": r["rounds"], "device": devices,
                "command": command} for m in FAMILY for s, r in sorted(rows.get(m, {}).items())]
@@ -144,7 +164,8 @@ def main() -> None:
               f"below at {p['rounds_rule_below']}/{p['rounds_compared']} rounds; test {p['test_plus']:.2f} vs "
               f"{p['test_prox']:.2f} ({p['test_diff']:+.2f})")
     for row in table[len(pairs):]:
-        print(f"{row['what']}: {row['metric']} {row['value']}")
+        print(f"{row['what']}: {row['metric']} {row['value']}",
+              *(f"{k}={v}" for k, v in row.items() if k.startswith(("paper", "our", "shortfall"))))
     print(f"wrote {args.out} and {args.figure}")
 
 
