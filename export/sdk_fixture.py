@@ -2,11 +2,12 @@
 
     python -m export.sdk_fixture OUT_DIR [--data-dir DIR]
 
-Writes ``OUT_DIR/fedtta_pp``, ``OUT_DIR/tent``, ``OUT_DIR/odpfl_hn`` and ``OUT_DIR/odpfl_hn_dp`` (bundles of a
-briefly meta-trained FedTTA++, a FedAvg-initialised TENT MLP and initial ODPFL-HN encoders, plain and DP, on
-real MNIST; the embedded digits when MNIST is absent), each signed (``manifest.sig``) with a fresh Ed25519 key whose public half is
+Writes ``OUT_DIR/fedtta_pp``, ``OUT_DIR/tent``, ``OUT_DIR/fedicon``, ``OUT_DIR/odpfl_hn`` and
+``OUT_DIR/odpfl_hn_dp`` (bundles of a briefly meta-trained FedTTA++, a FedAvg-initialised TENT MLP, an initial
+FedICON MLP with its projection and initial ODPFL-HN encoders, plain and DP, on real MNIST; the embedded digits
+when MNIST is absent), each signed (``manifest.sig``) with a fresh Ed25519 key whose public half is
 ``OUT_DIR/signing_key.pub`` (hex), and ``OUT_DIR/reference.npz``: a batch of real images and what torch
-computes for it (received-model logits, personalised logits, FedTTA++'s chosen iterate and entropy curve,
+computes for it (received-model logits, personalised logits (FedICON's: ``FedICON.personalize``), FedTTA++'s chosen iterate and entropy curve,
 the ODPFL-HN embeddings, the DP encoder's pooled vector and one private embedding). ``edge_sdk/tests`` checks the SDK against it. No pickle: weights and references are
 plain ``.npz`` read with ``allow_pickle=False``.
 """
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from export.bundle import export_specs, write_bundle
+from export.fedicon import fedicon_tta_step_spec
 from export.quantize import freeze_weights, quantize_int8
 from export.steps import encoder_spec, fedtta_step_spec, forward_spec, tent_step_spec
 from fl_server.algorithms import build_algorithm
@@ -69,6 +71,11 @@ def make_sdk_fixture(out: str | Path, data_root: str | None = None, n: int = 256
     with torch.no_grad():
         ref["tent_logits"] = tent.forward(tuned, x).numpy()
 
+    # FedICON's batch-mode TTA (Eq. 7): the device must draw the same views in the same order as the server
+    icon = build_algorithm("FedICON", build_model("mlp", shape, 10, seed=4), 1, seed=4, tta_lr=0.05)
+    istate = icon.init_state(torch.float32, torch.device("cpu"))
+    ref["fedicon_logits"] = icon.forward(icon.personalize(istate, x), x).detach().numpy()
+
     hn = build_algorithm("ODPFL-HN", build_model("mlp", shape, 10, seed=2), 4, seed=2)
     hstate = hn.init_state(torch.float32, torch.device("cpu"))
     with torch.no_grad():
@@ -95,6 +102,12 @@ def make_sdk_fixture(out: str | Path, data_root: str | None = None, n: int = 256
                                "tent_step": tent_step_spec(tent, tstate["params"])}, Path(tmp) / "t")
         write_bundle(out / "tent", graphs, {"params": {p: v.numpy() for p, v in tstate["params"].items()}},
                      "TENT", dataclasses.asdict(tent.hp), extra={"dataset": name}, signer=signer)
+        graphs = export_specs({"forward": forward_spec(icon.model, istate["params"]),
+                               "fedicon_step": fedicon_tta_step_spec(icon, istate["params"], istate["proj"])},
+                              Path(tmp) / "i")
+        write_bundle(out / "fedicon", graphs, {k: {p: v.numpy() for p, v in istate[k].items()}
+                                               for k in ("params", "proj")},
+                     "FedICON", dataclasses.asdict(icon.hp), extra={"dataset": name, "seed": 4}, signer=signer)
         graphs = export_specs({"forward": forward_spec(hn.model, hstate["params"]),
                                "encoder": encoder_spec(hn, hstate["enc"])}, Path(tmp) / "h")
         write_bundle(out / "odpfl_hn", graphs, {k: {p: v.numpy() for p, v in hstate[k].items()}

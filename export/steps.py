@@ -145,7 +145,17 @@ STEP_SPECS: dict[str, Callable[..., StepSpec]] = {
     "fedtta_step": lambda algorithm, state: fedtta_step_spec(algorithm, state["params"], state["phi"]),
     "tent_step": lambda algorithm, state: tent_step_spec(algorithm, state["params"]),
     "encoder": lambda algorithm, state: encoder_spec(algorithm, state["enc"]),
+    "fedicon_step": lambda algorithm, state: _fedicon_step(algorithm, state),
 }
+
+
+def _fedicon_step(algorithm: Algorithm, state: State) -> StepSpec:
+    from export.fedicon import fedicon_tta_step_spec  # imports this module
+
+    if algorithm.hp.tta_mode != "batch":
+        raise ValueError(f"FedICON's {algorithm.hp.tta_mode} TTA has no device graph: the device runs batch-mode "
+                         "TTA (Sec. 4.2); export a run trained with tta_mode='batch'")
+    return fedicon_tta_step_spec(algorithm, state["params"], state.get("proj", {}))  # type: ignore[arg-type]
 
 
 def device_specs(algorithm: Algorithm, state: State) -> dict[str, StepSpec]:

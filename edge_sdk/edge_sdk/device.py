@@ -22,6 +22,8 @@ without a device step),
 TENT                        entropy steps on x (``tent_step`` graph)                     --
 FedTTA, FedTTA-Prox         one step of UPFL Eq. 5 on x (``fedtta_step``)                --
 FedTTA++                    steps with entropy early stopping (Sec. 4.3)                 --
+FedICON                     encoder tuned with Eq. 7 on x, two augmented views per       --
+                            sample (``fedicon_step``, :mod:`edge_sdk.fedicon`)
 ODPFL-HN                    embedding of x on the device, weights from the coordinator   ``client``
 BTFL                        local head + local DLE on labeled (x, y); DLE uploaded       y (``client``: the
                             when a client is given; BTFL's interpolation while           coordinator's global
@@ -131,7 +133,10 @@ class Device:
         generate = self.client.generate if self.client is not None else None
         result = self._personalizer.personalize(x, generate, epsilon, delta, rng)
         self.weights = result.weights
-        return Adaptation(self.method, result.steps, len(x), {"entropy_history": result.entropy_history})
+        details: dict[str, Any] = {"entropy_history": result.entropy_history}
+        if result.losses:
+            details["contrastive_loss"] = result.losses
+        return Adaptation(self.method, result.steps, len(x), details)
 
     def _fit_heads(self, x: np.ndarray, y: np.ndarray) -> Adaptation:
         assert self._btfl is not None

@@ -13,6 +13,7 @@ Methods, by the bundle's artifacts and hyperparameters:
 * ``fedtta_step`` with ``patience >= 1``: FedTTA++ (steps of UPFL Eq. 5 with entropy early stopping, Sec. 4.3);
   without: FedTTA / FedTTA-Prox (one step).
 * ``tent_step``: TENT (``steps`` passes of entropy steps over the set, in batches of ``batch_size`` if set).
+* ``fedicon_step``: FedICON (encoder and projection tuned with Eq. 7 on the set, :mod:`edge_sdk.fedicon`).
 * ``encoder``: ODPFL-HN: e = g_gamma(x) on the device (encoder graph); only e goes to the coordinator, whose
   hypernetwork returns w = f_theta(e) (``generate``: e [E] -> {"psi.<name>": array}, e.g. EdgeClient.generate).
 * anything else, or ``method="none"``: the received weights as they are (plain inference).
@@ -36,6 +37,7 @@ import numpy as np
 from edge_sdk import dp
 from edge_sdk.batchnorm import BatchNormRule, statistics_feeds, uses_statistics
 from edge_sdk.bundle import Bundle, BundleError
+from edge_sdk.fedicon import FedICONRunner, TTAPlan, personalize_fedicon
 from edge_sdk.numerics import entropy
 from edge_sdk.steps import (StepRunner, Weights, check_batch, check_logits, check_weights, finite,
                             personalize_early_stopping)
@@ -47,7 +49,9 @@ Generate = Callable[[np.ndarray], dict[str, np.ndarray]]
 class Personalized:
     weights: Weights
     steps: int  # adaptation steps behind the returned weights (FedTTA++: the chosen iterate)
-    entropy_history: list[float] = field(default_factory=list)  # mean entropy per iterate, iterate 0 first
+    # mean entropy per iterate, iterate 0 first (FedICON: of the received and the personalised model)
+    entropy_history: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)  # FedICON: the Eq. 7 loss of every step
 
 
 class Personalizer:
@@ -74,6 +78,7 @@ class Personalizer:
                 raise BundleError(str(exc)) from None
             self.stats = check_weights(bundle.weights("stats"), self.forward, prefix="stats.")
         self.runner: StepRunner | None = None
+        self.fedicon: tuple[FedICONRunner, TTAPlan] | None = None
         self.kind = "none"
         if method == "none":
             pass
@@ -84,6 +89,11 @@ class Personalizer:
         elif "tent_step" in names:
             self.runner = StepRunner(bundle.session("tent_step", threads), stats=self.stats, rule=self.rule)
             self.kind = "TENT"
+        elif "fedicon_step" in names:
+            proj = bundle.weights("proj") if "proj" in names else {}  # projection="none": no weights
+            self.fedicon = (FedICONRunner(bundle.session("fedicon_step", threads), proj=proj, stats=self.stats,
+                                          rule=self.rule), TTAPlan.from_bundle(bundle))
+            self.kind = "FedICON"
         elif "encoder" in names:
             self.encoder = bundle.session("encoder", threads)
             self.gamma = {f"gamma.{k}": v for k, v in bundle.weights("enc").items()}
@@ -116,6 +126,8 @@ class Personalizer:
     def current_stats(self) -> Weights:
         """The population statistics predictions use: the bundle's, or the stream's exponential update of them
         (``batch_norm.small_batch="ema"``) once adaptation steps have run."""
+        if self.fedicon is not None:
+            return self.fedicon[0].stats
         return self.runner.stats if self.runner is not None else self.stats
 
     def embed(self, x: np.ndarray, epsilon: float = math.inf, delta: float = 0.01,
@@ -153,6 +165,10 @@ class Personalizer:
             except ValueError as exc:
                 raise ValueError(f"the generated weights do not fit this bundle's model: {exc}") from None
             return Personalized(w, 1)
+        if self.fedicon is not None:
+            before = float(entropy(self.predict(x)).mean())
+            psi, steps, losses = personalize_fedicon(self.fedicon[0], x, self.base, self.fedicon[1])
+            return Personalized(psi, steps, [before, float(entropy(self.predict(x, psi)).mean())], losses)
         if self.runner is None:
             return Personalized(self.base, 0, [float(entropy(self.predict(x)).mean())])
         if self.kind == "FedTTA++":

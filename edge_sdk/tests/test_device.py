@@ -25,7 +25,8 @@ def key(sdk_fixture: Path) -> str:
 
 
 @pytest.mark.parametrize("name, method, adapted", [("fedtta_pp", "FedTTA++", "fedtta_pp_logits"),
-                                                   ("tent", "TENT", "tent_logits")])
+                                                   ("tent", "TENT", "tent_logits"),
+                                                   ("fedicon", "FedICON", "fedicon_logits")])
 def test_one_interface_personalises_like_torch(sdk_fixture: Path, key: str, ref: dict[str, np.ndarray], name: str,
                                                method: str, adapted: str) -> None:
     device = edge_sdk.open_bundle(sdk_fixture / name, public_key=key)

@@ -75,6 +75,8 @@ def _mix_key(key: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
 class FedICON(Algorithm):
     name = "FedICON"
     Config = FedICONConfig
+    device_step = "fedicon_step"  # batch-mode TTA on the device (export/fedicon.py, edge_sdk.fedicon)
+    device_weights = ("params", "proj")
 
     def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0, **overrides: Any) -> None:
         super().__init__(model, config, seed, **overrides)
@@ -93,6 +95,8 @@ class FedICON(Algorithm):
         self.aug = AugmentConfig(self.hp.aug_degrees, self.hp.aug_shift, self.hp.aug_contrast, self.hp.aug_noise)
         self.seed = seed
         self._phase = "encoder"
+        if not self.hp.tta:
+            self.device_step = None  # type: ignore[misc]  # the received model as it is
 
     # ------------------------------------------------------------ pieces
     def represent(self, enc: State, proj: State, x: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # the methods the coordinator trains and serves now (display names of fl_server.algorithms)
-SERVABLE_METHODS = ("TENT", "FedTTA", "FedTTA-Prox", "FedTTA++", "ODPFL-HN", "BTFL", "FedAvg")
+SERVABLE_METHODS = ("TENT", "FedTTA", "FedTTA-Prox", "FedTTA++", "FedICON", "ODPFL-HN", "BTFL", "FedAvg")
 DEFAULT_METHODS = ("TENT", "FedTTA++", "ODPFL-HN", "BTFL")
 DATASETS = ("digits", "mnist", "fashion_mnist")
 PARTITIONS = ("pathological", "dirichlet", "iid")

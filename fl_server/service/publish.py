@@ -41,8 +41,18 @@ _METHOD = re.compile(r"[A-Za-z0-9 ._+()-]{1,64}")
 # artifacts a method's device side needs (edge_sdk.device): without them a device could not use the bundle
 REQUIRED = {"BTFL": ("features", "params", "btfl"), "FedTTA": ("forward", "params", "fedtta_step", "phi"),
             "FedTTA-Prox": ("forward", "params", "fedtta_step", "phi"),
-            "FedTTA++": ("forward", "params", "fedtta_step", "phi"), "TENT": ("forward", "params", "tent_step")}
+            "FedTTA++": ("forward", "params", "fedtta_step", "phi"), "TENT": ("forward", "params", "tent_step"),
+            "FedICON": ("forward", "params", "fedicon_step")}  # "proj" too unless projection="none"
 DEFAULT_REQUIRED = ("forward", "params")
+
+
+def required_artifacts(method: str, hyper: dict[str, Any]) -> tuple[str, ...]:
+    """The artifacts a ``method`` bundle with hyperparameters ``hyper`` must hold (:data:`REQUIRED`)."""
+    if method == "FedICON":
+        if hyper.get("tta") is False:  # the received model as it is: no device step
+            return DEFAULT_REQUIRED
+        return REQUIRED[method] + (() if hyper.get("projection") == "none" else ("proj",))
+    return REQUIRED.get(method, DEFAULT_REQUIRED)
 
 
 class PublishError(ValueError):
@@ -81,7 +91,7 @@ def verify_bundle_dir(root: Path, max_bytes: int) -> Bundle:
     names = [a.get("name") for a in m["artifacts"]]
     if len(set(names)) != len(names) or not all(isinstance(n, str) and _NAME.fullmatch(n) for n in names):
         raise PublishError(f"artifact names must be unique and match {_NAME.pattern}, got {names}")
-    missing = [n for n in REQUIRED.get(method, DEFAULT_REQUIRED) if n not in names]
+    missing = [n for n in required_artifacts(method, bundle.hyperparameters) if n not in names]
     if missing:
         raise PublishError(f"a {method} bundle needs the artifacts {', '.join(missing)}; export it with "
                            "fl-server export (or the recipe's export)")
