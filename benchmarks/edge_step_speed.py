@@ -1,7 +1,8 @@
 """Device adaptation step on onnxruntime against the torch eager step, one CPU core, same run.
 
-For the MLP 2x200 and the ConvNet: FedTTA's adaptation step (UPFL Eq. 5) and TENT's entropy step on a batch
-of real MNIST images; also the plain forward. Median over repeats after warm-up, the ORT and torch calls
+For the MLP 2x200 and the ConvNet: FedTTA's adaptation step (UPFL Eq. 5), TENT's entropy step and FedICON's
+test-time step (Eq. 7 on two augmented views of each image, the projection included) on a batch of real MNIST
+images; also the plain forward. Median over repeats after warm-up, the ORT and torch calls
 alternating. Rows merged into docs/benchmarks/edge-sdk.json by (what, device).
 
 The ConvNet's steps are convolution-bound: its second convolution (32 -> 64 channels, 5x5, on 14x14) runs four
@@ -32,6 +33,7 @@ import torch  # noqa: E402
 from edge_sdk.steps import load_session  # noqa: E402
 from timing import interleaved_median_ms  # noqa: E402
 from export import export_function, export_spec, fedtta_step_spec, forward_spec, tent_step_spec  # noqa: E402
+from export.fedicon import fedicon_tta_step_spec  # noqa: E402
 from export.decompositions import convolution_backward  # noqa: E402
 from fl_server.algorithms import build_algorithm  # noqa: E402
 from fl_server.recipes.presets import FEDTTA_HP  # noqa: E402
@@ -57,10 +59,14 @@ def main() -> int:
             fedtta = build_algorithm("FedTTA", build_model(model_name, (1, 28, 28), 10, seed=0), 1,
                                      **FEDTTA_HP["mnist"]["FedTTA"])
             tent = build_algorithm("TENT", build_model(model_name, (1, 28, 28), 10, seed=0), 1, lr=0.1)
+            icon = build_algorithm("FedICON", build_model(model_name, (1, 28, 28), 10, seed=0), 1)
             st = fedtta.init_state(torch.float32, torch.device("cpu"))
+            proj = icon.init_state(torch.float32, torch.device("cpu"))["proj"]
             specs = {"forward": forward_spec(fedtta.model, st["params"]),
                      "FedTTA step": fedtta_step_spec(fedtta, st["params"], st["phi"]),
-                     "TENT step": tent_step_spec(tent, st["params"])}
+                     "TENT step": tent_step_spec(tent, st["params"]),
+                     # its example uniforms u are made for the batch timed here
+                     "FedICON step": fedicon_tta_step_spec(icon, st["params"], proj, batch=args.batch)}
             for label, spec in specs.items():
                 path = export_spec(spec, Path(tmp) / f"{model_name}-{label.replace(' ', '_')}.onnx")
                 session = load_session(path, threads=1)
