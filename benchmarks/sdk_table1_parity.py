@@ -30,7 +30,8 @@ def measure(run_dir: Path, data_dir: str | None, work: Path, command: str) -> di
     run, fed = run_clients(run_dir, data_dir)
     ds = fed.dataset
     recipe, _, algorithm = rebuild(run, data_dir)  # the run's own model and method (zoo or a recipe file)
-    state = {k: {n: v.float() for n, v in d.items()} for k, d in load_state(run_dir / "best.npz").items()}
+    state = {k: {n: v.float() for n, v in d.items()} for k, d in load_state(run_dir / "best.npz").items()
+             if isinstance(d, dict)}  # sub-states (FedICON's scalar round counter is not one)
     device = Personalizer(load_bundle(export_run(run_dir, work / run_dir.name)))
     acc_torch, acc_sdk, agree = [], [], []
     for idx in tqdm(fed.new, desc=f"{run_dir.name}: new clients", unit="client"):

@@ -8,7 +8,8 @@ The bundle (``fl-server export runs/train --out runs/bundle``) is verified befor
 ``--data`` holds the held-out new clients of the bundle's own protocol, written on the coordinator's side with
 their labels for scoring; a real device would use its own data. ``edge_sdk.open_bundle`` lets the bundle's
 method decide: TENT takes entropy steps, FedTTA one adaptation step, FedTTA++ steps with entropy early
-stopping, a bundle without a device step (FedAvg) predicts as received.
+stopping, FedICON contrastive steps (Eq. 7) on two augmented views of each image, a bundle without a device step
+(FedAvg) predicts as received.
 """
 from __future__ import annotations
 

@@ -171,6 +171,7 @@ METHODS = ["FedProx", "TENT", "FedTTA-Prox", "FedTTA++", "FedICON", "BTFL"]
 
 @pytest.mark.parametrize("method", METHODS)
 def test_each_methods_flower_sides_match_the_engine(method: str, data_root: Path) -> None:
+    """FedICON: 2 rounds are 1 encoder round and 1 classifier round (``FedICON.fit_hyper``), both phases compared."""
     config = {**RECIPE, "method": method, "rounds": 2, "local-iterations": 6, "max-samples": 3000}
     run, _, _ = flower_rounds_without_transport(config)
     flower = to_numpy_flat(run.server_state)

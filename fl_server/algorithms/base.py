@@ -103,6 +103,12 @@ class Algorithm:
         self.forward = make_forward(model)
 
     @classmethod
+    def fit_hyper(cls, hyper: dict[str, Any], rounds: int) -> dict[str, Any]:
+        """``hyper`` completed for a run of ``rounds`` rounds where a default depends on the run's length (FedICON's
+        phase schedule); a recipe builds its method with it, so the run's ``run.json`` records the values used."""
+        return hyper
+
+    @classmethod
     def check_model(cls, model: Classifier, hyper: dict[str, Any]) -> bool:
         """Raise ``ValueError`` (one line: why, and what to do) where this method cannot serve ``model`` with
         ``hyper``, checked without building the method; True when that settles it (a method too large to build
@@ -120,6 +126,11 @@ class Algorithm:
 
     def client_start(self, server_state: State, ids: np.ndarray) -> State:
         return {"params": broadcast(server_state["params"], len(ids))}
+
+    def begin_round(self, server_state: State) -> None:
+        """Called with the round's server state before its local steps, wherever they run (``client_start`` on the
+        engine, :func:`fl_server.flower.task.client_train` on a Flower client): a method whose step depends on the
+        round in Python (FedICON's training phase) sets that here. Default: nothing."""
 
     def loss(self, params: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(self.forward(params, x), y)

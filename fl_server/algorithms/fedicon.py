@@ -45,7 +45,7 @@ class FedICONConfig(Hyper):
     # "mlp": z = normalize(g(h(x))) with the SupCon/SimCLR projection g (D -> D -> proj_dim); "none": the paper's
     # literal Eq. 3, z = normalize(h(x)), the encoder output the classifier reads (D-dimensional)
     projection: str = field(default="mlp", metadata={"fingerprint": "omit_default"})
-    encoder_rounds: int = 80  # the remaining rounds train the federated classifier
+    encoder_rounds: int = 80  # the remaining rounds train the federated classifier (a recipe: 80% of its rounds)
     ft_iterations: int = 20  # personalisation of the classifier on the client's training data
     tta: bool = True
     tta_mode: str = "batch"  # "batch" or "online"
@@ -58,6 +58,9 @@ class FedICONConfig(Hyper):
     aug_shift: float = 0.1
     aug_contrast: float = 0.4
     aug_noise: float = 0.1
+
+
+ENCODER_FRACTION = 0.8  # a recipe's share of rounds for the encoder phase where its hyperparameters leave it open
 
 
 def _split(params: State) -> tuple[State, State]:
@@ -98,6 +101,19 @@ class FedICON(Algorithm):
         if not self.hp.tta:
             self.device_step = None  # type: ignore[misc]  # the received model as it is
 
+    @classmethod
+    def fit_hyper(cls, hyper: dict[str, Any], rounds: int) -> dict[str, Any]:
+        """Where ``hyper`` leaves ``encoder_rounds`` open: the encoder for 80% of the run's rounds, the classifier
+        for the rest (at least one round), so a run of any length trains both (the class default, 80, is for
+        the paper's 100 rounds).
+
+        >>> FedICON.fit_hyper({}, 10), FedICON.fit_hyper({}, 1), FedICON.fit_hyper({"encoder_rounds": 3}, 10)
+        ({'encoder_rounds': 8}, {'encoder_rounds': 0}, {'encoder_rounds': 3})
+        """
+        if "encoder_rounds" in hyper:
+            return hyper
+        return {**hyper, "encoder_rounds": min(int(round(ENCODER_FRACTION * rounds)), rounds - 1)}
+
     # ------------------------------------------------------------ pieces
     def represent(self, enc: State, proj: State, x: torch.Tensor) -> torch.Tensor:
         """z = normalize(g(h(x))) [N, proj_dim]."""
@@ -115,9 +131,13 @@ class FedICON(Algorithm):
         key in a checkpoint's flat file, so a restored state lacks it)."""
         return state.get("proj", {})
 
+    def begin_round(self, server_state: State) -> None:
+        """The round's phase (encoder, then classifier), also on a Flower client, which never runs client_start."""
+        self._phase = "encoder" if int(server_state["round"]) < self.hp.encoder_rounds else "head"
+
     def client_start(self, server_state: State, ids: np.ndarray) -> State:
         round_ = int(server_state["round"])
-        self._phase = "encoder" if round_ < self.hp.encoder_rounds else "head"
+        self.begin_round(server_state)
         device = server_state["round"].device
         keys = torch.as_tensor((self.seed * 1_000_033 + round_) * 100_003 + np.asarray(ids, dtype=np.int64),
                                dtype=torch.int64, device=device)

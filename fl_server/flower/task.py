@@ -151,6 +151,7 @@ def client_train(algorithm: Algorithm, start: State, server: State, data: Client
     y = torch.from_numpy(data.y_train)
     batches = client_batches([np.arange(len(data.y_train))], recipe.local_iterations, recipe.batch_size,
                              client_rng(recipe.seed, round_, data.partition_id))
+    algorithm.begin_round(server)  # the server ran client_start, not this client's copy of the method
     out = run_local_steps(algorithm.local_step, stack([start]), server, x, y, torch.from_numpy(batches), "loop",
                           step_at=algorithm.local_step_at)
     return unstack(out)[0]

@@ -76,27 +76,6 @@ UPFL_MODELS: dict[str, tuple[str, int, int]] = {"mnist": ("mlp", 200, 100), "fas
 SPARSE_EVAL: dict[str, int] = {m: 5 for m in ("FedTTA", "FedTTA-Prox", "FedTTA++", "ODPFL-HN")}
 
 
-ENCODER_FRACTION = 0.8  # FedICON: the share of rounds that train the encoder (Sec. 4.1.1), as in the benchmarks
-
-
-def with_schedule(recipe: Recipe) -> Recipe:
-    """``recipe`` with FedICON's phase schedule fitted to its rounds where its hyperparameters leave it open: the
-    encoder for 80% of the rounds, the classifier for the rest (at least one round), so a job of any length
-    trains both (the class default, 80 encoder rounds, is for the paper's 100).
-
-    >>> from fl_server.recipes.presets import builtin_recipe
-    >>> builtin_recipe("digits", "FedICON", rounds=10).hyper["encoder_rounds"]
-    8
-    """
-    from fl_server.algorithms import ALGORITHMS
-    from fl_server.algorithms.fedicon import FedICON
-
-    if not issubclass(ALGORITHMS[recipe.method], FedICON) or "encoder_rounds" in recipe.hyper:
-        return recipe
-    encoder = min(int(round(ENCODER_FRACTION * recipe.rounds)), recipe.rounds - 1)
-    return recipe.replace(hyper={**recipe.hyper, "encoder_rounds": encoder})
-
-
 def builtin_recipe(dataset: str, method: str = "FedAvg", data_dir: str | None = None, **changes: Any) -> Recipe:
     """UPFL Table 1's protocol for ``method`` on a built-in data set (100 pathological clients, half of them new,
     tau = 20, B = 64; ``digits``: 20 clients, 60 rounds). ``changes``: Recipe fields (``rounds``, ...) and
@@ -109,6 +88,6 @@ def builtin_recipe(dataset: str, method: str = "FedAvg", data_dir: str | None = 
                         **{k: v for k, v in changes.items() if k in fed_keys}})
     probe = Recipe(model=model, data=DataSpec.builtin(dataset, data_dir), federation=fed, method=method,
                    rounds=rounds)  # the method's canonical name
-    return with_schedule(probe.replace(hyper=upfl_hyper(dataset).get(probe.method, {}),
-                                       eval_every=SPARSE_EVAL.get(probe.method, 1), name=f"{dataset}-{probe.method}",
-                                       **{k: v for k, v in changes.items() if k not in fed_keys}))
+    return probe.replace(hyper=upfl_hyper(dataset).get(probe.method, {}),
+                         eval_every=SPARSE_EVAL.get(probe.method, 1), name=f"{dataset}-{probe.method}",
+                         **{k: v for k, v in changes.items() if k not in fed_keys})

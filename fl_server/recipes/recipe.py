@@ -158,8 +158,8 @@ class Recipe:
         """The method around ``model``; what it adds (FedTTA's g, ODPFL-HN's encoder and hypernetwork, BTFL's
         local heads) is built from the recipe's model."""
         factory = None if isinstance(self.model, str) else self.model_factory()
-        return build_algorithm(self.method, model, num_train_clients, seed=seed, model_factory=factory,
-                               **self.hyper)
+        hyper = ALGORITHMS[self.method].fit_hyper(self.hyper, self.rounds)  # defaults that depend on the rounds
+        return build_algorithm(self.method, model, num_train_clients, seed=seed, model_factory=factory, **hyper)
 
     def replace(self, **changes: Any) -> "Recipe":
         """A copy with ``changes`` (validated again)."""

@@ -48,15 +48,14 @@ def job_recipe(spec: dict[str, Any]) -> Recipe:
     the coordinator) or the built-in recipe of ``spec["dataset"]``; the request's method, rounds, clients,
     partition and alpha replace the recipe's."""
     from fl_server.recipes import load_recipe
-    from fl_server.recipes.presets import builtin_recipe, with_schedule
+    from fl_server.recipes.presets import builtin_recipe
 
     fed_changes = {k: spec[k] for k in ("num_clients", "partition", "alpha") if spec.get(k) is not None}
     if spec.get("recipe"):
         recipe = load_recipe(spec["recipe"])
         federation = dataclasses.replace(recipe.federation, **fed_changes) if fed_changes else recipe.federation
-        return with_schedule(recipe.replace(method=spec["method"], rounds=int(spec.get("rounds") or recipe.rounds),
-                                            federation=federation,
-                                            hyper=recipe.hyper if recipe.method == spec["method"] else {}))
+        return recipe.replace(method=spec["method"], rounds=int(spec.get("rounds") or recipe.rounds),
+                              federation=federation, hyper=recipe.hyper if recipe.method == spec["method"] else {})
     changes = {**fed_changes, **({"rounds": spec["rounds"]} if spec.get("rounds") is not None else {})}
     return builtin_recipe(spec["dataset"], spec["method"], spec.get("data_dir"), **changes)
 
