@@ -23,13 +23,14 @@ from edge_sdk.personalize import Personalizer
 from export.run import export_run
 from fl_server.engine.simulation import load_state
 from fl_server.recipes.run import rebuild
+from fl_server.rundir import rounds_done
 from run_dirs import measure_runs, run_clients
 
 
 def measure(run_dir: Path, data_dir: str | None, work: Path, command: str) -> dict:
     run, fed = run_clients(run_dir, data_dir)
     ds = fed.dataset
-    recipe, _, algorithm = rebuild(run, data_dir)  # the run's own model and method (zoo or a recipe file)
+    _, _, algorithm = rebuild(run, data_dir)  # the run's own model and method (zoo or a recipe file)
     state = {k: {n: v.float() for n, v in d.items()} for k, d in load_state(run_dir / "best.npz").items()
              if isinstance(d, dict)}  # sub-states (FedICON's scalar round counter is not one)
     device = Personalizer(load_bundle(export_run(run_dir, work / run_dir.name)))
@@ -50,7 +51,7 @@ def measure(run_dir: Path, data_dir: str | None, work: Path, command: str) -> di
             "metric": "accuracy_diff_points_sdk_minus_torch", "value": round(s - t, 3),
             "accuracy_torch": round(t, 3), "accuracy_sdk": round(s, 3),
             "prediction_agreement": round(100 * float(np.mean(agree)), 3), "new_clients": len(fed.new),
-            "protocol_rounds": recipe.rounds,
+            "protocol_rounds": rounds_done(run_dir),  # the run's own (a --rounds run is shorter than its recipe)
             "device_kind": device.kind, "run": str(run_dir), "device": "cpu", "torch": torch.__version__,
             "command": command, "trained_by": run.get("command", "not recorded")}
 

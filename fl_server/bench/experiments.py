@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from fl_server.recipes.presets import FEDTTA_HP, upfl_hyper
+from fl_server.recipes.presets import FEDICON_HP, FEDTTA_HP, upfl_hyper
 from fl_server.bench.data_size import FRACTIONS, run_data_size_seed
 from fl_server.bench.hetero import HETERO_METHODS, run_hetero_seed
 from fl_server.bench.map_incomplete import run_map_seed
@@ -142,7 +142,7 @@ _SHIFT_OPTIONS: dict[str, Any] = {
 _SHIFT_HP: dict[str, dict[str, Any]] = {
     "FedAvg": {"lr": 0.05, "weight_decay": 5e-4}, "FedAvg-FT": {"ft_iterations": 20}, "TENT": {"batch_size": 64},
     "TENT (BN affine)": {"batch_size": 64, "adapt": "norm_affine"},  # batch-normalised models only (-bn)
-    "FedICON": {"lr": 0.05, "head_lr": 0.5, "weight_decay": 5e-4, "ft_iterations": 20, "tta_lr": 0.005},
+    "FedICON": FEDICON_HP,
     "FedICON online": {"tta_mode": "online", "online_chunk": 16},
 }
 # CPU budget: MLP 2x200 instead of the paper's CNN, the paper's 100 rounds but of 20 local steps instead of 5 epochs
