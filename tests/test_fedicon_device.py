@@ -79,7 +79,7 @@ def test_the_devices_views_are_the_servers() -> None:
 
 def test_fedicon_bundles_the_device_cannot_run_are_refused(data_root: Path, tmp_path: Path) -> None:
     """Online TTA has no device graph (export says so); a bundle without its step is refused by the coordinator;
-    a manifest with a bad batch size is refused by the device."""
+    a manifest with a bad batch size or no seed, or projection weights that do not fit the graph, by the device."""
     import json
     import shutil
 
@@ -89,37 +89,96 @@ def test_fedicon_bundles_the_device_cannot_run_are_refused(data_root: Path, tmp_
     from fl_server.recipes import train
     from fl_server.service.publish import PublishError, verify_bundle_dir
 
-    recipe = _recipe(data_root, tta_mode="online")
+    recipe = _recipe(data_root)
     train(recipe, tmp_path / "run", device="cpu", progress=False, data_root=str(data_root))
-    with pytest.raises(ValueError, match="FedICON's online TTA has no device graph: the device runs batch-mode"):
-        export_run(tmp_path / "run", tmp_path / "bundle", data_root=str(data_root), recipe=recipe)
-
     run_json = tmp_path / "run" / "run.json"
-    run = json.loads(run_json.read_text())
-    run["hyper"]["tta_mode"] = "batch"
+    trained = run_json.read_text()
+    run = json.loads(trained)
+    run["hyper"]["tta_mode"] = "online"  # the same training; online mode changes only the test time
     run_json.write_text(json.dumps(run))
-    bundle = export_run(tmp_path / "run", tmp_path / "bundle", data_root=str(data_root),
-                        recipe=recipe.replace(hyper={**recipe.hyper, "tta_mode": "batch"}))
+    with pytest.raises(ValueError, match="FedICON's online TTA has no device graph: the device runs batch-mode"):
+        export_run(tmp_path / "run", tmp_path / "online", data_root=str(data_root),
+                   recipe=recipe.replace(hyper={**recipe.hyper, "tta_mode": "online"}))
+    run_json.write_text(trained)
+    bundle = export_run(tmp_path / "run", tmp_path / "bundle", data_root=str(data_root), recipe=recipe)
 
     def edited(name: str, edit) -> Path:  # type: ignore[no-untyped-def]
         copy = tmp_path / name
         shutil.copytree(bundle, copy)
         (copy / "manifest.sig").unlink(missing_ok=True)
         manifest = json.loads((copy / "manifest.json").read_text())
-        edit(manifest)
+        edit(manifest, copy)
         (copy / "manifest.json").write_text(json.dumps(manifest))
         return copy
 
-    def drop_step(m: dict) -> None:
+    def drop_step(m: dict, root: Path) -> None:
         step = next(a for a in m["artifacts"] if a["name"] == "fedicon_step")
         m["artifacts"].remove(step)
-        (tmp_path / "no-step" / step["file"]).unlink()
+        (root / step["file"]).unlink()
+
+    def proj_float64(m: dict, root: Path) -> None:
+        import hashlib
+
+        entry = next(a for a in m["artifacts"] if a["name"] == "proj")
+        with np.load(root / entry["file"], allow_pickle=False) as f:
+            arrays = {k: f[k].astype(np.float64) for k in f.files}
+        np.savez(root / entry["file"], **arrays)
+        data = (root / entry["file"]).read_bytes()
+        entry.update(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
 
     with pytest.raises(PublishError, match="a FedICON bundle needs the artifacts fedicon_step; export it"):
         verify_bundle_dir(edited("no-step", drop_step), 1 << 28)
-    bad = edited("bad-batch", lambda m: m["hyperparameters"].update(tta_batch=1))
-    with pytest.raises(BundleError, match="the bundle's tta_batch must be an integer >= 2, got 1"):
-        open_bundle(bad)
+    for name, edit, message in [
+            ("bad-batch", lambda m, _: m["hyperparameters"].update(tta_batch=1),
+             r"the bundle's tta_batch must be an integer >= 2, got 1"),
+            ("big-seed", lambda m, _: m.update(seed=2**40),
+             r"the bundle's seed must be an integer in \[0, 2147483647\], got 1099511627776"),
+            ("no-seed", lambda m, _: m.pop("seed"), r"the FedICON bundle's manifest has no 'seed'"),
+            ("proj-f64", proj_float64, r"the bundle's proj weights do not fit its fedicon_step graph: weight "
+                                       r"'0.weight' must be a float32 array, got float64")]:
+        with pytest.raises(BundleError, match=message):
+            open_bundle(edited(name, edit))
+
+
+def test_a_batch_normalised_model_steps_with_its_views_statistics_as_on_the_server(data_root: Path,
+                                                                                   tmp_path: Path) -> None:
+    """BN: every device step normalises with its 2B views' statistics, as the server's step, also for a last
+    batch under the bundle's ``min_batch`` and under the "ema" rule; the device's statistics stay as shipped."""
+    import dataclasses
+
+    from edge_sdk import open_bundle
+    from export.bundle import export_specs, write_bundle
+    from export.run import BATCH_NORM_RULE
+    from export.steps import device_specs
+    from fl_server.algorithms import build_algorithm
+    from fl_server.data import load_dataset
+    from fl_server.functional import make_forward
+    from fl_server.models import build_model
+    from fl_server.models.norm import calibrate, norm_mode, statistics
+
+    x_all = load_dataset("mnist", str(data_root), split="test").x
+    model = build_model("btfl_cnn_bn", (1, 28, 28), 10, seed=0)
+    icon = build_algorithm("FedICON", model, 1, seed=3, tta_lr=0.05, tta_batch=16)
+    state = icon.init_state(torch.float32, torch.device("cpu"))
+    forward, xt = make_forward(model), torch.from_numpy(x_all[:512])
+    calibrate(model, lambda xb: forward(state["params"], xb), (xt[i:i + 128] for i in range(0, 512, 128)))
+    shipped = {k: state[k] for k in icon.device_weights}
+    with torch.no_grad():
+        graphs = export_specs(device_specs(icon, shipped), tmp_path / "graphs")
+    weights = {k: {n: v.detach().numpy() for n, v in d.items()} for k, d in shipped.items()}
+    weights["stats"] = {n: v.float().numpy() for n, v in statistics(model).items()}
+    bundle = write_bundle(tmp_path / "bundle", graphs, weights, "FedICON", dataclasses.asdict(icon.hp),
+                          extra={"seed": 3, "batch_norm": {**BATCH_NORM_RULE, "small_batch": "ema"}})
+    x = x_all[1000:1040]  # batches of 16, 16 and 8 (under min_batch)
+    device = open_bundle(bundle)
+    assert device.personalize(x).steps == 3
+    with norm_mode(model, "batch"):
+        tuned = icon.personalize(state, torch.from_numpy(x))
+    for name, value in tuned.items():
+        np.testing.assert_allclose(device.weights[name], value.detach().numpy(), atol=1e-5)
+    assert max(float(np.abs(device.weights[n] - weights["params"][n]).max()) for n in tuned) > 1e-3
+    for name, value in device._personalizer.current_stats.items():
+        np.testing.assert_array_equal(value, weights["stats"][name])
 
 
 def test_the_coordinator_trains_serves_and_a_device_runs_fedicon(tmp_path: Path) -> None:

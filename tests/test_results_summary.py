@@ -45,6 +45,18 @@ def test_wide_tables_are_transposed_and_detail_rows_left_out() -> None:
     shift = summary_section("fedicon-shift", _table("fedicon-shift"))
     assert "test covariate-s5" in shift and "contrast-5" not in shift and "tta_lr" not in shift
     assert len(shift.splitlines()) < 120
+    # the -noproj variant changes only FedICON: its baselines' lines equal mnist's and are named, not repeated
+    assert "| mnist | FedAvg |" in shift and "| mnist-noproj | FedAvg |" not in shift
+    assert "| mnist-noproj | FedICON |" in shift and "mnist-noproj FedAvg = mnist; " in shift
+
+
+def test_only_equal_numbers_collapse_a_line() -> None:
+    row = {"experiment": "x", "method": "FedAvg", "split": "test", "metric": "accuracy", "mean": 90.0, "std": 0.5,
+           "seeds": 3, "paper": None, "device": "cpu", "command": "fl-server bench x --dataset a --seeds 3"}
+    rows = [{**row, "dataset": "a"}, {**row, "dataset": "b"}, {**row, "dataset": "c", "mean": 90.01}]
+    text = summary_section("x", rows)
+    assert "| a | FedAvg |" in text and "| b | FedAvg |" not in text and "| c | FedAvg |" in text
+    assert "not repeated: b FedAvg = a." in text
 
 
 def test_lead_keeps_abbreviations_inside_the_first_sentence() -> None:

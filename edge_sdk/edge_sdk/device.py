@@ -33,7 +33,8 @@ FedTHE (a BTFL bundle,      local head on labeled (x, y); per-batch head ensembl
 ==========================  ==========================================================  =====================
 
 BTFL and FedTHE are stream methods: ``predict`` treats its batch as the next samples of the stream (their state
-moves on); the others are stateless after ``personalize``. Raw inputs: when the bundle's manifest carries a
+moves on); the others are stateless after ``personalize`` (except a batch-normalised bundle under the
+``"ema"`` rule, whose adaptation steps update the statistics that later predictions use). Raw inputs: when the bundle's manifest carries a
 ``preprocess`` block (resize, scaling, mean/std written by the exporter), every ``x`` given to the device is a
 raw image batch (uint8 or float, the layout the recipe named) and the device applies that preprocessing first
 (:attr:`Device.preprocess`); without one (or an identity one) ``x`` is already the model's float32 NCHW input. The older entry points (:class:`edge_sdk.personalize.Personalizer`,

@@ -5,7 +5,11 @@ The bundle's ``fedicon_step`` graph is one SGD step of Eq. 7: (x [B, ...], u [B,
 new proj, logits, loss); ``u`` are the uniforms that draw each sample's two augmented views, so the graph holds
 no randomness. This module draws them exactly as the server does (:func:`hash_uniform`, a numpy port of
 ``fl_server.data.augment.hash_uniform``) and walks the set as ``FedICON.personalize`` does (``tta_epochs``
-passes of ``tta_batch`` samples in a seeded order): the device's personalised model is the server's.
+passes of ``tta_batch`` samples in a seeded order): the device's personalised weights are the server's.
+Batch normalisation: every step normalises with the statistics of its 2B augmented views, as the server's step
+does (B >= 2, so never one sample's statistics), whatever the bundle's ``batch_norm`` rule says for other
+methods' steps; the device's population statistics are not changed, and predictions use them (the server's
+fedicon-shift benchmark predicts with the test batch's statistics instead, see docs/edge-architectures.md).
 
     runner = FedICONRunner(bundle.session("fedicon_step"), proj=bundle.weights("proj"))
     psi, steps, losses = personalize_fedicon(runner, x, bundle.weights("params"), TTAPlan.from_bundle(bundle))
@@ -19,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edge_sdk.batchnorm import BatchNormRule, statistics_feeds
+from edge_sdk.batchnorm import statistics_feeds
 from edge_sdk.errors import BundleError
-from edge_sdk.steps import Weights, check_batch
+from edge_sdk.steps import Weights, check_batch, check_weights
 
 if TYPE_CHECKING:
     import onnxruntime as ort
@@ -32,6 +36,7 @@ _M32 = 0xFFFFFFFF
 # the server's constants (fl_server.algorithms.fedicon.FedICON._uniforms / personalize): key = tag + seed * 7919,
 # tag = epoch * 1_000_003 + batch index
 _SEED_MIX, _EPOCH_MIX = 7_919, 1_000_003
+MAX_SEED, MAX_EPOCHS = 2**31 - 1, 1000  # the server's int64 key arithmetic is exact far beyond these
 
 
 def _hash32(x: np.ndarray) -> np.ndarray:
@@ -71,36 +76,45 @@ class TTAPlan:
 
     @classmethod
     def from_bundle(cls, bundle: Bundle) -> "TTAPlan":
-        """The plan a FedICON bundle's manifest fixes (``tta_epochs``, ``tta_batch``, ``seed``), validated."""
-        hp, seed = bundle.hyperparameters, bundle.manifest.get("seed", 0)
+        """The plan a FedICON bundle's manifest fixes (``tta_epochs``, ``tta_batch``, the run's ``seed``), validated:
+        without the seed the device would draw other views than the server."""
+        hp = bundle.manifest.get("hyperparameters")
+        if not isinstance(hp, dict):
+            raise BundleError("the FedICON bundle's manifest has no hyperparameters object")
+        if "seed" not in bundle.manifest:
+            raise BundleError("the FedICON bundle's manifest has no 'seed' (the run's seed draws the augmented "
+                              "views); export it with fl-server export")
         if hp.get("tta_mode", "batch") != "batch":
             raise BundleError(f"this FedICON bundle asks for tta_mode={hp.get('tta_mode')!r}; the device runs "
                               "batch-mode TTA only (export a run trained with tta_mode='batch')")
-        plan = cls(hp.get("tta_epochs", 1), hp.get("tta_batch", 64), seed)
-        for name, value, low in (("tta_epochs", plan.epochs, 1), ("tta_batch", plan.batch, 2), ("seed", plan.seed, 0)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise BundleError(f"the bundle's {name} must be an integer >= {low}, got {value!r}")
+        plan = cls(hp.get("tta_epochs", 1), hp.get("tta_batch", 64), bundle.manifest["seed"])
+        for name, value, low, high in (("tta_epochs", plan.epochs, 1, MAX_EPOCHS), ("tta_batch", plan.batch, 2, None),
+                                       ("seed", plan.seed, 0, MAX_SEED)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low or (high and value > high):
+                bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+                raise BundleError(f"the bundle's {name} must be an integer {bounds}, got {value!r}")
         return plan
 
 
 @dataclass
 class FedICONRunner:
     """The ``fedicon_step`` graph with the projection's weights (``proj``, empty for ``projection="none"``) and,
-    for a batch-normalised model, the population statistics and the bundle's rule (:mod:`edge_sdk.batchnorm`)."""
+    for a batch-normalised model, the population statistics (fed to the graph, which steps with batch statistics
+    as the server does, module docstring)."""
 
     session: ort.InferenceSession
     proj: Weights = field(default_factory=dict)
     stats: Weights = field(default_factory=dict)
-    rule: BatchNormRule = field(default_factory=BatchNormRule)
 
     def __post_init__(self) -> None:
         outputs = [o.name for o in self.session.get_outputs()]
         self.output_names = outputs
         self.param_names = [n[len("new."):] for n in outputs if n.startswith("new.")]
         self.proj_names = [n[len("new_proj."):] for n in outputs if n.startswith("new_proj.")]
-        missing = [n for n in self.proj_names if n not in self.proj]
-        if missing:
-            raise BundleError(f"the bundle's proj weights lack {missing} (the fedicon_step graph needs them)")
+        try:  # names, dtype, shapes and finiteness, before anything reaches onnxruntime
+            self.proj = check_weights(self.proj, self.session, prefix="proj.")
+        except ValueError as exc:
+            raise BundleError(f"the bundle's proj weights do not fit its fedicon_step graph: {exc}") from None
         u = next((i for i in self.session.get_inputs() if i.name == "u"), None)
         if u is None or not isinstance(u.shape[-1], int):
             raise BundleError("the fedicon_step graph has no input 'u' [B, 2, K] with a fixed K")
@@ -116,10 +130,8 @@ class FedICONRunner:
         feeds: dict[str, Any] = {"x": check_batch(x, self.session), "u": u}
         feeds.update({f"psi.{n}": psi[n] for n in self.param_names})
         feeds.update({f"proj.{n}": proj[n] for n in self.proj_names})
-        feeds.update(statistics_feeds(self.session, self.stats, self.rule.step_momentum(len(x))))
+        feeds.update(statistics_feeds(self.session, self.stats, 1.0))  # the 2B views' own statistics
         out = dict(zip(self.output_names, self.session.run(self.output_names, feeds)))
-        if self.stats and self.rule.updates_statistics(len(x)):
-            self.stats = {n: out[f"new_stats.{n}"] for n in self.stats}
         return ({n: out[f"new.{n}"] for n in self.param_names}, {n: out[f"new_proj.{n}"] for n in self.proj_names},
                 float(out["loss"]))
 

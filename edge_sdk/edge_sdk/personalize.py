@@ -91,8 +91,8 @@ class Personalizer:
             self.kind = "TENT"
         elif "fedicon_step" in names:
             proj = bundle.weights("proj") if "proj" in names else {}  # projection="none": no weights
-            self.fedicon = (FedICONRunner(bundle.session("fedicon_step", threads), proj=proj, stats=self.stats,
-                                          rule=self.rule), TTAPlan.from_bundle(bundle))
+            self.fedicon = (FedICONRunner(bundle.session("fedicon_step", threads), proj=proj, stats=self.stats),
+                            TTAPlan.from_bundle(bundle))
             self.kind = "FedICON"
         elif "encoder" in names:
             self.encoder = bundle.session("encoder", threads)
@@ -126,8 +126,6 @@ class Personalizer:
     def current_stats(self) -> Weights:
         """The population statistics predictions use: the bundle's, or the stream's exponential update of them
         (``batch_norm.small_batch="ema"``) once adaptation steps have run."""
-        if self.fedicon is not None:
-            return self.fedicon[0].stats
         return self.runner.stats if self.runner is not None else self.stats
 
     def embed(self, x: np.ndarray, epsilon: float = math.inf, delta: float = 0.01,

@@ -114,18 +114,21 @@ def _table(rows: list[Row]) -> list[str]:
     cells = {(r["dataset"], r["method"], split_label(r)): r for r in rows}
     if len(splits) <= MAX_SPLIT_COLUMNS:  # one line per (data set, method)
         lines = ["| dataset | method | seeds | " + " | ".join(map(md_cell, splits)) + " |", "|---" * (3 + len(splits)) + "|"]
-        seen, repeats = set(), []  # a method's line equal to an earlier data set's (a shared training): shown once
+        # a method's line equal, number for number, to an earlier data set's (a training both share, e.g. the
+        # baselines of a variant that changes only FedICON) is shown once and named under the table
+        seen: dict[tuple[str, ...], str] = {}
+        repeats = []
         for ds, method in keys:
             mine = [r for r in rows if (r["dataset"], r["method"]) == (ds, method)]
             row = [_cell(c) if (c := cells.get((ds, method, s))) else "-" for s in splits]
             line = (method, _joined([r["seeds"] for r in mine]), *row)
-            if line in seen:
-                repeats.append(f"{ds} {method}")
+            if line in seen and any(c != "-" for c in row):
+                repeats.append(f"{ds} {method} = {seen[line]}")
                 continue
-            seen.add(line)
+            seen.setdefault(line, ds)
             lines.append(f"| {ds} | {method} | {line[1]} | " + " | ".join(row) + " |")
         if repeats:
-            lines += ["", f"Equal to an earlier data set's line (the same training), not repeated: {', '.join(repeats)}."]
+            lines += ["", f"Lines equal to an earlier data set's, not repeated: {'; '.join(repeats)}."]
         return lines
     methods = list(dict.fromkeys(r["method"] for r in rows))  # transposed: one line per (data set, split)
     lines = ["| dataset | split | seeds | " + " | ".join(methods) + " |", "|---" * (3 + len(methods)) + "|"]
