@@ -16,6 +16,9 @@ from fl_server.functional import State
 
 def fedicon_tta_step_spec(algorithm: FedICON, psi: State, proj: State, batch: int = 4,
                           stats: Stats | None = None) -> StepSpec:
+    if algorithm.hp.tta_mode != "batch":
+        raise ValueError(f"FedICON's {algorithm.hp.tta_mode} TTA has no device graph: the device runs batch-mode "
+                         "TTA (Sec. 4.2); export a run trained with tta_mode='batch'")
     names, proj_names = list(psi), list(proj)
     x = _example_x(algorithm.model, psi, batch)
     u = torch.rand(batch, 2, num_uniforms(x.shape[1:]), dtype=x.dtype)

@@ -152,9 +152,6 @@ STEP_SPECS: dict[str, Callable[..., StepSpec]] = {
 def _fedicon_step(algorithm: Algorithm, state: State) -> StepSpec:
     from export.fedicon import fedicon_tta_step_spec  # imports this module
 
-    if algorithm.hp.tta_mode != "batch":
-        raise ValueError(f"FedICON's {algorithm.hp.tta_mode} TTA has no device graph: the device runs batch-mode "
-                         "TTA (Sec. 4.2); export a run trained with tta_mode='batch'")
     return fedicon_tta_step_spec(algorithm, state["params"], state.get("proj", {}))  # type: ignore[arg-type]
 
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from edge_sdk.batchnorm import statistics_feeds
 from edge_sdk.errors import BundleError
-from edge_sdk.steps import Weights, check_batch, check_weights
+from edge_sdk.steps import Weights, check_batch, check_weights, finite
 
 if TYPE_CHECKING:
     import onnxruntime as ort
@@ -107,10 +107,9 @@ class FedICONRunner:
     stats: Weights = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        outputs = [o.name for o in self.session.get_outputs()]
-        self.output_names = outputs
-        self.param_names = [n[len("new."):] for n in outputs if n.startswith("new.")]
-        self.proj_names = [n[len("new_proj."):] for n in outputs if n.startswith("new_proj.")]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        self.param_names = [n[len("new."):] for n in self.output_names if n.startswith("new.")]
+        self.proj_names = [n[len("new_proj."):] for n in self.output_names if n.startswith("new_proj.")]
         try:  # names, dtype, shapes and finiteness, before anything reaches onnxruntime
             self.proj = check_weights(self.proj, self.session, prefix="proj.")
         except ValueError as exc:
@@ -149,7 +148,7 @@ def personalize_fedicon(runner: FedICONRunner, x: np.ndarray, psi: Weights,
                 continue
             key = epoch * _EPOCH_MIX + i + plan.seed * _SEED_MIX
             new_psi, new_proj, loss = runner.step(x[idx], psi, proj, runner.uniforms(key, len(idx)))
-            if not (np.isfinite(loss) and all(np.isfinite(v).all() for v in (*new_psi.values(), *new_proj.values()))):
+            if not (finite(new_psi, loss) and finite(new_proj, loss)):
                 return psi, len(losses), losses
             psi, proj = new_psi, new_proj
             losses.append(loss)
