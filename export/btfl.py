@@ -5,7 +5,8 @@ state as ``.npz``.
   entropies, FedTHE prototypes), for the BTGFL benchmark's device-side checks.
 * :func:`export_btfl_run`: what the coordinator serves to any device (``export_run`` on a BTFL run): the
   global model (``params``: ``features`` and ``forward`` graphs take them as ``psi.*``) and the training
-  clients' average DLE and mean feature (``btfl``: ``global_dle`` [D, L], ``dle_clients`` [1], ``mu_global`` [D]). A device trains
+  clients' average DLE and mean feature (``btfl``: ``global_dle`` [D, L], ``dle_clients`` [1], ``mu_global`` [D]),
+  computed by the run's finalize step (``BTFL.finalize``) and read from its run directory. A device trains
   its own local head and fits its own DLE on its labeled data (:mod:`edge_sdk.btfl_device`).
 
 On the device (torch-free): ``features, global_logits = session.run(...)``, ``local_logits = features @
@@ -23,14 +24,11 @@ import torch
 
 import numpy as np
 
-from edge_sdk import btfl as btfl_math
 from export.bundle import export_specs, write_bundle
 from fl_server.signing import ManifestSigner
-from export.steps import StepSpec, _example_x, forward_spec
+from export.steps import StepSpec, _example_x, forward_spec, with_norm_statistics
 from fl_server.algorithms.btfl import BTFL, ClientArtifacts
 from fl_server.functional import State
-from fl_server.recipes import Recipe
-from fl_server.recipes.run import client_data
 
 
 def btfl_features_spec(algorithm: BTFL, params: State, batch: int = 4, frozen: bool = True) -> StepSpec:
@@ -44,9 +42,13 @@ def btfl_features_spec(algorithm: BTFL, params: State, batch: int = 4, frozen: b
         z = algorithm.features(p, x)
         return z, algorithm.global_head(p, z)
 
-    return StepSpec(fn, [_example_x(algorithm.model, params, batch), *params.values()],
-                    ["x", *(f"psi.{n}" for n in names)], ["features", "global_logits"],
-                    embedded=tuple(f"psi.{n}" for n in names) if frozen else ())
+    spec = StepSpec(fn, [_example_x(algorithm.model, params, batch), *params.values()],
+                    ["x", *(f"psi.{n}" for n in names)], ["features", "global_logits"])
+    # a batch-normalised model: the population statistics at momentum 0, whatever the batch (no-op otherwise)
+    spec = with_norm_statistics(spec, algorithm.model, momentum=0.0, return_stats=False)
+    if frozen:
+        spec.embedded = tuple(n for n in spec.input_names if n != "x")
+    return spec
 
 
 def export_btfl_client(algorithm: BTFL, params: State, artifacts: ClientArtifacts, dest: str | os.PathLike,
@@ -60,35 +62,19 @@ def export_btfl_client(algorithm: BTFL, params: State, artifacts: ClientArtifact
         return write_bundle(dest, graphs, weights, algorithm.name, asdict(algorithm.hp), extra=extra)
 
 
-def training_global_dle(algorithm: BTFL, server_state: State, run: dict[str, Any],
-                        data_root: str | None = None, recipe: Recipe | None = None
-                        ) -> tuple[np.ndarray, int, np.ndarray]:
-    """(global DLE [D, L], clients, mu_global [D]): the average of every training client's local DLE on its
-    training set with the final features (BTFL Sec. 4.1: every client weighs the same, as in ``btgfl`` and on
-    the coordinator), and the mean of their mean features (FedTHE's global prototype, on the same bundle)."""
-    fed = client_data(run, data_root, recipe)
-    x = torch.from_numpy(fed.dataset.x).float()
-    arts = algorithm.client_artifacts(server_state, x, fed.train)
-    return btfl_math.average_dles([a.local_dle for a in arts]), len(arts), arts[0].mu_global
-
-
-def export_btfl_run(algorithm: BTFL, server_state: State, run: dict[str, Any], dest: str | os.PathLike,
-                    extra: dict[str, Any], data_root: str | None = None,
-                    signer: ManifestSigner | None = None, recipe: Recipe | None = None,
-                    global_dle: tuple[np.ndarray, int] | None = None) -> Path:
-    """The served BTFL bundle: graphs ``features`` and ``forward``, weights ``params`` and ``btfl``.
-    ``global_dle``: (DLE, clients) uploaded by the clients of a Flower run (no data re-read here)."""
+def export_btfl_run(algorithm: BTFL, server_state: State, device: dict[str, dict[str, np.ndarray]],
+                    dest: str | os.PathLike, extra: dict[str, Any], signer: ManifestSigner | None = None) -> Path:
+    """The served BTFL bundle: graphs ``features`` and ``forward``, weights ``params`` and ``btfl`` (the run's
+    finalize weights: global DLE, clients behind it, and -- from an in-process run -- FedTHE's global prototype
+    ``mu_global``). A batch-normalised model's ``features`` graph embeds the population statistics (``device``'s
+    ``stats``), so a feature never depends on the other samples of its batch: a stream of one sample at a time
+    gets what a whole client gets."""
     params = {n: v.detach().float().cpu() for n, v in server_state["params"].items()}
-    state = {"params": params, "local_heads": server_state["local_heads"].float()}
-    if global_dle is not None:  # a Flower run: the clients' uploads (no FedTHE prototype: mu_global is left out)
-        (global_dle, clients), mu_global = global_dle, None
-    else:
-        global_dle, clients, mu_global = training_global_dle(algorithm, state, run, data_root, recipe)
+    served = {k: np.asarray(v) for k, v in device["btfl"].items()}
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         graphs = export_specs({"features": btfl_features_spec(algorithm, params),
                                "forward": forward_spec(algorithm.model, params)}, Path(tmp))
-        served = {"global_dle": global_dle, "dle_clients": np.array([clients], dtype=np.int64)}
-        if mu_global is not None:
-            served["mu_global"] = np.asarray(mu_global, dtype=np.float64)
         weights = {"params": {n: v.numpy() for n, v in params.items()}, "btfl": served}
+        if "stats" in device:
+            weights["stats"] = device["stats"]
         return write_bundle(dest, graphs, weights, algorithm.name, asdict(algorithm.hp), extra=extra, signer=signer)

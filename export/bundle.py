@@ -18,6 +18,7 @@ import fl_server
 from edge_sdk import strictjson
 from edge_sdk.bundle import MANIFEST, sha256_file
 from export.graphs import OPSET
+from fl_server.algorithms import ALGORITHMS
 from export.steps import StepSpec
 
 if TYPE_CHECKING:
@@ -25,7 +26,8 @@ if TYPE_CHECKING:
 
 # 1: every graph takes its weights as inputs; 2: frozen graphs may embed them (a graph's "inputs" in the
 # manifest list what a device feeds; edge_sdk.steps.graph_feeds picks them, so format-1 bundles still load)
-FORMAT_VERSION = 2
+# 3: the manifest names the method's device step (``device_step``), by which the SDK chooses its runner
+FORMAT_VERSION = 3
 _ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.DOUBLE: "float64",
                 onnx.TensorProto.INT64: "int64", onnx.TensorProto.INT32: "int32"}
 
@@ -80,7 +82,11 @@ def write_bundle(dest: str | os.PathLike, graphs: dict[str, Path], weights: dict
                  signer: ManifestSigner | None = None) -> Path:
     """Assemble a bundle at ``dest`` from exported graphs (name -> .onnx path) and weight sets
     (name -> {param: array}, saved as ``<name>.npz``); ``signer`` adds ``manifest.sig``. Replaces an
-    existing bundle atomically."""
+    existing bundle atomically. The manifest's ``device_step`` is the registered method's
+    (``Algorithm.device_step_for(hyperparameters)``), by which the SDK chooses how a device personalises."""
+    cls = ALGORITHMS.get(method)
+    if cls is None:
+        raise ValueError(f"unknown method {method!r}: a bundle is of a registered method ({', '.join(ALGORITHMS)})")
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     recover_bundle(dest)
@@ -101,7 +107,8 @@ def write_bundle(dest: str | os.PathLike, graphs: dict[str, Path], weights: dict
     for a in artifacts:
         path = staging / a["file"]
         a["sha256"], a["size"] = sha256_file(path), path.stat().st_size
-    manifest = {"format": FORMAT_VERSION, "method": method, "hyperparameters": hyperparameters,
+    manifest = {"format": FORMAT_VERSION, "method": method, "device_step": cls.device_step_for(hyperparameters),
+                "hyperparameters": hyperparameters,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "versions": {"fl_server": fl_server.__version__, "onnx_opset": OPSET}, "artifacts": artifacts,
                 **(extra or {})}

@@ -1,10 +1,11 @@
-"""Export a finished run (``run.json`` + ``best.npz`` in its run directory) into a device bundle."""
+"""Export a finished run into a device bundle, from its run directory alone: ``run.json`` (how to rebuild the
+model), ``best.npz`` (the best-validation state) and ``device.npz`` (what the run's finalize step computed from
+the clients' data: population statistics, BTFL's global DLE). No data set is read here."""
 from __future__ import annotations
 
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from export.btfl import export_btfl_run
@@ -13,59 +14,55 @@ from export.quantize import freeze_weights, quantize_int8
 from export.steps import device_specs
 from fl_server import rundir
 from fl_server.algorithms.btfl import BTFL
-from fl_server.functional import make_forward
-from fl_server.models.norm import calibrate, statistics, stat_norms
+from fl_server.models.norm import BATCH_NORM_RULE, set_statistics, stat_norms
 from fl_server.recipes import Recipe
-from fl_server.recipes.run import client_data, rebuild
+from fl_server.recipes.run import rebuild
 from fl_server.signing import ManifestSigner
-
-BTFL_DLE_FILE = "btfl_dle.npz"  # a Flower BTFL run's global DLE, uploaded by its clients (fl_server.flower)
-
-
-BATCH_NORM_RULE = {"statistics": "federated", "min_batch": 16, "small_batch": "running", "ema_momentum": 0.1}
 
 
 def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_root: str | None = None,
-               signer: ManifestSigner | None = None, recipe: Recipe | None = None,
-               batch_norm: dict | None = None) -> Path:
-    """Build the method's device graphs around the best-validation weights of ``run_dir``; write a bundle.
-    ``int8``: also ship ``forward_int8``, the received model frozen and dynamically quantized (plain inference).
-    ``data_root``: where the run's data set lives (BTFL re-reads the training clients' data for their DLEs).
-    ``signer``: sign the manifest (``manifest.sig``). ``recipe``: the run's recipe, needed only when it was built
-    in Python (run.json then names no recipe file to rebuild the model from).
-    ``batch_norm``: overrides of :data:`BATCH_NORM_RULE` for a batch-normalised model (the manifest's
-    ``batch_norm`` entry, ``edge_sdk.batchnorm``); its population statistics are the federated ones of the
-    final weights over the run's training clients (re-read from ``data_root``), shipped as ``stats``."""
+               signer: ManifestSigner | None = None, recipe: Recipe | None = None) -> Path:
+    """Build the method's device graphs around the best-validation weights of ``run_dir``; write a bundle whose
+    manifest records the method's device step (:func:`export.bundle.write_bundle`). ``int8``: also ship
+    ``forward_int8``, the received model frozen and dynamically quantized (plain inference). ``data_root``: where a
+    built-in data set lives (the recipe names it; nothing is read). ``signer``: sign the manifest
+    (``manifest.sig``). ``recipe``: the run's recipe, needed only when it was built in Python (run.json then names
+    no recipe file to rebuild the model from). A batch-normalised model ships the run's population statistics
+    (``stats``) and the device's rule (``batch_norm``, :data:`fl_server.models.norm.BATCH_NORM_RULE`), by which
+    training evaluated its new clients.
+
+    >>> export_run("runs/mnist-TENT", "runs/bundle")  # doctest: +SKIP
+    PosixPath('runs/bundle')
+    """
     run = rundir.read_run(run_dir)
     recipe, model, algorithm = rebuild(run, data_root, recipe=recipe)
+    device = rundir.read_device(run_dir)
     extra = {"model": run["model"], "dataset": run["dataset"], "seed": run["seed"],
              "input_shape": run["input_shape"], "num_classes": run["num_classes"],
              "preprocess": recipe.preprocess.to_dict(),  # type: ignore[union-attr]
              **{k: run[k] for k in ("recipe", "federation", "protocol", "data") if run.get(k) is not None}}
+    missing = [name for name in type(algorithm).finalize_weights if name not in device]
+    if missing:
+        raise ValueError(f"{run_dir}: device.npz lacks {', '.join(missing)} (the run's finalize step writes them); "
+                         "train the run again with this version")
+    if stat_norms(model):
+        if "stats" not in device:
+            raise ValueError(f"{run_dir}: the model is batch-normalised but device.npz holds no population "
+                             "statistics (a Flower run does not compute them yet; an in-process run trained "
+                             "before this version neither): train it in process with this version")
+        if int8:
+            raise ValueError("--int8 is not available for batch-normalised models")
+        set_statistics(model, device["stats"])
+        extra["batch_norm"] = dict(BATCH_NORM_RULE)
     if isinstance(algorithm, BTFL):
         if int8:
             raise ValueError("--int8 is not available for BTFL bundles")
-        uploaded = None
-        dle_file = Path(run_dir) / BTFL_DLE_FILE
-        if dle_file.is_file():  # a Flower run: the clients' DLE uploads, averaged by the server
-            with np.load(dle_file, allow_pickle=False) as f:
-                uploaded = (f["global_dle"], int(f["dle_clients"][0]))
-        return export_btfl_run(algorithm, rundir.load_best(run_dir), run, dest, extra, data_root, signer, recipe,
-                               uploaded)
+        return export_btfl_run(algorithm, rundir.load_best(run_dir), device, dest, extra, signer)
     state = {k: {n: v.float() for n, v in d.items()} for k, d in rundir.load_best(run_dir).items()
              if k in algorithm.device_weights}
-    if stat_norms(model):
-        if int8:
-            raise ValueError("--int8 is not available for batch-normalised models")
-        fed = client_data(run, data_root, recipe)
-        x, forward = torch.from_numpy(fed.dataset.x).float(), make_forward(model)
-        calibrate(model, lambda xb: forward(state["params"], xb),
-                  (x[torch.as_tensor(t[i:i + 256])] for t in fed.train for i in range(0, len(t), 256)))
-        extra["batch_norm"] = {**BATCH_NORM_RULE, **(batch_norm or {})}
     specs = device_specs(algorithm, state)  # forward and the method's device step (Algorithm.device_step)
     weights = {k: {n: v.numpy() for n, v in d.items()} for k, d in state.items()}
-    if stat_norms(model):
-        weights["stats"] = {n: v.float().numpy() for n, v in statistics(model).items()}
+    weights.update(device)  # stats, and any finalize weights of the method
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         graphs = export_specs(specs, Path(tmp))
         if int8:

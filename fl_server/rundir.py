@@ -7,6 +7,10 @@
 ``best.npz``        the server state of the best validation round (and its round in the metadata)
 ``checkpoint.npz``  the state to resume from, with its metadata; ``checkpoint.json`` mirrors the metadata
 ``best.ckpt.npz``   the best state as of the last checkpoint (a hard link)
+``device.npz``      what a bundle of ``best.npz`` needs that only the clients' data gives, written by the run's
+                    finalize step: the population statistics of a batch-normalised model (``stats``) and the
+                    method's finalize weights (BTFL's global DLE, ``btfl``), with the round of the state they
+                    belong to; export reads them from here and needs no data set
 ==================  =====================================================================================
 
 >>> from pathlib import Path
@@ -28,7 +32,7 @@ import torch
 
 from fl_server.functional import State, from_numpy_flat, to_numpy_flat
 
-RUN, METRICS, BEST = "run.json", "metrics.jsonl", "best.npz"
+RUN, METRICS, BEST, DEVICE = "run.json", "metrics.jsonl", "best.npz", "device.npz"
 CHECKPOINT, CHECKPOINT_JSON, BEST_AT_CHECKPOINT = "checkpoint.npz", "checkpoint.json", "best.ckpt.npz"
 META_KEY = "__checkpoint__"  # a checkpoint's metadata (JSON bytes) inside its own .npz
 
@@ -105,6 +109,37 @@ def best_arrays(run_dir: str | Path, prefix: str) -> dict[str, np.ndarray]:
     """The flat arrays of ``best.npz`` under ``prefix/`` (e.g. ODPFL-HN's ``hn``), keys without the prefix."""
     with np.load(Path(run_dir) / BEST, allow_pickle=False) as arrays:
         return {k[len(prefix) + 1:]: arrays[k] for k in arrays.files if k.startswith(prefix + "/")}
+
+
+def write_device(run_dir: str | Path, weights: dict[str, dict[str, np.ndarray]], round_: int) -> None:
+    """``device.npz``: named weight sets (``{"stats": {...}, "btfl": {...}}``) for the state of round ``round_``."""
+    arrays = {f"{name}/{key}": np.asarray(v) for name, ws in weights.items() for key, v in ws.items()}
+    arrays[META_KEY] = np.frombuffer(json.dumps({"round": round_, "sets": sorted(weights)}).encode(), dtype=np.uint8)
+    tmp = Path(run_dir) / (DEVICE + ".tmp.npz")
+    np.savez(tmp, **arrays)
+    os.replace(tmp, Path(run_dir) / DEVICE)
+
+
+def read_device(run_dir: str | Path) -> dict[str, dict[str, np.ndarray]]:
+    """The weight sets of ``device.npz``, checked to belong to ``best.npz``'s round; FileNotFoundError (one line)
+    for a run whose training did not finalize (trained before the finalize step existed: train it again)."""
+    run_dir = Path(run_dir)
+    path = run_dir / DEVICE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found; the run did not finalize (train it again with this version: "
+                                "the finalize step writes what its bundle needs from the clients' data)")
+    meta = checkpoint_meta(path) or {}
+    best = checkpoint_meta(run_dir / BEST) or {}
+    if "round" in best and meta.get("round") != best["round"]:
+        raise ValueError(f"{path} belongs to round {meta.get('round')}, best.npz to round {best['round']}; "
+                         "resume the run to finalize it again")
+    out: dict[str, dict[str, np.ndarray]] = {name: {} for name in meta.get("sets", [])}
+    with np.load(path, allow_pickle=False) as arrays:
+        for k in arrays.files:
+            if k != META_KEY:
+                name, key = k.split("/", 1)
+                out.setdefault(name, {})[key] = arrays[k]
+    return out
 
 
 def rounds_done(run_dir: str | Path) -> int:

@@ -15,7 +15,7 @@ from edge_sdk.bundle import load_bundle
 from edge_sdk.personalize import Personalizer
 from export import forward_spec, tent_step_spec
 from export.bundle import export_specs, write_bundle
-from export.run import BATCH_NORM_RULE
+from fl_server.models.norm import BATCH_NORM_RULE
 from fl_server.algorithms import build_algorithm
 from fl_server.data.federated import make_federated
 from fl_server.functional import get_params, make_forward

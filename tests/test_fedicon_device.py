@@ -148,7 +148,7 @@ def test_a_batch_normalised_model_steps_with_its_views_statistics_as_on_the_serv
 
     from edge_sdk import open_bundle
     from export.bundle import export_specs, write_bundle
-    from export.run import BATCH_NORM_RULE
+    from fl_server.models.norm import BATCH_NORM_RULE
     from export.steps import device_specs
     from fl_server.algorithms import build_algorithm
     from fl_server.data import load_dataset

@@ -113,9 +113,12 @@ def test_bundles_without_preprocessing_load_as_identity(tmp_path: Path) -> None:
     from edge_sdk.bundle import load_bundle
     from edge_sdk.errors import BundleError
 
-    (tmp_path / "manifest.json").write_text(json.dumps({"method": "FedAvg", "artifacts": []}))
+    (tmp_path / "manifest.json").write_text(json.dumps({"method": "FedAvg", "device_step": None, "artifacts": []}))
     assert load_bundle(tmp_path).preprocess == Preprocess.identity()
-    (tmp_path / "manifest.json").write_text(json.dumps({"method": "FedAvg", "artifacts": [],
+    (tmp_path / "manifest.json").write_text(json.dumps({"method": "FedAvg", "artifacts": []}))
+    with pytest.raises(BundleError, match=r"names no 'device_step' \(written before bundle format 3\): export it again"):
+        load_bundle(tmp_path)
+    (tmp_path / "manifest.json").write_text(json.dumps({"method": "FedAvg", "device_step": None, "artifacts": [],
                                                         "preprocess": {"layout": "NHWC"}}))
     with pytest.raises(BundleError, match=r"malformed manifest \(preprocess keys must be layout, size, scale, mean, "
                                           r"std \(unknown: \[\], missing: \['mean', 'scale', 'size', 'std'\]\)\)"):

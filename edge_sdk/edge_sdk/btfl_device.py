@@ -61,8 +61,8 @@ class BTFLFit:
 
 class BTFLDevice:
     def __init__(self, bundle: Bundle, threads: int | None = 1) -> None:
-        if bundle.method != "BTFL":
-            raise BundleError(f"a {bundle.method} bundle is not a BTFL bundle")
+        if bundle.device_step != "btfl":
+            raise BundleError(f"a {bundle.method} bundle has no BTFL stream (its device step is {bundle.device_step!r})")
         self.bundle = bundle
         self.session = bundle.session("features", threads)
         # the weights the features graph takes as inputs: none for a frozen graph (bundle format 2)

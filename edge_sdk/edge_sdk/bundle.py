@@ -56,6 +56,12 @@ class Bundle:
         return str(self.manifest["method"])
 
     @property
+    def device_step(self) -> str | None:
+        """How a device personalises with this bundle (``Algorithm.device_step`` of its method, recorded at
+        export): "tent_step", "fedtta_step", "fedicon_step", "encoder", "btfl" or None (the received model)."""
+        return self.manifest["device_step"]
+
+    @property
     def hyperparameters(self) -> dict[str, Any]:
         return dict(self.manifest.get("hyperparameters", {}))
 
@@ -121,6 +127,11 @@ def load_bundle(root: str | os.PathLike, public_key: PublicKey | None = None) ->
             raise TypeError("'artifacts' must be a list of objects")
         if manifest.get("preprocess") is not None:
             Preprocess.from_dict(manifest["preprocess"])  # a bad one fails here, not at the first image
+        if "device_step" not in manifest:
+            raise TypeError("it names no 'device_step' (written before bundle format 3): export it again")
+        step = manifest["device_step"]
+        if step is not None and not (isinstance(step, str) and 0 < len(step) <= 64):
+            raise TypeError(f"'device_step' must be a step kind or null, got {str(step)[:40]!r}")
     except (ValueError, KeyError, TypeError) as exc:  # JSON and UTF-8 decoding errors are ValueErrors
         raise BundleError(f"{manifest_path}: malformed manifest ({exc})") from None
     verified: dict[str, bytes] = {}

@@ -62,7 +62,6 @@ if TYPE_CHECKING:
     from edge_sdk.client import EdgeClient
 
 __all__ = ["Adaptation", "Device", "open_bundle"]
-STREAM_METHODS = ("BTFL", "FedTHE")  # methods whose prediction depends on the samples seen before
 
 
 @dataclass
@@ -81,30 +80,29 @@ class Device:
     def __init__(self, bundle: Bundle, method: str | None = None, client: EdgeClient | None = None,
                  threads: int | None = 1, int8: bool = False) -> None:
         self.bundle, self.client, self.preprocess = bundle, client, _preprocess(bundle)
-        if method == "FedTHE" and bundle.method != "BTFL":
+        stream = bundle.device_step == "btfl"  # BTFL's two heads on one frozen feature graph
+        if method == "FedTHE" and not stream:
             raise BundleError(f"FedTHE runs on a BTFL bundle (two heads on one feature), not on a {bundle.method} "
                               "bundle")
         if method not in (None, "none", "FedTHE", bundle.method):
             raise BundleError(f"a {bundle.method} bundle cannot run {method}; open it with method=None "
                               f"({bundle.method}) or method='none' (the received model)")
         self.method = bundle.method if method is None else method
-        self._btfl = BTFLDevice(bundle, threads) if bundle.method == "BTFL" else None
-        self._personalizer = None if self._btfl is not None else Personalizer(
-            bundle, threads, int8, "none" if self.method == "none" else None)
-        if self._personalizer is not None and self.method != "none":
-            self.method = _kind(self._personalizer, bundle.method)
+        self._btfl = BTFLDevice(bundle, threads) if stream else None
+        self._personalizer = None if stream else Personalizer(bundle, threads, int8,
+                                                              "none" if self.method == "none" else None)
         self.weights: dict[str, np.ndarray] | None = None  # personalised weights (Personalizer methods)
         self._fedthe: dict[str, np.ndarray] | None = None  # FedTHE: mu_local, mu_global, the feature history
 
     @property
     def needs_labels(self) -> bool:
         """Whether :meth:`personalize` needs labels (BTFL and FedTHE train a local head)."""
-        return self.method in STREAM_METHODS
+        return self._btfl is not None and self.method != "none"
 
     @property
     def global_weight(self) -> float | None:
         """BTFL: the weight e of the global head for the last sample predicted (None for other methods)."""
-        stream = self._btfl.stream if self._btfl is not None and self.method == "BTFL" else None
+        stream = self._btfl.stream if self._btfl is not None and self.method != "FedTHE" else None
         if stream is None:
             return None
         if stream.last_weight is not None:  # a one-sample call
@@ -129,7 +127,7 @@ class Device:
                                  "the device's local head on the frozen global features)")
             return self._fit_heads(x, np.asarray(y))
         assert self._personalizer is not None
-        if self.method == "ODPFL-HN" and self.client is None:
+        if self._personalizer.kind == "encoder" and self.client is None:
             raise BundleError("ODPFL-HN needs the coordinator's hypernetwork: open_bundle(bundle, client=EdgeClient)")
         generate = self.client.generate if self.client is not None else None
         result = self._personalizer.personalize(x, generate, epsilon, delta, rng)
@@ -157,7 +155,7 @@ class Device:
             global_dle = reply["others_dle"] if reply.get("others_dle") is not None else reply["global_dle"]
             details["dle_clients"], details["dle_base"] = reply.get("clients"), reply.get("base")
         self._btfl.start(global_dle)
-        return Adaptation("BTFL", 1, len(x), details)
+        return Adaptation(self.method, 1, len(x), details)
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         """Logits [N, C] (BTFL: log-probabilities of the interpolation) for the batch ``x``. Before
@@ -168,7 +166,7 @@ class Device:
             return self._personalizer.predict(x, self.weights)
         if self.method == "none" or self._btfl.fit_result is None:
             return self._btfl.global_logits(x)
-        if self.method == "BTFL":
+        if self.method != "FedTHE":
             return self._btfl.logits(x)
         return self._fedthe_logits(x)
 
@@ -208,13 +206,6 @@ def open_bundle(bundle: Bundle | str | os.PathLike, *, public_key: PublicKey | N
     if not isinstance(bundle, Bundle):
         bundle = load_bundle(bundle, public_key=public_key)
     return Device(bundle, method, client, threads, int8)
-
-
-def _kind(personalizer: Personalizer, method: str) -> str:
-    """The method a non-BTFL bundle runs: its adaptation graph decides (FedTTA vs FedTTA++ by patience)."""
-    if personalizer.kind == "FedTTA":  # FedTTA and FedTTA-Prox share the device step
-        return method if method in ("FedTTA", "FedTTA-Prox") else "FedTTA"
-    return method if personalizer.kind == "none" else personalizer.kind
 
 
 def _preprocess(bundle: Bundle) -> Preprocess | None:

@@ -9,7 +9,7 @@
 
     model = personalize(bundle, x_unlabeled)     # the same as one object: model.logits(x)
 
-Methods, by the bundle's artifacts and hyperparameters:
+Methods, by the manifest's ``device_step`` (and the hyperparameters it reads):
 * ``fedtta_step`` with ``patience >= 1``: FedTTA++ (steps of UPFL Eq. 5 with entropy early stopping, Sec. 4.3);
   without: FedTTA / FedTTA-Prox (one step).
 * ``tent_step``: TENT (``steps`` passes of entropy steps over the set, in batches of ``batch_size`` if set).
@@ -79,25 +79,23 @@ class Personalizer:
             self.stats = check_weights(bundle.weights("stats"), self.forward, prefix="stats.")
         self.runner: StepRunner | None = None
         self.fedicon: tuple[FedICONRunner, TTAPlan] | None = None
-        self.kind = "none"
-        if method == "none":
-            pass
-        elif "fedtta_step" in names:
+        # the manifest's device step decides how this device personalises (one runner per kind)
+        self.kind = "none" if method == "none" else bundle.device_step or "none"
+        if self.kind == "fedtta_step":  # FedTTA / FedTTA-Prox: one step; with patience >= 1 (FedTTA++) early stopping
             self.runner = StepRunner(bundle.session("fedtta_step", threads), fixed=bundle.weights("phi"),
                                      stats=self.stats, rule=self.rule)
-            self.kind = "FedTTA++" if int(self.hp.get("patience", 0)) >= 1 else "FedTTA"
-        elif "tent_step" in names:
+        elif self.kind == "tent_step":
             self.runner = StepRunner(bundle.session("tent_step", threads), stats=self.stats, rule=self.rule)
-            self.kind = "TENT"
-        elif "fedicon_step" in names:
+        elif self.kind == "fedicon_step":
             proj = bundle.weights("proj") if "proj" in names else {}  # projection="none": no weights
             self.fedicon = (FedICONRunner(bundle.session("fedicon_step", threads), proj=proj, stats=self.stats),
                             TTAPlan.from_bundle(bundle))
-            self.kind = "FedICON"
-        elif "encoder" in names:
+        elif self.kind == "encoder":
             self.encoder = bundle.session("encoder", threads)
             self.gamma = {f"gamma.{k}": v for k, v in bundle.weights("enc").items()}
-            self.kind = "ODPFL-HN"
+        elif self.kind != "none":
+            raise BundleError(f"this SDK has no runner for the device step {self.kind!r} of this {bundle.method} "
+                              "bundle; update edge_sdk")
         self._psi_inputs = [i.name for i in self.forward.get_inputs() if i.name.startswith("psi.")]
         self._checked: Weights | None = None  # the last weight set that passed check_weights ...
         self._checked_copy: Weights = {}  # ... and the copy of it that was checked and is what runs
@@ -134,7 +132,7 @@ class Personalizer:
         ``epsilon`` makes it (epsilon, delta)-differentially private for this set of |D| = len(x) samples
         (ODPFL-HN Sec. 7; noise on the pooled vector, :func:`edge_sdk.dp.privatize_pooled`); the bundle must
         come from the DP encoder (``dp=True``)."""
-        if self.kind != "ODPFL-HN":
+        if self.kind != "encoder":
             raise BundleError(f"a {self.bundle.method} bundle has no client encoder")
         x = check_batch(x, self.encoder)
         feeds = {"x": x, **self.gamma}
@@ -152,7 +150,7 @@ class Personalizer:
         """Adapt the received model on the client's unlabeled set ``x`` (float32, the model's input shape).
         ODPFL-HN: ``epsilon``, ``delta``, ``rng`` are the client's own privacy budget (:meth:`embed`)."""
         x = check_batch(x, self.forward)
-        if self.kind == "ODPFL-HN":
+        if self.kind == "encoder":
             if generate is None:
                 raise BundleError("ODPFL-HN needs the coordinator's hypernetwork: pass generate=EdgeClient.generate")
             w = generate(self.embed(x, epsilon, delta, rng))
@@ -169,13 +167,13 @@ class Personalizer:
             return Personalized(psi, steps, [before, float(entropy(self.predict(x, psi)).mean())], losses)
         if self.runner is None:
             return Personalized(self.base, 0, [float(entropy(self.predict(x)).mean())])
-        if self.kind == "FedTTA++":
+        if self.kind == "fedtta_step" and int(self.hp.get("patience", 0)) >= 1:  # FedTTA++ (UPFL Sec. 4.3)
             best, stopper = personalize_early_stopping(self.runner, self.forward, x, self.base,
                                                        int(self.hp["patience"]), int(self.hp.get("max_steps", 50)),
                                                        int(self.hp.get("first_candidate", 0)))
             return Personalized(best, stopper.best_step, list(stopper.history))
-        steps = int(self.hp.get("steps", 1)) if self.kind == "TENT" else 1
-        chunk = int(self.hp.get("batch_size") or len(x)) if self.kind == "TENT" else len(x)
+        steps = int(self.hp.get("steps", 1)) if self.kind == "tent_step" else 1
+        chunk = int(self.hp.get("batch_size") or len(x)) if self.kind == "tent_step" else len(x)
         history = [float(entropy(self.predict(x)).mean())]
         current = self.base
         for _ in range(steps):  # TENT: one pass over the set in batches of ``batch_size`` per step (as on the server)

@@ -144,8 +144,9 @@ def personalize_early_stopping(runner: StepRunner, forward: ort.InferenceSession
     that overflows (non-finite weights or entropy) ends the adaptation; the answer is still the best finite
     iterate (the received model if none was a candidate yet)."""
     stopper = EntropyEarlyStopping(patience, max_steps, first_candidate)
+    # the received model's entropy is measured as the steps measure theirs (the batch rule), so iterates compare
     feeds = {"x": check_batch(x, forward), **{f"psi.{n}": psi[n] for n in runner.param_names},
-             **statistics_feeds(forward, runner.stats, 0.0)}
+             **statistics_feeds(forward, runner.stats, runner.rule.step_momentum(len(x)))}
     stop = stopper.update(float(entropy(check_logits(forward.run(["logits"], feeds)[0], x)).mean()))
     best, current = psi, psi
     while not stop:

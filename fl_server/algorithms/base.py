@@ -85,12 +85,25 @@ class Algorithm:
     # (no Python state that changes between rounds): the engine may then record a round's steps once as a CUDA
     # graph and replay it (fl_server/engine/graphs.py)
     graph_safe: ClassVar[bool] = False
-    # what the device runs to personalise (the bundle's step graph, ``export/steps.py: STEP_SPECS``): "tent_step",
-    # "fedtta_step", "encoder" (ODPFL-HN's set encoder) or None (plain inference). A method with a step of a new
-    # kind traces it in its own ``export_step(self, state) -> StepSpec``
+    # ---- the device contract: declared here once; export, publish, the coordinator and the SDK derive from it
+    # what the device runs to personalise (the bundle's step graph, ``export/steps.py: STEP_SPECS``, and the SDK's
+    # runner of that kind, recorded in the manifest as ``device_step``): "tent_step", "fedtta_step", "encoder"
+    # (ODPFL-HN's set encoder), "fedicon_step", "btfl" (BTFL's two-head stream) or None (plain inference). A method
+    # with a step of a new kind traces it in its own ``export_step(self, state) -> StepSpec``
     device_step: ClassVar[str | None] = None
     # the server-state entries a bundle ships as weights (FedTTA's adaptation model phi, ODPFL-HN's encoder enc)
     device_weights: ClassVar[tuple[str, ...]] = ("params",)
+    # weight sets that the run's finalize step computes from the clients' data (:meth:`finalize`, BTFL's global
+    # DLE "btfl"); the run directory holds them, so export needs no data set
+    finalize_weights: ClassVar[tuple[str, ...]] = ()
+    # whether a coordinator can train this method as a job and serve its bundles (it has a device path)
+    servable: ClassVar[bool] = False
+    # why a bundle of this method cannot be published to another coordinator ("" when it can)
+    publish_refusal: ClassVar[str] = ""
+    # how batch-normalised layers normalise during the device's adaptation steps: "rule" (the bundle's
+    # ``batch_norm`` rule: the batch's statistics from ``min_batch`` samples on, else the population's) or
+    # "batch" (always the batch's own, e.g. FedICON's two augmented views)
+    adapt_norm: ClassVar[str] = "rule"
     # why the server's step needs what only the clients hold ("" when it does not): such a method cannot train yet
     # with its clients on their own machines (the Flower app refuses it with this reason)
     needs_client_data: ClassVar[str] = ""
@@ -101,6 +114,37 @@ class Algorithm:
         self.hp = type(base)(**{**asdict(base), **overrides})
         self.model = model
         self.forward = make_forward(model)
+
+    @classmethod
+    def device_step_for(cls, hyper: dict[str, Any]) -> str | None:
+        """The device step of a bundle with hyperparameters ``hyper`` (default: :attr:`device_step`; FedICON
+        without test-time adaptation ships the received model as it is)."""
+        return cls.device_step
+
+    @classmethod
+    def bundle_artifacts(cls, hyper: dict[str, Any]) -> tuple[str, ...]:
+        """The artifacts a bundle of this method with hyperparameters ``hyper`` must hold: the ``forward`` graph,
+        the device step's graph, the weights it ships and its finalize weights. The publish check requires
+        exactly these (plus ``stats`` where a graph is batch-normalised).
+
+        >>> from fl_server.algorithms import ALGORITHMS
+        >>> ALGORITHMS["FedTTA"].bundle_artifacts({})
+        ('forward', 'fedtta_step', 'params', 'phi')
+        """
+        step = cls.device_step_for(hyper)
+        return ("forward", *((step,) if step else ()), *cls.device_weights, *cls.finalize_weights)
+
+    def finalize(self, server_state: State, x: torch.Tensor, train: list[np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
+        """Weight sets (:attr:`finalize_weights`) computed at the end of a run from the training clients' data
+        ``x[train[k]]`` with the final ``server_state`` (batch-normalised layers already at the population
+        statistics). Default: none."""
+        return {}
+
+    @classmethod
+    def identity_warning(cls, hyper: dict[str, Any]) -> str | None:
+        """One line when ``hyper`` turns this method into another registered one (FedTTA with ``patience`` is
+        FedTTA++), else None; a recipe warns with it."""
+        return None
 
     @classmethod
     def fit_hyper(cls, hyper: dict[str, Any], rounds: int) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -73,6 +74,9 @@ class ClientArtifacts:
 @register
 class BTFL(Algorithm):
     name = "BTFL"
+    device_step = "btfl"  # the device's two-head stream (edge_sdk), on the frozen ``features`` graph
+    finalize_weights = ("btfl",)  # the training clients' global DLE and mean feature (:meth:`finalize`)
+    servable = True
     per_client_keys = ("local_heads",)
     client_private = {"local_head": "local_heads"}
     Config = BTFLConfig
@@ -153,6 +157,20 @@ class BTFL(Algorithm):
         return {**server_state, "params": weighted_mean(client_states["params"], weights), "local_heads": heads}
 
     # ---------------------------------------------------------------- artifacts
+    @classmethod
+    def bundle_artifacts(cls, hyper: dict[str, Any]) -> tuple[str, ...]:
+        """The frozen ``features`` graph (features and global logits), ``forward``, ``params`` and ``btfl``."""
+        return ("features", "forward", "params", "btfl")
+
+    def finalize(self, server_state: State, x: torch.Tensor, train: list[np.ndarray]) -> dict[str, dict[str, np.ndarray]]:
+        """``btfl``: the global DLE [D, L] -- the average of every training client's local DLE on its training set
+        with the final features (BTFL Sec. 4.1: every client weighs the same) -- the number of clients behind it,
+        and the mean of their mean features (FedTHE's global prototype)."""
+        arts = self.client_artifacts(server_state, x, train)
+        return {"btfl": {"global_dle": btfl_math.average_dles([a.local_dle for a in arts]),
+                         "dle_clients": np.array([len(arts)], dtype=np.int64),
+                         "mu_global": np.asarray(arts[0].mu_global, dtype=np.float64)}}
+
     @torch.no_grad()
     def client_features(self, params: State, x: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
         """phi(x) [N, D] of one client's samples, ``chunk`` at a time."""

@@ -23,6 +23,7 @@ class FedAvgConfig(Hyper):
 @register
 class FedAvg(Algorithm):
     name = "FedAvg"
+    servable = True  # the received model, plain inference on the device
     graph_safe = True
     Config = FedAvgConfig
 

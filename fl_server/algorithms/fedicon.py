@@ -80,6 +80,8 @@ class FedICON(Algorithm):
     Config = FedICONConfig
     device_step = "fedicon_step"  # batch-mode TTA on the device (export/fedicon.py, edge_sdk.fedicon)
     device_weights = ("params", "proj")
+    servable = True
+    adapt_norm = "batch"  # every Eq. 7 step normalises with the statistics of its 2B augmented views
 
     def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0, **overrides: Any) -> None:
         super().__init__(model, config, seed, **overrides)
@@ -98,8 +100,19 @@ class FedICON(Algorithm):
         self.aug = AugmentConfig(self.hp.aug_degrees, self.hp.aug_shift, self.hp.aug_contrast, self.hp.aug_noise)
         self.seed = seed
         self._phase = "encoder"
-        if not self.hp.tta:
-            self.device_step = None  # type: ignore[misc]  # the received model as it is
+
+    @classmethod
+    def device_step_for(cls, hyper: dict[str, Any]) -> str | None:
+        """Without test-time adaptation (``tta=False``) the device runs the received model as it is."""
+        return cls.device_step if hyper.get("tta", cls.Config.tta) else None
+
+    @classmethod
+    def bundle_artifacts(cls, hyper: dict[str, Any]) -> tuple[str, ...]:
+        """``forward`` and ``params``; with TTA the Eq. 7 step and, unless ``projection="none"``, ``proj``."""
+        if cls.device_step_for(hyper) is None:
+            return ("forward", "params")
+        none = hyper.get("projection", cls.Config.projection) == "none"
+        return ("forward", "fedicon_step", "params", *(() if none else ("proj",)))
 
     @classmethod
     def fit_hyper(cls, hyper: dict[str, Any], rounds: int) -> dict[str, Any]:
@@ -293,6 +306,7 @@ class FedICONNoTTA(FedICON):
     """The ablation without test-time adaptation (same training)."""
 
     name = "FedICON w/o TTA"
+    device_step = None  # the received model as it is
 
     def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0, **overrides: Any) -> None:
         super().__init__(model, config, seed, **{"tta": False, **overrides})

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,6 +50,7 @@ class FedTTA(Algorithm):
     name = "FedTTA"
     graph_safe = True
     device_step = "fedtta_step"
+    servable = True
     device_weights = ("params", "phi")
     Config = FedTTAConfig
     adapts_at_test_time = True
@@ -65,6 +67,16 @@ class FedTTA(Algorithm):
 
     def client_start(self, server_state: State, ids: np.ndarray) -> State:
         return {key: broadcast(server_state[key], len(ids)) for key in ("params", "phi")}
+
+    @classmethod
+    def identity_warning(cls, hyper: dict[str, Any]) -> str | None:
+        """FedTTA, FedTTA-Prox and FedTTA++ differ only in ``mu`` and ``patience``: the method those values make."""
+        hp = cls.Config(**{k: v for k, v in hyper.items() if k in cls.Config.__dataclass_fields__})
+        made = "FedTTA++" if hp.patience >= 1 else "FedTTA-Prox" if hp.mu > 0 else "FedTTA"
+        if made == cls.name:
+            return None
+        return (f"{cls.name} with mu={hp.mu} and patience={hp.patience} runs {made} (FedTTA: mu=0, patience=0; "
+                f"FedTTA-Prox: mu>0, patience=0; FedTTA++: patience>=1); name method {made!r} or change them")
 
     # --------------------------------------------------------------- the math
     def personalization_loss(self, psi: State, phi: State, x: torch.Tensor) -> torch.Tensor:
@@ -143,13 +155,24 @@ class FedTTA(Algorithm):
             current = {k: v.detach() for k, v in sgd(current, grads, self.hp.inner_lr).items()}
 
 
+@dataclass
+class FedTTAProxConfig(FedTTAConfig):
+    mu: float = 0.01  # the proxy term (UPFL Table 4)
+    clip_norm: float | None = 10.0
+
+
+@dataclass
+class FedTTAPlusPlusConfig(FedTTAProxConfig):
+    patience: int = 1  # entropy early stopping (UPFL Sec. 4.3)
+
+
 @register
 class FedTTAProx(FedTTA):
     name = "FedTTA-Prox"
-    Config = FedTTAConfig
+    Config = FedTTAProxConfig
 
 
 @register
 class FedTTAPlusPlus(FedTTA):
     name = "FedTTA++"
-    Config = FedTTAConfig
+    Config = FedTTAPlusPlusConfig

@@ -19,6 +19,7 @@ class FedAvgFTConfig(FedAvgConfig):
 @register
 class FedAvgFT(FedAvg):
     name = "FedAvg+FT"
+    servable = False  # its fine-tuning needs labels a new device does not have
     Config = FedAvgFTConfig
 
     def val_params(self, server_state: State, ids: np.ndarray, trainer: LocalTrainer) -> State:

@@ -202,6 +202,9 @@ class ODPFLHN(Algorithm):
                          "embedding message is not built yet")
     device_step = "encoder"  # the device encodes its set; theta (hn) stays on the server
     device_weights = ("params", "enc")
+    servable = True
+    publish_refusal = ("its hypernetwork stays on the coordinator that trained it; train ODPFL-HN as a coordinator "
+                       "job (POST /v1/jobs) instead")
 
     @classmethod
     def check_model(cls, model: Classifier, hyper: dict[str, Any]) -> bool:

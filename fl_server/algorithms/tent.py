@@ -55,6 +55,7 @@ class TentConfig(FedAvgConfig):
 class Tent(FedAvg):
     name = "TENT"
     device_step = "tent_step"
+    servable = True
     Config = TentConfig
     adapts_at_test_time = True
 

@@ -15,7 +15,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -27,7 +27,9 @@ from fl_server.device import pick_device
 from fl_server.engine.gemm_conv import GemmConv
 from fl_server.engine.graphs import GraphedLocalSteps, vmapped_round
 from fl_server.functional import State, stack, tree_map, unstack
-from fl_server.models.norm import StatBatchNorm2d
+from fl_server.functional import make_forward
+from fl_server.models.norm import StatBatchNorm2d, calibrate, norm_mode, stat_norms, statistics
+from fl_server.rundir import write_device
 # the run directory's files belong to fl_server.rundir; checkpoint_meta, complete_rows and load_state are
 # imported from here by research scripts
 from fl_server.rundir import (BEST, BEST_AT_CHECKPOINT, CHECKPOINT, CHECKPOINT_JSON, METRICS,  # noqa: F401
@@ -294,12 +296,48 @@ class Simulation:
         name, p = next(iter(self.algorithm.model.named_parameters()))
         return params[name].ndim == p.ndim + 1
 
+    @contextlib.contextmanager
+    def device_semantics(self, state: State) -> Iterator[None]:
+        """Run a block as the device runs the bundle of ``state``. A batch-normalised model gets the federated
+        population statistics of ``state``'s weights over the training clients (what the finalize step writes
+        and export ships) and predicts with them at every batch size; the method's adaptation steps normalise
+        by its rule (``Algorithm.adapt_norm``, applied in :meth:`personalized_accuracies`). No-op otherwise."""
+        model = self.algorithm.model
+        if not stat_norms(model):
+            yield
+            return
+        forward = make_forward(model)
+        calibrate(model, lambda xb: forward(state["params"], xb),
+                  (self.x[torch.from_numpy(t[i:i + 256]).to(self.device)] for t in self.fed.train
+                   for i in range(0, len(t), 256)))
+        with norm_mode(model, "population"):
+            yield
+
     def personalized_accuracies(self, clients: list[np.ndarray], state: State | None = None) -> list[float]:
         """Per client (index array into the data set): accuracy after ``personalize`` of ``state`` (default:
-        the current server state) on the client's own unlabeled data."""
+        the current server state) on the client's own unlabeled data, with the device's semantics
+        (:meth:`device_semantics`): what a device gets from the bundle of ``state``."""
         state = self.server_state if state is None else state
-        return [self._accuracy(self.algorithm.personalize(state, self.x[torch.from_numpy(idx)]), idx)
-                for idx in clients]
+        out = []
+        with self.device_semantics(state):
+            for idx in clients:
+                with norm_mode(self.algorithm.model, self.algorithm.adapt_norm):
+                    params = self.algorithm.personalize(state, self.x[torch.from_numpy(idx)])
+                out.append(self._accuracy(params, idx))
+        return out
+
+    def finalize(self, state: State, round_: int) -> dict[str, dict[str, np.ndarray]]:
+        """What a bundle of ``state`` needs from the clients' data: the population statistics of a batch-normalised
+        model (``stats``) and the method's finalize weights (``Algorithm.finalize``); written to the run directory
+        (``device.npz``, :func:`fl_server.rundir.write_device`) for export."""
+        model = self.algorithm.model
+        with self.device_semantics(state):
+            weights = {"stats": {n: v.float().cpu().numpy() for n, v in statistics(model).items()}} \
+                if stat_norms(model) else {}
+            weights.update(self.algorithm.finalize(state, self.x, self.fed.train))
+        if self.out_dir is not None:
+            write_device(self.out_dir, weights, round_)
+        return weights
 
     def _personalized_accuracy(self, clients: list[np.ndarray]) -> float:
         """Mean over clients of the accuracy after ``personalize`` on the client's own unlabeled data."""
@@ -455,4 +493,6 @@ class Simulation:
             self.server_state = current
             result.wall_s += time.perf_counter() - t0
         result.rounds_done = max(end, start_round)
+        if result.best_round >= 0:
+            self.finalize(self.best_state if self.best_state is not None else self.server_state, result.best_round)
         return result

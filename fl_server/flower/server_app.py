@@ -25,13 +25,13 @@ from flwr.serverapp import Grid, ServerApp
 
 from edge_sdk import btfl as btfl_math
 from fl_server.algorithms.base import Algorithm
-from export.run import BTFL_DLE_FILE
 from fl_server.algorithms.btfl import BTFL
 from fl_server.engine.simulation import save_state, select_clients
 from fl_server.flower.task import FlowerRecipe, check_supported
 from fl_server.flower.wire import record_to_state, state_to_record
 from fl_server.functional import State, stack, unstack
 from fl_server.recipes.run import describe_run
+from fl_server.rundir import write_device
 
 app = ServerApp()
 
@@ -137,7 +137,7 @@ def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
     node_of = {pid: node for pid, (node, _) in by_pid.items()}
     run = FederatedRun(recipe, [by_pid[p][1] for p in range(k)])
     (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    best_val, best, t_start = float("-inf"), run.server_state, time.perf_counter()
+    best_val, best, best_round, t_start = float("-inf"), run.server_state, 0, time.perf_counter()
     for r in range(recipe.rounds):
         ids = select_clients(k, recipe.client_fraction, recipe.seed, r)
         payloads = dict(zip((node_of[int(i)] for i in ids), run.train_payloads(ids, r)))
@@ -151,18 +151,20 @@ def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
             row["val"] = float(np.mean([evals[node_of[p]]["metrics"]["accuracy"] for p in range(k)]))
             row["test"] = None
             if row["val"] > best_val:
-                best_val, best = row["val"], run.server_state
+                best_val, best, best_round = row["val"], run.server_state, r
                 save_state(run_dir / "best.npz", run.server_state, {"round": r, "val": row["val"]})
         row["wall_s"] = round(time.perf_counter() - t_start, 3)
         with open(run_dir / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(row) + "\n")
     save_state(run_dir / "final.npz", run.server_state, {"round": recipe.rounds - 1})
+    device: dict[str, dict[str, np.ndarray]] = {}  # the finalize step: what a bundle needs from the clients' data
     if isinstance(run.algorithm, BTFL):  # every client's local DLE with the exported features -> the global DLE
         record = state_to_record({"params": best["params"]})
         dles = _exchange(grid, "query.dle", {node_of[p]: RecordDict({"server": record, "config": run.config(-1)})
                                              for p in range(k)}, timeout, recipe.rounds)
         global_dle = btfl_math.average_dles([dles[node_of[p]]["dle"]["local_dle"].numpy() for p in range(k)])
-        np.savez(run_dir / BTFL_DLE_FILE, global_dle=global_dle, dle_clients=np.array([k], dtype=np.int64))
+        device["btfl"] = {"global_dle": global_dle, "dle_clients": np.array([k], dtype=np.int64)}
+    write_device(run_dir, device, best_round)
     # what `fl-server export` rebuilds the model from (fl_server.recipes.run.rebuild), as for an engine run
     description = describe_run(recipe.recipe, run.algorithm, None, recipe.seed)  # type: ignore[arg-type]
     description["engine"] = "flower"

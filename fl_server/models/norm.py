@@ -8,6 +8,9 @@ inside vmapped or differentiated steps). So the normalisation statistics live ou
   input over every training sample, computed with the final global model (what FedAvg's averaged running
   statistics estimate), as BatchNorm in eval mode;
 - ``mode="collect"``: batch statistics, and the input's sums are accumulated for :func:`calibrate`;
+- ``mode="rule"``: the device's rule for an adaptation step (the bundle's ``batch_norm`` entry,
+  :data:`BATCH_NORM_RULE`, ``edge_sdk.batchnorm``): the batch's statistics from ``min_batch`` samples on, else the
+  population's -- so the engine's test-time adaptation of a new client is the device's;
 - ``mode="mix"``: (1 - m) population + m batch statistics with m = ``momentum`` (a 0-d tensor): m = 1 is
   ``"batch"``, m = 0 ``"population"``, in between an exponential update of the population statistics (the
   statistics used are kept in ``used`` so an exported step can return them). Exported graphs run in this mode
@@ -25,11 +28,16 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Iterable, Iterator, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-MODES = ("batch", "population", "collect", "mix")
+MODES = ("batch", "population", "collect", "mix", "rule")
+# how a device normalises (the bundle's ``batch_norm`` entry, read by ``edge_sdk.batchnorm.BatchNormRule``): its
+# predictions with the population statistics, an adaptation step on ``min_batch`` or more samples with the
+# batch's, a smaller one with the population's ("running"). Training evaluates new clients by the same rule.
+BATCH_NORM_RULE = {"statistics": "federated", "min_batch": 16, "small_batch": "running", "ema_momentum": 0.1}
 
 
 class StatBatchNorm2d(nn.Module):
@@ -46,10 +54,12 @@ class StatBatchNorm2d(nn.Module):
         self.used: tuple[torch.Tensor, torch.Tensor] | None = None  # mix mode: the (mean, var) last used
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "rule":  # an adaptation step on the device (BATCH_NORM_RULE, "running" small batches)
+            small = x.shape[0] < BATCH_NORM_RULE["min_batch"]
+            return self._population(x) if small else F.batch_norm(x, None, None, self.weight, self.bias,
+                                                                   training=True, eps=self.eps)
         if self.mode == "population":
-            if self.mean is None or self.var is None:
-                raise RuntimeError("population statistics are not set: run fl_server.models.norm.calibrate first")
-            return F.batch_norm(x, self.mean, self.var, self.weight, self.bias, training=False, eps=self.eps)
+            return self._population(x)
         if self.mode == "mix":
             return self._mix(x)
         if self.mode == "collect":
@@ -58,6 +68,11 @@ class StatBatchNorm2d(nn.Module):
             self._sums = sums if not self._sums else [a + b for a, b in zip(self._sums, sums)]
         return F.batch_norm(x, None, None, self.weight, self.bias, training=True, eps=self.eps)
 
+    def _population(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mean is None or self.var is None:
+            raise RuntimeError("population statistics are not set: run fl_server.models.norm.calibrate first")
+        return F.batch_norm(x, self.mean.to(x.dtype), self.var.to(x.dtype), self.weight, self.bias, training=False,
+                            eps=self.eps)
 
     def _mix(self, x: torch.Tensor) -> torch.Tensor:
         if self.mean is None or self.var is None or self.momentum is None:
@@ -141,6 +156,17 @@ def statistics(model: nn.Module) -> dict[str, torch.Tensor]:
                 raise RuntimeError("population statistics are not set: run fl_server.models.norm.calibrate first")
             out[f"{name}.mean"], out[f"{name}.var"] = m.mean, m.var
     return out
+
+
+def set_statistics(model: nn.Module, stats: dict[str, "torch.Tensor | np.ndarray"]) -> None:
+    """Set every StatBatchNorm2d's population statistics from ``stats`` (:func:`statistics`' names, e.g. a run's
+    ``device.npz``); KeyError naming a missing layer."""
+    for name, m in model.named_modules():
+        if isinstance(m, StatBatchNorm2d):
+            missing = [k for k in (f"{name}.mean", f"{name}.var") if k not in stats]
+            if missing:
+                raise KeyError(f"the population statistics lack {', '.join(missing)}")
+            m.mean, m.var = (torch.as_tensor(stats[f"{name}.{k}"], dtype=m.weight.dtype) for k in ("mean", "var"))
 
 
 @contextlib.contextmanager

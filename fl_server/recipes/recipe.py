@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
@@ -19,7 +20,7 @@ from fl_server.algorithms import ALGORITHMS, Algorithm, build_algorithm
 from fl_server.data.federated import PARTITIONS
 from fl_server.models import Classifier
 from fl_server.recipes.data import DataSpec
-from fl_server.recipes.errors import RecipeError
+from fl_server.recipes.errors import RecipeError, RecipeWarning
 from fl_server.recipes.model import ModelSpec, build_classifier, check_classifier
 
 @dataclass(frozen=True)
@@ -183,6 +184,9 @@ def _check_hyper(method: str, hyper: dict[str, Any]) -> None:
         if key not in names:
             raise RecipeError(f"hyper: {method} has no hyperparameter {key!r}; its hyperparameters are "
                               f"{', '.join(names)}")
+    drift = ALGORITHMS[method].identity_warning(hyper)
+    if drift is not None:
+        warnings.warn(f"hyper: {drift}", RecipeWarning, stacklevel=3)
 
 
 def _check_method_serves(recipe: Recipe, model: Classifier) -> None:

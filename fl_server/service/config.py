@@ -5,8 +5,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# the methods the coordinator trains and serves now (display names of fl_server.algorithms)
-SERVABLE_METHODS = ("TENT", "FedTTA", "FedTTA-Prox", "FedTTA++", "FedICON", "ODPFL-HN", "BTFL", "FedAvg")
+def servable_methods() -> tuple[str, ...]:
+    """Every registered method that declares a device path (``Algorithm.servable``), built-in or registered by a
+    recipe file imported before the coordinator starts."""
+    from fl_server.algorithms import ALGORITHMS
+
+    return tuple(name for name, cls in ALGORITHMS.items() if cls.servable)
+
+
 DEFAULT_METHODS = ("TENT", "FedTTA++", "ODPFL-HN", "BTFL")
 DATASETS = ("digits", "mnist", "fashion_mnist")
 PARTITIONS = ("pathological", "dirichlet", "iid")
@@ -23,6 +29,8 @@ class ServiceConfig:
     # jobs started on the embedded digits when the store is empty; FL_SERVE_DEFAULT_METHODS="" disables them
     default_methods: tuple[str, ...] = field(default_factory=lambda: _env_list("FL_SERVE_DEFAULT_METHODS",
                                                                                DEFAULT_METHODS))
+    # the methods this coordinator trains as jobs (FL_SERVE_METHODS="TENT,BTFL"); default: every servable one
+    methods: tuple[str, ...] = field(default_factory=lambda: _env_list("FL_SERVE_METHODS", servable_methods()))
     default_rounds: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_ROUNDS", "60")))
     workers: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_WORKERS", "1")))
     worker_threads: int = 1  # torch threads per training subprocess (the API keeps the other cores)
@@ -78,9 +86,13 @@ class ServiceConfig:
 
     def __post_init__(self) -> None:
         self.store_dir = Path(self.store_dir)
-        unknown = [m for m in self.default_methods if m not in SERVABLE_METHODS]
+        servable = servable_methods()
+        unknown = [m for m in self.methods if m not in servable]
         if unknown:
-            raise ValueError(f"cannot serve {unknown}; servable methods: {', '.join(SERVABLE_METHODS)}")
+            raise ValueError(f"FL_SERVE_METHODS: cannot serve {unknown}; servable methods: {', '.join(servable)}")
+        unknown = [m for m in self.default_methods if m not in self.methods]
+        if unknown:
+            raise ValueError(f"cannot serve {unknown}; this coordinator serves {', '.join(self.methods)}")
         if self.default_rounds < 1 or self.workers < 1:
             raise ValueError("FL_SERVE_ROUNDS and FL_SERVE_WORKERS must be >= 1")
         if self.admin_token and not 16 <= len(self.admin_token) <= 512:

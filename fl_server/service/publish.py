@@ -13,8 +13,10 @@ What is refused, each with one line saying why: an archive that is not tar, memb
 files (links, devices), paths with directories or ``..``, more than ``MAX_FILES`` files or ``max_bytes`` in
 all, a file the manifest does not list, a malformed manifest, a file whose size or sha256 differs from the
 manifest, an ONNX graph that onnxruntime cannot load or whose inputs differ from the manifest, weights that
-are not plain finite float arrays (read without pickle), a bundle that lacks its method's artifacts, and
-ODPFL-HN bundles (their hypernetwork never leaves the coordinator that trained it).
+are not plain finite float arrays (read without pickle), a method this coordinator does not know, a
+bundle that lacks what its method's device contract declares (``Algorithm.bundle_artifacts``, the manifest's
+``device_step``), and bundles of a method that cannot be published (ODPFL-HN: its hypernetwork never leaves the
+coordinator that trained it).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from typing import IO, Any
 import numpy as np
 
 from edge_sdk.bundle import MANIFEST, Bundle, BundleError, UnverifiedSignatureWarning, load_bundle
+from fl_server.algorithms import ALGORITHMS
 from fl_server.service.artifacts import ArtifactStore
 from fl_server.service.store import Store
 
@@ -38,21 +41,26 @@ MAX_FILES = 64
 SIGNATURE = "manifest.sig"  # a publisher's own signature is not needed: the coordinator signs what it serves
 _NAME = re.compile(r"[A-Za-z0-9._+-]{1,64}")
 _METHOD = re.compile(r"[A-Za-z0-9 ._+()-]{1,64}")
-# artifacts a method's device side needs (edge_sdk.device): without them a device could not use the bundle
-REQUIRED = {"BTFL": ("features", "params", "btfl"), "FedTTA": ("forward", "params", "fedtta_step", "phi"),
-            "FedTTA-Prox": ("forward", "params", "fedtta_step", "phi"),
-            "FedTTA++": ("forward", "params", "fedtta_step", "phi"), "TENT": ("forward", "params", "tent_step"),
-            "FedICON": ("forward", "params", "fedicon_step")}  # "proj" too unless projection="none"
-DEFAULT_REQUIRED = ("forward", "params")
 
 
-def required_artifacts(method: str, hyper: dict[str, Any]) -> tuple[str, ...]:
-    """The artifacts a ``method`` bundle with hyperparameters ``hyper`` must hold (:data:`REQUIRED`)."""
-    if method == "FedICON":
-        if hyper.get("tta") is False:  # the received model as it is: no device step
-            return DEFAULT_REQUIRED
-        return REQUIRED[method] + (() if hyper.get("projection") == "none" else ("proj",))
-    return REQUIRED.get(method, DEFAULT_REQUIRED)
+def check_contract(method: str, manifest: dict[str, Any], names: list[str]) -> None:
+    """The bundle holds what its method's device contract declares (:meth:`Algorithm.bundle_artifacts`, the
+    manifest's ``device_step``): a registered method, publishable, every artifact a device needs."""
+    cls = ALGORITHMS.get(method)
+    if cls is None:
+        raise PublishError(f"manifest 'method' {method!r} is not a method this coordinator knows; registered: "
+                           f"{', '.join(ALGORITHMS)} (a method of your own: register it in a recipe file)")
+    if cls.publish_refusal:
+        raise PublishError(f"{method} bundles cannot be published: {cls.publish_refusal}")
+    hyper = manifest.get("hyperparameters") or {}
+    step = cls.device_step_for(hyper)
+    if manifest.get("device_step") != step:
+        raise PublishError(f"manifest 'device_step' is {manifest.get('device_step')!r}, a {method} bundle's is "
+                           f"{step!r}; export it again with this version (fl-server export)")
+    missing = [n for n in cls.bundle_artifacts(hyper) if n not in names]
+    if missing:
+        raise PublishError(f"a {method} bundle needs the artifacts {', '.join(missing)}; export it with "
+                           "fl-server export (or the recipe's export)")
 
 
 class PublishError(ValueError):
@@ -81,9 +89,6 @@ def verify_bundle_dir(root: Path, max_bytes: int) -> Bundle:
     method = m["method"]
     if not isinstance(method, str) or not _METHOD.fullmatch(method):
         raise PublishError(f"manifest 'method' must be a method name (letters, digits, ' ._+()-'), got {method!r}")
-    if method == "ODPFL-HN":
-        raise PublishError("ODPFL-HN bundles cannot be published: their hypernetwork stays on the coordinator that "
-                           "trained it; train ODPFL-HN as a coordinator job (POST /v1/jobs) instead")
     listed = {a["file"] for a in m["artifacts"]}
     extra = sorted({p.name for p in files} - listed - {MANIFEST, SIGNATURE})
     if extra:
@@ -91,18 +96,18 @@ def verify_bundle_dir(root: Path, max_bytes: int) -> Bundle:
     names = [a.get("name") for a in m["artifacts"]]
     if len(set(names)) != len(names) or not all(isinstance(n, str) and _NAME.fullmatch(n) for n in names):
         raise PublishError(f"artifact names must be unique and match {_NAME.pattern}, got {names}")
-    missing = [n for n in required_artifacts(method, bundle.hyperparameters) if n not in names]
-    if missing:
-        raise PublishError(f"a {method} bundle needs the artifacts {', '.join(missing)}; export it with "
-                           "fl-server export (or the recipe's export)")
+    check_contract(method, m, names)
     if "dataset" in m and not isinstance(m["dataset"], str):
         raise PublishError("manifest 'dataset' must be a string")
-    for a in m["artifacts"]:
-        _check_artifact(bundle, a)
+    graph_inputs = [_check_artifact(bundle, a) for a in m["artifacts"]]
+    if any("bn_momentum" in inputs for inputs in graph_inputs) and ("stats" not in names or "batch_norm" not in m):
+        raise PublishError("the model is batch-normalised but the bundle has no population statistics ('stats') or "
+                           "no 'batch_norm' rule; export it again with this version")
     return bundle
 
 
-def _check_artifact(bundle: Bundle, a: dict[str, Any]) -> None:
+def _check_artifact(bundle: Bundle, a: dict[str, Any]) -> list[str]:
+    """Check one artifact; returns a graph's input names ([] for weights)."""
     name, kind = a["name"], a.get("kind")
     if kind == "onnx":
         try:
@@ -115,6 +120,7 @@ def _check_artifact(bundle: Bundle, a: dict[str, Any]) -> None:
         if have != want or "x" not in have:
             raise PublishError(f"artifact {name!r}: the graph's inputs {have[:8]} differ from the manifest's "
                                f"{want[:8]} (or have no 'x')")
+        return have
     elif kind == "weights":
         try:
             arrays = bundle.weights(name)
@@ -125,6 +131,7 @@ def _check_artifact(bundle: Bundle, a: dict[str, Any]) -> None:
             if v.dtype.kind not in "fiu" or (v.dtype.kind == "f" and not np.isfinite(v).all()):
                 raise PublishError(f"artifact {name!r}: array {key!r} must be finite numbers, got {v.dtype}"
                                    f"{' with NaN or inf' if v.dtype.kind == 'f' else ''}")
+        return []
     else:
         raise PublishError(f"artifact {name!r}: unknown kind {kind!r} (onnx or weights)")
 

@@ -263,6 +263,9 @@ def _job_view(svc: Service, job: dict[str, Any], with_rounds: bool) -> dict[str,
                                   e503="the job queue is full (FL_SERVE_MAX_QUEUED_JOBS)"))
 def create_job(body: S.JobRequest, _: Principal = Depends(require_admin), svc: Service = Depends(service)) -> dict:
     """Start a training recipe on a data set and partition; it is exported and served when done."""
+    if body.method not in svc.cfg.methods:
+        raise HTTPException(422, f"method {body.method!r} is not served here; this coordinator serves "
+                                 f"{', '.join(svc.cfg.methods)} (FL_SERVE_METHODS)")
     if body.partition == "dirichlet" and body.alpha is None:
         raise HTTPException(422, "partition 'dirichlet' needs alpha")
     spec = body.model_dump(exclude_none=body.recipe is None)  # jobs without a recipe keep their former spec

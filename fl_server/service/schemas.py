@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from fl_server.recipes.loader import RECIPE_NAME
-from fl_server.service.config import DATASETS, PARTITIONS, SERVABLE_METHODS
+from fl_server.service.config import DATASETS, PARTITIONS
 
 MAX_EMBED_DIM = 4096
 MAX_DLE_DIMS = 65536
@@ -132,7 +132,9 @@ class DLEResponse(BaseModel):
 
 
 class JobRequest(Strict):
-    method: Literal[SERVABLE_METHODS] = "TENT"  # type: ignore[valid-type]
+    method: str = Field("TENT", max_length=MAX_METHOD_CHARS,
+                        description="a method this coordinator serves (FL_SERVE_METHODS; default: every registered "
+                                    "method with a device path)")
     dataset: Literal[DATASETS] = "digits"  # type: ignore[valid-type]
     partition: Literal[PARTITIONS] = "pathological"  # type: ignore[valid-type]
     alpha: float | None = Field(None, gt=0, le=1000, description="Dirichlet concentration (partition=dirichlet)")

@@ -1,0 +1,81 @@
+"""The device gets what training reports: every registered method with a device path (``Algorithm.servable``) x
+every architecture kind a user brings (an MLP, a batch-normalised ResNet, a depthwise-separable batch-normalised
+MobileNet-style net, a GroupNorm net), trained on real Fashion-MNIST at a CI size, exported from its run directory
+alone and run by the torch-free SDK (onnxruntime) on the run's new clients:
+
+* the device's new-client accuracy, each client's whole set in one call, equals the accuracy the training run
+  reported (``train(...)["test"]``, the summary ``fl-server train`` prints and ``metrics.jsonl`` holds) within
+  0.1 points;
+* streamed one sample at a time (batch 1) the device predicts what it predicts for the whole client.
+
+It iterates the registry, so a method a user registers (``@register``) with a device path is held to the same
+test. BTFL is checked on its received model (the global head on the frozen features graph; what training reports
+for a new client without labels), which is where a batch-normalised bundle once normalised with whatever batch
+the device passed."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import edge_sdk
+from export.run import export_run
+from fl_server import rundir
+from fl_server.algorithms import ALGORITHMS
+from fl_server.recipes import DataSpec, Federation, Recipe
+from fl_server.recipes.run import federate, rebuild, train
+from fl_server.service.hypernet import FusedHypernet
+
+ARCHS = {"mlp": "MLP", "resnet8_bn": "BN ResNet", "mobilenet_s": "depthwise+BN MobileNet", "resnet8_gn": "GroupNorm"}
+METHODS = [name for name, cls in ALGORITHMS.items() if cls.servable]
+# small, fixed hyperparameters so that one short round moves every method off its initial model
+HYPER = {"FedICON": {"encoder_rounds": 0, "tta_epochs": 1}, "ODPFL-HN": {"hn_width": 8}}
+
+
+class InProcessHypernetwork:
+    """ODPFL-HN's coordinator side for the device, in this process: the run's hypernetwork f_theta, fused as the
+    coordinator serves it (``fl_server.service.hypernet``), turning the device's embedding into weights."""
+
+    def __init__(self, run_dir: Path) -> None:
+        _, _, algorithm = rebuild(rundir.read_run(run_dir))
+        theta = {k: torch.from_numpy(v) for k, v in rundir.best_arrays(run_dir, "hn").items()}
+        self.net = FusedHypernet(algorithm, theta)
+
+    def generate(self, embedding: np.ndarray) -> dict[str, np.ndarray]:
+        return self.net.split(self.net(np.asarray(embedding, np.float32)[None])[0])
+
+
+def _recipe(arch: str, method: str, data_root: Path) -> Recipe:
+    return Recipe(model=arch, data=DataSpec.builtin("fashion_mnist", str(data_root)), method=method,
+                  federation=Federation(partition="dirichlet", alpha=1.0, num_clients=6, new_fraction=0.34,
+                                        max_samples=900),
+                  rounds=1, local_iterations=4, batch_size=32, hyper=HYPER.get(method, {}))
+
+
+def _device_accuracies(bundle: Path, run_dir: Path, fed, method: str) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """(whole client, one sample at a time): the mean over new clients of the device's accuracy."""
+    client = InProcessHypernetwork(run_dir) if ALGORITHMS[method].device_step == "encoder" else None
+    stream = ALGORITHMS[method].device_step == "btfl"
+    whole, single = [], []
+    for idx in fed.new:
+        x, y = fed.dataset.x[idx], fed.dataset.y[idx]
+        device = edge_sdk.open_bundle(bundle, client=client, method="none" if stream else None)  # type: ignore[arg-type]
+        assert device.preprocess is None  # the built-in data set is already the model's input
+        device.personalize(x)
+        whole.append(float((device.predict(x).argmax(1) == y).mean()))
+        single.append(float((np.stack(list(device.stream(x))).argmax(1) == y).mean()))
+    return 100 * float(np.mean(whole)), 100 * float(np.mean(single))
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+@pytest.mark.parametrize("method", METHODS)
+def test_device_gets_what_training_reports(method: str, arch: str, data_root: Path, tmp_path: Path) -> None:
+    recipe = _recipe(arch, method, data_root)
+    record = train(recipe, tmp_path / "run", progress=False, device="cpu", data_root=str(data_root))
+    bundle = export_run(tmp_path / "run", tmp_path / "bundle")
+    fed = federate(recipe, 0, str(data_root))
+    whole, single = _device_accuracies(bundle, tmp_path / "run", fed, method)
+    assert abs(whole - record["test"]) <= 0.1, (method, arch, whole, record["test"])
+    assert abs(single - whole) <= 0.1, (method, arch, single, whole)
