@@ -2,13 +2,15 @@
 
     python -m export.sdk_fixture OUT_DIR [--data-dir DIR]
 
-Writes ``OUT_DIR/fedtta_pp``, ``OUT_DIR/tent``, ``OUT_DIR/fedicon``, ``OUT_DIR/odpfl_hn`` and
-``OUT_DIR/odpfl_hn_dp`` (bundles of a briefly meta-trained FedTTA++, a FedAvg-initialised TENT MLP, an initial
-FedICON MLP with its projection and initial ODPFL-HN encoders, plain and DP, on real MNIST; the embedded digits
-when MNIST is absent), each signed (``manifest.sig``) with a fresh Ed25519 key whose public half is
+Writes ``OUT_DIR/fedtta_pp``, ``OUT_DIR/tent``, ``OUT_DIR/fedicon``, ``OUT_DIR/odpfl_hn``,
+``OUT_DIR/odpfl_hn_dp`` and ``OUT_DIR/btfl`` (bundles of a briefly meta-trained FedTTA++, a FedAvg-initialised
+TENT MLP, an initial FedICON MLP with its projection, initial ODPFL-HN encoders, plain and DP, and a briefly
+trained BTFL MLP laid out as the coordinator serves it (BTFL and FedTHE run on it), on real MNIST; the embedded
+digits when MNIST is absent), each signed (``manifest.sig``) with a fresh Ed25519 key whose public half is
 ``OUT_DIR/signing_key.pub`` (hex), and ``OUT_DIR/reference.npz``: a batch of real images and what torch
 computes for it (received-model logits, personalised logits (FedICON's: ``FedICON.personalize``), FedTTA++'s chosen iterate and entropy curve,
-the ODPFL-HN embeddings, the DP encoder's pooled vector and one private embedding). ``edge_sdk/tests`` checks the SDK against it. No pickle: weights and references are
+the ODPFL-HN embeddings, the DP encoder's pooled vector and one private embedding, BTFL's features and global
+logits). ``edge_sdk/tests`` checks the SDK against it. No pickle: weights and references are
 plain ``.npz`` read with ``allow_pickle=False``.
 """
 from __future__ import annotations
@@ -21,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from edge_sdk import btfl as btfl_math
+from export.btfl import btfl_features_spec
 from export.bundle import export_specs, write_bundle
 from export.fedicon import fedicon_tta_step_spec
 from export.quantize import freeze_weights, quantize_int8
@@ -29,6 +33,7 @@ from fl_server.algorithms import build_algorithm
 from fl_server.recipes.presets import FEDTTA_HP
 from fl_server.data import load_dataset
 from fl_server.data.errors import DataFileError
+from fl_server.functional import index
 from fl_server.models import build_model
 from fl_server.signing import ManifestSigner
 
@@ -88,6 +93,21 @@ def make_sdk_fixture(out: str | Path, data_root: str | None = None, n: int = 256
         ref["odpfl_dp_pooled"] = hn_dp.pooled(dstate["enc"], x).numpy()
         ref["odpfl_dp_private_eps1_rng5"] = hn_dp.privatize(dstate["enc"], x, rng=np.random.default_rng(5)).numpy()
 
+    # BTFL as served (export.btfl.export_btfl_run): the global model and the training clients' average DLE and
+    # mean feature (mu_global, FedTHE's global prototype); a few body steps of one client stand in for training
+    bt = build_algorithm("BTFL", build_model("mlp", shape, 10, seed=5), 3, seed=5, lr=0.1, body_iterations=24)
+    bt_train = np.array_split(np.arange(len(x_train)), 3)
+    bt.attach(x_train, y_train, bt_train)
+    bt_server = bt.init_state(torch.float32, torch.device("cpu"))
+    bt_client = index(bt.client_start(bt_server, np.array([0])), 0)
+    for i in range(0, 24 * 64, 64):
+        bt_client = bt.local_step(bt_client, bt_server, x_train[i:i + 64], y_train[i:i + 64], phase="body")
+    bt_params = {k: v.detach() for k, v in bt_client["params"].items()}
+    bt_arts = bt.client_artifacts({**bt_server, "params": bt_params}, x_train, bt_train)
+    with torch.no_grad():
+        z = bt.features(bt_params, x)
+        ref["btfl_features"], ref["btfl_global_logits"] = z.numpy(), bt.global_head(bt_params, z).numpy()
+
     signer = ManifestSigner.generate()
     (out / "signing_key.pub").write_text(signer.public_hex + "\n")
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
@@ -118,6 +138,13 @@ def make_sdk_fixture(out: str | Path, data_root: str | None = None, n: int = 256
         write_bundle(out / "odpfl_hn_dp", graphs, {k: {p: v.numpy() for p, v in dstate[k].items()}
                                                    for k in ("params", "enc")},
                      "ODPFL-HN", dataclasses.asdict(hn_dp.hp), extra={"dataset": name}, signer=signer)
+        graphs = export_specs({"features": btfl_features_spec(bt, bt_params),
+                               "forward": forward_spec(bt.model, bt_params)}, Path(tmp) / "b")
+        served = {"global_dle": btfl_math.average_dles([a.local_dle for a in bt_arts]),
+                  "dle_clients": np.array([len(bt_arts)], dtype=np.int64), "mu_global": bt_arts[0].mu_global}
+        write_bundle(out / "btfl", graphs, {"params": {p: v.numpy() for p, v in bt_params.items()}, "btfl": served},
+                     "BTFL", dataclasses.asdict(bt.hp), signer=signer,
+                     extra={"dataset": name, "input_shape": list(shape), "num_classes": 10})
     np.savez(out / "reference.npz", **ref)
     return out
 

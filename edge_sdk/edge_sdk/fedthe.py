@@ -13,7 +13,7 @@ when the norm of its gradient falls below 1e-5. Prediction: argmax o.
 
 Vectorisation: the loss is a mean of per-sample terms and Adam is per coordinate, so every batch of a stream is
 optimised at once: the gradient is analytic (no autograd), the batch coupling (1/B scale, the per-batch stop test)
-is kept exactly. The EMA is a first-order linear filter (scipy.signal.lfilter) over the whole stream.
+is kept exactly. The EMA is a first-order linear recurrence, computed in closed form over blocks (:func:`ema`).
 ``variant="code"`` reproduces two facts of the authors' code (LINs-lab/FedTHE, ``THE_worker.py``) that the SPEC
 formulation drops: (1) the history loop never feeds the first sample of a batch into the EMA, so at batch size 1
 the history stays at the stream's first feature forever; (2) z~ = 0.3 z + 0.7 h is re-assigned inside the
@@ -21,36 +21,73 @@ optimisation loop, so at step t it is 0.3^t z + (1 - 0.3^t) h. (1) is what makes
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from edge_sdk.numerics import log_softmax
 
-__all__ = ["code_history", "feature_history", "fedthe_predict"]
+__all__ = ["code_history", "ema", "feature_history", "fedthe_predict"]
+
+_EMA_LOG_RANGE = 600.0  # a block spans decay^k for |log decay^k| <= 600: e^+-600 is far from float64's e^+-709
+_EMA_MAX_BLOCK = 1024  # rows per block (bounds the block arrays when decay is near 1)
+
+
+def ema(x: np.ndarray, decay: float, initial: np.ndarray) -> np.ndarray:
+    """First-order linear recurrence over axis 0: x [N, D] -> h [N, D], h_t = decay h_{t-1} + (1 - decay) x_t from
+    h_0 = ``initial`` [D] (what ``scipy.signal.lfilter([1 - decay], [1, -decay], x, axis=0, zi=decay * initial)``
+    gives, in numpy alone).
+
+    Closed form per block of L rows starting after state s: h_k = decay^(k+1) s + (1 - decay) decay^(k-c)
+    sum_{j<=k} decay^(c-j) x_j (c = L // 2), one cumulative sum for all blocks at once; L keeps every power
+    within e^+-600 (no overflow or underflow even for decay near 0). Only the block-end states are carried by a
+    loop, over [D] vectors (N / L iterations). Rounding is that of the plain recurrence (each partial sum is
+    rescaled by the same power that the recurrence applies term by term)."""
+    x = np.asarray(x, dtype=np.float64)
+    s = np.asarray(initial, dtype=np.float64).reshape(-1)
+    decay = float(decay)
+    if x.ndim != 2 or s.shape != (x.shape[1],):
+        raise ValueError(f"need x [N, D] and initial [D], got shapes {x.shape} and {s.shape}")
+    if not math.isfinite(decay):
+        raise ValueError(f"decay must be finite, got {decay}")
+    n, d = x.shape
+    if decay == 0.0 or n == 0:  # no memory: h = x
+        return x.copy()
+    log_a = abs(math.log(abs(decay)))
+    length = max(1, min(n, _EMA_MAX_BLOCK, int(_EMA_LOG_RANGE / log_a) if log_a > 0 else n))
+    blocks, mid = -(-n // length), length // 2
+    k = np.arange(length)
+    padded = np.zeros((blocks * length, d))
+    padded[:n] = x
+    # zero-state response of every block: (1 - decay) sum_{j<=k} decay^(k-j) x_j, all blocks at once
+    zero = np.cumsum(padded.reshape(blocks, length, d) * (decay ** (mid - k))[:, None], axis=1)
+    zero *= ((1.0 - decay) * decay ** (k - mid))[:, None]
+    carry = decay ** (k + 1)  # how the state before a block reaches its row k
+    starts = np.empty((blocks, d))  # the state before each block: the only sequential part
+    for m in range(blocks):
+        starts[m] = s
+        s = carry[-1] * s + zero[m, -1]
+    return (zero + carry[:, None] * starts[:, None, :]).reshape(-1, d)[:n]
 
 
 def feature_history(z: np.ndarray, decay: float = 0.9, initial: np.ndarray | None = None) -> np.ndarray:
     """EMA test history over a stream: z [N, D] -> h [N, D], h_i = (1-decay) z_i + decay h_{i-1} with
     h_0 = ``initial`` (the history of the stream's earlier samples), or h_1 = z_1 for a new stream."""
-    from scipy.signal import lfilter  # lazy: scipy.signal is slow to import and only FedTHE needs it
-
     z = np.asarray(z, dtype=np.float64)
     if z.ndim != 2 or len(z) == 0:
         raise ValueError(f"features must be a non-empty [N, D] array, got shape {z.shape}")
-    h0 = z[:1] if initial is None else np.asarray(initial, dtype=np.float64).reshape(1, -1)
-    return lfilter([1.0 - decay], [1.0, -decay], z, axis=0, zi=decay * h0)[0]
+    return ema(z, decay, z[0] if initial is None else initial)
 
 
 def code_history(z: np.ndarray, batch_size: int, decay: float = 0.9) -> np.ndarray:
     """The authors' history: the EMA skips the first sample of every batch (h_1 = z_1; at a batch start
     h_i = h_{i-1}). Computed as :func:`feature_history` over the other samples, forward-filled."""
-    from scipy.signal import lfilter
-
     z = np.asarray(z, dtype=np.float64)
     pos = np.arange(len(z))
     keep = np.flatnonzero(pos % batch_size != 0)
     if len(keep) == 0:  # batch size 1: the history never moves
         return np.broadcast_to(z[0], z.shape).copy()
-    h_keep = lfilter([1.0 - decay], [1.0, -decay], z[keep], axis=0, zi=decay * z[:1])[0]
+    h_keep = ema(z[keep], decay, z[0])
     last = np.maximum.accumulate(np.where(pos % batch_size != 0, pos, 0))  # last kept position <= i (0: none)
     return np.where((last > 0)[:, None], h_keep[np.searchsorted(keep, last)], z[0])
 

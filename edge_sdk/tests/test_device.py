@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 
 import edge_sdk
+from edge_sdk.btfl_device import BTFLDevice
 from edge_sdk.bundle import BundleError, load_bundle
+from edge_sdk.fedthe import fedthe_predict
+from edge_sdk.numerics import log_softmax
 
 TOL = 1e-4  # float32 logits after several exported gradient steps
 
@@ -52,6 +55,39 @@ def test_odpfl_hn_needs_the_coordinator(sdk_fixture: Path, key: str, ref: dict[s
     assert device.method == "ODPFL-HN"
     with pytest.raises(BundleError, match=r"open_bundle\(bundle, client=EdgeClient\)"):
         device.personalize(ref["x"])
+
+
+def test_btfl_and_fedthe_on_a_served_btfl_bundle(sdk_fixture: Path, key: str, ref: dict[str, np.ndarray]) -> None:
+    """The BTFL bundle as the coordinator serves it: its features graph gives what torch gave; BTFL (the bundle's
+    training DLE, no coordinator) gives what the BTFL device class gives; FedTHE's stream, cut over two predict
+    calls, is fedthe_predict over the whole stream (the feature history carried), and beats the received model."""
+    x, y = ref["x"], ref["y"]
+    labeled, half = len(x) // 2, len(x) * 3 // 4
+    bundle = load_bundle(sdk_fixture / "btfl", public_key=key)
+    reference = BTFLDevice(bundle)
+    z, g = reference.features(x)
+    np.testing.assert_allclose(z, ref["btfl_features"], atol=TOL)
+    np.testing.assert_allclose(g, ref["btfl_global_logits"], atol=TOL)
+    fit = reference.fit(x[:labeled], y[:labeled])
+
+    btfl = edge_sdk.open_bundle(bundle)
+    assert btfl.method == "BTFL" and btfl.needs_labels
+    assert btfl.personalize(x[:labeled], y[:labeled]).samples == labeled
+    reference.start()
+    np.testing.assert_allclose(btfl.predict(x[labeled:]), reference.logits(x[labeled:]), atol=1e-9)
+    assert 0.0 <= btfl.global_weight <= 1.0  # type: ignore[operator]
+
+    the = edge_sdk.open_bundle(bundle, method="FedTHE")
+    assert the.method == "FedTHE" and the.needs_labels and the.global_weight is None
+    the.personalize(x[:labeled], y[:labeled])
+    streamed = np.concatenate([the.predict(x[labeled:half]), the.predict(x[half:])])
+    zs, gs = z[labeled:], g[labeled:]
+    logits, w = fedthe_predict(gs, zs @ fit.local_head.T, zs, z[:labeled].mean(0),
+                               bundle.weights("btfl")["mu_global"], half - labeled)
+    np.testing.assert_allclose(streamed, log_softmax(logits), atol=1e-9)
+    assert np.abs(w - 0.5).max() > 0.05  # the ensemble weights moved
+    received = edge_sdk.open_bundle(bundle, method="none").predict(x[labeled:])
+    assert (streamed.argmax(1) == y[labeled:]).mean() > (received.argmax(1) == y[labeled:]).mean()
 
 
 @pytest.mark.parametrize("method, message", [("BTFL", "cannot run BTFL"),
