@@ -38,7 +38,7 @@ def embed_inputs(path: str | os.PathLike, values: Mapping[str, np.ndarray]) -> P
     for name, value in values.items():
         t = inputs[name].type.tensor_type
         want = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
-        arr = np.ascontiguousarray(value, dtype=_NP_DTYPES.get(t.elem_type, np.float32))
+        arr = np.array(value, dtype=_NP_DTYPES.get(t.elem_type, np.float32), order="C")  # (a 0-d array stays 0-d)
         if len(want) != arr.ndim or any(w is not None and w != s for w, s in zip(want, arr.shape)):
             raise ValueError(f"{name}: array of shape {list(arr.shape)} does not fit the graph's input {want}")
         model.graph.initializer.append(numpy_helper.from_array(arr, name))

@@ -7,6 +7,7 @@
 ``best.npz``        the server state of the best validation round (and its round in the metadata)
 ``checkpoint.npz``  the state to resume from, with its metadata; ``checkpoint.json`` mirrors the metadata
 ``best.ckpt.npz``   the best state as of the last checkpoint (a hard link)
+``final.npz``       a Flower run's last server state
 ``device.npz``      what a bundle of ``best.npz`` needs that only the clients' data gives, written by the run's
                     finalize step: the population statistics of a batch-normalised model (``stats``) and the
                     method's finalize weights (BTFL's global DLE, ``btfl``), with the round of the state they
@@ -33,6 +34,7 @@ import torch
 from fl_server.functional import State, from_numpy_flat, to_numpy_flat
 
 RUN, METRICS, BEST, DEVICE = "run.json", "metrics.jsonl", "best.npz", "device.npz"
+FINAL = "final.npz"  # a Flower run's last server state
 CHECKPOINT, CHECKPOINT_JSON, BEST_AT_CHECKPOINT = "checkpoint.npz", "checkpoint.json", "best.ckpt.npz"
 META_KEY = "__checkpoint__"  # a checkpoint's metadata (JSON bytes) inside its own .npz
 

@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from fl_server import rundir
+
 pytest.importorskip("flwr", reason="the flower extra is not installed (pip install 'fl-edge[flower]')")
 
 from fl_server.engine.simulation import load_state  # noqa: E402
@@ -212,7 +214,7 @@ def test_btfl_on_flower_keeps_heads_on_clients_and_its_global_dle_equals_the_eng
 @pytest.mark.timeout(600)
 def test_btfl_over_the_deployment_uploads_dles_and_exports(deployment: LocalDeployment) -> None:
     """BTFL on the real SuperLink + SuperNodes: the global DLE the server averaged from the clients' uploads
-    (btfl_dle.npz) equals the in-process one for the same clients, and `fl-server export` serves it."""
+    (device.npz) equals the in-process one for the same clients, and `fl-server export` serves it."""
     from edge_sdk import btfl as btfl_math
 
     run_dir = deployment.workdir / "run-BTFL"
@@ -224,9 +226,9 @@ def test_btfl_over_the_deployment_uploads_dles_and_exports(deployment: LocalDepl
         sim.run_round(r)
     engine_dle = btfl_math.average_dles([a.local_dle for a in sim.algorithm.client_artifacts(
         sim.server_state, sim.x, sim.fed.train)])
-    with np.load(run_dir / "btfl_dle.npz") as f:
-        np.testing.assert_allclose(f["global_dle"], engine_dle, atol=1e-12)
-        assert int(f["dle_clients"][0]) == 3
+    served = rundir.read_device(run_dir)["btfl"]  # the run's finalize step, from the clients' uploads
+    np.testing.assert_allclose(served["global_dle"], engine_dle, atol=1e-12)
+    assert int(served["dle_clients"][0]) == 3
     bundle = deployment.workdir / "bundle-btfl"
     subprocess.run([sys.executable, "-m", "fl_server.cli", "export", str(run_dir), "--out", str(bundle)],
                    check=True, capture_output=True, timeout=300)

@@ -31,6 +31,7 @@ from fl_server.flower.task import FlowerRecipe, check_supported
 from fl_server.flower.wire import record_to_state, state_to_record
 from fl_server.functional import State, stack, unstack
 from fl_server.recipes.run import describe_run
+from fl_server import rundir
 from fl_server.rundir import write_device
 
 app = ServerApp()
@@ -136,7 +137,7 @@ def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
                           f"{sorted(by_pid)} (one SuperNode per partition id 0 .. {k - 1})")
     node_of = {pid: node for pid, (node, _) in by_pid.items()}
     run = FederatedRun(recipe, [by_pid[p][1] for p in range(k)])
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    (run_dir / rundir.METRICS).unlink(missing_ok=True)
     best_val, best, best_round, t_start = float("-inf"), run.server_state, 0, time.perf_counter()
     for r in range(recipe.rounds):
         ids = select_clients(k, recipe.client_fraction, recipe.seed, r)
@@ -152,11 +153,11 @@ def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
             row["test"] = None
             if row["val"] > best_val:
                 best_val, best, best_round = row["val"], run.server_state, r
-                save_state(run_dir / "best.npz", run.server_state, {"round": r, "val": row["val"]})
+                save_state(run_dir / rundir.BEST, run.server_state, {"round": r, "val": row["val"]})
         row["wall_s"] = round(time.perf_counter() - t_start, 3)
-        with open(run_dir / "metrics.jsonl", "a") as fh:
+        with open(run_dir / rundir.METRICS, "a") as fh:
             fh.write(json.dumps(row) + "\n")
-    save_state(run_dir / "final.npz", run.server_state, {"round": recipe.rounds - 1})
+    save_state(run_dir / rundir.FINAL, run.server_state, {"round": recipe.rounds - 1})
     device: dict[str, dict[str, np.ndarray]] = {}  # the finalize step: what a bundle needs from the clients' data
     if isinstance(run.algorithm, BTFL):  # every client's local DLE with the exported features -> the global DLE
         record = state_to_record({"params": best["params"]})
@@ -168,4 +169,4 @@ def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
     # what `fl-server export` rebuilds the model from (fl_server.recipes.run.rebuild), as for an engine run
     description = describe_run(recipe.recipe, run.algorithm, None, recipe.seed)  # type: ignore[arg-type]
     description["engine"] = "flower"
-    (run_dir / "run.json").write_text(json.dumps(description, indent=1, default=str))
+    rundir.write_run(run_dir, description)
