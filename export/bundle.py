@@ -2,13 +2,15 @@
 signatures, method and hyperparameters, versions), and ``manifest.sig`` (Ed25519 over the manifest's bytes)
 when a signer is given. Written atomically: files go to a temporary sibling directory, are fsynced, and the
 directory is renamed into place only when complete, so a reader sees either no bundle or a whole one
-(``tests/test_faults.py`` kills a writer at every step to check)."""
+(``tests/test_faults.py`` kills a writer at every step to check). A manifest names no path of the exporting
+machine (:func:`portable`: a recipe is ``FILE.py:NAME``) and its graphs carry no debug records
+(:func:`export.graphs.strip_debug`)."""
 from __future__ import annotations
 
 import os
 import shutil
 import time
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -17,7 +19,7 @@ import onnx
 import fl_server
 from edge_sdk import strictjson
 from edge_sdk.bundle import MANIFEST, sha256_file
-from export.graphs import OPSET
+from export.graphs import OPSET, strip_debug
 from fl_server.algorithms import ALGORITHMS
 from export.steps import StepSpec
 
@@ -39,6 +41,22 @@ def _signature(values: Any) -> list[dict[str, Any]]:
         shape = [d.dim_param or d.dim_value for d in t.shape.dim]
         out.append({"name": v.name, "dtype": _ONNX_DTYPES.get(t.elem_type, str(t.elem_type)), "shape": shape})
     return out
+
+
+def portable(value: Any) -> Any:
+    """``value`` (a manifest entry: dicts, lists, scalars) with every string that is an absolute path cut to its
+    last part: a recipe's ``/home/alice/proj/my_recipes.py:NAME`` becomes ``my_recipes.py:NAME`` (the file in the
+    working or recipe directory that ``fl-server device-data`` loads), so a bundle does not reveal the folders of
+    the machine that exported it."""
+    if isinstance(value, dict):
+        return {k: portable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [portable(v) for v in value]
+    if isinstance(value, str) and "\n" not in value:
+        for flavour in (PurePosixPath, PureWindowsPath):
+            if flavour(value).is_absolute():
+                return flavour(value).name
+    return value
 
 
 def _fsync_tree(root: Path) -> None:
@@ -95,8 +113,11 @@ def write_bundle(dest: str | os.PathLike, graphs: dict[str, Path], weights: dict
     artifacts = []
     for name, src in graphs.items():
         target = staging / f"{name}.onnx"
-        shutil.copyfile(src, target)
-        model = onnx.load(str(target), load_external_data=False)
+        model = onnx.load(str(src), load_external_data=False)
+        if strip_debug(model):  # a graph not written by export_function (int8 quantization, a caller's own)
+            onnx.save(model, str(target))
+        else:
+            shutil.copyfile(src, target)
         artifacts.append({"name": name, "kind": "onnx", "file": target.name, "opset": OPSET,
                           "inputs": _signature(model.graph.input), "outputs": _signature(model.graph.output)})
     for name, arrays in weights.items():
@@ -113,7 +134,7 @@ def write_bundle(dest: str | os.PathLike, graphs: dict[str, Path], weights: dict
                 "versions": {"fl_server": fl_server.__version__, "onnx_opset": OPSET}, "artifacts": artifacts,
                 **(extra or {})}
     # strict JSON: an unbounded hyperparameter (ODPFL-HN's dp_epsilon = inf) is written as null, never Infinity
-    (staging / MANIFEST).write_text(strictjson.dumps(strictjson.finite(manifest), indent=1, default=str))
+    (staging / MANIFEST).write_text(strictjson.dumps(strictjson.finite(portable(manifest)), indent=1, default=str))
     if signer is not None:
         signer.sign_bundle(staging)
     _fsync_tree(staging)

@@ -3,7 +3,8 @@
 The gradient steps a device needs are traced with ``make_fx`` (symbolic shapes) over ``torch.func.grad``,
 with :mod:`export.decompositions` so ConvNets lower, then exported by the dynamo ONNX exporter (and rewritten
 where :mod:`export.rewrites` finds a cheaper equal form). Every weight is a graph input, so the device feeds
-the weights it holds and receives the updated ones.
+the weights it holds and receives the updated ones. The exporter's debug records (stack traces with the
+exporting machine's paths, FX node dumps: most of a graph's bytes) are dropped (:func:`strip_debug`).
 """
 from __future__ import annotations
 
@@ -17,12 +18,35 @@ from typing import Callable, Iterator, Sequence
 
 import onnx
 import torch
+from google.protobuf.message import Message
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from export.decompositions import DECOMPOSITIONS
 from export.rewrites import pool_plane_offsets
 
 OPSET = 18
+DEBUG_FIELDS = ("doc_string", "metadata_props")  # what a device never reads: free text and key-value notes
+_KEEP_DEBUG = False  # tests set it to measure what strip_debug saves
+
+
+def strip_debug(message: Message) -> bool:
+    """Clear every ``doc_string`` and ``metadata_props`` in an ONNX proto and all it holds (model, graphs and
+    subgraphs, nodes, attributes, functions, value infos, initializers): the dynamo exporter's stack traces,
+    FX node dumps and name scopes, which name files of the exporting machine. Names, shapes and weights stay,
+    so the graph computes the same. Returns whether anything was removed."""
+    if _KEEP_DEBUG:
+        return False
+    removed = False
+    for field, value in message.ListFields():
+        if field.name in DEBUG_FIELDS:
+            message.ClearField(field.name)
+            removed = True
+        elif isinstance(value, Message):
+            removed |= strip_debug(value)
+        elif field.type == field.TYPE_MESSAGE:  # a repeated message field
+            for item in value:
+                removed |= strip_debug(item)
+    return removed
 
 
 def _positional_module(graph: torch.nn.Module, arg_names: Sequence[str]) -> torch.nn.Module:
@@ -107,7 +131,7 @@ def _export(fn: Callable[..., tuple[torch.Tensor, ...]], example: Sequence[torch
                                      dynamic_shapes=dynamic, opset_version=OPSET, verbose=False)
     onnx_program.save(str(tmp))
     model = onnx.load(str(tmp))
-    if pool_plane_offsets(model):
+    if strip_debug(model) | bool(pool_plane_offsets(model)):
         onnx.save(model, str(tmp))
     os.replace(tmp, path)
     return path

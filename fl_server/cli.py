@@ -215,6 +215,8 @@ def cmd_device_data(args: argparse.Namespace) -> int:
         path = Path(args.source)
         path = path / "manifest.json" if path.is_dir() else path
         manifest = json.loads(path.read_text())
+    if args.recipe:
+        manifest = {**manifest, "recipe": args.recipe}
     if args.kind == "stream":
         arrays = ds.stream_samples(manifest, args.client, args.warmup, args.per_phase, args.corruption,
                                    args.severity, args.seed, args.data_dir)
@@ -377,6 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--severity", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-dir", default=None)
+    p.add_argument("--recipe", default=None, help="FILE.py[:NAME]: where the recipe the bundle names is (default: "
+                                                  "its FILE.py:NAME in the working directory)")
     p.set_defaults(func=cmd_device_data)
 
     p = add_parser("serve", help="run the coordinator API (trains the default bundles when the store is empty)")

@@ -24,6 +24,7 @@ import numpy as np
 from fl_server.data.corruptions import corrupt
 from fl_server.data.datasets import load_dataset
 from fl_server.data.federated import FederatedData
+from fl_server.recipes.loader import split_source
 from fl_server.recipes.run import federate, recipe_of_run
 
 PHASES = ("in-distribution", "corrupted", "external classes")
@@ -34,6 +35,11 @@ def bundle_clients(manifest: dict[str, Any], data_dir: str | None = None) -> tup
     if "seed" not in manifest or not (manifest.get("federation") or manifest.get("protocol")):
         raise ValueError("this bundle's manifest does not say how its clients were made (no seed / federation): "
                          "give the device your own samples instead")
+    source = manifest.get("recipe")  # FILE.py:NAME (a bundle names no folder), in the working directory
+    if source and not split_source(source)[0].is_file():
+        raise ValueError(f"the bundle's recipe {source} is not found (a bundle names it FILE.py:NAME, relative to "
+                         f"the working directory): run from the folder that holds it or pass "
+                         f"--recipe PATH/FILE.py:NAME")
     recipe = recipe_of_run(manifest, data_dir)
     data = recipe.data
     if data.builtin_name:  # built-in data sets are float32 NCHW in [0, 1] as loaded: that is what a device gets
