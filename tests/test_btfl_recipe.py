@@ -285,7 +285,7 @@ def test_btfl_client_bundle_runs_on_the_device_path(mnist_all, tmp_path: Path) -
 
 
 def test_frozen_features_graph_equals_the_format1_graph(mnist_all, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """Bundle format 2 embeds the frozen weights in ``features``; format 1 takes them as inputs. Same outputs,
+    """Bundle formats 2 and on embed the frozen weights in ``features``; format 1 takes them as inputs. Same outputs,
     and the device (graph_feeds) runs both."""
     from edge_sdk.bundle import load_bundle
     from edge_sdk.steps import graph_feeds
@@ -302,7 +302,7 @@ def test_frozen_features_graph_equals_the_format1_graph(mnist_all, tmp_path: Pat
         feeds = graph_feeds(sess, {"x": test_x, **{f"psi.{n}": v for n, v in bundle.weights("psi").items()}})
         assert (len(feeds) == 1) == frozen
         outs[frozen] = sess.run(["features", "global_logits"], feeds)
-        assert bundle.manifest["format"] == 2
+        assert bundle.manifest["format"] == 3
     for a, b in zip(outs[False], outs[True]):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match=r"the graph needs inputs \['x'\]"):
