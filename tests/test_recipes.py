@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from edge_sdk.preprocess import Preprocess
+from edge_sdk.preprocess import Preprocess, RawInput
 from fl_server import rundir
 from fl_server.recipes import DataSpec, Federation, ModelSpec, Recipe, RecipeError, train
 
@@ -85,7 +85,8 @@ def test_arrays_image_folder_and_torch_dataset_train_identically(fashion_raw, tm
             for key, value in weights["arrays"][part].items():
                 assert torch.equal(value, weights[name][part][key]), (name, part, key)
     run = json.loads((tmp_path / "torch" / "run.json").read_text())
-    assert run["preprocess"] == {"layout": "NCHW", "size": None, "scale": 1 / 255, "mean": [0.0], "std": [1.0]}
+    assert run["preprocess"] == {"layout": "NCHW", "size": None, "scale": 1 / 255, "mean": [0.0], "std": [1.0],
+                                 "raw": {"dtype": "uint8", "range": [0.0, 255.0], "shape": [1, 28, 28]}}
 
     # a recipe built in Python: its run.json names no file, so export takes the recipe itself
     from edge_sdk.bundle import load_bundle
@@ -118,7 +119,7 @@ def test_bundles_without_preprocessing_load_as_identity(tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text(json.dumps({"method": "FedAvg", "artifacts": [],
                                                         "preprocess": {"layout": "NHWC"}}))
     with pytest.raises(BundleError, match=r"malformed manifest \(preprocess keys must be layout, size, scale, mean, "
-                                          r"std \(unknown: \[\], missing: \['mean', 'scale', 'size', 'std'\]\)\)"):
+                                          r"std and optionally raw \(unknown: \[\], missing: \['mean', 'scale', 'size', 'std'\]\)\)"):
         load_bundle(tmp_path)
 
 
@@ -130,6 +131,18 @@ class NotLinearHead(SmallNet):
     def __init__(self, input_shape: tuple[int, int, int], num_classes: int) -> None:
         super().__init__(input_shape, num_classes)
         self.fc = nn.Sequential(nn.Linear(32, num_classes), nn.Softmax(dim=1))  # type: ignore[assignment]
+
+
+class SoftmaxAfterHead(SmallNet):
+    """Returns probabilities: the engine would take them for logits and train another model."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.fc(self.body(x)), dim=1)
+
+
+class LogSoftmaxAfterHead(SmallNet):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.fc(self.body(x)), dim=1)
 
 
 class WideNet(SmallNet):
@@ -147,6 +160,10 @@ def _bad(case: str, tmp_path: Path, x: np.ndarray, y: np.ndarray) -> None:  # no
         Recipe(model=ModelSpec(lambda shape, k: _wrong_input_shape(), head="2"), data=data)
     elif case == "head not linear":
         Recipe(model=ModelSpec(NotLinearHead, head="fc"), data=data)
+    elif case == "softmax after the head":
+        Recipe(model=ModelSpec(SoftmaxAfterHead, head="fc"), data=data)
+    elif case == "log_softmax after the head (split by a callable)":
+        Recipe(model=ModelSpec(LogSoftmaxAfterHead, head=lambda net: (net.body, net.fc)), data=data)
     elif case == "NaN in the data":
         bad = x.astype(np.float32) / 255
         bad[7, 3, 3, 0] = np.nan
@@ -173,6 +190,13 @@ BAD = {
     "head not linear": "model: the head (attribute 'fc') is Sequential, not torch.nn.Linear; the methods need a "
                        "linear head on the features: name the model's last nn.Linear (ModelSpec(head='fc')) or "
                        "split it with head=callable(model) -> (features, linear)",
+    "softmax after the head": "model: SoftmaxAfterHead.forward does not return its head's output (it differs from "
+                              "head(features(x)) on a random batch: a softmax, log_softmax or other function after "
+                              "the head?); return the head's logits; the methods apply softmax themselves",
+    "log_softmax after the head (split by a callable)": "model: LogSoftmaxAfterHead.forward does not return its head's "
+                                                        "output (it differs from head(features(x)) on a random batch: "
+                                                        "a softmax, log_softmax or other function after the head?); "
+                                                        "return the head's logits; the methods apply softmax themselves",
     "NaN in the data": "data: 1 image(s) hold NaN or infinite values (first: sample 7); drop or repair them before "
                        "building the recipe",
     "unknown method": "method: unknown method 'FedMagic'; choose one of FedAvg, FedProx, FedAvg+FT, Local, TENT, "
@@ -208,7 +232,8 @@ def test_natural_partition_and_preprocess_round_trip(fashion_raw) -> None:  # ty
     for k, (tr, va) in enumerate(zip(fed.train, fed.val)):  # every client holds one client id's samples
         assert len(set(ids[np.concatenate([tr, va])])) == 1
     assert Preprocess.from_dict(json.loads(json.dumps(pre.to_dict()))) == pre
-    with pytest.raises(ValueError, match=r"preprocess keys must be layout, size, scale, mean, std \(unknown: "
+    with pytest.raises(ValueError, match=r"preprocess keys must be layout, size, scale, mean, std and optionally "
+                                         r"raw \(unknown: "
                                          r"\['gamma'\], missing: \[\]\)"):
         Preprocess.from_dict({**pre.to_dict(), "gamma": 2.2})
     with pytest.raises(RecipeError, match=r"^preprocess: layout NCHW but the data is NHWC; use "
@@ -260,7 +285,8 @@ def test_cli_trains_and_exports_a_user_module(tmp_path: Path, capsys: pytest.Cap
     from edge_sdk.bundle import load_bundle
 
     loaded = load_bundle(bundle)
-    assert loaded.method == "TENT" and loaded.preprocess == Preprocess.identity()
+    assert loaded.method == "TENT" and loaded.preprocess.is_identity  # digits: float32 [0, 1] as loaded
+    assert loaded.preprocess.raw == RawInput("float32", (0, 1), (1, 8, 8))
     assert {a["name"] for a in loaded.manifest["artifacts"]} >= {"forward", "tent_step"}
     assert loaded.weights("params")["features.trunk.1.weight"].shape == (48, 64)  # the user's layers, by name
     assert main(["train", "--recipe", f"{tmp_path / 'my_recipes.py'}:nope", "--out", str(run_dir)]) == 2
