@@ -296,12 +296,15 @@ def test_cli_trains_and_exports_a_user_module(tmp_path: Path, capsys: pytest.Cap
 
 def test_coordinator_trains_a_recipe_from_its_recipe_directory(tmp_path: Path) -> None:
     """An admin names FILE:NAME from FL_SERVE_RECIPES_DIR; the job trains the user's model and serves its bundle.
-    A name outside the directory's grammar or a missing file is refused before anything runs."""
+    A name outside the directory's grammar or a missing file is refused before anything runs. A job whose
+    new-client predictions collapsed says so in its status (one line)."""
     import httpx
     from coordinator_proc import ADMIN, auth, join, start
 
     (tmp_path / "recipes").mkdir()
     (tmp_path / "recipes" / "my_recipes.py").write_text(RECIPE_FILE)
+    (tmp_path / "recipes" / "collapsing.py").write_text(RECIPE_FILE + "\ncollapsed = small.replace(method='FedAvg', "
+                                                        "hyper={'lr': 50.0}, rounds=1)\n")
     coord = start(tmp_path / "store", methods="", env={"FL_SERVE_RECIPES_DIR": str(tmp_path / "recipes")})
     try:
         url = f"{coord.url}/v1/jobs"
@@ -312,9 +315,17 @@ def test_coordinator_trains_a_recipe_from_its_recipe_directory(tmp_path: Path) -
         job = httpx.post(url, json={"method": "TENT", "rounds": 2, "recipe": "my_recipes:small"}, headers=auth(ADMIN),
                          timeout=10)
         assert job.status_code == 201, job.text
-        coord.wait_bundles(1, timeout=240)
+        bad = httpx.post(url, json={"method": "FedAvg", "rounds": 1, "recipe": "collapsing:collapsed"},
+                         headers=auth(ADMIN), timeout=10)
+        assert bad.status_code == 201 and bad.json()["warning"] is None, bad.text  # queued: nothing to say yet
+        coord.wait_bundles(2, timeout=240)
+        warning = httpx.get(f"{url}/{bad.json()['id']}", headers=auth(ADMIN), timeout=10).json()["warning"]
+        assert warning.startswith("warning: new-client predictions collapsed to one class (class ") and warning.endswith(
+            "chance 10.0%): the model learnt no classifier; lower the learning rate or check the labels, and do not "
+            "ship this bundle"), warning
         manifest = join(coord.url, "TENT")["manifest"]
         assert manifest["model"] == "TinyNet" and manifest["dataset"] == "digits"
-        assert manifest["preprocess"] == Preprocess.identity().to_dict()
+        assert manifest["preprocess"] == {**Preprocess.identity().to_dict(),
+                                          "raw": {"dtype": "float32", "range": [0.0, 1.0], "shape": [1, 8, 8]}}
     finally:
         coord.stop()
