@@ -54,6 +54,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"{recipe.method} on {recipe.data.name}: best val {record['val']:.2f}% at round {record['best_round']}, "
           f"new-client test {test}, {record['wall_s']:.1f}s on {record['device']}; run files in {args.out} "
           f"(bundle: fl-server export {args.out} --out BUNDLE)")
+    if record["warning"]:
+        print(record["warning"])
     return 0
 
 
@@ -106,12 +108,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from export.run import export_run
+    from fl_server import rundir
     from fl_server.signing import ManifestSigner
 
     signer = ManifestSigner.from_pem(Path(args.signing_key)) if args.signing_key else None
     path = export_run(args.run_dir, args.out, int8=args.int8, signer=signer)
     how = f"load_bundle(dir, public_key='{signer.public_hex}')" if signer else "load_bundle (unsigned: hashes only)"
     print(f"bundle written to {path} (verify and use it on a device with edge_sdk.bundle.{how})")
+    warning = rundir.read_run(args.run_dir).get("warning")
+    if warning:  # recorded by fl-server train (fl_server.diagnostics)
+        print(warning)
     return 0
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from edge_sdk.preprocess import Preprocess
+from edge_sdk.preprocess import Preprocess, RawInput
 from fl_server import rundir
 from fl_server.recipes import DataSpec, Federation, ModelSpec, Recipe, RecipeError, train
 
@@ -85,7 +85,8 @@ def test_arrays_image_folder_and_torch_dataset_train_identically(fashion_raw, tm
             for key, value in weights["arrays"][part].items():
                 assert torch.equal(value, weights[name][part][key]), (name, part, key)
     run = json.loads((tmp_path / "torch" / "run.json").read_text())
-    assert run["preprocess"] == {"layout": "NCHW", "size": None, "scale": 1 / 255, "mean": [0.0], "std": [1.0]}
+    assert run["preprocess"] == {"layout": "NCHW", "size": None, "scale": 1 / 255, "mean": [0.0], "std": [1.0],
+                                 "raw": {"dtype": "uint8", "range": [0.0, 255.0], "shape": [1, 28, 28]}}
 
     # a recipe built in Python: its run.json names no file, so export takes the recipe itself
     from edge_sdk.bundle import load_bundle
@@ -121,7 +122,7 @@ def test_bundles_without_preprocessing_load_as_identity(tmp_path: Path) -> None:
     (tmp_path / "manifest.json").write_text(json.dumps({"method": "FedAvg", "device_step": None, "artifacts": [],
                                                         "preprocess": {"layout": "NHWC"}}))
     with pytest.raises(BundleError, match=r"malformed manifest \(preprocess keys must be layout, size, scale, mean, "
-                                          r"std \(unknown: \[\], missing: \['mean', 'scale', 'size', 'std'\]\)\)"):
+                                          r"std and optionally raw \(unknown: \[\], missing: \['mean', 'scale', 'size', 'std'\]\)\)"):
         load_bundle(tmp_path)
 
 
@@ -133,6 +134,18 @@ class NotLinearHead(SmallNet):
     def __init__(self, input_shape: tuple[int, int, int], num_classes: int) -> None:
         super().__init__(input_shape, num_classes)
         self.fc = nn.Sequential(nn.Linear(32, num_classes), nn.Softmax(dim=1))  # type: ignore[assignment]
+
+
+class SoftmaxAfterHead(SmallNet):
+    """Returns probabilities: the engine would take them for logits and train another model."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.fc(self.body(x)), dim=1)
+
+
+class LogSoftmaxAfterHead(SmallNet):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.log_softmax(self.fc(self.body(x)), dim=1)
 
 
 class WideNet(SmallNet):
@@ -150,6 +163,10 @@ def _bad(case: str, tmp_path: Path, x: np.ndarray, y: np.ndarray) -> None:  # no
         Recipe(model=ModelSpec(lambda shape, k: _wrong_input_shape(), head="2"), data=data)
     elif case == "head not linear":
         Recipe(model=ModelSpec(NotLinearHead, head="fc"), data=data)
+    elif case == "softmax after the head":
+        Recipe(model=ModelSpec(SoftmaxAfterHead, head="fc"), data=data)
+    elif case == "log_softmax after the head (split by a callable)":
+        Recipe(model=ModelSpec(LogSoftmaxAfterHead, head=lambda net: (net.body, net.fc)), data=data)
     elif case == "NaN in the data":
         bad = x.astype(np.float32) / 255
         bad[7, 3, 3, 0] = np.nan
@@ -176,6 +193,13 @@ BAD = {
     "head not linear": "model: the head (attribute 'fc') is Sequential, not torch.nn.Linear; the methods need a "
                        "linear head on the features: name the model's last nn.Linear (ModelSpec(head='fc')) or "
                        "split it with head=callable(model) -> (features, linear)",
+    "softmax after the head": "model: SoftmaxAfterHead.forward does not return its head's output (it differs from "
+                              "head(features(x)) on a random batch: a softmax, log_softmax or other function after "
+                              "the head?); return the head's logits; the methods apply softmax themselves",
+    "log_softmax after the head (split by a callable)": "model: LogSoftmaxAfterHead.forward does not return its head's "
+                                                        "output (it differs from head(features(x)) on a random batch: "
+                                                        "a softmax, log_softmax or other function after the head?); "
+                                                        "return the head's logits; the methods apply softmax themselves",
     "NaN in the data": "data: 1 image(s) hold NaN or infinite values (first: sample 7); drop or repair them before "
                        "building the recipe",
     "unknown method": "method: unknown method 'FedMagic'; choose one of FedAvg, FedProx, FedAvg+FT, Local, TENT, "
@@ -211,7 +235,8 @@ def test_natural_partition_and_preprocess_round_trip(fashion_raw) -> None:  # ty
     for k, (tr, va) in enumerate(zip(fed.train, fed.val)):  # every client holds one client id's samples
         assert len(set(ids[np.concatenate([tr, va])])) == 1
     assert Preprocess.from_dict(json.loads(json.dumps(pre.to_dict()))) == pre
-    with pytest.raises(ValueError, match=r"preprocess keys must be layout, size, scale, mean, std \(unknown: "
+    with pytest.raises(ValueError, match=r"preprocess keys must be layout, size, scale, mean, std and optionally "
+                                         r"raw \(unknown: "
                                          r"\['gamma'\], missing: \[\]\)"):
         Preprocess.from_dict({**pre.to_dict(), "gamma": 2.2})
     with pytest.raises(RecipeError, match=r"^preprocess: layout NCHW but the data is NHWC; use "
@@ -263,7 +288,8 @@ def test_cli_trains_and_exports_a_user_module(tmp_path: Path, capsys: pytest.Cap
     from edge_sdk.bundle import load_bundle
 
     loaded = load_bundle(bundle)
-    assert loaded.method == "TENT" and loaded.preprocess == Preprocess.identity()
+    assert loaded.method == "TENT" and loaded.preprocess.is_identity  # digits: float32 [0, 1] as loaded
+    assert loaded.preprocess.raw == RawInput("float32", (0, 1), (1, 8, 8))
     assert {a["name"] for a in loaded.manifest["artifacts"]} >= {"forward", "tent_step"}
     assert loaded.weights("params")["features.trunk.1.weight"].shape == (48, 64)  # the user's layers, by name
     assert main(["train", "--recipe", f"{tmp_path / 'my_recipes.py'}:nope", "--out", str(run_dir)]) == 2
@@ -273,12 +299,15 @@ def test_cli_trains_and_exports_a_user_module(tmp_path: Path, capsys: pytest.Cap
 
 def test_coordinator_trains_a_recipe_from_its_recipe_directory(tmp_path: Path) -> None:
     """An admin names FILE:NAME from FL_SERVE_RECIPES_DIR; the job trains the user's model and serves its bundle.
-    A name outside the directory's grammar or a missing file is refused before anything runs."""
+    A name outside the directory's grammar or a missing file is refused before anything runs. A job whose
+    new-client predictions collapsed says so in its status (one line)."""
     import httpx
     from coordinator_proc import ADMIN, auth, join, start
 
     (tmp_path / "recipes").mkdir()
     (tmp_path / "recipes" / "my_recipes.py").write_text(RECIPE_FILE)
+    (tmp_path / "recipes" / "collapsing.py").write_text(RECIPE_FILE + "\ncollapsed = small.replace(method='FedAvg', "
+                                                        "hyper={'lr': 50.0}, rounds=1)\n")
     coord = start(tmp_path / "store", methods="", env={"FL_SERVE_RECIPES_DIR": str(tmp_path / "recipes")})
     try:
         url = f"{coord.url}/v1/jobs"
@@ -289,9 +318,17 @@ def test_coordinator_trains_a_recipe_from_its_recipe_directory(tmp_path: Path) -
         job = httpx.post(url, json={"method": "TENT", "rounds": 2, "recipe": "my_recipes:small"}, headers=auth(ADMIN),
                          timeout=10)
         assert job.status_code == 201, job.text
-        coord.wait_bundles(1, timeout=240)
+        bad = httpx.post(url, json={"method": "FedAvg", "rounds": 1, "recipe": "collapsing:collapsed"},
+                         headers=auth(ADMIN), timeout=10)
+        assert bad.status_code == 201 and bad.json()["warning"] is None, bad.text  # queued: nothing to say yet
+        coord.wait_bundles(2, timeout=240)
+        warning = httpx.get(f"{url}/{bad.json()['id']}", headers=auth(ADMIN), timeout=10).json()["warning"]
+        assert warning.startswith("warning: new-client predictions collapsed to one class (class ") and warning.endswith(
+            "chance 10.0%): the model learnt no classifier; lower the learning rate or check the labels, and do not "
+            "ship this bundle"), warning
         manifest = join(coord.url, "TENT")["manifest"]
         assert manifest["model"] == "TinyNet" and manifest["dataset"] == "digits"
-        assert manifest["preprocess"] == Preprocess.identity().to_dict()
+        assert manifest["preprocess"] == {**Preprocess.identity().to_dict(),
+                                          "raw": {"dtype": "float32", "range": [0.0, 1.0], "shape": [1, 8, 8]}}
     finally:
         coord.stop()

@@ -11,9 +11,15 @@ with :meth:`Preprocess.from_dict`, so a device passes the same raw images the tr
 (2, 1, 28, 28)
 >>> Preprocess.from_dict(pre.to_dict()) == pre
 True
+
+A recipe also records the raw images its data held (:class:`RawInput`: dtype, value range, one image's shape);
+``apply`` then refuses, in one line, input that does not match: e.g. float images already in [0, 1] given to a
+bundle trained on uint8 pixels (they would be scaled by 1/255 twice), or images of another size, stated in the
+raw layout. Manifests without it (older bundles) are not checked.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +27,101 @@ from typing import Any
 import numpy as np
 
 LAYOUTS = ("NHWC", "NCHW")
-_KEYS = ("layout", "size", "scale", "mean", "std")
+_KEYS = ("layout", "size", "scale", "mean", "std")  # and "raw" (optional: manifests before it have none)
+_RAW_KEYS = ("dtype", "range", "shape")
+
+
+@dataclass(frozen=True)
+class RawInput:
+    """The raw images a recipe's data held: numpy ``dtype`` name, nominal value ``range`` (lo, hi) or None (not
+    checked), one image's ``shape`` in the recipe's layout ((H, W) for single-channel images; None for an
+    axis the preprocessing resizes; None for the whole shape: not checked).
+
+    >>> RawInput("uint8", (0, 255), (28, 28)).check(np.zeros((2, 32, 32, 3), np.uint8), "NHWC")
+    Traceback (most recent call last):
+    ValueError: expected raw images [N, 28, 28] (uint8, layout NHW), got [2, 32, 32, 3]: pass images of that size and channels (the recipe's data)
+    """
+
+    dtype: str
+    range: tuple[float, float] | None = None
+    shape: tuple[int | None, ...] | None = None
+
+    def __post_init__(self) -> None:
+        try:
+            kind = np.dtype(self.dtype).kind if isinstance(self.dtype, str) else ""
+        except TypeError:
+            kind = ""
+        if kind not in ("u", "i", "f"):
+            raise ValueError(f"preprocess raw dtype must name a numeric numpy dtype (e.g. 'uint8'), got {self.dtype!r}")
+        if self.range is not None:
+            lo_hi = tuple(self.range)
+            if len(lo_hi) != 2 or not all(_finite_number(v) for v in lo_hi) or not lo_hi[0] < lo_hi[1]:
+                raise ValueError(f"preprocess raw range must be [low, high] with low < high, got {self.range!r}")
+            object.__setattr__(self, "range", (float(lo_hi[0]), float(lo_hi[1])))
+        if self.shape is not None:
+            shape = tuple(self.shape)
+            if len(shape) not in (2, 3) or not all(s is None or (isinstance(s, (int, np.integer)) and
+                                                                 not isinstance(s, bool) and s > 0) for s in shape):
+                raise ValueError(f"preprocess raw shape must be one image's 2 or 3 sizes (positive integers or "
+                                 f"null), got {self.shape!r}")
+            object.__setattr__(self, "shape", tuple(None if s is None else int(s) for s in shape))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "range": None if self.range is None else list(self.range),
+                "shape": None if self.shape is None else list(self.shape)}
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "RawInput":
+        if not isinstance(d, dict) or set(d) != set(_RAW_KEYS):
+            raise ValueError(f"preprocess raw must be an object with keys {', '.join(_RAW_KEYS)}, got {d!r}")
+        for name in ("range", "shape"):
+            if d[name] is not None and not isinstance(d[name], list):
+                raise ValueError(f"preprocess raw {name} must be null or a list, got {d[name]!r}")
+        return cls(dtype=d["dtype"], range=None if d["range"] is None else tuple(d["range"]),  # type: ignore[arg-type]
+                   shape=None if d["shape"] is None else tuple(d["shape"]))
+
+    def check(self, x: np.ndarray, layout: str) -> None:
+        """Raise ValueError (one line, saying what to pass) unless the raw batch ``x`` in ``layout`` has this
+        shape and lies in this range. Values: a float batch whose largest value is at most 1 (and not all zero)
+        given where the data was 0..255 is refused as already normalised (it would be scaled twice); any batch
+        outside the range (plus a 0.1% margin) is refused. Integer batches inside the range always pass."""
+        if self.shape is not None and not self._shape_fits(x, layout):
+            raise ValueError(f"expected raw images {self._shape_text(layout)} ({self.dtype}, layout "
+                             f"{'NHW' if len(self.shape) == 2 else layout}), got {list(x.shape)}: pass images of that "
+                             f"size and channels (the recipe's data)")
+        if self.range is None or x.size == 0 or x.dtype.kind not in "uif":
+            return
+        lo, hi = self.range
+        x_lo, x_hi = float(x.min()), float(x.max())
+        got = f"got {x.dtype} values in [{x_lo:.4g}, {x_hi:.4g}]"
+        expects = f"expects raw pixels in [{lo:g}, {hi:g}] ({self.dtype})"
+        if x.dtype.kind == "f" and hi > 1 and x_hi <= 1 and (x_hi > 0 or x_lo < 0):
+            raise ValueError(f"this bundle {expects}; {got}: pass the raw images, not normalised ones")
+        margin = 1e-3 * (hi - lo)
+        if x_lo < lo - margin or x_hi > hi + margin:
+            fix = ("scale them as the recipe's data was (e.g. x / 255)" if hi <= 1 < x_hi else
+                   "pass images in the value range of the recipe's data")
+            raise ValueError(f"this bundle {expects}; {got}: {fix}")
+
+    def _shape_fits(self, x: np.ndarray, layout: str) -> bool:
+        assert self.shape is not None
+        if x.ndim not in (3, 4):
+            return False
+        want = _chw(self.shape, layout)
+        have = _chw(tuple(x.shape[1:]), layout)
+        return all(w is None or w == h for w, h in zip(want, have))
+
+    def _shape_text(self, layout: str) -> str:
+        assert self.shape is not None
+        names = ("H", "W") if len(self.shape) == 2 else ("C", "H", "W") if layout == "NCHW" else ("H", "W", "C")
+        return "[N, " + ", ".join(n if s is None else str(s) for n, s in zip(names, self.shape)) + "]"
+
+
+def _chw(shape: tuple[Any, ...], layout: str) -> tuple[Any, Any, Any]:
+    """One image's (C, H, W) from its shape in ``layout`` ((H, W): one channel)."""
+    if len(shape) == 2:
+        return (1, *shape)
+    return (shape[2], shape[0], shape[1]) if layout == "NHWC" else (shape[0], shape[1], shape[2])
 
 
 @dataclass(frozen=True)
@@ -30,13 +130,15 @@ class Preprocess:
     ``(x - mean[c]) / std[c]`` per channel (``mean``/``std`` of length 1 apply to every channel).
 
     Raw batches are ``[N, H, W, C]`` (NHWC) or ``[N, C, H, W]`` (NCHW); ``[N, H, W]`` is a batch of
-    single-channel images in either layout."""
+    single-channel images in either layout. ``raw``: what raw images the recipe's data held (checked by
+    ``apply``; None: not checked)."""
 
     layout: str = "NCHW"
     size: tuple[int, int] | None = None
     scale: float = 1.0
     mean: tuple[float, ...] = (0.0,)
     std: tuple[float, ...] = (1.0,)
+    raw: RawInput | None = None
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -62,11 +164,18 @@ class Preprocess:
         if len(self.mean) != len(self.std) and 1 not in (len(self.mean), len(self.std)):
             raise ValueError(f"preprocess mean and std differ in length ({len(self.mean)} vs {len(self.std)})")
         object.__setattr__(self, "scale", float(self.scale))
+        if self.raw is not None and not isinstance(self.raw, RawInput):
+            raise ValueError(f"preprocess raw must be a RawInput, got {type(self.raw).__name__}")
 
     @classmethod
     def identity(cls) -> "Preprocess":
         """No-op preprocessing (float32 NCHW in, the same out): bundles written before the manifest held one."""
         return cls()
+
+    @property
+    def is_identity(self) -> bool:
+        """Whether it changes nothing (float32 NCHW in, the same out), whatever raw input it records."""
+        return dataclasses.replace(self, raw=None) == Preprocess.identity()
 
     def to_nchw(self, raw: np.ndarray) -> np.ndarray:
         """``raw`` in this layout as an NCHW array (no copy where possible, dtype kept)."""
@@ -79,7 +188,10 @@ class Preprocess:
         return x.transpose(0, 3, 1, 2) if self.layout == "NHWC" else x
 
     def apply(self, raw: np.ndarray) -> np.ndarray:
-        """Raw images (a batch in ``layout``) -> float32 ``[N, C, H, W]`` ready for the model."""
+        """Raw images (a batch in ``layout``) -> float32 ``[N, C, H, W]`` ready for the model; ValueError (one
+        line) for images unlike the recipe's raw data (:meth:`RawInput.check`)."""
+        if self.raw is not None:
+            self.raw.check(np.asarray(raw), self.layout)
         x = self.to_nchw(raw)
         if x.dtype.kind not in "uif":
             raise ValueError(f"images must be numbers (uint8 or float), got dtype {x.dtype}")
@@ -101,18 +213,22 @@ class Preprocess:
         return (int(c), *(self.size or (int(h), int(w))))  # type: ignore[return-value]
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON form (the bundle manifest's ``preprocess``)."""
-        return {"layout": self.layout, "size": None if self.size is None else list(self.size),
-                "scale": self.scale, "mean": list(self.mean), "std": list(self.std)}
+        """JSON form (the bundle manifest's ``preprocess``); ``raw`` only when it records one."""
+        d: dict[str, Any] = {"layout": self.layout, "size": None if self.size is None else list(self.size),
+                             "scale": self.scale, "mean": list(self.mean), "std": list(self.std)}
+        if self.raw is not None:
+            d["raw"] = self.raw.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, d: Any) -> "Preprocess":
         """The inverse of :meth:`to_dict`; strict: unknown or missing keys and wrong types are errors."""
         if not isinstance(d, dict):
             raise ValueError(f"preprocess must be an object, got {type(d).__name__}")
-        if set(d) != set(_KEYS):
-            unknown, missing = sorted(set(d) - set(_KEYS)), sorted(set(_KEYS) - set(d))
-            raise ValueError(f"preprocess keys must be {', '.join(_KEYS)} (unknown: {unknown}, missing: {missing})")
+        if set(d) - {"raw"} != set(_KEYS):
+            unknown, missing = sorted(set(d) - {*_KEYS, "raw"}), sorted(set(_KEYS) - set(d))
+            raise ValueError(f"preprocess keys must be {', '.join(_KEYS)} and optionally raw (unknown: {unknown}, "
+                             f"missing: {missing})")
         if not isinstance(d["layout"], str):
             raise ValueError(f"preprocess layout must be a string, got {d['layout']!r}")
         for name in ("mean", "std"):
@@ -121,7 +237,8 @@ class Preprocess:
         if d["size"] is not None and not isinstance(d["size"], list):
             raise ValueError(f"preprocess size must be null or [height, width], got {d['size']!r}")
         return cls(layout=d["layout"], size=None if d["size"] is None else tuple(d["size"]),  # type: ignore[arg-type]
-                   scale=d["scale"], mean=tuple(d["mean"]), std=tuple(d["std"]))
+                   scale=d["scale"], mean=tuple(d["mean"]), std=tuple(d["std"]),
+                   raw=None if d.get("raw") is None else RawInput.from_dict(d["raw"]))
 
 
 def _finite_number(v: Any) -> bool:

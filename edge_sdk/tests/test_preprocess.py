@@ -40,3 +40,23 @@ def test_from_dict_is_strict_and_round_trips() -> None:
     three = Preprocess(mean=(0.1, 0.2), std=(1.0, 1.0))
     with pytest.raises(ValueError, match=r"^preprocess mean has 2 values for images with 3 channels$"):
         three.apply(np.zeros((1, 3, 2, 2), np.float32))
+
+
+def test_raw_input_refuses_images_unlike_the_recipes_in_one_line() -> None:
+    from edge_sdk.preprocess import RawInput
+
+    floats = Preprocess(raw=RawInput("float32", (0, 1), (1, 28, 28)))  # a built-in set: float32 NCHW in [0, 1]
+    assert Preprocess.from_dict(floats.to_dict()) == floats and floats.is_identity
+    floats.apply(np.full((2, 1, 28, 28), 0.5, np.float32))
+    with pytest.raises(ValueError, match=r"^this bundle expects raw pixels in \[0, 1\] \(float32\); got uint8 values "
+                                         r"in \[0, 255\]: scale them as the recipe's data was \(e\.g\. x / 255\)$"):
+        floats.apply(np.array([0, 255], np.uint8).repeat(392).reshape(1, 1, 28, 28))
+    resized = Preprocess(layout="NHWC", size=(32, 32), scale=1 / 255, raw=RawInput("uint8", (0, 255), (None, None, 3)))
+    assert resized.apply(np.zeros((1, 40, 20, 3), np.uint8)).shape == (1, 3, 32, 32)  # any size: resized
+    with pytest.raises(ValueError, match=r"^expected raw images \[N, H, W, 3\] \(uint8, layout NHWC\), got "
+                                         r"\[1, 40, 20\]"):
+        resized.apply(np.zeros((1, 40, 20), np.uint8))
+    with pytest.raises(ValueError, match=r"^preprocess raw must be an object with keys dtype, range, shape"):
+        Preprocess.from_dict({**resized.to_dict(), "raw": {"dtype": "uint8"}})
+    with pytest.raises(ValueError, match=r"^preprocess raw range must be \[low, high\] with low < high, got \(1, 0\)$"):
+        RawInput("float32", (1, 0))

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from edge_sdk.preprocess import LAYOUTS, Preprocess
+from edge_sdk.preprocess import LAYOUTS, Preprocess, RawInput
 from fl_server.data import ArrayDataset, load_dataset
 from fl_server.recipes.errors import RecipeError
 
@@ -25,6 +25,8 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 BUILTINS: dict[str, tuple[tuple[int, int, int], int]] = {
     "digits": ((1, 8, 8), 10), "mnist": ((1, 28, 28), 10), "fashion_mnist": ((1, 28, 28), 10),
     "cifar10": ((3, 32, 32), 10)}
+# the value ranges a raw float image set is recorded with (the first that holds all its values; none: unchecked)
+NOMINAL_RANGES = ((0.0, 1.0), (-1.0, 1.0), (0.0, 255.0))
 
 
 @dataclass(frozen=True, eq=False)
@@ -176,6 +178,27 @@ class DataSpec:
         uint8 = not self.builtin_name and np.asarray(self.x[0]).dtype == np.uint8
         return Preprocess(layout=self.layout, scale=1 / 255 if uint8 else 1.0)
 
+    def raw_input(self, preprocess: Preprocess) -> RawInput:
+        """What raw images this data holds (the bundle's ``preprocess.raw``, checked on the device): dtype; range:
+        an integer dtype's own (uint8: [0, 255]), for floats the first of :data:`NOMINAL_RANGES` holding every
+        value (built-in sets: float32 in [0, 1]); one image's shape, the axes ``preprocess`` resizes left free."""
+        value_range: tuple[float, float] | None = (0.0, 1.0)
+        if self.builtin_name:
+            dtype, shape = "float32", BUILTINS[self.builtin_name][0]
+        else:
+            images = self.x if isinstance(self.x, list) else [self.x]
+            kind = np.asarray(images[0]).dtype
+            if kind.kind in "iu":
+                value_range = (float(np.iinfo(kind).min), float(np.iinfo(kind).max))
+            else:
+                lo, hi = min(float(np.min(im)) for im in images), max(float(np.max(im)) for im in images)
+                value_range = next(((a, b) for a, b in NOMINAL_RANGES if a <= lo and hi <= b), None)
+            dtype, shape = kind.name, self.sample_shape  # None: sizes differ (resized to one)
+        if shape is not None and preprocess.size is not None:  # any height and width: resized on the device
+            hw = (0, 1) if len(shape) == 2 or self.layout == "NHWC" else (1, 2)
+            shape = tuple(None if i in hw else s for i, s in enumerate(shape))
+        return RawInput(dtype, value_range, shape)
+
     def describe(self) -> dict[str, Any]:
         """JSON facts for run records and manifests."""
         return {"name": self.name, "builtin": self.builtin_name, "split": self.split, "layout": self.layout,
@@ -189,7 +212,7 @@ class DataSpec:
         if key not in self._cache:
             if self.builtin_name:
                 ds = load_dataset(self.builtin_name, root=data_root or self.data_dir, split=self.split)
-                x = preprocess.apply(ds.x) if preprocess != Preprocess.identity() else ds.x
+                x = ds.x if preprocess.is_identity else preprocess.apply(ds.x)
                 self._cache[key] = ArrayDataset(ds.name, x, ds.y, ds.num_classes)
             else:
                 x = (preprocess.apply(self.x) if not isinstance(self.x, list)

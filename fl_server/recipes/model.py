@@ -63,6 +63,7 @@ class ModelSpec:
         # nn.BatchNorm2d -> StatBatchNorm2d: its statistics live outside the functional state (federated after
         # training, applied on the device by the bundle's batch_norm rule; docs/edge-architectures.md)
         net = convert_batchnorm(net)
+        x, whole = _probe(net, input_shape)  # before the split: the head is cut out of the net in place
         features, head = self._split(net)
         if not isinstance(head, nn.Linear):
             raise RecipeError(f"model: the head ({_where(self.head)}) is {type(head).__name__}, not torch.nn.Linear; "
@@ -71,8 +72,13 @@ class ModelSpec:
         if head.out_features != num_classes:
             raise RecipeError(f"model: the head has {head.out_features} outputs but the data has {num_classes} "
                               f"classes; build the head with num_classes outputs (the factory receives it)")
-        return Classifier(features, head.in_features, num_classes, tuple(input_shape), None,  # type: ignore[arg-type]
-                          head=head)
+        clf = Classifier(features, head.in_features, num_classes, tuple(input_shape), None,  # type: ignore[arg-type]
+                         head=head)
+        if whole is not None and not _same_output(clf, x, whole):
+            raise RecipeError(f"model: {type(net).__name__}.forward does not return its head's output (it differs "
+                              f"from head(features(x)) on a random batch: a softmax, log_softmax or other function "
+                              f"after the head?); return the head's logits; the methods apply softmax themselves")
+        return clf
 
     def _split(self, net: nn.Module) -> tuple[nn.Module, nn.Module]:
         if callable(self.head):
@@ -88,6 +94,43 @@ class ModelSpec:
         parent, _, leaf = self.head.rpartition(".")
         setattr(net.get_submodule(parent) if parent else net, leaf, nn.Identity())  # net(x) now gives the features
         return net, head
+
+
+def _probe(net: nn.Module, input_shape: InputShape) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(a small random batch, the user's whole ``forward`` on it in eval mode), or None for the output when the
+    forward fails on it (:func:`check_classifier` reports that). The global torch RNG is untouched."""
+    x = torch.rand((2, *input_shape), generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad(), _eval(net):
+            return x, net(x)
+    except Exception:  # noqa: BLE001 - any failure of the user's forward is reported by check_classifier
+        return x, None
+
+
+def _same_output(clf: Classifier, x: torch.Tensor, whole: torch.Tensor) -> bool:
+    """Whether ``head(features(x))`` is what the user's forward gave: the engine trains and serves the former."""
+    try:
+        with torch.no_grad(), _eval(clf):
+            split = clf(x)
+    except Exception:  # noqa: BLE001 - a split that fails is reported by check_classifier
+        return True
+    return isinstance(whole, torch.Tensor) and whole.shape == split.shape and bool(
+        torch.allclose(whole, split, rtol=1e-4, atol=1e-5))
+
+
+class _eval:
+    """Eval mode (dropout off, no running-statistics updates) inside the block; the modes are restored after."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.modes = [m.training for m in module.modules()]
+
+    def __enter__(self) -> None:
+        self.module.eval()
+
+    def __exit__(self, *exc: object) -> None:
+        for m, mode in zip(self.module.modules(), self.modes):
+            m.training = mode
 
 
 def _where(head: Union[str, HeadSplit]) -> str:

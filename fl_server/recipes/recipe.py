@@ -70,8 +70,10 @@ class Recipe:
     ``method``: any letter case (``"fedtta++"``); ``hyper``: the method's hyperparameters (its ``Config``
     fields); ``eval_every``: validation interval (the best round is chosen among the validated rounds);
     ``preprocess``: raw images -> model input (default: the data's layout, uint8 scaled to [0, 1]), written
-    into the bundle so a device passes raw images; ``source``: ``"file.py:NAME"`` when loaded by
-    :func:`~fl_server.recipes.load_recipe` (how ``fl-server export`` rebuilds the model)."""
+    into the bundle so a device passes raw images, with the raw images' dtype, range and shape
+    (``DataSpec.raw_input`` unless it records its own ``raw``; the device refuses others); ``source``:
+    ``"file.py:NAME"`` when loaded by :func:`~fl_server.recipes.load_recipe` (how ``fl-server export`` rebuilds
+    the model)."""
 
     model: Union[str, ModelSpec]
     data: DataSpec
@@ -108,6 +110,8 @@ class Recipe:
         elif self.preprocess.layout != self.data.layout:
             raise RecipeError(f"preprocess: layout {self.preprocess.layout} but the data is {self.data.layout}; "
                               f"use Preprocess(layout={self.data.layout!r}, ...)")
+        if self.preprocess.raw is None:  # the raw images the data holds: the device refuses others (one line)
+            set_("preprocess", dataclasses.replace(self.preprocess, raw=self.data.raw_input(self.preprocess)))
         fed = self.federation
         if fed.partition is None:
             set_("federation", dataclasses.replace(

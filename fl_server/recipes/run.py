@@ -19,7 +19,9 @@ from edge_sdk.preprocess import Preprocess
 from fl_server.algorithms import Algorithm, build_algorithm
 from fl_server.data.federated import (FederatedData, hold_out_validation_clients, make_federated,
                                      natural_federated, random_subset)
+from fl_server import rundir
 from fl_server.device import describe
+from fl_server.diagnostics import run_warning
 from fl_server.engine import RunConfig, Simulation
 from fl_server.models import Classifier
 from fl_server.recipes.data import BUILTINS, DataSpec
@@ -83,14 +85,18 @@ def train(recipe: Recipe, run_dir: str | Path, seed: int = 0, device: str = "aut
           mode: str = "auto", data_root: str | None = None, test_at_best_only: bool = False,
           checkpoint_every: int = 10) -> dict[str, Any]:
     """Train ``recipe`` into ``run_dir`` (resumable; ``fl-server export RUN_DIR`` makes its bundle); returns the
-    record: best validation accuracy and round, the new clients' accuracy there, wall time, device."""
+    record: best validation accuracy and round, the new clients' accuracy there, wall time, device, and
+    ``warning``: one line when the new clients' predictions collapsed or sit at chance
+    (:func:`fl_server.diagnostics.collapse_warning`), else None."""
     sim = simulation(recipe, seed, run_dir, device, mode, progress, data_root, None, test_at_best_only,
                      checkpoint_every)
     result = sim.run()
+    warning = run_warning(sim)  # predictions collapsed to one class, or chance: run.json keeps it for export
+    rundir.write_run(Path(run_dir), {**rundir.read_run(run_dir), "warning": warning})
     return {"recipe": recipe.name or recipe.source or recipe.model_name, "dataset": recipe.data.name,
             "method": recipe.method, "seed": seed, "model": recipe.model_name, "rounds": recipe.rounds,
             "best_round": result.best_round, "val": 100 * result.best_val,
-            "test": None if result.test_at_best is None else 100 * result.test_at_best,
+            "test": None if result.test_at_best is None else 100 * result.test_at_best, "warning": warning,
             "wall_s": round(result.wall_s, 2), "device": describe(sim.device), "mode": sim.mode,
             "hyper": sim.algorithm.hp.__dict__, "eval_every": recipe.eval_every, "host": platform.node(),
             "curve": [{"round": r["round"], "val": r.get("val"), "test": r.get("test")}

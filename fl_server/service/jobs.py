@@ -63,6 +63,16 @@ class JobRunner:
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
 
+    def warning(self, job: dict[str, Any]) -> str | None:
+        """A finished job's training warning (collapsed or chance-level new-client predictions, recorded in its
+        run.json by :func:`fl_server.recipes.train`), else None."""
+        if job["status"] != "done":
+            return None
+        try:
+            return rundir.read_run(self.jobs_dir / job["id"] / "run").get("warning")
+        except (FileNotFoundError, ValueError):
+            return None
+
     def start(self) -> None:
         self.store.requeue_interrupted()
         for i in range(self.cfg.workers):

@@ -255,7 +255,8 @@ def global_dle(who: Principal = Depends(require_client), svc: Service = Depends(
 # -------------------------------------------------------------------- jobs
 def _job_view(svc: Service, job: dict[str, Any], with_rounds: bool) -> dict[str, Any]:
     rounds = svc.store.rounds(job["id"])
-    return {**job, "rounds_done": len(rounds), "rounds": rounds if with_rounds else None}
+    return {**job, "rounds_done": len(rounds), "rounds": rounds if with_rounds else None,
+            "warning": svc.runner.warning(job)}
 
 
 @router.post("/v1/jobs", response_model=S.Job, status_code=201, tags=["jobs"],

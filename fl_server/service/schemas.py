@@ -169,6 +169,9 @@ class Job(BaseModel):
     rounds: list[RoundRow] | None = Field(None, description="the round curve (validation / new-client accuracy per "
                                                              "round): in GET /v1/jobs/{id}; null in the job list. "
                                                              "The planned number of rounds is spec.rounds")
+    warning: str | None = Field(None, description="a finished job whose new-client predictions collapsed to one "
+                                                  "class or sit at chance: one line saying so (its bundle is served "
+                                                  "all the same); null otherwise")
 
 
 class Health(BaseModel):

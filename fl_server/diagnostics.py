@@ -1,0 +1,112 @@
+"""Warnings about a trained run that look fine in its numbers but are not: new-client predictions collapsed to
+one class, or an accuracy at chance. :func:`collapse_warning` is the rule (one line or None); the train summary
+(``fl-server train``, :func:`fl_server.recipes.train`'s record and ``run.json``), the coordinator's job status
+and ``fl-server export`` show it.
+
+>>> collapse_warning([0, 0, 97, 3], num_classes=4, accuracy=0.26)
+'warning: new-client predictions collapsed to one class (class 2 takes 97% of them; accuracy 26.0%, chance 25.0%): the model learnt no classifier; lower the learning rate or check the labels, and do not ship this bundle'
+>>> collapse_warning([30, 25, 25, 20], num_classes=4, accuracy=0.9) is None
+True
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+import torch
+
+from fl_server import rundir
+from fl_server.algorithms.base import NotApplicable
+
+if TYPE_CHECKING:
+    from fl_server.engine import Simulation
+
+ONE_CLASS_SHARE = 0.9  # more of the predictions than this in one class: collapsed
+OVER_LABEL_SHARE = 0.05  # ... and that class's share of the labels is lower by more than this
+CHANCE_MARGIN = 0.05  # accuracy at most 1/C + this: chance
+
+
+def collapse_warning(counts: Sequence[int] | np.ndarray, num_classes: int, accuracy: float | None = None,
+                     labels: Sequence[int] | np.ndarray | None = None) -> str | None:
+    """One line when the new clients' predictions collapsed, else None.
+
+    ``counts``: how many of the new clients' samples were predicted as each class; ``accuracy``: their mean
+    accuracy in [0, 1] (None: not checked); ``labels``: how many samples of each class they hold (None: not
+    known).
+
+    Thresholds. *One class*: more than 90% of the predictions (:data:`ONE_CLASS_SHARE`) in one class is a model
+    that ignores its input: with C >= 2 balanced classes no working classifier comes near that, and a run that
+    collapsed (FedICON's encoder, every sample mapped to one point) sits at ~100%. When the labels are known the
+    class must also take 5 points more than its share of the labels (:data:`OVER_LABEL_SHARE`), so data where one
+    class really is 90% of the samples does not warn. *Chance*: an accuracy within 5 points of 1/C
+    (:data:`CHANCE_MARGIN`; 15% for 10 classes, 55% for 2) is what guessing gives: the model learnt (almost)
+    nothing. Both are checked on the pooled predictions of all new clients."""
+    pred = np.asarray(counts, dtype=np.float64)
+    total = pred.sum()
+    if total <= 0 or num_classes < 2:
+        return None
+    top = int(pred.argmax())
+    share = pred[top] / total
+    label_share = 0.0
+    if labels is not None and np.asarray(labels).sum() > 0:
+        label_counts = np.asarray(labels, dtype=np.float64)
+        label_share = float(label_counts[top] / label_counts.sum()) if top < len(label_counts) else 0.0
+    chance = 1 / num_classes
+    acc = "" if accuracy is None else f"accuracy {100 * accuracy:.1f}%, "
+    if share > ONE_CLASS_SHARE and share > label_share + OVER_LABEL_SHARE:
+        return (f"warning: new-client predictions collapsed to one class (class {top} takes {100 * share:.0f}% of "
+                f"them; {acc}chance {100 * chance:.1f}%): the model learnt no classifier; lower the learning rate "
+                f"or check the labels, and do not ship this bundle")
+    if accuracy is not None and accuracy <= chance + CHANCE_MARGIN:
+        return (f"warning: new-client accuracy {100 * accuracy:.1f}% is at chance ({100 * chance:.1f}% for "
+                f"{num_classes} classes): the model learnt (almost) nothing; train longer, lower the learning rate "
+                f"or check the labels before shipping this bundle")
+    return None
+
+
+@dataclass(frozen=True)
+class NewClientPredictions:
+    """The new clients' predictions pooled: per-class counts of predictions and of labels, mean accuracy."""
+
+    counts: np.ndarray
+    labels: np.ndarray
+    accuracy: float
+
+
+def new_client_predictions(sim: Simulation, state: dict | None = None) -> NewClientPredictions | None:
+    """What :meth:`Simulation.evaluate_new` scores, with the predicted classes kept: each new client's model
+    personalised on its own data from ``state`` (default: the run's best state, else its last), then its
+    predictions. None when the run has no new clients or its method cannot personalise."""
+    if not sim.fed.new:
+        return None
+    if state is None:
+        state = sim.best_state
+    if state is None and sim.out_dir is not None and (sim.out_dir / rundir.BEST).is_file():  # a finished run, resumed
+        state = rundir.load_state(sim.out_dir / rundir.BEST, sim.device)
+    state = sim.server_state if state is None else state
+    num_classes = sim.algorithm.model.num_classes
+    counts, labels, accs = np.zeros(num_classes, np.int64), np.zeros(num_classes, np.int64), []
+    chunk = sim.cfg.eval_chunk
+    for idx in sim.fed.new:
+        x, y = sim.x[torch.from_numpy(idx)], sim.y[torch.from_numpy(idx)]
+        try:
+            with torch.random.fork_rng(devices=[]):  # a method's random views leave the global RNG as it was
+                params = sim.algorithm.personalize(state, x)  # test-time adaptation: with gradients
+        except NotApplicable:
+            return None
+        with torch.no_grad():
+            pred = torch.cat([sim.algorithm.predict(params, x[s:s + chunk]).argmax(-1)
+                              for s in range(0, len(idx), chunk)])
+        counts += np.bincount(pred.cpu().numpy(), minlength=num_classes)[:num_classes]
+        labels += np.bincount(y.cpu().numpy(), minlength=num_classes)[:num_classes]
+        accs.append(float((pred == y).double().mean()))
+    return NewClientPredictions(counts, labels, float(np.mean(accs)))
+
+
+def run_warning(sim: Simulation, state: dict | None = None) -> str | None:
+    """:func:`collapse_warning` of a finished simulation's new clients (None when it has none)."""
+    seen = new_client_predictions(sim, state)
+    if seen is None:
+        return None
+    return collapse_warning(seen.counts, len(seen.counts), seen.accuracy, seen.labels)

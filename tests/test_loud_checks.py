@@ -1,0 +1,120 @@
+"""Mistakes that used to pass silently now fail or warn with one line saying what to fix: raw images unlike the
+recipe's data given to a device (already normalised, another size), and a run whose new-client predictions
+collapsed (``fl-server train`` and ``fl-server export`` say so). Real MNIST, a real recipe file, a real bundle
+run by onnxruntime. (A forward that applies softmax after its head: tests/test_recipes.py's bad recipes.)"""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fl_server.diagnostics import collapse_warning
+
+RECIPES = '''
+import numpy as np
+
+from fl_server.data import load_dataset
+from fl_server.recipes import DataSpec, Federation, Recipe
+
+test = load_dataset("mnist", root={root!r}, split="test")
+idx = np.random.default_rng(0).choice(len(test), 1200, replace=False)
+raw = np.round(test.x[idx, 0] * 255).astype(np.uint8)  # the user's raw images: uint8 [N, 28, 28]
+healthy = Recipe(model="mlp", data=DataSpec.from_arrays(raw, test.y[idx], layout="NHWC"),
+                 federation=Federation(partition="iid", num_clients=6, new_fraction=0.34), method="FedAvg",
+                 rounds=3, local_iterations=20, batch_size=32)
+collapsed = healthy.replace(hyper={{"lr": 5.0}})  # a learning rate that sends every prediction to one class
+'''
+
+
+@pytest.fixture(scope="module")
+def runs(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """The CLI's train and export of a healthy and of a collapsed recipe (their printed lines, the bundles)."""
+    from fl_server.cli import main
+
+    tmp = tmp_path_factory.mktemp("loud")
+    (tmp / "mnist_recipes.py").write_text(RECIPES.format(root=str(data_root)))
+    out: dict[str, object] = {}
+    for name in ("healthy", "collapsed"):
+        lines = []
+        for argv in (["train", "--recipe", f"{tmp / 'mnist_recipes.py'}:{name}", "--out", str(tmp / name),
+                      "--no-progress", "--device", "cpu"],
+                     ["export", str(tmp / name), "--out", str(tmp / f"{name}-bundle")]):
+            buf = io.StringIO()
+            with contextlib.redirect_stdout(buf):
+                assert main(argv) == 0
+            lines.append(buf.getvalue().strip().splitlines())
+        out[name] = {"train": lines[0], "export": lines[1], "bundle": tmp / f"{name}-bundle",
+                     "run": json.loads((tmp / name / "run.json").read_text())}
+    return out
+
+
+COLLAPSED = re.compile(r"^warning: new-client predictions collapsed to one class \(class \d takes 100% of them; "
+                       r"accuracy \d+\.\d%, chance 10\.0%\): the model learnt no classifier; lower the learning rate "
+                       r"or check the labels, and do not ship this bundle$")
+
+
+def test_a_collapsed_run_warns_at_train_and_export(runs: dict) -> None:
+    collapsed, healthy = runs["collapsed"], runs["healthy"]
+    assert COLLAPSED.match(collapsed["train"][-1]), collapsed["train"][-1]  # after the summary line
+    assert COLLAPSED.match(collapsed["export"][-1]) and collapsed["export"][0].startswith("bundle written to")
+    assert collapsed["run"]["warning"] == collapsed["train"][-1]
+    assert healthy["run"]["warning"] is None and healthy["run"]["preprocess"]["raw"] == {
+        "dtype": "uint8", "range": [0.0, 255.0], "shape": [28, 28]}
+    assert not any("warning" in line for line in healthy["train"][-1:] + healthy["export"])
+
+
+@pytest.mark.parametrize("counts, accuracy, labels, expected", [
+    ([0, 0, 95, 5], None, None, "class 2 takes 95% of them; chance 25.0%"),
+    ([0, 0, 91, 9], None, [0, 0, 90, 10], None),  # the labels are 90% that class: predicting it is right
+    ([30, 25, 25, 20], 0.30, None, "new-client accuracy 30.0% is at chance (25.0% for 4 classes)"),
+    ([30, 25, 25, 20], 0.31, None, None),
+    ([60, 40], 0.9, None, None),
+    ([0, 0], None, None, None),
+])
+def test_collapse_thresholds(counts: list[int], accuracy: float | None, labels: list[int] | None,
+                             expected: str | None) -> None:
+    line = collapse_warning(counts, len(counts), accuracy, labels)
+    assert (line is None) if expected is None else (expected in line and "\n" not in line)
+
+
+def _mnist_raw(data_root: Path) -> tuple[np.ndarray, np.ndarray]:
+    from fl_server.data import load_dataset
+
+    test = load_dataset("mnist", root=data_root, split="test")
+    return np.round(test.x[:64, 0] * 255).astype(np.uint8), test.y[:64]
+
+
+def test_device_refuses_raw_images_unlike_the_recipes(runs: dict, data_root: Path) -> None:
+    """The bundle records uint8 [0, 255] images of 28x28 (NHW): raw uint8 and float 0..255 pass and agree;
+    normalised floats (scaled twice, silently, before) and another size are refused in the user's own terms."""
+    from edge_sdk import open_bundle
+
+    device = open_bundle(runs["healthy"]["bundle"])
+    x, y = _mnist_raw(data_root)
+    logits = device.predict(x)
+    assert (logits.argmax(1) == y).mean() > 0.5
+    np.testing.assert_allclose(device.predict(x.astype(np.float32)), logits, atol=1e-5)  # float 0..255: raw
+    np.testing.assert_allclose(device.predict(x[..., None]), logits, atol=1e-5)  # [N, 28, 28, 1]: the same
+    device.predict(np.zeros((2, 28, 28), np.float32))  # all-black floats are not "normalised"
+    with pytest.raises(ValueError, match=r"^this bundle expects raw pixels in \[0, 255\] \(uint8\); got float32 "
+                                         r"values in \[0, 1\]: pass the raw images, not normalised ones$"):
+        device.predict(x.astype(np.float32) / 255)
+    with pytest.raises(ValueError, match=r"^expected raw images \[N, 28, 28\] \(uint8, layout NHW\), got \[4, 32, 32, "
+                                         r"3\]: pass images of that size and channels \(the recipe's data\)$"):
+        device.personalize(np.zeros((4, 32, 32, 3), np.uint8))
+
+    # a bundle exported before the manifest recorded its raw images: nothing is checked (as before)
+    manifest_file = runs["healthy"]["bundle"] / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    del manifest["preprocess"]["raw"]
+    manifest_file.write_text(json.dumps(manifest))
+    try:
+        assert open_bundle(runs["healthy"]["bundle"]).predict(x.astype(np.float32) / 255).shape == (64, 10)
+    finally:
+        manifest["preprocess"]["raw"] = {"dtype": "uint8", "range": [0.0, 255.0], "shape": [28, 28]}
+        manifest_file.write_text(json.dumps(manifest))
