@@ -10,11 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from edge_sdk.bundle import load_bundle
 from fl_server import rundir
 from fl_server.cli import main
-from fl_server.recipes import DataSpec, Federation, Recipe, federate, load_recipe, train
+from fl_server.recipes import DataSpec, Federation, ModelSpec, Recipe, RecipeError, federate, load_recipe, train
 
 
 def _rows(x: np.ndarray) -> set[bytes]:
@@ -119,3 +120,26 @@ def test_device_data_hands_out_the_runs_new_clients_only(data_root: Path, tmp_pa
     (bundle / "old.json").write_text(json.dumps(manifest))
     assert main(["device-data", str(bundle / "old.json"), "--kind", "clients", "--out", str(out)]) == 2
     assert "does not identify its run's new clients" in _one_line_error(capsys)
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self, input_shape: tuple[int, int, int], num_classes: int) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(int(np.prod(input_shape)), 16))
+        self.fc = torch.nn.Linear(16, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.body(x))
+
+
+def test_a_python_model_over_built_in_data_is_asked_for_in_one_line() -> None:
+    """Built-in data but the user's own model, built in Python: the run cannot be rebuilt from run.json alone."""
+    from fl_server.recipes.run import describe_run, recipe_of_run
+
+    recipe = Recipe(model=ModelSpec(Tiny), data=DataSpec.builtin("digits"), federation=Federation("iid", num_clients=4),
+                    method="FedAvg", rounds=1)
+    fed = federate(recipe, 0)
+    run = json.loads(json.dumps(describe_run(recipe, recipe.build_algorithm(recipe.build_model(0), 2), fed, 0)))
+    assert run["recipe"] is None and run["data"]["builtin"] == "digits" and run["model"] == "Tiny"
+    with pytest.raises(RecipeError, match=r"^the run of 'digits' names no recipe file .*recipe=recipe\)"):
+        recipe_of_run(run)

@@ -23,7 +23,7 @@ from fl_server import rundir
 from fl_server.device import describe
 from fl_server.diagnostics import run_warning
 from fl_server.engine import RunConfig, Simulation
-from fl_server.models import Classifier
+from fl_server.models import MODELS, Classifier
 from fl_server.recipes.data import DataSpec, new_clients_identity
 from fl_server.recipes.errors import RecipeError
 from fl_server.recipes.loader import load_recipe
@@ -124,7 +124,7 @@ def recipe_of_run(run: dict[str, Any], data_root: str | None = None) -> Recipe:
                               federation=federation(run["federation"]) if run.get("federation") else
                               recipe.federation)
     data = run.get("data") or {}
-    if not data.get("builtin"):
+    if not data.get("builtin") or run.get("model") not in MODELS:  # a user's data or model, built in Python
         raise RecipeError(f"the run of {run.get('dataset')!r} names no recipe file (its recipe was built in Python): "
                           f"pass the recipe in Python (export_run(run_dir, dest, recipe=recipe); "
                           f"device_samples.client_samples(manifest, recipe=recipe)) or train with fl-server train "
