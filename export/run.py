@@ -40,7 +40,8 @@ def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_r
     extra = {"model": run["model"], "dataset": run["dataset"], "seed": run["seed"],
              "input_shape": run["input_shape"], "num_classes": run["num_classes"],
              "preprocess": recipe.preprocess.to_dict(),  # type: ignore[union-attr]
-             **{k: run[k] for k in ("recipe", "federation", "protocol", "data") if run.get(k) is not None}}
+             **{k: run[k] for k in ("recipe", "federation", "protocol", "data", "new_clients")
+                if run.get(k) is not None}}
     missing = [name for name in type(algorithm).finalize_weights if name not in device]
     if missing:
         raise ValueError(f"{run_dir}: device.npz lacks {', '.join(missing)} (the run's finalize step writes them); "

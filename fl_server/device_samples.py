@@ -4,9 +4,13 @@ with numpy alone (the device examples import only ``edge_sdk``).
     fl-server device-data http://127.0.0.1:8000 --method TENT --kind stream --out runs/device-stream.npz
     fl-server device-data runs/bundle --kind clients --out runs/new-clients.npz
 
-The samples belong to the bundle's own run (its manifest names the recipe or built-in data set, the federation
-and the seed; :func:`fl_server.recipes.run.client_data` rebuilds its clients): held-out *new* clients the training
-never saw, as *raw* images (the device applies the manifest's ``preprocess``). Labels are for scoring only.
+The samples belong to the bundle's own run: held-out *new* clients the training never saw, as *raw* images (the
+device applies the manifest's ``preprocess``). Labels are for scoring only. The manifest names the recipe file or
+built-in data set, the federation and the seed, from which the clients are rebuilt
+(:func:`fl_server.recipes.run.recipe_of_run`, :func:`~fl_server.recipes.run.federate`), and ``new_clients``, the
+run's own new clients' fingerprint (:func:`~fl_server.recipes.data.new_clients_identity`): the rebuilt new clients
+must match it, else nothing is written (a changed recipe file or other data would make a different split, whose
+"new" clients hold training samples).
 
 * ``stream`` (examples/stream_inference.py): one new client's warm-up window (``warm_x``, ``warm_y``) and a
   stream in three phases (``stream_x``, ``stream_y``, ``stream_phase``): the client's own unseen samples; its
@@ -23,24 +27,44 @@ import numpy as np
 
 from fl_server.data.corruptions import corrupt
 from fl_server.data.datasets import load_dataset
-from fl_server.data.federated import FederatedData
+from fl_server.data.federated import FederatedData, subset_indices
+from fl_server.recipes import Recipe
+from fl_server.recipes.data import new_clients_identity
 from fl_server.recipes.loader import split_source
 from fl_server.recipes.run import federate, recipe_of_run
 
 PHASES = ("in-distribution", "corrupted", "external classes")
 
 
-def bundle_clients(manifest: dict[str, Any], data_dir: str | None = None) -> tuple[FederatedData, np.ndarray]:
-    """(the clients of the run behind a bundle, the raw images their indices point into)."""
+def bundle_clients(manifest: dict[str, Any], data_dir: str | None = None,
+                   recipe: Recipe | None = None) -> tuple[FederatedData, np.ndarray]:
+    """(the clients of the run behind a bundle, its new clients checked against the manifest's ``new_clients``;
+    the raw images their indices point into). ``recipe``: the run's recipe, needed only when it was built in
+    Python (the manifest then names no recipe file)."""
     if "seed" not in manifest or not (manifest.get("federation") or manifest.get("protocol")):
         raise ValueError("this bundle's manifest does not say how its clients were made (no seed / federation): "
                          "give the device your own samples instead")
     source = manifest.get("recipe")  # FILE.py:NAME (a bundle names no folder), in the working directory
-    if source and not split_source(source)[0].is_file():
+    if recipe is None and source and not split_source(source)[0].is_file():
         raise ValueError(f"the bundle's recipe {source} is not found (a bundle names it FILE.py:NAME, relative to "
                          f"the working directory): run from the folder that holds it or pass "
                          f"--recipe PATH/FILE.py:NAME")
-    recipe = recipe_of_run(manifest, data_dir)
+    recipe = recipe if recipe is not None else recipe_of_run(manifest, data_dir)
+    recorded = manifest.get("new_clients")
+    if not isinstance(recorded, dict):
+        raise ValueError("this bundle's manifest does not identify its run's new clients (no new_clients: exported "
+                         "before it was recorded, or a Flower run): re-export the run (fl-server export RUN_DIR "
+                         "--out BUNDLE) or give the device your own samples")
+    seed = int(manifest["seed"])
+    fed = federate(recipe, seed, data_dir)
+    rebuilt = new_clients_identity(fed)
+    if rebuilt != recorded:
+        raise ValueError(f"the new clients rebuilt from {recipe.source or 'the recipe'} and the data (seed {seed}) "
+                         f"are not the run's ({rebuilt['clients']} clients / {rebuilt['samples']} samples, sha256 "
+                         f"{rebuilt['sha256'][:12]}; the run held out {recorded.get('clients')} / "
+                         f"{recorded.get('samples')}, {str(recorded.get('sha256'))[:12]}): the recipe file or the "
+                         f"data (--data-dir) changed since training, and a different split would hand out training "
+                         f"samples; restore them or give the device your own samples")
     data = recipe.data
     if data.builtin_name:  # built-in data sets are float32 NCHW in [0, 1] as loaded: that is what a device gets
         raw = load_dataset(data.builtin_name, root=data_dir or data.data_dir, split=data.split).x
@@ -48,14 +72,15 @@ def bundle_clients(manifest: dict[str, Any], data_dir: str | None = None) -> tup
         raise ValueError("the recipe's images differ in size: give the device your own samples instead")
     else:
         raw = np.asarray(data.x)
-    return federate(recipe, int(manifest["seed"]), data_dir), raw
+    return fed, raw[subset_indices(len(raw), recipe.federation.max_samples, seed)]  # the clients' index space
 
 
 def stream_samples(manifest: dict[str, Any], client: int = 0, warmup: int = 32, per_phase: int = 200,
                    corruption: str = "gaussian_noise", severity: int = 3, seed: int = 0,
-                   data_dir: str | None = None) -> dict[str, np.ndarray]:
-    """New client ``client``'s warm-up window and three-phase stream (module docstring)."""
-    fed, x = bundle_clients(manifest, data_dir)
+                   data_dir: str | None = None, recipe: Recipe | None = None) -> dict[str, np.ndarray]:
+    """New client ``client``'s warm-up window and three-phase stream (module docstring; ``recipe``: as for
+    :func:`bundle_clients`)."""
+    fed, x = bundle_clients(manifest, data_dir, recipe)
     if not 0 <= client < len(fed.new):
         raise ValueError(f"client must be in [0, {len(fed.new)}), got {client}")
     if x.dtype != np.float32 or x.ndim != 4:
@@ -78,9 +103,10 @@ def stream_samples(manifest: dict[str, Any], client: int = 0, warmup: int = 32, 
             "phases": np.array(PHASES), "client": np.array(client)}
 
 
-def client_samples(manifest: dict[str, Any], data_dir: str | None = None) -> dict[str, np.ndarray]:
-    """Every new client's samples (module docstring)."""
-    fed, raw = bundle_clients(manifest, data_dir)
+def client_samples(manifest: dict[str, Any], data_dir: str | None = None,
+                   recipe: Recipe | None = None) -> dict[str, np.ndarray]:
+    """Every new client's samples (module docstring; ``recipe``: as for :func:`bundle_clients`)."""
+    fed, raw = bundle_clients(manifest, data_dir, recipe)
     idx = np.concatenate(fed.new)
     offsets = np.concatenate([[0], np.cumsum([len(c) for c in fed.new])])
     return {"x": raw[idx], "y": fed.dataset.y[idx], "offsets": offsets}

@@ -107,9 +107,15 @@ def natural_federated(dataset: ArrayDataset, client_ids: np.ndarray, new_fractio
 def random_subset(dataset: ArrayDataset, keep: int, seed: int) -> ArrayDataset:
     """``keep`` random samples of ``dataset`` (in their order), drawn from ``seed``; all of it when ``keep`` is 0
     or not smaller (smoke runs of the bench and the Flower app)."""
-    if not keep or keep >= len(dataset):
-        return dataset
-    return dataset.subset(np.sort(np.random.default_rng([seed, 0x5A3]).choice(len(dataset), keep, False)))
+    return dataset if not keep or keep >= len(dataset) else dataset.subset(subset_indices(len(dataset), keep, seed))
+
+
+def subset_indices(n: int, keep: int, seed: int) -> np.ndarray:
+    """The indices (sorted) of :func:`random_subset`'s samples among ``n``; all of them when ``keep`` is 0 or not
+    smaller (the raw images behind a run's clients: ``fl-server device-data``)."""
+    if not keep or keep >= n:
+        return np.arange(n)
+    return np.sort(np.random.default_rng([seed, 0x5A3]).choice(n, keep, False))
 
 
 def hold_out_validation_clients(fed: FederatedData, count: int) -> FederatedData:

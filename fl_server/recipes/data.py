@@ -10,6 +10,7 @@ the device).
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -18,6 +19,7 @@ import numpy as np
 
 from edge_sdk.preprocess import LAYOUTS, Preprocess, RawInput
 from fl_server.data import ArrayDataset, load_dataset
+from fl_server.data.federated import FederatedData
 from fl_server.recipes.errors import RecipeError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
@@ -219,3 +221,16 @@ class DataSpec:
                      else np.concatenate([preprocess.apply(im[None]) for im in self.x]))
                 self._cache[key] = ArrayDataset(self.name, x, self.y, self.num_classes)  # type: ignore[arg-type]
         return self._cache[key]
+
+
+def new_clients_identity(fed: FederatedData) -> dict[str, Any]:
+    """``run.json``'s ``new_clients`` (copied into the bundle's manifest): how many new clients and samples the
+    run held out, and a sha256 of every new client's samples as the run saw them (preprocessed) and their labels,
+    client by client. ``fl-server device-data`` rebuilds the clients and refuses unless it matches, so a changed
+    recipe or other data never hands out a different split (training samples) as new clients."""
+    h = hashlib.sha256(repr(tuple(fed.dataset.x.shape[1:])).encode())
+    for c in fed.new:
+        h.update(np.int64(len(c)).tobytes())
+        h.update(np.ascontiguousarray(fed.dataset.x[c], dtype="<f4").tobytes())
+        h.update(fed.dataset.y[c].astype("<i8").tobytes())
+    return {"clients": len(fed.new), "samples": int(sum(len(c) for c in fed.new)), "sha256": h.hexdigest()}

@@ -23,8 +23,8 @@ from fl_server import rundir
 from fl_server.device import describe
 from fl_server.diagnostics import run_warning
 from fl_server.engine import RunConfig, Simulation
-from fl_server.models import Classifier
-from fl_server.recipes.data import BUILTINS, DataSpec
+from fl_server.models import MODELS, Classifier
+from fl_server.recipes.data import DataSpec, new_clients_identity
 from fl_server.recipes.errors import RecipeError
 from fl_server.recipes.loader import load_recipe
 from fl_server.recipes.recipe import Federation, Recipe
@@ -53,13 +53,17 @@ def invocation() -> str:
     return " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).name, *sys.argv[1:]])
 
 
-def describe_run(recipe: Recipe, algorithm: Algorithm, fed: FederatedData, seed: int) -> dict[str, Any]:
-    """``run.json``: what ``fl-server export`` needs to rebuild the model around ``best.npz``."""
+def describe_run(recipe: Recipe, algorithm: Algorithm, fed: FederatedData | None, seed: int) -> dict[str, Any]:
+    """``run.json``: what ``fl-server export`` needs to rebuild the model around ``best.npz`` (``recipe``: the
+    recipe's ``FILE.py:NAME``, null when it was built in Python), and ``new_clients``: the held-out clients'
+    identity (:func:`~fl_server.recipes.data.new_clients_identity`; absent when the clients are not known
+    here, a Flower run's)."""
     return {"method": recipe.method, "hyper": dataclasses.asdict(algorithm.hp), "model": recipe.model_name,
             "dataset": recipe.data.name, "input_shape": list(recipe.input_shape), "num_classes": recipe.num_classes,
             "seed": seed, "recipe": recipe.source, "data": recipe.data.describe(),
             "federation": dataclasses.asdict(recipe.federation),
             "preprocess": recipe.preprocess.to_dict(),  # type: ignore[union-attr]
+            **({"new_clients": new_clients_identity(fed)} if fed is not None else {}),
             "command": invocation()}
 
 
@@ -105,20 +109,29 @@ def train(recipe: Recipe, run_dir: str | Path, seed: int = 0, device: str = "aut
 
 # ---------------------------------------------------------------------- a finished run, again
 def recipe_of_run(run: dict[str, Any], data_root: str | None = None) -> Recipe:
-    """The recipe a ``run.json`` was trained from: its source file (``"recipe"``) when it has one, else the
-    built-in data set and zoo model it names (with its federation, or the bench's ``protocol``)."""
+    """The recipe a ``run.json`` (or a bundle's manifest) was trained from: its source file (``"recipe"``) with the
+    method and federation the run recorded (a job's or a flag's changes), else the built-in data set
+    (``data.builtin``: a user's data named like a built-in one is never taken for it) and zoo model it names, with
+    its federation or the bench's ``protocol``."""
+    def federation(fed: dict[str, Any]) -> Federation:
+        keys = {f.name for f in dataclasses.fields(Federation)}
+        return Federation(**{k: v for k, v in fed.items() if k in keys})
+
     if run.get("recipe"):
-        return load_recipe(run["recipe"])
-    if run.get("data", {}).get("builtin") is None and run["dataset"] not in BUILTINS:
-        raise RecipeError(f"the run of {run['dataset']!r} names no recipe file (its recipe was built in Python): "
-                          f"pass the recipe (export_run(run_dir, dest, recipe=recipe)) or train with fl-server train "
-                          f"--recipe FILE.py:NAME")
-    fed = run.get("federation") or run.get("protocol") or {}
-    keys = {f.name for f in dataclasses.fields(Federation)}
+        recipe = load_recipe(run["recipe"])
+        method = run.get("method", recipe.method)
+        return recipe.replace(method=method, hyper=recipe.hyper if method == recipe.method else {},
+                              federation=federation(run["federation"]) if run.get("federation") else
+                              recipe.federation)
     data = run.get("data") or {}
+    if not data.get("builtin") or run.get("model") not in MODELS:  # a user's data or model, built in Python
+        raise RecipeError(f"the run of {run.get('dataset')!r} names no recipe file (its recipe was built in Python): "
+                          f"pass the recipe in Python (export_run(run_dir, dest, recipe=recipe); "
+                          f"device_samples.client_samples(manifest, recipe=recipe)) or train with fl-server train "
+                          f"--recipe FILE.py:NAME")
     split = data.get("split") or (run.get("protocol") or {}).get("split", "all")
-    return Recipe(model=run["model"], data=DataSpec.builtin(run["dataset"], data_root, split=split),
-                  federation=Federation(**{k: v for k, v in fed.items() if k in keys}), method=run["method"],
+    return Recipe(model=run["model"], data=DataSpec.builtin(data["builtin"], data_root, split=split),
+                  federation=federation(run.get("federation") or run.get("protocol") or {}), method=run["method"],
                   preprocess=Preprocess.from_dict(run["preprocess"]) if run.get("preprocess") else None)
 
 

@@ -31,10 +31,10 @@ class Error(BaseModel):
 
 class PendingJob(BaseModel):
     id: str
-    method: str
+    method: str | None = Field(description="null: a recipe job that keeps its recipe's method")
     status: str
     rounds_done: int
-    rounds: int
+    rounds: int | None = Field(description="null: a recipe job that keeps its recipe's rounds")
 
 
 class NotReadyDetail(BaseModel):

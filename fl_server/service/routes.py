@@ -269,7 +269,7 @@ def create_job(body: S.JobRequest, _: Principal = Depends(require_admin), svc: S
                                  f"{', '.join(svc.cfg.methods)} (FL_SERVE_METHODS)")
     if body.partition == "dirichlet" and body.alpha is None:
         raise HTTPException(422, "partition 'dirichlet' needs alpha")
-    spec = body.model_dump(exclude_none=body.recipe is None)  # jobs without a recipe keep their former spec
+    spec = body.job_spec()
     if body.recipe is not None:
         try:
             resolve_in_dir(svc.cfg.recipes_dir, body.recipe)  # the file must exist now; the worker loads it

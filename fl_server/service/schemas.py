@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fl_server.recipes.loader import RECIPE_NAME
 from fl_server.service.config import DATASETS, PARTITIONS
@@ -131,6 +131,9 @@ class DLEResponse(BaseModel):
     base: DLEBase | None = Field(None, description="the BTFL bundle's training-time DLE, when one is served")
 
 
+RECIPE_FIELDS = ("method", "rounds", "partition", "alpha", "num_clients")  # a recipe's own, unless a job sets them
+
+
 class JobRequest(Strict):
     method: str = Field("TENT", max_length=MAX_METHOD_CHARS,
                         description="a method this coordinator serves (FL_SERVE_METHODS; default: every registered "
@@ -144,8 +147,23 @@ class JobRequest(Strict):
     recipe: str | None = Field(None, pattern=RECIPE_NAME,
                                description="FILE or FILE:NAME: a recipe from the operator's recipe directory "
                                            "(FL_SERVE_RECIPES_DIR; no code is accepted over the network); its "
-                                           "model and data replace `dataset`, the fields above its method, rounds "
-                                           "and federation")
+                                           "model and data replace `dataset` (not allowed with it); it trains "
+                                           "with its own method, rounds and federation except the fields above "
+                                           "that the request sets (listed in the job's spec.overrides)")
+
+    @model_validator(mode="after")
+    def _recipe_has_its_data(self) -> "JobRequest":
+        if self.recipe is not None and "dataset" in self.model_fields_set:
+            raise ValueError("a recipe brings its own data: drop `dataset` or `recipe`")
+        return self
+
+    def job_spec(self) -> dict[str, Any]:
+        """The job's spec: a built-in recipe's every field; a named recipe's ``recipe``, ``seed``, the fields the
+        request set (they replace the recipe's) and ``overrides`` naming them: the rest is the recipe's own."""
+        if self.recipe is None:
+            return self.model_dump(exclude_none=True)
+        given = {k for k in self.model_fields_set & set(RECIPE_FIELDS) if getattr(self, k) is not None}
+        return {**self.model_dump(include={"recipe", "seed", *given}), "overrides": sorted(given)}
 
 
 class RoundRow(BaseModel):
@@ -158,7 +176,9 @@ class RoundRow(BaseModel):
 class Job(BaseModel):
     id: str
     status: Literal["queued", "running", "done", "failed", "cancelled"]
-    spec: dict[str, Any]
+    spec: dict[str, Any] = Field(description="the request's fields; a recipe job's: recipe, seed, the fields it "
+                                             "set and overrides (their names; the rest is the recipe's own, in "
+                                             "its run's run.json)")
     is_default: bool
     created: float
     started: float | None = None
@@ -168,7 +188,8 @@ class Job(BaseModel):
     rounds_done: int = 0
     rounds: list[RoundRow] | None = Field(None, description="the round curve (validation / new-client accuracy per "
                                                              "round): in GET /v1/jobs/{id}; null in the job list. "
-                                                             "The planned number of rounds is spec.rounds")
+                                                             "The planned number of rounds is spec.rounds (a "
+                                                             "recipe job's own when it does not set it)")
     warning: str | None = Field(None, description="a finished job whose new-client predictions collapsed to one "
                                                   "class or sit at chance: one line saying so (its bundle is served "
                                                   "all the same); null otherwise")

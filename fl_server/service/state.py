@@ -279,8 +279,8 @@ class Service:
     def pending_default(self) -> dict[str, Any]:
         """Progress of the training that will produce the first bundle (for 503 bodies)."""
         jobs = [j for j in self.store.jobs() if j["status"] in ("queued", "running")]
-        return {"jobs": [{"id": j["id"], "method": j["spec"]["method"], "status": j["status"],
-                          "rounds_done": len(self.store.rounds(j["id"])), "rounds": j["spec"]["rounds"]}
+        return {"jobs": [{"id": j["id"], "method": j["spec"].get("method"), "status": j["status"],  # a recipe's own
+                          "rounds_done": len(self.store.rounds(j["id"])), "rounds": j["spec"].get("rounds")}
                          for j in jobs]}
 
 

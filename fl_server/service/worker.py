@@ -45,17 +45,22 @@ def guard(job_dir: Path) -> IO[str]:
 
 def job_recipe(spec: dict[str, Any]) -> Recipe:
     """The job's recipe: ``spec["recipe"]`` (``FILE.py[:NAME]`` in the operator's recipe directory, resolved by
-    the coordinator) or the built-in recipe of ``spec["dataset"]``; the request's method, rounds, clients,
-    partition and alpha replace the recipe's."""
-    from fl_server.recipes import load_recipe
+    the coordinator) with the method, rounds, clients, partition and alpha the request set (the rest is the
+    recipe's own), or the built-in recipe of ``spec["dataset"]`` with the request's."""
+    from fl_server.recipes import RecipeError, load_recipe
     from fl_server.recipes.presets import builtin_recipe
+    from fl_server.service.config import SERVABLE_METHODS
 
     fed_changes = {k: spec[k] for k in ("num_clients", "partition", "alpha") if spec.get(k) is not None}
     if spec.get("recipe"):
         recipe = load_recipe(spec["recipe"])
+        method = spec.get("method") or recipe.method
+        if method not in SERVABLE_METHODS:
+            raise RecipeError(f"the recipe's method {method} is not served by the coordinator; name one of "
+                              f"{', '.join(SERVABLE_METHODS)} in the job's method")
         federation = dataclasses.replace(recipe.federation, **fed_changes) if fed_changes else recipe.federation
-        return recipe.replace(method=spec["method"], rounds=int(spec.get("rounds") or recipe.rounds),
-                              federation=federation, hyper=recipe.hyper if recipe.method == spec["method"] else {})
+        return recipe.replace(method=method, rounds=int(spec.get("rounds") or recipe.rounds), federation=federation,
+                              hyper=recipe.hyper if recipe.method == method else {})
     changes = {**fed_changes, **({"rounds": spec["rounds"]} if spec.get("rounds") is not None else {})}
     return builtin_recipe(spec["dataset"], spec["method"], spec.get("data_dir"), **changes)
 
