@@ -305,16 +305,12 @@ recipe = Recipe(model="mlp", data=DataSpec.builtin("digits"), method="FedAvg", r
 '''
 
 
-def test_coordinator_trains_a_recipe_from_its_recipe_directory(tmp_path: Path) -> None:
+def test_coordinator_trains_a_recipe_from_its_recipe_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An admin names FILE:NAME from FL_SERVE_RECIPES_DIR; the job trains the user's model and serves its bundle.
-<<<<<<< HEAD
     A name outside the directory's grammar or a missing file is refused before anything runs. A job whose
-    new-client predictions collapsed says so in its status (one line)."""
-=======
-    A name outside the directory's grammar or a missing file is refused before anything runs. A job trains the
-    recipe's own method and federation where the request sets none (its spec lists what it overrides), and
-    device-data hands out that run's new clients (none of its training samples)."""
->>>>>>> 41a5415 (Round trips without leaks: run.json records the new clients' fingerprint (new_clients, copied into the manifest) and device-data refuses a rebuilt split that differs; recipe_of_run applies the run's recorded method and federation to its recipe file and decides built-in data by data.builtin only (a folder named digits is not the built-in); a recipe job trains the recipe's own method, rounds and federation except the fields the request sets (spec.overrides))
+    new-client predictions collapsed says so in its status (one line). A job trains the recipe's own method and
+    federation where the request sets none (its spec lists what it overrides), and device-data hands out that run's
+    new clients (none of its training samples)."""
     import httpx
     from coordinator_proc import ADMIN, auth, join, start
 
@@ -323,12 +319,9 @@ def test_coordinator_trains_a_recipe_from_its_recipe_directory(tmp_path: Path) -
 
     (tmp_path / "recipes").mkdir()
     (tmp_path / "recipes" / "my_recipes.py").write_text(RECIPE_FILE)
-<<<<<<< HEAD
     (tmp_path / "recipes" / "collapsing.py").write_text(RECIPE_FILE + "\ncollapsed = small.replace(method='FedAvg', "
                                                         "hyper={'lr': 50.0}, rounds=1)\n")
-=======
     (tmp_path / "recipes" / "spread.py").write_text(SPREAD_FILE)
->>>>>>> 41a5415 (Round trips without leaks: run.json records the new clients' fingerprint (new_clients, copied into the manifest) and device-data refuses a rebuilt split that differs; recipe_of_run applies the run's recorded method and federation to its recipe file and decides built-in data by data.builtin only (a folder named digits is not the built-in); a recipe job trains the recipe's own method, rounds and federation except the fields the request sets (spec.overrides))
     coord = start(tmp_path / "store", methods="", env={"FL_SERVE_RECIPES_DIR": str(tmp_path / "recipes")})
     try:
         url = f"{coord.url}/v1/jobs"
@@ -341,11 +334,12 @@ def test_coordinator_trains_a_recipe_from_its_recipe_directory(tmp_path: Path) -
         job = httpx.post(url, json={"method": "TENT", "rounds": 2, "recipe": "my_recipes:small"}, headers=auth(ADMIN),
                          timeout=10)
         assert job.status_code == 201, job.text
-<<<<<<< HEAD
         bad = httpx.post(url, json={"method": "FedAvg", "rounds": 1, "recipe": "collapsing:collapsed"},
                          headers=auth(ADMIN), timeout=10)
         assert bad.status_code == 201 and bad.json()["warning"] is None, bad.text  # queued: nothing to say yet
-        coord.wait_bundles(2, timeout=240)
+        spread = httpx.post(url, json={"recipe": "spread", "rounds": 1}, headers=auth(ADMIN), timeout=10).json()
+        assert spread["spec"] == {"recipe": "spread", "seed": 0, "rounds": 1, "overrides": ["rounds"]}
+        coord.wait_bundles(3, timeout=300)
         warning = httpx.get(f"{url}/{bad.json()['id']}", headers=auth(ADMIN), timeout=10).json()["warning"]
         assert warning.startswith("warning: new-client predictions collapsed to one class (class ") and warning.endswith(
             "chance 10.0%): the model learnt no classifier; lower the learning rate or check the labels, and do not "
@@ -354,24 +348,17 @@ def test_coordinator_trains_a_recipe_from_its_recipe_directory(tmp_path: Path) -
         assert manifest["model"] == "TinyNet" and manifest["dataset"] == "digits"
         assert manifest["preprocess"] == {**Preprocess.identity().to_dict(),
                                           "raw": {"dtype": "float32", "range": [0.0, 1.0], "shape": [1, 8, 8]}}
-=======
-        spread = httpx.post(url, json={"recipe": "spread", "rounds": 1}, headers=auth(ADMIN), timeout=10).json()
-        assert spread["spec"] == {"recipe": "spread", "seed": 0, "rounds": 1, "overrides": ["rounds"]}
-        coord.wait_bundles(2, timeout=240)
-        manifest = join(coord.url, "TENT")["manifest"]
-        assert manifest["model"] == "TinyNet" and manifest["dataset"] == "digits"
-        assert manifest["preprocess"] == Preprocess.identity().to_dict()
         run = rundir.read_run(coord.store / "jobs" / spread["id"] / "run")
         assert run["method"] == "FedAvg" and run["federation"]["partition"] == "dirichlet"
         assert run["federation"]["alpha"] == 0.5 and run["federation"]["num_clients"] == 10
         assert "a recipe / its own" in httpx.get(f"{coord.url}/", timeout=10).text  # the dashboard
-        out = tmp_path / "new.npz"
+        out = tmp_path / "new.npz"  # the newest FedAvg bundle is the spread job's (jobs run in order)
+        monkeypatch.chdir(tmp_path / "recipes")  # a manifest names its recipe FILE.py:NAME (no exporter's path)
         assert main(["device-data", coord.url, "--method", "fedavg", "--kind", "clients", "--out", str(out)]) == 0
         fed = federate(load_recipe(tmp_path / "recipes" / "spread.py"), 0)  # the recipe's own federation
         with np.load(out, allow_pickle=False) as f:
             written = {r.tobytes() for r in f["x"]}
         assert written == {r.tobytes() for r in fed.dataset.x[np.concatenate(fed.new)]}
         assert not written & {r.tobytes() for r in fed.dataset.x[np.concatenate([*fed.train, *fed.val])]}
->>>>>>> 41a5415 (Round trips without leaks: run.json records the new clients' fingerprint (new_clients, copied into the manifest) and device-data refuses a rebuilt split that differs; recipe_of_run applies the run's recorded method and federation to its recipe file and decides built-in data by data.builtin only (a folder named digits is not the built-in); a recipe job trains the recipe's own method, rounds and federation except the fields the request sets (spec.overrides))
     finally:
         coord.stop()

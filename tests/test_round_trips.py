@@ -82,7 +82,8 @@ spread = Recipe(model="mlp", data=DataSpec.builtin("{dataset}"), method="TENT", 
 
 
 def test_device_data_hands_out_the_runs_new_clients_only(data_root: Path, tmp_path: Path,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
+                                                       capsys: pytest.CaptureFixture[str],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """A recipe file trained with a changed federation (--clients): device-data takes the run's new clients, not
     the file's split (whose "new" clients hold training samples); after the recipe file changes its data, it
     refuses in one line."""
@@ -94,6 +95,7 @@ def test_device_data_hands_out_the_runs_new_clients_only(data_root: Path, tmp_pa
     assert main(["train", "--recipe", f"{file}:spread", "--clients", "5", "--out", str(run_dir), "--no-progress",
                  "--device", "cpu"]) == 0
     assert main(["export", str(run_dir), "--out", str(bundle)]) == 0
+    monkeypatch.chdir(file.parent)  # a bundle names its recipe FILE.py:NAME, relative to the working directory
     assert main(["device-data", str(bundle), "--kind", "clients", "--out", str(out)]) == 0, capsys.readouterr().err
     with np.load(out, allow_pickle=False) as f:
         written = _rows(f["x"])

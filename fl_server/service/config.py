@@ -13,6 +13,11 @@ def servable_methods() -> tuple[str, ...]:
     return tuple(name for name, cls in ALGORITHMS.items() if cls.servable)
 
 
+def served_methods() -> tuple[str, ...]:
+    """The methods a coordinator trains as jobs: ``FL_SERVE_METHODS`` (comma-separated), else every servable one."""
+    return _env_list("FL_SERVE_METHODS", servable_methods())
+
+
 DEFAULT_METHODS = ("TENT", "FedTTA++", "ODPFL-HN", "BTFL")
 DATASETS = ("digits", "mnist", "fashion_mnist")
 PARTITIONS = ("pathological", "dirichlet", "iid")
@@ -30,7 +35,7 @@ class ServiceConfig:
     default_methods: tuple[str, ...] = field(default_factory=lambda: _env_list("FL_SERVE_DEFAULT_METHODS",
                                                                                DEFAULT_METHODS))
     # the methods this coordinator trains as jobs (FL_SERVE_METHODS="TENT,BTFL"); default: every servable one
-    methods: tuple[str, ...] = field(default_factory=lambda: _env_list("FL_SERVE_METHODS", servable_methods()))
+    methods: tuple[str, ...] = field(default_factory=served_methods)
     default_rounds: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_ROUNDS", "60")))
     workers: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_WORKERS", "1")))
     worker_threads: int = 1  # torch threads per training subprocess (the API keeps the other cores)

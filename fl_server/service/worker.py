@@ -49,15 +49,15 @@ def job_recipe(spec: dict[str, Any]) -> Recipe:
     recipe's own), or the built-in recipe of ``spec["dataset"]`` with the request's."""
     from fl_server.recipes import RecipeError, load_recipe
     from fl_server.recipes.presets import builtin_recipe
-    from fl_server.service.config import SERVABLE_METHODS
+    from fl_server.service.config import served_methods
 
     fed_changes = {k: spec[k] for k in ("num_clients", "partition", "alpha") if spec.get(k) is not None}
     if spec.get("recipe"):
         recipe = load_recipe(spec["recipe"])
         method = spec.get("method") or recipe.method
-        if method not in SERVABLE_METHODS:
+        if method not in served_methods():
             raise RecipeError(f"the recipe's method {method} is not served by the coordinator; name one of "
-                              f"{', '.join(SERVABLE_METHODS)} in the job's method")
+                              f"{', '.join(served_methods())} in the job's method")
         federation = dataclasses.replace(recipe.federation, **fed_changes) if fed_changes else recipe.federation
         return recipe.replace(method=method, rounds=int(spec.get("rounds") or recipe.rounds), federation=federation,
                               hyper=recipe.hyper if recipe.method == method else {})
