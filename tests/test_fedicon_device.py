@@ -60,7 +60,7 @@ def test_device_fedicon_is_the_servers(projection: str, data_root: Path, tmp_pat
     server_logits, tuned = _server_personalised(tmp_path / "run", recipe, data_root, x)
     np.testing.assert_allclose(after, server_logits, atol=1e-4)
     for name, value in device.weights.items():  # the head is frozen (Sec. 4.2), the encoder is the server's
-        np.testing.assert_allclose(value, tuned[name], atol=1e-5)
+        np.testing.assert_allclose(value, tuned[name], atol=2e-5)  # float32 steps, onnxruntime vs torch kernels
         if name.startswith("head."):
             np.testing.assert_array_equal(value, device.bundle.weights("params")[name])
 
