@@ -145,3 +145,24 @@ def test_a_python_model_over_built_in_data_is_asked_for_in_one_line() -> None:
     assert run["recipe"] is None and run["data"]["builtin"] == "digits" and run["model"] == "Tiny"
     with pytest.raises(RecipeError, match=r"^the run of 'digits' names no recipe file .*recipe=recipe\)"):
         recipe_of_run(run)
+
+
+def test_a_recipe_job_without_a_method_is_not_checked_against_the_default_one(tmp_path: Path) -> None:
+    """FL_SERVE_METHODS without TENT (the request's default method): a recipe job that names no method trains
+    the recipe's own and is accepted; one naming TENT is refused."""
+    import httpx
+    from coordinator_proc import ADMIN, auth, start
+
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "mine.py").write_text(MNIST_RECIPE.format(dataset="digits").replace("TENT", "FedAvg"))
+    coord = start(tmp_path / "store", methods="", env={"FL_SERVE_RECIPES_DIR": str(tmp_path / "recipes"),
+                                                       "FL_SERVE_METHODS": "FedAvg"})
+    try:
+        url = f"{coord.url}/v1/jobs"
+        named = httpx.post(url, json={"recipe": "mine:spread", "method": "TENT"}, headers=auth(ADMIN), timeout=10)
+        assert named.status_code == 422 and "method 'TENT' is not served here" in named.text
+        own = httpx.post(url, json={"recipe": "mine:spread"}, headers=auth(ADMIN), timeout=10)
+        assert own.status_code == 201 and own.json()["spec"]["overrides"] == [], own.text
+        assert httpx.delete(f"{url}/{own.json()['id']}", headers=auth(ADMIN), timeout=10).status_code in (200, 204)
+    finally:
+        coord.stop()

@@ -264,12 +264,12 @@ def _job_view(svc: Service, job: dict[str, Any], with_rounds: bool) -> dict[str,
                                   e503="the job queue is full (FL_SERVE_MAX_QUEUED_JOBS)"))
 def create_job(body: S.JobRequest, _: Principal = Depends(require_admin), svc: Service = Depends(service)) -> dict:
     """Start a training recipe on a data set and partition; it is exported and served when done."""
-    if body.method not in svc.cfg.methods:
+    spec = body.job_spec()  # a recipe job that names no method trains the recipe's own (the worker checks it)
+    if "method" in spec and spec["method"] not in svc.cfg.methods:
         raise HTTPException(422, f"method {body.method!r} is not served here; this coordinator serves "
                                  f"{', '.join(svc.cfg.methods)} (FL_SERVE_METHODS)")
     if body.partition == "dirichlet" and body.alpha is None:
         raise HTTPException(422, "partition 'dirichlet' needs alpha")
-    spec = body.job_spec()
     if body.recipe is not None:
         try:
             resolve_in_dir(svc.cfg.recipes_dir, body.recipe)  # the file must exist now; the worker loads it
