@@ -23,8 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edge_sdk import btfl as btfl_math
-from export.btfl import btfl_features_spec
+from export.btfl import export_btfl_run
 from export.bundle import export_specs, write_bundle
 from export.fedicon import fedicon_tta_step_spec
 from export.quantize import freeze_weights, quantize_int8
@@ -93,8 +92,8 @@ def make_sdk_fixture(out: str | Path, data_root: str | None = None, n: int = 256
         ref["odpfl_dp_pooled"] = hn_dp.pooled(dstate["enc"], x).numpy()
         ref["odpfl_dp_private_eps1_rng5"] = hn_dp.privatize(dstate["enc"], x, rng=np.random.default_rng(5)).numpy()
 
-    # BTFL as served (export.btfl.export_btfl_run): the global model and the training clients' average DLE and
-    # mean feature (mu_global, FedTHE's global prototype); a few body steps of one client stand in for training
+    # BTFL as served (export.btfl.export_btfl_run of the run's finalize weights, BTFL.finalize): the global model
+    # and the training clients' average DLE and mean feature; a few body steps of one client stand in for training
     bt = build_algorithm("BTFL", build_model("mlp", shape, 10, seed=5), 3, seed=5, lr=0.1, body_iterations=24)
     bt_train = np.array_split(np.arange(len(x_train)), 3)
     bt.attach(x_train, y_train, bt_train)
@@ -103,7 +102,7 @@ def make_sdk_fixture(out: str | Path, data_root: str | None = None, n: int = 256
     for i in range(0, 24 * 64, 64):
         bt_client = bt.local_step(bt_client, bt_server, x_train[i:i + 64], y_train[i:i + 64], phase="body")
     bt_params = {k: v.detach() for k, v in bt_client["params"].items()}
-    bt_arts = bt.client_artifacts({**bt_server, "params": bt_params}, x_train, bt_train)
+    bt_state = {**bt_server, "params": bt_params}
     with torch.no_grad():
         z = bt.features(bt_params, x)
         ref["btfl_features"], ref["btfl_global_logits"] = z.numpy(), bt.global_head(bt_params, z).numpy()
@@ -138,13 +137,8 @@ def make_sdk_fixture(out: str | Path, data_root: str | None = None, n: int = 256
         write_bundle(out / "odpfl_hn_dp", graphs, {k: {p: v.numpy() for p, v in dstate[k].items()}
                                                    for k in ("params", "enc")},
                      "ODPFL-HN", dataclasses.asdict(hn_dp.hp), extra={"dataset": name}, signer=signer)
-        graphs = export_specs({"features": btfl_features_spec(bt, bt_params),
-                               "forward": forward_spec(bt.model, bt_params)}, Path(tmp) / "b")
-        served = {"global_dle": btfl_math.average_dles([a.local_dle for a in bt_arts]),
-                  "dle_clients": np.array([len(bt_arts)], dtype=np.int64), "mu_global": bt_arts[0].mu_global}
-        write_bundle(out / "btfl", graphs, {"params": {p: v.numpy() for p, v in bt_params.items()}, "btfl": served},
-                     "BTFL", dataclasses.asdict(bt.hp), signer=signer,
-                     extra={"dataset": name, "input_shape": list(shape), "num_classes": 10})
+        export_btfl_run(bt, bt_state, bt.finalize(bt_state, x_train, bt_train), out / "btfl",
+                        {"dataset": name, "input_shape": list(shape), "num_classes": 10}, signer=signer)
     np.savez(out / "reference.npz", **ref)
     return out
 

@@ -75,29 +75,25 @@ class NewClientPredictions:
 
 
 def new_client_predictions(sim: Simulation, state: dict | None = None) -> NewClientPredictions | None:
-    """What :meth:`Simulation.evaluate_new` scores, with the predicted classes kept: each new client's model
-    personalised on its own data from ``state`` (default: the run's best state, else its last), then its
-    predictions. None when the run has no new clients or its method cannot personalise."""
+    """What :meth:`Simulation.evaluate_new` scores, with the predicted classes kept
+    (:meth:`Simulation.personalized_predictions`, the device's semantics): each new client's model personalised
+    on its own data from ``state`` (default: the run's best state, else its last). None when the run has no new
+    clients or its method cannot personalise."""
     if not sim.fed.new:
         return None
     if state is None:
         state = sim.best_state
     if state is None and sim.out_dir is not None and (sim.out_dir / rundir.BEST).is_file():  # a finished run, resumed
         state = rundir.load_state(sim.out_dir / rundir.BEST, sim.device)
-    state = sim.server_state if state is None else state
+    try:
+        with torch.random.fork_rng(devices=[]):  # a method's random views leave the global RNG as it was
+            preds = sim.personalized_predictions(sim.fed.new, state)
+    except NotApplicable:
+        return None
     num_classes = sim.algorithm.model.num_classes
     counts, labels, accs = np.zeros(num_classes, np.int64), np.zeros(num_classes, np.int64), []
-    chunk = sim.cfg.eval_chunk
-    for idx in sim.fed.new:
-        x, y = sim.x[torch.from_numpy(idx)], sim.y[torch.from_numpy(idx)]
-        try:
-            with torch.random.fork_rng(devices=[]):  # a method's random views leave the global RNG as it was
-                params = sim.algorithm.personalize(state, x)  # test-time adaptation: with gradients
-        except NotApplicable:
-            return None
-        with torch.no_grad():
-            pred = torch.cat([sim.algorithm.predict(params, x[s:s + chunk]).argmax(-1)
-                              for s in range(0, len(idx), chunk)])
+    for pred, idx in zip(preds, sim.fed.new):
+        y = sim.y[torch.from_numpy(idx)]
         counts += np.bincount(pred.cpu().numpy(), minlength=num_classes)[:num_classes]
         labels += np.bincount(y.cpu().numpy(), minlength=num_classes)[:num_classes]
         accs.append(float((pred == y).double().mean()))

@@ -68,9 +68,13 @@ def complete_rows(text: str) -> list[dict[str, Any]]:
 
 def save_state(path: Path, state: State, meta: dict[str, Any] | None = None) -> None:
     """``state`` (nested dicts of tensors) and an optional JSON ``meta`` as one .npz, replaced atomically."""
-    arrays = to_numpy_flat(state)
+    _save_arrays(path, to_numpy_flat(state), meta)
+
+
+def _save_arrays(path: Path, arrays: dict[str, np.ndarray], meta: dict[str, Any] | None) -> None:
+    """Flat ``arrays`` and an optional JSON ``meta`` (under :data:`META_KEY`) as one .npz, replaced atomically."""
     if meta is not None:
-        arrays[META_KEY] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+        arrays = {**arrays, META_KEY: np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)}
     tmp = path.with_name(path.name + ".tmp.npz")
     np.savez(tmp, **arrays)
     os.replace(tmp, path)
@@ -116,10 +120,7 @@ def best_arrays(run_dir: str | Path, prefix: str) -> dict[str, np.ndarray]:
 def write_device(run_dir: str | Path, weights: dict[str, dict[str, np.ndarray]], round_: int) -> None:
     """``device.npz``: named weight sets (``{"stats": {...}, "btfl": {...}}``) for the state of round ``round_``."""
     arrays = {f"{name}/{key}": np.asarray(v) for name, ws in weights.items() for key, v in ws.items()}
-    arrays[META_KEY] = np.frombuffer(json.dumps({"round": round_, "sets": sorted(weights)}).encode(), dtype=np.uint8)
-    tmp = Path(run_dir) / (DEVICE + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, Path(run_dir) / DEVICE)
+    _save_arrays(Path(run_dir) / DEVICE, arrays, {"round": round_, "sets": sorted(weights)})
 
 
 def read_device(run_dir: str | Path) -> dict[str, dict[str, np.ndarray]]:

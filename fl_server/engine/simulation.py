@@ -26,15 +26,13 @@ from fl_server.data.federated import FederatedData
 from fl_server.device import pick_device
 from fl_server.engine.gemm_conv import GemmConv
 from fl_server.engine.graphs import GraphedLocalSteps, vmapped_round
-from fl_server.functional import State, stack, tree_map, unstack
-from fl_server.functional import make_forward
+from fl_server.functional import State, make_forward, stack, tree_map, unstack
 from fl_server.models.norm import StatBatchNorm2d, calibrate, norm_mode, stat_norms, statistics
-from fl_server.rundir import write_device
 # the run directory's files belong to fl_server.rundir; checkpoint_meta, complete_rows and load_state are
 # imported from here by research scripts
 from fl_server.rundir import (BEST, BEST_AT_CHECKPOINT, CHECKPOINT, CHECKPOINT_JSON, METRICS,  # noqa: F401
                               atomic_link, atomic_write, checkpoint_meta, complete_rows, load_state, save_state,
-                              write_run)
+                              write_device, write_run)
 
 _SAMPLE, _BATCHES, _EVAL = 0, 1, 2  # rng purposes
 
@@ -313,9 +311,9 @@ class Simulation:
         with norm_mode(model, "population"):
             yield
 
-    def personalized_accuracies(self, clients: list[np.ndarray], state: State | None = None) -> list[float]:
-        """Per client (index array into the data set): accuracy after ``personalize`` of ``state`` (default:
-        the current server state) on the client's own unlabeled data, with the device's semantics
+    def personalized_predictions(self, clients: list[np.ndarray], state: State | None = None) -> list[torch.Tensor]:
+        """Per client (index array into the data set): the predicted classes after ``personalize`` of ``state``
+        (default: the current server state) on the client's own unlabeled data, with the device's semantics
         (:meth:`device_semantics`): what a device gets from the bundle of ``state``."""
         state = self.server_state if state is None else state
         out = []
@@ -323,8 +321,13 @@ class Simulation:
             for idx in clients:
                 with norm_mode(self.algorithm.model, self.algorithm.adapt_norm):
                     params = self.algorithm.personalize(state, self.x[torch.from_numpy(idx)])
-                out.append(self._accuracy(params, idx))
+                out.append(self._logits(params, idx).argmax(-1))
         return out
+
+    def personalized_accuracies(self, clients: list[np.ndarray], state: State | None = None) -> list[float]:
+        """Per client: the accuracy of :meth:`personalized_predictions`."""
+        return [float((pred == self.y[torch.from_numpy(idx)]).double().mean())
+                for pred, idx in zip(self.personalized_predictions(clients, state), clients)]
 
     def finalize(self, state: State, round_: int) -> dict[str, dict[str, np.ndarray]]:
         """What a bundle of ``state`` needs from the clients' data: the population statistics of a batch-normalised

@@ -24,15 +24,14 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from edge_sdk import btfl as btfl_math
+from fl_server import rundir
 from fl_server.algorithms.base import Algorithm
 from fl_server.algorithms.btfl import BTFL
-from fl_server.engine.simulation import save_state, select_clients
+from fl_server.engine.simulation import select_clients
 from fl_server.flower.task import FlowerRecipe, check_supported
 from fl_server.flower.wire import record_to_state, state_to_record
 from fl_server.functional import State, stack, unstack
 from fl_server.recipes.run import describe_run
-from fl_server import rundir
-from fl_server.rundir import write_device
 
 app = ServerApp()
 
@@ -153,11 +152,11 @@ def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
             row["test"] = None
             if row["val"] > best_val:
                 best_val, best, best_round = row["val"], run.server_state, r
-                save_state(run_dir / rundir.BEST, run.server_state, {"round": r, "val": row["val"]})
+                rundir.save_state(run_dir / rundir.BEST, run.server_state, {"round": r, "val": row["val"]})
         row["wall_s"] = round(time.perf_counter() - t_start, 3)
         with open(run_dir / rundir.METRICS, "a") as fh:
             fh.write(json.dumps(row) + "\n")
-    save_state(run_dir / rundir.FINAL, run.server_state, {"round": recipe.rounds - 1})
+    rundir.save_state(run_dir / rundir.FINAL, run.server_state, {"round": recipe.rounds - 1})
     device: dict[str, dict[str, np.ndarray]] = {}  # the finalize step: what a bundle needs from the clients' data
     if isinstance(run.algorithm, BTFL):  # every client's local DLE with the exported features -> the global DLE
         record = state_to_record({"params": best["params"]})
@@ -165,8 +164,8 @@ def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
                                              for p in range(k)}, timeout, recipe.rounds)
         global_dle = btfl_math.average_dles([dles[node_of[p]]["dle"]["local_dle"].numpy() for p in range(k)])
         device["btfl"] = {"global_dle": global_dle, "dle_clients": np.array([k], dtype=np.int64)}
-    write_device(run_dir, device, best_round)
+    rundir.write_device(run_dir, device, best_round)
     # what `fl-server export` rebuilds the model from (fl_server.recipes.run.rebuild), as for an engine run
-    description = describe_run(recipe.recipe, run.algorithm, None, recipe.seed)  # type: ignore[arg-type]
+    description = describe_run(recipe.recipe, run.algorithm, None, recipe.seed)
     description["engine"] = "flower"
     rundir.write_run(run_dir, description)

@@ -54,10 +54,10 @@ def job_recipe(spec: dict[str, Any]) -> Recipe:
     fed_changes = {k: spec[k] for k in ("num_clients", "partition", "alpha") if spec.get(k) is not None}
     if spec.get("recipe"):
         recipe = load_recipe(spec["recipe"])
-        method = spec.get("method") or recipe.method
-        if method not in served_methods():
+        method, served = spec.get("method") or recipe.method, served_methods()
+        if method not in served:
             raise RecipeError(f"the recipe's method {method} is not served by the coordinator; name one of "
-                              f"{', '.join(served_methods())} in the job's method")
+                              f"{', '.join(served)} in the job's method")
         federation = dataclasses.replace(recipe.federation, **fed_changes) if fed_changes else recipe.federation
         return recipe.replace(method=method, rounds=int(spec.get("rounds") or recipe.rounds), federation=federation,
                               hyper=recipe.hyper if recipe.method == method else {})
