@@ -55,7 +55,7 @@ REFUSED: dict[str, tuple[Callable[[np.ndarray], Any], str]] = {
 
 def _run(p: Personalizer, batch: Any) -> tuple[np.ndarray, Any]:
     """What a device does with a batch: ODPFL-HN embeds it, the others personalise and predict."""
-    if p.kind == "ODPFL-HN":
+    if p.kind == "encoder":
         return p.embed(batch), None
     result = p.personalize(batch)
     return p.predict(batch, result.weights), result

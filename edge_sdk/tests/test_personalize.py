@@ -21,7 +21,7 @@ def ref(sdk_fixture: Path) -> dict[str, np.ndarray]:
 
 def test_fedtta_plus_plus_matches_torch(sdk_fixture: Path, ref: dict[str, np.ndarray]) -> None:
     p = Personalizer(load_bundle(sdk_fixture / "fedtta_pp"))
-    assert p.kind == "FedTTA++"
+    assert p.kind == "fedtta_step" and p.hp["patience"] >= 1  # FedTTA++: the step with early stopping
     np.testing.assert_allclose(p.predict(ref["x"]), ref["fedtta_pp_base_logits"], atol=TOL)
     result = p.personalize(ref["x"])
     assert result.steps == int(ref["fedtta_pp_best_step"])
@@ -33,7 +33,7 @@ def test_fedtta_plus_plus_matches_torch(sdk_fixture: Path, ref: dict[str, np.nda
 
 def test_tent_matches_torch(sdk_fixture: Path, ref: dict[str, np.ndarray]) -> None:
     p = Personalizer(load_bundle(sdk_fixture / "tent"))
-    assert p.kind == "TENT"
+    assert p.kind == "tent_step"
     result = p.personalize(ref["x"])
     assert result.steps == 2 and result.entropy_history[-1] < result.entropy_history[0]
     np.testing.assert_allclose(p.predict(ref["x"], result.weights), ref["tent_logits"], atol=TOL)

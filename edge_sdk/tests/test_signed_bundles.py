@@ -124,7 +124,7 @@ def test_refused_before_onnxruntime_is_loaded(bundle: Path, key: str) -> None:
 
 @pytest.mark.parametrize("name", ["..", ".", "manifest.json", "../x", "/etc/passwd"])
 def test_an_artifact_file_name_that_is_not_a_plain_file_is_refused(tmp_path: Path, name: str) -> None:
-    manifest = {"method": "TENT", "artifacts": [{"name": "forward", "file": name, "size": 1, "sha256": "0" * 64}]}
+    manifest = {"method": "TENT", "device_step": "tent_step", "artifacts": [{"name": "forward", "file": name, "size": 1, "sha256": "0" * 64}]}
     (tmp_path / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(BundleError, match="invalid file name"):
         load_bundle(tmp_path)
