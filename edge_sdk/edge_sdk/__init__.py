@@ -19,6 +19,13 @@ __version__ = "0.1.0"
 _SUBMODULES = {"btfl", "dp", "fedthe", "tensors"}
 _NAMES = {
     "Adaptation": "edge_sdk.device",
+    "Bundle": "edge_sdk.bundle",
+    "BundleError": "edge_sdk.errors",
+    "load_bundle": "edge_sdk.bundle",
+    "ModelRunner": "edge_sdk._runners",
+    "Runner": "edge_sdk._registry",
+    "StepRunner": "edge_sdk.steps",
+    "register_runner": "edge_sdk._registry",
     "Device": "edge_sdk.device",
     "open_bundle": "edge_sdk.device",
     "EdgeClient": "edge_sdk.client",

@@ -91,7 +91,7 @@ def test_btfl_and_fedthe_on_a_served_btfl_bundle(sdk_fixture: Path, key: str, re
 
 
 @pytest.mark.parametrize("method, message", [("BTFL", "cannot run BTFL"),
-                                             ("FedTHE", "FedTHE runs on a BTFL bundle")])
+                                             ("FedTHE", "FedTHE runs on bundles whose device step is .btfl.")])
 def test_a_method_the_bundle_cannot_run_is_refused(sdk_fixture: Path, key: str, method: str, message: str) -> None:
     with pytest.raises(BundleError, match=message):
         edge_sdk.open_bundle(sdk_fixture / "tent", public_key=key, method=method)
