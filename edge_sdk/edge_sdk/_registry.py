@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import numpy as np
 
-from edge_sdk.errors import BundleError
+from edge_sdk._errors import BundleError
 
 if TYPE_CHECKING:
-    from edge_sdk.bundle import Bundle
-    from edge_sdk.client import EdgeClient
-    from edge_sdk.device import Adaptation
+    from edge_sdk._bundle import Bundle
+    from edge_sdk._client import EdgeClient
+    from edge_sdk._device import Adaptation
 
 __all__ = ["RECEIVED", "RUNNERS", "Runner", "register_runner", "resolve"]
 

@@ -5,7 +5,7 @@
   (its weights, the int8 graph, batch normalisation's population statistics and rule).
 * ``"tent_step"``: ``steps`` passes of entropy steps over the set, in batches of ``batch_size`` if set.
 * ``"fedtta_step"``: one step of UPFL Eq. 5; with ``patience >= 1`` steps with entropy early stopping (Sec. 4.3).
-* ``"fedicon_step"``: encoder and projection tuned with Eq. 7 (:mod:`edge_sdk.fedicon`).
+* ``"fedicon_step"``: encoder and projection tuned with Eq. 7 (:mod:`edge_sdk._fedicon`).
 * ``"encoder"``: e = g_gamma(x) on the device (optionally differentially private), the coordinator's
   hypernetwork returns the weights (``client.generate``).
 * ``"btfl"``: local head and local DLE on labeled data, BTFL's interpolation while streaming; variants
@@ -23,27 +23,27 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edge_sdk import dp
+from edge_sdk import _dp as dp
+from edge_sdk._batchnorm import BatchNormRule, statistics_feeds, uses_statistics
+from edge_sdk._btfl import BTFLParticipant
+from edge_sdk._errors import BundleError
+from edge_sdk._fedicon import FedICONStep, TTAPlan, personalize_fedicon
+from edge_sdk._fedthe import feature_history, fedthe_predict
+from edge_sdk._numerics import entropy, log_softmax
 from edge_sdk._registry import RECEIVED, Runner, register_runner
-from edge_sdk.batchnorm import BatchNormRule, statistics_feeds, uses_statistics
-from edge_sdk.btfl_device import BTFLDevice
-from edge_sdk.errors import BundleError
-from edge_sdk.fedicon import FedICONStep, TTAPlan, personalize_fedicon
-from edge_sdk.fedthe import feature_history, fedthe_predict
-from edge_sdk.numerics import entropy, log_softmax
-from edge_sdk.steps import (StepRunner, Weights, check_batch, check_logits, check_weights, finite,
+from edge_sdk._steps import (StepRunner, Weights, check_batch, check_logits, check_weights, finite,
                             personalize_early_stopping)
 
 if TYPE_CHECKING:
-    from edge_sdk.bundle import Bundle
-    from edge_sdk.client import EdgeClient
-    from edge_sdk.device import Adaptation
+    from edge_sdk._bundle import Bundle
+    from edge_sdk._client import EdgeClient
+    from edge_sdk._device import Adaptation
 
 __all__ = ["ModelRunner"]
 
 
 def _adaptation(bundle: Bundle, steps: int, samples: int, details: dict[str, Any] | None = None) -> Adaptation:
-    from edge_sdk.device import Adaptation
+    from edge_sdk._device import Adaptation
 
     return Adaptation(bundle.method, steps, samples, details or {})
 
@@ -62,7 +62,7 @@ class ModelRunner(Runner):
         self.forward = bundle.session("forward", threads)
         self.base = bundle.weights("params")
         self.frozen_int8 = bundle.session("forward_int8", threads) if int8 else None
-        self.stats: Weights = {}  # batch normalisation: the population statistics (edge_sdk.batchnorm)
+        self.stats: Weights = {}  # batch normalisation: the population statistics (edge_sdk._batchnorm)
         self.rule = BatchNormRule()
         if uses_statistics(self.forward):
             names = {a["name"] for a in bundle.manifest["artifacts"]}
@@ -185,7 +185,7 @@ class FedTTARunner(TentRunner):
 @register_runner("fedicon_step")
 class FedICONRunner(ModelRunner):
     """Encoder and projection tuned with Eq. 7 on two augmented views per sample, walking the set as the server
-    does (:mod:`edge_sdk.fedicon`); predictions keep the shipped population statistics."""
+    does (:mod:`edge_sdk._fedicon`); predictions keep the shipped population statistics."""
 
     def __init__(self, bundle: Bundle, **kwargs: Any) -> None:
         super().__init__(bundle, **kwargs)
@@ -217,7 +217,7 @@ class EncoderRunner(ModelRunner):
               rng: np.random.Generator | None = None) -> np.ndarray:
         """The client embedding e [E], all the coordinator sees. A finite ``epsilon`` makes it (epsilon,
         delta)-differentially private for this set of |D| = len(x) samples (noise on the pooled vector,
-        :func:`edge_sdk.dp.privatize_pooled`); the bundle must come from the DP encoder (``dp=True``)."""
+        :func:`edge_sdk._dp.privatize_pooled`); the bundle must come from the DP encoder (``dp=True``)."""
         x = check_batch(x, self.encoder)
         feeds = {"x": x, **self.gamma}
         if dp.gaussian_sigma(epsilon, delta, len(x)) == 0.0:  # also validates the budget (ValueError)
@@ -263,7 +263,7 @@ class BTFLRunner(Runner):
     def __init__(self, bundle: Bundle, *, threads: int | None = 1, int8: bool = False,
                  client: EdgeClient | None = None) -> None:
         super().__init__(bundle, threads=threads, int8=int8, client=client)
-        self.btfl = BTFLDevice(bundle, threads)
+        self.btfl = BTFLParticipant(bundle, threads)
 
     @property
     def global_weight(self) -> float | None:  # type: ignore[override]
@@ -308,7 +308,7 @@ class BTFLReceivedRunner(Runner):
     def __init__(self, bundle: Bundle, *, threads: int | None = 1, int8: bool = False,
                  client: EdgeClient | None = None) -> None:
         super().__init__(bundle, threads=threads, int8=int8, client=client)
-        self.btfl = BTFLDevice(bundle, threads)
+        self.btfl = BTFLParticipant(bundle, threads)
 
     def personalize(self, x: np.ndarray, y: np.ndarray | None = None, **options: Any) -> Adaptation:
         return _adaptation(self.bundle, 0, len(x))
@@ -320,7 +320,7 @@ class BTFLReceivedRunner(Runner):
 @register_runner("btfl", variant="FedTHE")
 class FedTHERunner(BTFLRunner):
     """FedTHE (Jiang & Lin 2022) on a BTFL bundle: a local head on labeled (x, y), then per batch the test-time
-    ensemble of the global and local heads (:mod:`edge_sdk.fedthe`), the feature history carried over calls."""
+    ensemble of the global and local heads (:mod:`edge_sdk._fedthe`), the feature history carried over calls."""
 
     global_weight = None
 

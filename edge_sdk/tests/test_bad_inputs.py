@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import edge_sdk
-from edge_sdk.btfl import BTFLStream, fit_dle
+from edge_sdk._btfl import BTFLStream, fit_dle
 from reliability_log import record
 
 RUNNERS = {"FedTTA++": ("fedtta_pp", None), "TENT": ("tent", None), "plain": ("tent", "none"),

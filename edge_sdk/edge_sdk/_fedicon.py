@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edge_sdk.batchnorm import statistics_feeds
-from edge_sdk.errors import BundleError
-from edge_sdk.steps import Weights, check_batch, check_weights, finite
+from edge_sdk._batchnorm import statistics_feeds
+from edge_sdk._errors import BundleError
+from edge_sdk._steps import Weights, check_batch, check_weights, finite
 
 if TYPE_CHECKING:
     import onnxruntime as ort
 
-    from edge_sdk.bundle import Bundle
+    from edge_sdk._bundle import Bundle
 
 _M32 = 0xFFFFFFFF
 # the server's constants (fl_server.algorithms.fedicon.FedICON._uniforms / personalize): key = tag + seed * 7919,

@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from edge_sdk._bundle import Bundle, load_bundle
+from edge_sdk._preprocess import Preprocess
 from edge_sdk._registry import resolve
-from edge_sdk.bundle import Bundle, load_bundle
-from edge_sdk.preprocess import Preprocess
 from edge_sdk.signing import PublicKey
 
 if TYPE_CHECKING:
-    from edge_sdk.client import EdgeClient
+    from edge_sdk._client import EdgeClient
 
 __all__ = ["Adaptation", "Device", "open_bundle"]
 
