@@ -90,7 +90,7 @@ class JoinInfo:
 
 
 class EdgeClient:
-    def __init__(self, url: str, cache_dir: str | os.PathLike | None = None, timeout: float = 10.0,
+    def __init__(self, url: str, *, cache_dir: str | os.PathLike | None = None, timeout: float = 10.0,
                  retries: int = 4, backoff: float = 0.5, max_backoff: float = 10.0,
                  token: str | None = None, transport: httpx.BaseTransport | None = None,
                  event_hooks: dict[str, list[Callable]] | None = None,
