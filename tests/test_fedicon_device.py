@@ -177,7 +177,7 @@ def test_a_batch_normalised_model_steps_with_its_views_statistics_as_on_the_serv
     for name, value in tuned.items():
         np.testing.assert_allclose(device.weights[name], value.detach().numpy(), atol=1e-5)
     assert max(float(np.abs(device.weights[n] - weights["params"][n]).max()) for n in tuned) > 1e-3
-    for name, value in device._personalizer.current_stats.items():
+    for name, value in device.runner.current_stats.items():
         np.testing.assert_array_equal(value, weights["stats"][name])
 
 
