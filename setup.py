@@ -27,6 +27,6 @@ setup(install_requires=[
     "httptools>=0.6",
     "httpx>=0.27",
     "prometheus-client>=0.20",  # GET /metrics (request, process and Python metrics)
-    "cryptography>=42",  # Ed25519 signing of bundle manifests (devices verify with edge_sdk.ed25519, no deps)
+    "cryptography>=42",  # Ed25519 signing of bundle manifests (devices verify with edge_sdk._ed25519, no deps)
     f"fl-edge-sdk @ {SDK.as_uri()}",  # the device SDK from this checkout, never from an index
 ])

@@ -3,7 +3,7 @@
 Takes a finished ``fl-server bench btgfl`` training run (its last-round checkpoint, as the benchmark evaluates),
 rebuilds the seed's clients and test streams exactly as :mod:`fl_server.bench.btgfl` does, and for every client
 exports its BTFL bundle (:func:`export.btfl.export_btfl_client`: the ``features`` graph + the global model's
-weights + the client's BTFL state), loads it torch-free (:func:`edge_sdk.bundle.load_bundle`) and streams each of
+weights + the client's BTFL state), loads it torch-free (:func:`edge_sdk._bundle.load_bundle`) and streams each of
 the five test columns one sample at a time, as a phone would:
 
     onnxruntime features + global logits (batch 1)  ->  local head (numpy)  ->  BTFLStream.predict_one
@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from edge_sdk.btfl import BTFLStream
-from edge_sdk.bundle import load_bundle
-from edge_sdk.steps import graph_feeds
+from edge_sdk._btfl import BTFLStream
+from edge_sdk._bundle import load_bundle
+from edge_sdk._steps import graph_feeds
 from export.btfl import export_btfl_client
 from fl_server.algorithms.btfl import BTFL
 from fl_server.bench import btgfl

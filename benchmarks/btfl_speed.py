@@ -1,4 +1,4 @@
-"""Speed of BTFL's test-time interpolation on one CPU core (edge_sdk.btfl, numpy only on the device path).
+"""Speed of BTFL's test-time interpolation on one CPU core (edge_sdk._btfl, numpy only on the device path).
 
 Microseconds per sample, all measured in one run on the same seeded stream (D = 64 features, C = 10 classes):
 
@@ -38,11 +38,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from typing import Any
+
 import numpy as np
 
 from fl_server.bench.rows import merge_rows
 
-from edge_sdk import btfl, entropy
+from edge_sdk import _btfl as btfl, entropy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,8 +82,10 @@ def make_stream_data(n: int, seed: int = 0) -> dict[str, np.ndarray | float]:
     }
 
 
-def new_stream(data: dict, **options: object) -> btfl.BTFLStream:
-    return btfl.BTFLStream(data["local_dle"], data["global_dle"], data["h_local_bar"], data["h_global_bar"], **options)
+def new_stream(data: dict, **options: Any) -> btfl.BTFLStream:
+    """A fresh stream; ``options``: :class:`edge_sdk._btfl.BTFLVariant` fields."""
+    return btfl.BTFLStream(data["local_dle"], data["global_dle"], data["h_local_bar"], data["h_global_bar"],
+                           btfl.BTFLVariant(**options))
 
 
 def _now() -> np.ndarray:
@@ -135,7 +139,7 @@ def _time_calls(fn: Callable[..., object], calls: list[tuple], repeats: int) -> 
 
 
 def time_weight_one(ab: np.ndarray, lt: np.ndarray, repeats: int) -> tuple[float, float]:
-    return _time_calls(btfl._weight_one, list(zip(ab[0].tolist(), ab[1].tolist(), lt.tolist())), repeats)
+    return _time_calls(btfl.WeightIntegral().one, list(zip(ab[0].tolist(), ab[1].tolist(), lt.tolist())), repeats)
 
 
 def time_public_weight(ab: np.ndarray, tau: np.ndarray, repeats: int, scalar: bool) -> tuple[float, float]:
@@ -158,17 +162,15 @@ def stream_triples(data: dict) -> tuple[np.ndarray, np.ndarray]:
 def time_weight(ab: np.ndarray, tau: np.ndarray, batch: int, repeats: int, memo: bool = True) -> tuple[float, float]:
     n = tau.shape[0]
     chunks = [(np.ascontiguousarray(ab[:, s : s + batch]), tau[s : s + batch]) for s in range(0, n, batch)]
-    saved = btfl._MEMO_MAX_BATCH
-    btfl._MEMO_MAX_BATCH = saved if memo else 0
-    try:
-        times = []
-        for _ in range(repeats + 1):
-            t0 = _now()
-            for a_b, t in chunks:
-                btfl._expected_weight(a_b, t)
-            times.append((_now() - t0) / n * 1e6)
-    finally:
-        btfl._MEMO_MAX_BATCH = saved
+    integral = btfl.WeightIntegral()
+    if not memo:  # every batch's prior terms computed again
+        integral._prior_terms = btfl.weight._prior_terms  # type: ignore[method-assign]
+    times = []
+    for _ in range(repeats + 1):
+        t0 = _now()
+        for a_b, t in chunks:
+            integral.batch(a_b, t)
+        times.append((_now() - t0) / n * 1e6)
     return _median_us(times)
 
 

@@ -37,7 +37,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO), str(REPO / "edge_sdk"), str(REPO / "tests"), str(REPO / "benchmarks")]
-from edge_sdk import tensors  # noqa: E402  (after the path set-up: runs from a checkout)
+from edge_sdk import _tensors as tensors  # noqa: E402  (after the path set-up: runs from a checkout)
 from raw_http import RawConnection  # noqa: E402
 
 ENDPOINTS = ("join", "manifest", "artifact", "generate")

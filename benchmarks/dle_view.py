@@ -1,6 +1,6 @@
 """The coordinator's BTFL DLE view (``GET /v1/btfl/dle``) as the number of uploading clients grows: the running
 sums of ``fl_server/service/dle.py`` against what they replaced (decode every client's row from SQLite, then
-``edge_sdk.btfl.average_dles`` twice: with and without the caller), in one run, the calls alternating.
+``edge_sdk._btfl.average_dles`` twice: with and without the caller), in one run, the calls alternating.
 
 Rows: DLE [64, 2] (the BTFL CNN's D = 64, binary fsq levels), a served bundle's training DLE as the base,
 N clients with a latest upload each, in a real SQLite store. Both variants' views are checked equal.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edge_sdk import btfl
+from edge_sdk import _btfl as btfl
 from fl_server.bench.rows import merge_rows
 from fl_server.service.dle import DLEAggregate
 from fl_server.service.store import Store

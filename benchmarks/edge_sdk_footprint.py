@@ -52,13 +52,13 @@ def main() -> int:
         installed = tree_bytes(env_dir) - bare
         has_torch = subprocess.run([str(python), "-m", "pip", "show", "torch"], capture_output=True).returncode == 0
         empty = start_ms(python, "pass", args.repeats, tmp)
-        full = start_ms(python, "import edge_sdk, edge_sdk.personalize, edge_sdk.btfl", args.repeats, tmp)
+        full = start_ms(python, "import edge_sdk, edge_sdk._runners", args.repeats, tmp)
     device = f"cpu:{platform.machine()}, load {os.getloadavg()[0]:.1f}"
     common = {"benchmark": "edge-sdk", "device": device, "python": platform.python_version(), "command": command}
     rows = [
         {**common, "what": "installed size, fresh venv with only edge_sdk", "metric": "MB",
          "value": round(installed / 1e6, 1), "torch_installed": has_torch},
-        {**common, "what": "import edge_sdk (+ personalize, btfl), fresh interpreter", "metric": "ms",
+        {**common, "what": "import edge_sdk (+ its runners), fresh interpreter", "metric": "ms",
          "value": round(full - empty, 1), "interpreter_start_ms": round(empty, 1), "repeats": args.repeats},
     ]
     merge_rows(args.out, rows, key=("what",))

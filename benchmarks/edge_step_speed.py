@@ -30,7 +30,7 @@ from pathlib import Path  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
 
-from edge_sdk.steps import load_session  # noqa: E402
+from edge_sdk._steps import load_session  # noqa: E402
 from timing import interleaved_median_ms  # noqa: E402
 from export import export_function, export_spec, fedtta_step_spec, forward_spec, tent_step_spec  # noqa: E402
 from export.fedicon import fedicon_tta_step_spec  # noqa: E402

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from edge_sdk.steps import load_session
+from edge_sdk._steps import load_session
 from export import export_spec, forward_spec
 from export.quantize import freeze_weights, quantize_int8
 from fl_server.engine.simulation import load_state

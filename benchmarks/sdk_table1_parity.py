@@ -3,7 +3,7 @@
 For each run directory (``fl-server train --out DIR`` or a ``fl-server bench`` run dir: run.json + best.npz) the
 run is exported to a bundle (``export_run``); every held-out new client of the run's protocol is personalised
 twice on its unlabeled data, by the method's torch code (``Algorithm.personalize``, as in the harness) and by
-``edge_sdk.personalize.Personalizer`` on onnxruntime, and scored on its labels. Reports both mean accuracies,
+``edge_sdk.open_bundle`` on onnxruntime, and scored on its labels. Reports both mean accuracies,
 their difference (target |diff| <= 0.1 point) and the per-client agreement of predictions. Rows merged into
 docs/benchmarks/edge-sdk.json by (what, device).
 
@@ -18,8 +18,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from edge_sdk.bundle import load_bundle
-from edge_sdk.personalize import Personalizer
+from edge_sdk import open_bundle
 from export.run import export_run
 from fl_server.engine.simulation import load_state
 from fl_server.recipes.run import rebuild
@@ -33,7 +32,7 @@ def measure(run_dir: Path, data_dir: str | None, work: Path, command: str) -> di
     _, _, algorithm = rebuild(run, data_dir)  # the run's own model and method (zoo or a recipe file)
     state = {k: {n: v.float() for n, v in d.items()} for k, d in load_state(run_dir / "best.npz").items()
              if isinstance(d, dict)}  # sub-states (FedICON's scalar round counter is not one)
-    device = Personalizer(load_bundle(export_run(run_dir, work / run_dir.name)))
+    device = open_bundle(export_run(run_dir, work / run_dir.name))
     acc_torch, acc_sdk, agree = [], [], []
     for idx in tqdm(fed.new, desc=f"{run_dir.name}: new clients", unit="client"):
         x, y = ds.x[idx], ds.y[idx]
@@ -42,7 +41,8 @@ def measure(run_dir: Path, data_dir: str | None, work: Path, command: str) -> di
             params = algorithm.personalize(state, xt)
         with torch.no_grad():
             pred_torch = algorithm.forward(params, xt).argmax(-1).numpy()
-        pred_sdk = device.predict(x, device.personalize(x).weights).argmax(-1)
+        device.personalize(x)
+        pred_sdk = device.predict(x).argmax(-1)
         acc_torch.append(float((pred_torch == y).mean()))
         acc_sdk.append(float((pred_sdk == y).mean()))
         agree.append(float((pred_torch == pred_sdk).mean()))
@@ -52,7 +52,7 @@ def measure(run_dir: Path, data_dir: str | None, work: Path, command: str) -> di
             "accuracy_torch": round(t, 3), "accuracy_sdk": round(s, 3),
             "prediction_agreement": round(100 * float(np.mean(agree)), 3), "new_clients": len(fed.new),
             "protocol_rounds": rounds_done(run_dir),  # the run's own (a --rounds run is shorter than its recipe)
-            "device_kind": device.kind, "run": str(run_dir), "device": "cpu", "torch": torch.__version__,
+            "device_kind": device.bundle.device_step or "none", "run": str(run_dir), "device": "cpu", "torch": torch.__version__,
             "command": command, "trained_by": run.get("command", "not recorded")}
 
 

@@ -11,7 +11,7 @@ import importlib.util
 import fl_server.service.app, fl_server.cli, edge_sdk, uvicorn  # noqa: F401  (serving's imports)
 import numpy as np
 import scipy.fft, scipy.interpolate, scipy.ndimage, scipy.signal, scipy.special  # noqa: F401  (kept by slim_venv.sh)
-from edge_sdk import btfl, fedthe  # noqa: F401  (numpy only)
+from edge_sdk import _btfl as btfl, _fedthe as fedthe  # noqa: F401  (numpy only)
 from fl_server.data import load_dataset
 assert len(load_dataset("digits")) == 1797
 assert np.allclose(scipy.signal.lfilter([1.0], [1.0, -0.5], np.ones(3)), [1.0, 1.5, 1.75])

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 import edge_sdk
-from edge_sdk.bundle import BundleError, load_bundle
+from edge_sdk._bundle import BundleError, load_bundle
 
 
 def accuracy(logits: np.ndarray, y: np.ndarray) -> float:

@@ -7,10 +7,10 @@ state as ``.npz``.
   global model (``params``: ``features`` and ``forward`` graphs take them as ``psi.*``) and the training
   clients' average DLE and mean feature (``btfl``: ``global_dle`` [D, L], ``dle_clients`` [1], ``mu_global`` [D]),
   computed by the run's finalize step (``BTFL.finalize``) and read from its run directory. A device trains
-  its own local head and fits its own DLE on its labeled data (:mod:`edge_sdk.btfl_device`).
+  its own local head and fits its own DLE on its labeled data (:mod:`edge_sdk._btfl.head`).
 
 On the device (torch-free): ``features, global_logits = session.run(...)``, ``local_logits = features @
-local_head.T`` and :meth:`edge_sdk.btfl.BTFLStream.from_arrays` (or :func:`edge_sdk.fedthe.fedthe_predict`).
+local_head.T`` and :meth:`edge_sdk._btfl.BTFLStream.from_arrays` (or :func:`edge_sdk._fedthe.fedthe_predict`).
 """
 from __future__ import annotations
 

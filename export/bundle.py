@@ -17,8 +17,8 @@ import numpy as np
 import onnx
 
 import fl_server
-from edge_sdk import strictjson
-from edge_sdk.bundle import MANIFEST, sha256_file
+from edge_sdk import _strictjson as strictjson
+from edge_sdk._bundle import MANIFEST, sha256_file
 from export.graphs import OPSET, strip_debug
 from fl_server.algorithms import ALGORITHMS
 from export.steps import StepSpec
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from fl_server.signing import ManifestSigner
 
 # 1: every graph takes its weights as inputs; 2: frozen graphs may embed them (a graph's "inputs" in the
-# manifest list what a device feeds; edge_sdk.steps.graph_feeds picks them, so format-1 bundles still load)
+# manifest list what a device feeds; edge_sdk._steps.graph_feeds picks them, so format-1 bundles still load)
 # 3: the manifest names the method's device step (``device_step``), by which the SDK chooses its runner
 FORMAT_VERSION = 3
 _ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.DOUBLE: "float64",

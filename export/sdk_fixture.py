@@ -84,7 +84,7 @@ def make_sdk_fixture(out: str | Path, data_root: str | None = None, n: int = 256
     hstate = hn.init_state(torch.float32, torch.device("cpu"))
     with torch.no_grad():
         ref["odpfl_embedding"] = hn.encode(hstate["enc"], x).numpy()
-    # the DP encoder (Sec. 7): the device adds its own noise to the pooled vector (edge_sdk.dp.privatize_pooled)
+    # the DP encoder (Sec. 7): the device adds its own noise to the pooled vector (edge_sdk._dp.privatize_pooled)
     hn_dp = build_algorithm("ODPFL-HN", build_model("mlp", shape, 10, seed=3), 4, seed=3, dp=True, dp_epsilon=1.0)
     dstate = hn_dp.init_state(torch.float32, torch.device("cpu"))
     with torch.no_grad():

@@ -125,7 +125,7 @@ def tent_step_spec(algorithm: Tent, psi: State, batch: int = 4, stats: Stats | N
 def encoder_spec(algorithm: ODPFLHN, gamma: State, batch: int = 4) -> StepSpec:
     """ODPFL-HN's set encoder on the device: the client's whole unlabeled set x [N, ...] -> e [E]; only e
     leaves the device (the server's hypernetwork turns it into weights). The DP encoder (``dp=True``) also
-    outputs the pooled vector m [F] (e = psi(m)), where the device adds its noise (edge_sdk.dp.privatize_pooled)."""
+    outputs the pooled vector m [F] (e = psi(m)), where the device adds its noise (edge_sdk._dp.privatize_pooled)."""
     names = list(gamma)
 
     def fn(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -114,7 +114,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     signer = ManifestSigner.from_pem(Path(args.signing_key)) if args.signing_key else None
     path = export_run(args.run_dir, args.out, int8=args.int8, signer=signer)
     how = f"load_bundle(dir, public_key='{signer.public_hex}')" if signer else "load_bundle (unsigned: hashes only)"
-    print(f"bundle written to {path} (verify and use it on a device with edge_sdk.bundle.{how})")
+    print(f"bundle written to {path} (verify and use it on a device with edge_sdk.{how})")
     warning = rundir.read_run(args.run_dir).get("warning")
     if warning:  # recorded by fl-server train (fl_server.diagnostics)
         print(warning)

@@ -18,7 +18,7 @@ from typing import Mapping
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from edge_sdk import strictjson
+from edge_sdk import _strictjson as strictjson
 from edge_sdk.signing import make_release, signature_record, write_signature
 
 log = logging.getLogger("fl_server.service")

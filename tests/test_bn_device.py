@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from edge_sdk.batchnorm import BatchNormRule
-from edge_sdk.bundle import load_bundle
-from edge_sdk.personalize import Personalizer
+from edge_sdk import load_bundle, open_bundle
+from edge_sdk._batchnorm import BatchNormRule
 from export import forward_spec, tent_step_spec
 from export.bundle import export_specs, write_bundle
 from fl_server.models.norm import BATCH_NORM_RULE
@@ -57,7 +56,7 @@ def bn_bundle(fashion_all, tmp_path_factory):  # type: ignore[no-untyped-def]
 @pytest.mark.slow  # trains a ResNet-8 briefly and exports two graphs (about 2 min on a shared 2-core CPU)
 def test_batch_one_stream_matches_batch_64(bn_bundle) -> None:  # type: ignore[no-untyped-def]
     path, fed, data = bn_bundle
-    p = Personalizer(load_bundle(path), method="none", threads=1)
+    p = open_bundle(load_bundle(path), method="none").runner
     assert json.loads((path / "manifest.json").read_text())["batch_norm"]["small_batch"] == "running"
     idx = np.concatenate([t[:150] for t in fed.new])
     x, y = data.x[idx], data.y[idx]
@@ -77,19 +76,20 @@ def test_batch_one_stream_matches_batch_64(bn_bundle) -> None:  # type: ignore[n
 def test_tent_steps_follow_the_rule(bn_bundle) -> None:  # type: ignore[no-untyped-def]
     path, fed, data = bn_bundle
     x = data.x[fed.new[0][:64]]
-    p = Personalizer(load_bundle(path), threads=1)
+    device = open_bundle(load_bundle(path))
+    p = device.runner
     before = {n: v.copy() for n, v in p.stats.items()}
-    result = p.personalize(x)  # one batch of 64: the test batch's statistics, population statistics untouched
+    result = device.personalize(x)  # one batch of 64: the test batch's statistics, population statistics untouched
     assert result.steps == 1 and all(np.array_equal(before[n], v) for n, v in p.current_stats.items())
-    assert any(not np.array_equal(result.weights[n], p.base[n]) for n in p.base)
-    stream = Personalizer(load_bundle(path), threads=1)
-    stream.runner.rule = BatchNormRule(small_batch="ema", ema_momentum=0.1)
+    assert any(not np.array_equal(device.weights[n], p.base[n]) for n in p.base)
+    stream = open_bundle(load_bundle(path)).runner
+    stream.step.rule = BatchNormRule(small_batch="ema", ema_momentum=0.1)
     current = stream.base
     for s in range(8):  # a stream of batch 1 with the exponential rule: the statistics move a little per sample
-        current, _, h = stream.runner.step(x[s:s + 1], current)
+        current, _, h = stream.step.step(x[s:s + 1], current)
         assert np.isfinite(h)
     moved = max(float(np.abs(stream.current_stats[n] - before[n]).max()) for n in before)
     assert 0.0 < moved
-    running = Personalizer(load_bundle(path), threads=1)  # the default rule: population statistics, unchanged
-    running.runner.step(x[:1], running.base)
+    running = open_bundle(load_bundle(path)).runner  # the default rule: population statistics, unchanged
+    running.step.step(x[:1], running.base)
     assert all(np.array_equal(before[n], v) for n, v in running.current_stats.items())

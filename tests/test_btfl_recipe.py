@@ -1,4 +1,4 @@
-"""BTFL training recipe (fl_server.algorithms.btfl), FedTHE (edge_sdk.fedthe) and the btgfl benchmark."""
+"""BTFL training recipe (fl_server.algorithms.btfl), FedTHE (edge_sdk._fedthe) and the btgfl benchmark."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from edge_sdk.fedthe import code_history, feature_history, fedthe_predict
+from edge_sdk._fedthe import code_history, feature_history, fedthe_predict
 from fl_server.algorithms import build_algorithm
 from fl_server.algorithms.btfl import BTFL
 from fl_server.bench import btgfl
@@ -247,8 +247,8 @@ def test_btgfl_quick_via_harness(data_root: Path, tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------------ device bundle
 def test_btfl_client_bundle_runs_on_the_device_path(mnist_all, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Export client 1's bundle, load it torch-free (onnxruntime + numpy) and reproduce the server-side stream."""
-    from edge_sdk.btfl import BTFLStream
-    from edge_sdk.bundle import load_bundle
+    from edge_sdk._btfl import BTFLStream
+    from edge_sdk._bundle import load_bundle
     from export.btfl import export_btfl_client
 
     alg, server, x, y, train = _small_btfl(mnist_all)
@@ -287,8 +287,8 @@ def test_btfl_client_bundle_runs_on_the_device_path(mnist_all, tmp_path: Path) -
 def test_frozen_features_graph_equals_the_format1_graph(mnist_all, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Bundle formats 2 and on embed the frozen weights in ``features``; format 1 takes them as inputs. Same outputs,
     and the device (graph_feeds) runs both."""
-    from edge_sdk.bundle import load_bundle
-    from edge_sdk.steps import graph_feeds
+    from edge_sdk._bundle import load_bundle
+    from edge_sdk._steps import graph_feeds
     from export.btfl import export_btfl_client
     from export.embed import embed_inputs
 

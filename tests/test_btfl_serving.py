@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from coordinator_proc import ADMIN, REPO, Coordinator, auth, join, start
-from edge_sdk import btfl
+from edge_sdk import _btfl as btfl
 from fl_server.recipes.run import client_data
 
 pytestmark = pytest.mark.timeout(600)
@@ -105,16 +105,16 @@ def test_stream_example_runs_btfl(server: Coordinator, tmp_path: Path) -> None:
 
 
 def test_btfl_device_batch_logits_follow_the_stream_order(server: Coordinator, tmp_path: Path) -> None:
-    """BTFLDevice.logits on a batch (one feature pass, the stream's batch update) = one sample at a time."""
+    """BTFLParticipant.logits on a batch (one feature pass, the stream's batch update) = one sample at a time."""
     from edge_sdk import EdgeClient
-    from edge_sdk.btfl_device import BTFLDevice
+    from edge_sdk._btfl import BTFLParticipant
     from fl_server.data import load_dataset
 
     digits = load_dataset("digits")
     key = httpx.get(f"{server.url}/v1/signing-key", timeout=10).json()["public_key"]
     with EdgeClient(server.url, cache_dir=tmp_path, public_key=key) as client:
         bundle = client.download(client.join("BTFL").manifest)
-    device = BTFLDevice(bundle)
+    device = BTFLParticipant(bundle)
     device.fit(digits.x[:200], digits.y[:200])
     stream_x = digits.x[200:260]
     device.start()
@@ -164,8 +164,8 @@ def test_one_device_interface_runs_btfl_and_fedthe(server: Coordinator, tmp_path
     the BTFL device class gives; FedTHE on the same bundle gives fedthe_predict over the whole stream, the
     feature history carried from one predict call to the next."""
     from edge_sdk import EdgeClient, log_softmax, open_bundle
-    from edge_sdk.btfl_device import BTFLDevice
-    from edge_sdk.fedthe import fedthe_predict
+    from edge_sdk._btfl import BTFLParticipant
+    from edge_sdk._fedthe import fedthe_predict
     from fl_server.data import load_dataset
 
     digits = load_dataset("digits")
@@ -180,7 +180,7 @@ def test_one_device_interface_runs_btfl_and_fedthe(server: Coordinator, tmp_path
         result = device.personalize(x, y)
         assert result.details["dle_clients"] >= 1 and result.details["dle_base"] is not None
         others = httpx.get(f"{server.url}/v1/btfl/dle", headers=auth(client.token), timeout=10).json()["others_dle"]
-    reference = BTFLDevice(bundle)
+    reference = BTFLParticipant(bundle)
     fit = reference.fit(x, y)
     reference.start(np.asarray(others))
     np.testing.assert_allclose(device.predict(stream), reference.logits(stream), atol=1e-9)

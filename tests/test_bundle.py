@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from edge_sdk.bundle import BundleError, load_bundle
-from edge_sdk.steps import StepRunner
+from edge_sdk._bundle import BundleError, load_bundle
+from edge_sdk._steps import StepRunner
 from export import fedtta_step_spec, forward_spec
 from export.bundle import export_specs, write_bundle
 from fl_server.algorithms import build_algorithm

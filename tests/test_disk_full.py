@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from coordinator_proc import ADMIN, auth, start
-from edge_sdk.client import EdgeClient, EdgeClientError
+from edge_sdk._client import EdgeClient, EdgeClientError
 
 pytestmark = pytest.mark.timeout(300)
 UNSHARE = ["unshare", "-Urm"] if shutil.which("unshare") else None

@@ -1,5 +1,5 @@
 """The coordinator's running DLE sums (fl_server/service/dle.py) against a direct re-computation with
-edge_sdk.btfl.average_dles over every client's latest row (one weight per client; a served bundle's DLE weighs
+edge_sdk._btfl.average_dles over every client's latest row (one weight per client; a served bundle's DLE weighs
 as many as its training clients), on a real SQLite store, through uploads, replacements, a shape change and a
 restart."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_sdk import btfl
+from edge_sdk import _btfl as btfl
 from fl_server.service.dle import DLEAggregate, ShapeMismatch
 from fl_server.service.store import Store
 

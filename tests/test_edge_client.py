@@ -17,8 +17,8 @@ import pytest
 
 from coordinator_proc import Coordinator, free_port, start
 from edge_sdk import EdgeClient, EdgeClientError
-from edge_sdk.bundle import BundleError, BundleSignatureError, load_bundle
-from edge_sdk.client import TrustOnFirstUseWarning
+from edge_sdk._bundle import BundleError, BundleSignatureError, load_bundle
+from edge_sdk._client import TrustOnFirstUseWarning
 from edge_sdk.safeguard import DEFAULT_THRESHOLD
 from faultnet import Cut, CuttingProxy, http_reply, serve
 from reliability_log import record

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from coordinator_proc import ADMIN, Coordinator, auth, start_copy
-from edge_sdk.client import EdgeClient
+from edge_sdk._client import EdgeClient
 
 pytestmark = pytest.mark.timeout(600)
 ENV = {"FL_SERVE_ENROLLMENT": "token", "FL_SERVE_DLE_PER_SOURCE": "2", "FL_SERVE_TOKEN_RATE": "0.001",

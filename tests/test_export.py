@@ -105,7 +105,7 @@ def test_step_lowers_entropy_on_device(batches, tmp_path: Path) -> None:  # type
 @pytest.mark.parametrize("first_candidate", [0, 1])
 def test_fedtta_plus_plus_on_onnxruntime_matches_torch(batches, tmp_path: Path,  # type: ignore[no-untyped-def]
                                                       first_candidate: int) -> None:
-    from edge_sdk.steps import StepRunner, load_session, personalize_early_stopping
+    from edge_sdk._steps import StepRunner, load_session, personalize_early_stopping
 
     alg = build_algorithm("FedTTA++", build_model("mlp", (1, 28, 28), 10, seed=0), 1, seed=0,
                           **{**FEDTTA_HP["mnist"]["FedTTA++"], "patience": 2, "max_steps": 8,
@@ -129,7 +129,7 @@ def test_fedtta_plus_plus_on_onnxruntime_matches_torch(batches, tmp_path: Path, 
 
 
 def test_device_step_rejects_bad_input(tmp_path: Path) -> None:
-    from edge_sdk.steps import StepRunner, load_session
+    from edge_sdk._steps import StepRunner, load_session
 
     alg = build_algorithm("TENT", build_model("mlp", (1, 28, 28), 10, seed=0), 1, lr=0.1)
     spec = tent_step_spec(alg, alg.init_state(torch.float32, torch.device("cpu"))["params"])

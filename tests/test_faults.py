@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from coordinator_proc import ADMIN, start
-from edge_sdk.bundle import BundleError, load_bundle
+from edge_sdk._bundle import BundleError, load_bundle
 from reliability_log import record
 
 pytestmark = pytest.mark.timeout(900)
@@ -205,7 +205,7 @@ def test_bundle_writer_killed_at_every_step(tmp_path: Path) -> None:
 def test_artifact_store_writer_killed_at_every_step(tmp_path: Path) -> None:
     """The coordinator's content-addressed store: a put killed at any step leaves either no object or the
     complete one under its address (never a wrong or short file)."""
-    from edge_sdk.bundle import sha256_file
+    from edge_sdk._bundle import sha256_file
     from fl_server.service.artifacts import ArtifactStore
 
     src = tmp_path / "blob"

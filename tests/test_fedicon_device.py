@@ -67,7 +67,7 @@ def test_device_fedicon_is_the_servers(projection: str, data_root: Path, tmp_pat
 
 def test_the_devices_views_are_the_servers() -> None:
     """The device draws the server's uniforms bit for bit (keys over 2^32 included)."""
-    from edge_sdk.fedicon import hash_uniform
+    from edge_sdk._fedicon import hash_uniform
     from fl_server.data.augment import hash_uniform as server_hash_uniform
 
     for key in (0, 7, 1_000_003 * 3 + 11 * 7_919, 2**33 + 5, 2**40 + 123_456_789):
@@ -84,7 +84,7 @@ def test_fedicon_bundles_the_device_cannot_run_are_refused(data_root: Path, tmp_
     import shutil
 
     from edge_sdk import open_bundle
-    from edge_sdk.errors import BundleError
+    from edge_sdk._errors import BundleError
     from export.run import export_run
     from fl_server.recipes import train
     from fl_server.service.publish import PublishError, verify_bundle_dir

@@ -67,13 +67,11 @@ def test_flower_deployment_matches_in_process_engine(deployment: LocalDeployment
 DEVICE = """
 import sys, json
 import numpy as np
-from edge_sdk.bundle import load_bundle
-from edge_sdk.personalize import personalize
-bundle = load_bundle(sys.argv[1])
+from edge_sdk import open_bundle
+model = open_bundle(sys.argv[1])
 x = np.load(sys.argv[2])["x"]
-model = personalize(bundle, x)
-print(json.dumps({"torch": "torch" in sys.modules, "steps": model.steps,
-                  "pred": model.logits(x).argmax(1).tolist()}))
+steps = model.personalize(x).steps
+print(json.dumps({"torch": "torch" in sys.modules, "steps": steps, "pred": model.predict(x).argmax(1).tolist()}))
 """
 
 
@@ -189,7 +187,7 @@ def test_btfl_on_flower_keeps_heads_on_clients_and_its_global_dle_equals_the_eng
     heads equal the engine's, and the global DLE averaged from the clients' uploads equals the in-process one."""
     import torch
 
-    from edge_sdk import btfl as btfl_math
+    from edge_sdk import _btfl as btfl_math
     from fl_server.flower.task import client_local_dle
 
     config = {**RECIPE, "method": "BTFL", "rounds": 2, "local-iterations": 6, "max-samples": 3000}
@@ -215,7 +213,7 @@ def test_btfl_on_flower_keeps_heads_on_clients_and_its_global_dle_equals_the_eng
 def test_btfl_over_the_deployment_uploads_dles_and_exports(deployment: LocalDeployment) -> None:
     """BTFL on the real SuperLink + SuperNodes: the global DLE the server averaged from the clients' uploads
     (device.npz) equals the in-process one for the same clients, and `fl-server export` serves it."""
-    from edge_sdk import btfl as btfl_math
+    from edge_sdk import _btfl as btfl_math
 
     run_dir = deployment.workdir / "run-BTFL"
     config = {**RECIPE, "method": "BTFL", "rounds": 2}

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import torch
 
-from edge_sdk import tensors
+from edge_sdk import _tensors as tensors
 from fl_server.algorithms.odpfl_hn import ODPFLHN
 from fl_server.functional import get_params
 from fl_server.models import build_model

@@ -166,7 +166,7 @@ def test_head_only_stage2_gives_heads_on_the_global_features(fashion_all) -> Non
 def test_map_composes_with_btfl(fashion_all) -> None:  # type: ignore[no-untyped-def]
     """MAP -> BTFL: the local head BTFL interpolates is MAP's personalised model (HPM classifier on the global
     features), and the stream trusts it more on the client's own data than on another client's."""
-    from edge_sdk.btfl import BTFLStream
+    from edge_sdk._btfl import BTFLStream
     from fl_server.algorithms.btfl import BTFL
     from fl_server.algorithms.compose import map_btfl_artifacts
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from edge_sdk import dp
+from edge_sdk import _dp as dp
 from fl_server.algorithms import ALGORITHMS, build_algorithm
 from fl_server.algorithms.odpfl_hn import ODPFLHN
 from fl_server.recipes.presets import ODPFL_HP
@@ -58,7 +58,7 @@ def test_gaussian_sigma_is_the_analytic_mechanism_for_lemma_2s_sensitivity() -> 
 def test_personalize_noise_uses_the_clients_own_set_size(client_x: torch.Tensor) -> None:
     alg, state = _mnist_alg(dp=True, dp_epsilon=0.3, dp_delta=0.01)
     enc = state["enc"]
-    # the DP encoder's per-sample outputs lie on the unit sphere, exactly as edge_sdk.dp.unit_sphere puts them
+    # the DP encoder's per-sample outputs lie on the unit sphere, exactly as edge_sdk._dp.unit_sphere puts them
     with torch.no_grad():
         raw = alg.encoder.phi(alg.encoder.trunk(client_x[:50]))
         h = alg.encoder.per_sample(client_x[:50])

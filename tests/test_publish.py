@@ -16,7 +16,7 @@ import pytest
 
 import edge_sdk
 from coordinator_proc import ADMIN, Coordinator, auth, start
-from edge_sdk.bundle import sha256_file
+from edge_sdk._bundle import sha256_file
 from fl_server.cli import main as cli
 from fl_server.data import load_dataset
 from fl_server.service.publish import tar_bundle

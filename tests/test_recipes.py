@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from edge_sdk.preprocess import Preprocess, RawInput
+from edge_sdk._preprocess import Preprocess, RawInput
 from fl_server import rundir
 from fl_server.recipes import DataSpec, Federation, ModelSpec, Recipe, RecipeError, train
 
@@ -89,7 +89,7 @@ def test_arrays_image_folder_and_torch_dataset_train_identically(fashion_raw, tm
                                  "raw": {"dtype": "uint8", "range": [0.0, 255.0], "shape": [1, 28, 28]}}
 
     # a recipe built in Python: its run.json names no file, so export takes the recipe itself
-    from edge_sdk.bundle import load_bundle
+    from edge_sdk._bundle import load_bundle
     from export.run import export_run
 
     with pytest.raises(RecipeError, match=r"^the run of 'arrays' names no recipe file \(its recipe was built in "
@@ -111,8 +111,8 @@ def test_arrays_image_folder_and_torch_dataset_train_identically(fashion_raw, tm
 
 
 def test_bundles_without_preprocessing_load_as_identity(tmp_path: Path) -> None:
-    from edge_sdk.bundle import load_bundle
-    from edge_sdk.errors import BundleError
+    from edge_sdk._bundle import load_bundle
+    from edge_sdk._errors import BundleError
 
     (tmp_path / "manifest.json").write_text(json.dumps({"method": "FedAvg", "device_step": None, "artifacts": []}))
     assert load_bundle(tmp_path).preprocess == Preprocess.identity()
@@ -285,7 +285,7 @@ def test_cli_trains_and_exports_a_user_module(tmp_path: Path, capsys: pytest.Cap
     run = rundir.read_run(run_dir)
     assert run["recipe"].endswith("my_recipes.py:small") and run["model"] == "TinyNet"
     assert main(["export", str(run_dir), "--out", str(bundle)]) == 0
-    from edge_sdk.bundle import load_bundle
+    from edge_sdk._bundle import load_bundle
 
     loaded = load_bundle(bundle)
     assert loaded.method == "TENT" and loaded.preprocess.is_identity  # digits: float32 [0, 1] as loaded

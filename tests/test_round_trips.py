@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from edge_sdk.bundle import load_bundle
+from edge_sdk._bundle import load_bundle
 from fl_server import rundir
 from fl_server.cli import main
 from fl_server.recipes import DataSpec, Federation, ModelSpec, Recipe, RecipeError, federate, load_recipe, train

@@ -13,7 +13,7 @@ import onnxruntime as ort
 import pytest
 
 from coordinator_proc import ADMIN, Coordinator, auth, join, start, start_copy
-from edge_sdk import btfl, tensors
+from edge_sdk import _btfl as btfl, _tensors as tensors
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -300,8 +300,7 @@ def test_new_client_request_carries_only_the_embedding(server: Coordinator, tmp_
     """A new ODPFL-HN client personalises on its device through edge_sdk; every byte it sends is recorded on the
     wire. The only body with data is the generate request, and it holds exactly the embedding e = g_gamma(D):
     no samples, no labels, nothing of size |D|."""
-    from edge_sdk import EdgeClient
-    from edge_sdk.personalize import personalize
+    from edge_sdk import EdgeClient, open_bundle
     from fl_server.data import load_dataset
 
     sent: list[tuple[str, str, bytes]] = []
@@ -316,9 +315,10 @@ def test_new_client_request_carries_only_the_embedding(server: Coordinator, tmp_
     with EdgeClient(server.url, cache_dir=tmp_path, transport=RecordingTransport()) as device:
         info = device.join("ODPFL-HN")
         bundle = device.download(info.manifest)
-        model = personalize(bundle, x, generate=device.generate)
-        embedding = model.personalizer.embed(x)
-    assert (model.logits(x).argmax(1) == y).mean() > 0.2  # a working model came back
+        model = open_bundle(bundle, client=device)
+        model.personalize(x)
+        embedding = model.runner.embed(x)
+    assert (model.predict(x).argmax(1) == y).mean() > 0.2  # a working model came back
     bodies = [(m, p, b) for m, p, b in sent if b]
     assert [(m, p) for m, p, _ in bodies] == [("POST", "/v1/clients"), ("POST", "/v1/hypernetwork/generate")]
     assert json.loads(bodies[0][2]) == {"method": "ODPFL-HN"}

@@ -1,4 +1,4 @@
-"""Manifest signing: the device's pure-Python Ed25519 (edge_sdk.ed25519) against ``cryptography`` on the
+"""Manifest signing: the device's pure-Python Ed25519 (edge_sdk._ed25519) against ``cryptography`` on the
 RFC 8032 vectors and on random keys and messages; the coordinator's key management (fl_server.signing)."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from edge_sdk.ed25519 import BACKEND, BACKENDS, L, SignatureError, is_valid, verify
+from edge_sdk._ed25519 import BACKEND, BACKENDS, L, SignatureError, is_valid, verify
 from fl_server.signing import KEY_FILE, ManifestSigner
 
 from test_ed25519 import VECTORS  # edge_sdk/tests (on the path via conftest.py)
@@ -121,7 +121,7 @@ def test_signed_export_roundtrip(tmp_path: Path) -> None:
     """write_bundle(signer=...) writes manifest.sig; the SDK verifies it with the public key only."""
     import numpy as np
 
-    from edge_sdk.bundle import BundleSignatureError, load_bundle
+    from edge_sdk._bundle import BundleSignatureError, load_bundle
     from export.bundle import write_bundle
 
     signer = ManifestSigner.generate()

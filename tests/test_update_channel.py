@@ -14,8 +14,8 @@ import pytest
 
 from coordinator_proc import ADMIN, Coordinator, auth, start_copy
 from edge_sdk import EdgeClient
-from edge_sdk.bundle import BundleError, load_bundle
-from edge_sdk.errors import BundleExpiredError, BundleRollbackError, BundleSignatureError
+from edge_sdk._bundle import BundleError, load_bundle
+from edge_sdk._errors import BundleExpiredError, BundleRollbackError, BundleSignatureError
 from edge_sdk.signing import SIGNATURE_FILE
 from fl_server.service.store import Store
 from fl_server.signing import ManifestSigner

@@ -1,5 +1,5 @@
 """Bundle signatures on the device: the detached ``manifest.sig`` next to ``manifest.json`` and its check
-against a trusted Ed25519 public key (:mod:`edge_sdk.ed25519`, RFC 8032).
+against a trusted Ed25519 public key (:mod:`edge_sdk._ed25519`, RFC 8032).
 
 What is signed is a *release*: a small strict-JSON object that names the manifest by its sha256 (the bundle
 id) and adds what the manifest file itself cannot say, the update channel's freshness (TUF's targets
@@ -9,7 +9,7 @@ metadata plays this role)::
      "version": 3, "expires": "2026-12-03T07:44:38Z", "key_id": "<first 16 hex of the key>"}
 
 ``version`` rises with every bundle the coordinator publishes for a method and ``expires`` bounds how long a
-signed release may be presented; :class:`edge_sdk.client.EdgeClient` refuses a release older than the newest
+signed release may be presented; :class:`edge_sdk._client.EdgeClient` refuses a release older than the newest
 it accepted for that method (rollback) and an expired one (freeze). The manifest lists every artifact's
 sha256 and size, so the one signature covers the whole bundle: signature first (authenticity of the release),
 then the manifest's hash, then each file's hash.
@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edge_sdk import strictjson
-from edge_sdk.ed25519 import SignatureError, public_key, verify
-from edge_sdk.errors import BundleSignatureError
+from edge_sdk import _strictjson as strictjson
+from edge_sdk._ed25519 import SignatureError, public_key, verify
+from edge_sdk._errors import BundleSignatureError
 
 SIGNATURE_FILE = "manifest.sig"
 ALG = "Ed25519"

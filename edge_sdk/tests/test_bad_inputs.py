@@ -1,5 +1,5 @@
 """Bad input on the device, for every runner (FedTTA++, TENT, plain inference, the ODPFL-HN encoder, the
-BTFL stream): a ValueError naming the problem, or the documented behaviour (personalize.py docstring) --
+BTFL stream): a ValueError naming the problem, or the documented behaviour (edge_sdk._runners docstring) --
 never an error from inside onnxruntime."""
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
-from edge_sdk.btfl import BTFLStream, fit_dle
-from edge_sdk.bundle import load_bundle
-from edge_sdk.personalize import Personalizer
+import edge_sdk
+from edge_sdk._btfl import BTFLStream, fit_dle
 from reliability_log import record
 
 RUNNERS = {"FedTTA++": ("fedtta_pp", None), "TENT": ("tent", None), "plain": ("tent", "none"),
@@ -25,8 +24,12 @@ def x(sdk_fixture: Path) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def runners(sdk_fixture: Path) -> dict[str, Personalizer]:
-    return {name: Personalizer(load_bundle(sdk_fixture / d), threads=1, method=m) for name, (d, m) in RUNNERS.items()}
+def runners(sdk_fixture: Path) -> dict[str, edge_sdk.Device]:
+    return {name: edge_sdk.open_bundle(load(sdk_fixture / d), method=m) for name, (d, m) in RUNNERS.items()}
+
+
+def load(path: Path) -> edge_sdk.Bundle:
+    return edge_sdk.load_bundle(path, public_key=(path.parent / "signing_key.pub").read_text().strip())
 
 
 def _set(x: np.ndarray, index: tuple[int, ...], value: float) -> np.ndarray:
@@ -53,17 +56,18 @@ REFUSED: dict[str, tuple[Callable[[np.ndarray], Any], str]] = {
 }
 
 
-def _run(p: Personalizer, batch: Any) -> tuple[np.ndarray, Any]:
-    """What a device does with a batch: ODPFL-HN embeds it, the others personalise and predict."""
-    if p.kind == "encoder":
-        return p.embed(batch), None
-    result = p.personalize(batch)
-    return p.predict(batch, result.weights), result
+def _run(p: edge_sdk.Device, batch: Any) -> tuple[np.ndarray, Any]:
+    """What a device does with a batch: ODPFL-HN embeds it, the others personalise and predict (returning the
+    personalised weights)."""
+    if p.bundle.device_step == "encoder":
+        return p.runner.embed(batch), None
+    p.personalize(batch)
+    return p.predict(batch), p.weights
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
 @pytest.mark.parametrize("runner", list(RUNNERS))
-def test_bad_batches_are_refused(runners: dict[str, Personalizer], x: np.ndarray, runner: str, case: str) -> None:
+def test_bad_batches_are_refused(runners: dict[str, edge_sdk.Device], x: np.ndarray, runner: str, case: str) -> None:
     make, message = REFUSED[case]
     with pytest.raises(ValueError, match=message) as info:
         _run(runners[runner], make(x))
@@ -73,7 +77,7 @@ def test_bad_batches_are_refused(runners: dict[str, Personalizer], x: np.ndarray
 
 @pytest.mark.parametrize("runner", list(RUNNERS))
 @pytest.mark.parametrize("value", [0.0, 1.0])
-def test_constant_image_stream(runners: dict[str, Personalizer], x: np.ndarray, runner: str, value: float) -> None:
+def test_constant_image_stream(runners: dict[str, edge_sdk.Device], x: np.ndarray, runner: str, value: float) -> None:
     """Blank frames are valid input: five batches of one constant image each adapt and predict finitely, and
     every copy of the image gets the same output."""
     p = runners[runner]
@@ -81,14 +85,14 @@ def test_constant_image_stream(runners: dict[str, Personalizer], x: np.ndarray, 
         out, result = _run(p, np.full_like(x, value))
         assert np.isfinite(out).all()
         if result is not None:
-            assert all(np.isfinite(w).all() for w in result.weights.values())
+            assert all(np.isfinite(w).all() for w in result.values())
             assert np.ptp(out, axis=0).max() < 1e-5  # identical rows for identical images
     record("bad-input", f"stream of constant images (all {value:g}), 5 batches",
            "defined: adapts and predicts; finite, identical outputs", runner=runner)
 
 
 @pytest.mark.parametrize("runner", list(RUNNERS))
-def test_defined_edge_cases(runners: dict[str, Personalizer], x: np.ndarray, runner: str) -> None:
+def test_defined_edge_cases(runners: dict[str, edge_sdk.Device], x: np.ndarray, runner: str) -> None:
     p = runners[runner]
     one, _ = _run(p, x[:1])  # a batch of one sample
     assert np.isfinite(one).all()
@@ -116,34 +120,36 @@ GENERATED = {
 
 
 @pytest.mark.parametrize("case", list(GENERATED))
-def test_bad_generated_weights_are_refused(runners: dict[str, Personalizer], x: np.ndarray, case: str) -> None:
+def test_bad_generated_weights_are_refused(runners: dict[str, edge_sdk.Device], x: np.ndarray, case: str) -> None:
     """ODPFL-HN: weights returned by the coordinator are checked against the bundle's model before use."""
-    p = runners["ODPFL-HN encoder"]
+    p = runners["ODPFL-HN encoder"].runner
     good = {f"psi.{k}": v for k, v in p.base.items()}  # a well-formed answer: the received weights
-    np.testing.assert_allclose(p.predict(x, p.personalize(x, lambda e: good).weights), p.predict(x), atol=1e-6)
+    np.testing.assert_allclose(p.logits(x, p.generated(good)), p.predict(x), atol=1e-6)
     make, message = GENERATED[case]
     with pytest.raises(ValueError, match=message):
-        p.personalize(x, lambda e: make(good))
+        p.generated(make(good))
     record("bad-input", f"coordinator-generated weights: {case}", "ValueError before onnxruntime",
            runner="ODPFL-HN personalise")
 
 
 @pytest.mark.parametrize("change", ["NaN written in place", "array reshaped in place"])
-def test_weights_changed_after_their_check_never_reach_onnxruntime(runners: dict[str, Personalizer], x: np.ndarray,
+def test_weights_changed_after_their_check_never_reach_onnxruntime(runners: dict[str, edge_sdk.Device], x: np.ndarray,
                                                                   change: str) -> None:
     """predict checks a weight set once and runs the copy it checked: changing the caller's arrays afterwards
     changes nothing (a new dict is checked again)."""
-    p = runners["TENT"]
-    weights = {k: v.copy() for k, v in p.personalize(x).weights.items()}
-    before = p.predict(x, weights)
+    device = runners["TENT"]
+    device.personalize(x)
+    p = device.runner
+    weights = {k: v.copy() for k, v in device.weights.items()}
+    before = p.logits(x, weights)
     name = next(k for k, v in weights.items() if v.ndim == 2)
     if change == "NaN written in place":
         weights[name][0, 0] = np.nan
     else:
         weights[name].shape = (weights[name].size,)
-    np.testing.assert_array_equal(p.predict(x, weights), before)
+    np.testing.assert_array_equal(p.logits(x, weights), before)
     with pytest.raises(ValueError, match="NaN or inf|has shape"):
-        p.predict(x, dict(weights))  # another weight set: checked, refused
+        p.logits(x, dict(weights))  # another weight set: checked, refused
     record("bad-input", f"weights changed after their check ({change})", "ignored (the checked copy runs); "
            "a new dict with them is refused", runner="TENT predict")
 

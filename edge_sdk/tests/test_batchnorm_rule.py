@@ -1,10 +1,10 @@
-"""The bundle's batch-normalisation rule (edge_sdk.batchnorm): which statistics a step normalises with, and the
+"""The bundle's batch-normalisation rule (edge_sdk._batchnorm): which statistics a step normalises with, and the
 exact errors for a malformed manifest entry."""
 from __future__ import annotations
 
 import pytest
 
-from edge_sdk.batchnorm import BatchNormRule
+from edge_sdk._batchnorm import BatchNormRule
 
 
 def test_default_rule_never_uses_one_samples_statistics() -> None:

@@ -1,4 +1,4 @@
-"""BTFL device math (edge_sdk.btfl): the exact weight vs scipy quad, DLE, tau_hat, HBU, the streaming predictor.
+"""BTFL device math (edge_sdk._btfl): the exact weight vs scipy quad, DLE, tau_hat, HBU, the streaming predictor.
 
 The SDK's tests run where scipy is absent (scripts/check_edge_sdk_venv.sh): there the weight is checked against
 quad values committed below, and the test that recomputes quad on 2,000 triples is skipped."""
@@ -11,11 +11,12 @@ import sys
 
 import numpy as np
 import pytest
-from edge_sdk.btfl import (
+from edge_sdk._btfl import (
     EVENT_EXD,
     EVENT_IND,
     EVENT_NONE,
     BTFLStream,
+    BTFLVariant,
     DLESmoothing,
     average_dles,
     detect_events,
@@ -30,7 +31,7 @@ from edge_sdk.btfl import (
     tau_hat,
     trapezoid_global_weight,
 )
-from edge_sdk import btfl, entropy, softmax
+from edge_sdk import _btfl as btfl, entropy, softmax
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -438,13 +439,13 @@ def test_batch_equals_one_at_a_time(batch: int, config: dict) -> None:
     """The vectorised path on a batch of B equals B one-sample calls of it bit for bit; the public predict at
     batch 1 (the scalar path of predict_one) agrees to ~1e-15 and follows the same prior sequence."""
     local, glob, feats, lo, gl, h_lb, h_gb = _random_setup()
-    ref_stream = BTFLStream(local, glob, h_lb, h_gb, **config)
+    ref_stream = BTFLStream(local, glob, h_lb, h_gb, BTFLVariant(**config))
     ref, ref_w = [], []
     for i in range(len(lo)):  # the vectorised path, one sample at a time
         ref.append(ref_stream._predict_batch(*ref_stream._validate(lo[i : i + 1], gl[i : i + 1], feats[i : i + 1])))
         ref_w.append(ref_stream.last_weights[0])
     ref = np.concatenate(ref)
-    stream = BTFLStream(local, glob, h_lb, h_gb, **config)
+    stream = BTFLStream(local, glob, h_lb, h_gb, BTFLVariant(**config))
     outs, weights, events = [], [], []
     for s in range(0, len(lo), batch):
         outs.append(stream.predict(lo[s : s + batch], gl[s : s + batch], feats[s : s + batch]))
@@ -491,7 +492,7 @@ def test_rectification_constant_changes_eq15_only() -> None:
     local, glob, feats, lo, gl, h_lb, h_gb = _random_setup(3)
     paper = BTFLStream(local, glob, h_lb, h_gb)
     paper.predict(lo, gl, feats)
-    authors = BTFLStream(local, glob, h_lb, h_gb, rectify_h_global_bar=math.log(100))
+    authors = BTFLStream(local, glob, h_lb, h_gb, BTFLVariant(rectify_h_global_bar=math.log(100)))
     authors.predict(lo, gl, feats)
     np.testing.assert_array_equal(authors.last_events, paper.last_events)
     codes = fsq_quantize(feats)
@@ -500,7 +501,7 @@ def test_rectification_constant_changes_eq15_only() -> None:
     np.testing.assert_allclose(authors.last_log_tau_hat, expect, rtol=1e-13, atol=1e-15)
     assert np.abs(authors.last_log_tau_hat - paper.last_log_tau_hat).max() > 1e-3
     with pytest.raises(ValueError, match="rectify_h_global_bar"):
-        BTFLStream(local, glob, h_lb, h_gb, rectify_h_global_bar=0.0)
+        BTFLVariant(rectify_h_global_bar=0.0)
 
 
 @pytest.mark.parametrize("config", [*CONFIGS, {"smoothing": DLESmoothing.none()}, {"levels": 3}])
@@ -511,9 +512,9 @@ def test_predict_one_fast_path_follows_predict(config: dict) -> None:
     if config.pop("levels", 2) == 3:  # 3 fsq levels: the fast path falls back to predict
         own, other = feats[: len(feats) // 2], feats[len(feats) // 2 :]
         local, glob = fit_dle(own, levels=3), fit_dle(other, levels=3)
-    batch = BTFLStream(local, glob, h_lb, h_gb, **config)
+    batch = BTFLStream(local, glob, h_lb, h_gb, BTFLVariant(**config))
     ref = batch.predict(lo, gl, feats)
-    fast = BTFLStream(local, glob, h_lb, h_gb, **config)
+    fast = BTFLStream(local, glob, h_lb, h_gb, BTFLVariant(**config))
     out, w, ev = [], [], []
     for i in range(len(lo)):
         out.append(fast.predict_one(lo[i], gl[i], feats[i]))
@@ -565,11 +566,11 @@ def test_stream_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="features must be finite"):
         stream.predict(lo, gl, np.full((2, D), np.inf))
     with pytest.raises(ValueError, match="mixing must be 'prob' or 'logprob'"):
-        BTFLStream(local, local, 1.0, 1.0, mixing="logits")  # type: ignore[arg-type]
+        BTFLVariant(mixing="logits")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="integral must be 'exact' or 'trapezoid100'"):
-        BTFLStream(local, local, 1.0, 1.0, integral="simpson")  # type: ignore[arg-type]
+        BTFLVariant(integral="simpson")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="restart must be 'paper' or 'authors'"):
-        BTFLStream(local, local, 1.0, 1.0, restart="none")  # type: ignore[arg-type]
+        BTFLVariant(restart="none")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="h_global_bar must be a finite number > 0"):
         BTFLStream(local, local, 1.0, 0.0)
     with pytest.raises(ValueError, match="must have the same shape"):
@@ -578,12 +579,12 @@ def test_stream_rejects_bad_input() -> None:
 
 def test_import_edge_sdk_does_not_import_torch() -> None:
     code = (
-        "import sys, edge_sdk; s = edge_sdk.btfl.BTFLStream; "
+        "import sys, edge_sdk._btfl; s = edge_sdk._btfl.BTFLStream; "
         "assert 'torch' not in sys.modules, 'torch imported'; print('ok')"
     )
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
-    assert "btfl" in __import__("edge_sdk").__all__ and btfl.__name__ == "edge_sdk.btfl"
+    assert btfl.__name__ == "edge_sdk._btfl"
 
 
 # ------------------------------------------------------------------------------------------------ batch-1 paths
@@ -647,14 +648,14 @@ def test_stream_grid_cache_is_bounded_and_validated() -> None:
 
 def test_trapezoid_needs_no_scipy_and_matches_betaln() -> None:
     """The authors' trapezoid variant uses math.lgamma for log B(a, b), not scipy (dropped from the SDK)."""
-    import edge_sdk.btfl as module
+    import edge_sdk._btfl.weight as module
 
     a = np.array([0.3, 1.0, 2.5, 17.0, 400.0])
     b = np.array([5.0, 1.0, 0.7, 17.0, 3.0])
     betaln = [0.6342157560993356, 0.0, -0.3398547101503229, -23.71074680542017, -17.2887308824736]  # scipy 1.17.1
     np.testing.assert_allclose(module._betaln(a, b), betaln, rtol=1e-13, atol=1e-13)
     code = ("import sys; sys.modules['scipy'] = None\n"  # any import of scipy now fails
-            "from edge_sdk.btfl import trapezoid_global_weight, BTFLStream\n"
+            "from edge_sdk._btfl import trapezoid_global_weight, BTFLStream\n"
             "print(float(trapezoid_global_weight(2.0, 3.0, 1.0)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert float(out) == pytest.approx(float(module.trapezoid_global_weight(2.0, 3.0, 1.0)), abs=1e-15)
@@ -662,7 +663,7 @@ def test_trapezoid_needs_no_scipy_and_matches_betaln() -> None:
 
 def test_import_edge_sdk_is_lazy() -> None:
     """``import edge_sdk`` loads neither httpx nor onnxruntime (a device imports them on first use)."""
-    code = ("import sys, edge_sdk, edge_sdk.btfl\n"
+    code = ("import sys, edge_sdk, edge_sdk._btfl\n"
             "print(sorted(m for m in ('httpx', 'onnxruntime', 'scipy', 'torch') if m in sys.modules))\n"
             "edge_sdk.EdgeClient; from edge_sdk import softmax, EntropyEarlyStopping\n"
             "print('httpx' in sys.modules)")
@@ -675,9 +676,9 @@ def test_import_edge_sdk_is_lazy() -> None:
 
 
 def test_two_level_code_threshold_equals_rounded_tanh() -> None:
-    """predict_one's Eq. 5 for two levels is one comparison with btfl._TANH_HALF: the same codes as
+    """predict_one's Eq. 5 for two levels is one comparison with btfl.dle._TANH_HALF: the same codes as
     round(tanh z) on every float64 within 2^16 ulps of the threshold and on a spread of features."""
-    t = btfl._TANH_HALF
+    t = btfl.dle._TANH_HALF
     bits = np.array(t).view(np.int64) + np.arange(-(1 << 16), 1 << 16)
     near = bits.view(np.float64)
     spread = np.abs(np.random.default_rng(0).standard_cauchy(100_000))

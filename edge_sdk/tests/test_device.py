@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import edge_sdk
-from edge_sdk.btfl_device import BTFLDevice
-from edge_sdk.bundle import BundleError, load_bundle
-from edge_sdk.fedthe import fedthe_predict
-from edge_sdk.numerics import log_softmax
+from edge_sdk._btfl import BTFLParticipant
+from edge_sdk._bundle import BundleError, load_bundle
+from edge_sdk._fedthe import fedthe_predict
+from edge_sdk._numerics import log_softmax
 
 TOL = 1e-4  # float32 logits after several exported gradient steps
 
@@ -64,7 +64,7 @@ def test_btfl_and_fedthe_on_a_served_btfl_bundle(sdk_fixture: Path, key: str, re
     x, y = ref["x"], ref["y"]
     labeled, half = len(x) // 2, len(x) * 3 // 4
     bundle = load_bundle(sdk_fixture / "btfl", public_key=key)
-    reference = BTFLDevice(bundle)
+    reference = BTFLParticipant(bundle)
     z, g = reference.features(x)
     np.testing.assert_allclose(z, ref["btfl_features"], atol=TOL)
     np.testing.assert_allclose(g, ref["btfl_global_logits"], atol=TOL)
@@ -91,7 +91,7 @@ def test_btfl_and_fedthe_on_a_served_btfl_bundle(sdk_fixture: Path, key: str, re
 
 
 @pytest.mark.parametrize("method, message", [("BTFL", "cannot run BTFL"),
-                                             ("FedTHE", "FedTHE runs on a BTFL bundle")])
+                                             ("FedTHE", "FedTHE runs on bundles whose device step is .btfl.")])
 def test_a_method_the_bundle_cannot_run_is_refused(sdk_fixture: Path, key: str, method: str, message: str) -> None:
     with pytest.raises(BundleError, match=message):
         edge_sdk.open_bundle(sdk_fixture / "tent", public_key=key, method=method)
@@ -111,8 +111,8 @@ def test_raw_images_go_through_the_manifests_preprocessing(sdk_fixture: Path, re
     import shutil
     import warnings
 
-    from edge_sdk.bundle import UnverifiedSignatureWarning
-    from edge_sdk.preprocess import Preprocess
+    from edge_sdk._bundle import UnverifiedSignatureWarning
+    from edge_sdk._preprocess import Preprocess
 
     root = Path(shutil.copytree(sdk_fixture / "tent", tmp_path / "tent"))
     (root / "manifest.sig").unlink()

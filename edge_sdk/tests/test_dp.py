@@ -1,4 +1,4 @@
-"""edge_sdk.dp: the Gaussian mechanism on the pooled vector (numpy only, no torch)."""
+"""edge_sdk._dp: the Gaussian mechanism on the pooled vector (numpy only, no torch)."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from edge_sdk import dp
+from edge_sdk import _dp as dp
 
 
 def _pooled(rng: np.random.Generator, n: int = 300, width: int = 6) -> np.ndarray:

@@ -1,11 +1,11 @@
-"""edge_sdk.ed25519 (pure-Python RFC 8032 verification) against RFC 8032 section 7.1's test vectors and
+"""edge_sdk._ed25519 (pure-Python RFC 8032 verification) against RFC 8032 section 7.1's test vectors and
 malformed keys and signatures. Cross-checks with ``cryptography`` live in tests/test_signing.py (this stage
 runs without it)."""
 from __future__ import annotations
 
 import pytest
 
-from edge_sdk.ed25519 import BACKENDS, L, P, SignatureError, is_valid, public_key, verify
+from edge_sdk._ed25519 import BACKENDS, L, P, SignatureError, is_valid, public_key, verify
 
 # RFC 8032 section 7.1: (public key, message, signature); the secret keys are in tests/test_signing.py
 RFC8032 = {

@@ -1,4 +1,4 @@
-"""FedTHE's feature history (edge_sdk.fedthe.ema) in numpy alone: exact against the plain recurrence and, where
+"""FedTHE's feature history (edge_sdk._fedthe.ema) in numpy alone: exact against the plain recurrence and, where
 scipy is importable, against scipy.signal.lfilter (what it replaced); FedTHE runs with scipy unimportable."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from edge_sdk.fedthe import code_history, ema, feature_history, fedthe_predict
+from edge_sdk._fedthe import code_history, ema, feature_history, fedthe_predict
 
 DECAYS = [0.0, 1e-12, 1e-3, 0.1, 0.9, 0.999, 0.999999, 1.0]
 
@@ -88,7 +88,7 @@ def test_fedthe_runs_without_scipy(tmp_path: Path) -> None:
     arrays = {"g": g, "l": l_, "z": z, "mu_l": mu_l, "mu_g": mu_g}
     code = ("import sys; sys.modules['scipy'] = None\n"  # any import of scipy now fails
             "import numpy as np\n"
-            "from edge_sdk.fedthe import code_history, feature_history, fedthe_predict\n"
+            "from edge_sdk._fedthe import code_history, feature_history, fedthe_predict\n"
             "a = np.load(sys.argv[1])\n"
             "out = [fedthe_predict(a['g'], a['l'], a['z'], a['mu_l'], a['mu_g'], 16, variant=v)[0]\n"
             "       for v in ('spec', 'code')]\n"

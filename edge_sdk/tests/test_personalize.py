@@ -1,4 +1,5 @@
-"""The SDK personalises exported bundles on onnxruntime exactly as torch does on the server (no torch here)."""
+"""The SDK personalises exported bundles on onnxruntime exactly as torch does on the server (no torch here): the
+runners behind ``open_bundle``, with their per-step details."""
 from __future__ import annotations
 
 import shutil
@@ -7,8 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edge_sdk.bundle import BundleError, load_bundle
-from edge_sdk.personalize import Personalizer
+from edge_sdk import BundleError, Device, load_bundle, open_bundle
 
 TOL = 1e-4  # float32 logits after several exported gradient steps
 
@@ -19,24 +19,29 @@ def ref(sdk_fixture: Path) -> dict[str, np.ndarray]:
         return {k: arrays[k] for k in arrays.files}
 
 
+def device(path: Path, **options: object) -> Device:
+    return open_bundle(path, public_key=(path.parent / "signing_key.pub").read_text().strip(), **options)
+
+
 def test_fedtta_plus_plus_matches_torch(sdk_fixture: Path, ref: dict[str, np.ndarray]) -> None:
-    p = Personalizer(load_bundle(sdk_fixture / "fedtta_pp"))
-    assert p.kind == "fedtta_step" and p.hp["patience"] >= 1  # FedTTA++: the step with early stopping
+    p = device(sdk_fixture / "fedtta_pp")
+    assert p.bundle.device_step == "fedtta_step" and p.bundle.hyperparameters["patience"] >= 1  # FedTTA++
     np.testing.assert_allclose(p.predict(ref["x"]), ref["fedtta_pp_base_logits"], atol=TOL)
     result = p.personalize(ref["x"])
     assert result.steps == int(ref["fedtta_pp_best_step"])
-    np.testing.assert_allclose(result.entropy_history, ref["fedtta_pp_history"], atol=1e-5)
-    logits = p.predict(ref["x"], result.weights)
+    np.testing.assert_allclose(result.details["entropy_history"], ref["fedtta_pp_history"], atol=1e-5)
+    logits = p.predict(ref["x"])
     np.testing.assert_allclose(logits, ref["fedtta_pp_logits"], atol=TOL)
     assert (logits.argmax(-1) == ref["fedtta_pp_logits"].argmax(-1)).mean() == 1.0
 
 
 def test_tent_matches_torch(sdk_fixture: Path, ref: dict[str, np.ndarray]) -> None:
-    p = Personalizer(load_bundle(sdk_fixture / "tent"))
-    assert p.kind == "tent_step"
+    p = device(sdk_fixture / "tent")
+    assert p.bundle.device_step == "tent_step"
     result = p.personalize(ref["x"])
-    assert result.steps == 2 and result.entropy_history[-1] < result.entropy_history[0]
-    np.testing.assert_allclose(p.predict(ref["x"], result.weights), ref["tent_logits"], atol=TOL)
+    history = result.details["entropy_history"]
+    assert result.steps == 2 and history[-1] < history[0]
+    np.testing.assert_allclose(p.predict(ref["x"]), ref["tent_logits"], atol=TOL)
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -46,7 +51,7 @@ def test_tent_matches_torch(sdk_fixture: Path, ref: dict[str, np.ndarray]) -> No
     (lambda x: np.where(np.arange(x.size).reshape(x.shape) == 3, np.nan, x).astype(np.float32), "NaN or inf"),
 ])
 def test_bad_input_is_refused_before_onnxruntime(sdk_fixture: Path, ref: dict[str, np.ndarray], bad, message: str) -> None:  # type: ignore[no-untyped-def]
-    p = Personalizer(load_bundle(sdk_fixture / "fedtta_pp"))
+    p = device(sdk_fixture / "fedtta_pp")
     with pytest.raises(ValueError, match=message):
         p.personalize(bad(ref["x"]))
 
@@ -63,27 +68,27 @@ def test_tampered_bundle_is_refused(sdk_fixture: Path, tmp_path: Path) -> None:
 
 def test_int8_forward_is_smaller_and_agrees(sdk_fixture: Path, ref: dict[str, np.ndarray]) -> None:
     bundle = load_bundle(sdk_fixture / "fedtta_pp")
-    fp32, int8 = Personalizer(bundle), Personalizer(bundle, int8=True)
+    fp32, int8 = open_bundle(bundle), open_bundle(bundle, int8=True)
     size = {a["name"]: a["size"] for a in bundle.manifest["artifacts"]}
     assert size["forward_int8"] < 0.3 * (size["forward"] + size["params"])
     agree = (fp32.predict(ref["x"]).argmax(-1) == int8.predict(ref["x"]).argmax(-1)).mean()
     assert agree >= 0.95, agree
     # personalised weights always run on the fp32 graph (the int8 graph has the received weights baked in)
-    result = int8.personalize(ref["x"])
-    np.testing.assert_allclose(int8.predict(ref["x"], result.weights), ref["fedtta_pp_logits"], atol=TOL)
+    int8.personalize(ref["x"])
+    np.testing.assert_allclose(int8.predict(ref["x"]), ref["fedtta_pp_logits"], atol=TOL)
 
 
 def test_odpfl_embeddings_match_torch(sdk_fixture: Path, ref: dict[str, np.ndarray]) -> None:
-    np.testing.assert_allclose(Personalizer(load_bundle(sdk_fixture / "odpfl_hn")).embed(ref["x"]),
+    np.testing.assert_allclose(device(sdk_fixture / "odpfl_hn").runner.embed(ref["x"]),
                                ref["odpfl_embedding"], atol=1e-5)
-    p = Personalizer(load_bundle(sdk_fixture / "odpfl_hn_dp"))
+    p = device(sdk_fixture / "odpfl_hn_dp").runner
     np.testing.assert_allclose(p.embed(ref["x"]), ref["odpfl_dp_embedding"], atol=1e-5)  # eps = inf: no noise
 
 
 def test_odpfl_private_embedding_matches_the_server_mechanism(sdk_fixture: Path, ref: dict[str, np.ndarray]) -> None:
     """The device's (eps = 1, delta = 0.01) embedding: noise on the pooled vector of its own |D| = len(x)
     samples, then psi; the same draw as the server-side simulation (ODPFLHN.privatize) from the same rng."""
-    p = Personalizer(load_bundle(sdk_fixture / "odpfl_hn_dp"))
+    p = device(sdk_fixture / "odpfl_hn_dp").runner
     private = p.embed(ref["x"], epsilon=1.0, delta=0.01, rng=np.random.default_rng(5))
     np.testing.assert_allclose(private, ref["odpfl_dp_private_eps1_rng5"], atol=1e-4)
     assert np.abs(private - ref["odpfl_dp_embedding"]).max() > 1e-3  # the noise is there
@@ -94,8 +99,8 @@ def test_odpfl_private_embedding_matches_the_server_mechanism(sdk_fixture: Path,
 
 def test_odpfl_privacy_needs_a_dp_bundle_and_a_valid_budget(sdk_fixture: Path, ref: dict[str, np.ndarray]) -> None:
     with pytest.raises(BundleError, match="not the DP encoder"):
-        Personalizer(load_bundle(sdk_fixture / "odpfl_hn")).embed(ref["x"], epsilon=1.0)
-    p = Personalizer(load_bundle(sdk_fixture / "odpfl_hn_dp"))
+        device(sdk_fixture / "odpfl_hn").runner.embed(ref["x"], epsilon=1.0)
+    p = device(sdk_fixture / "odpfl_hn_dp").runner
     with pytest.raises(ValueError, match="epsilon must be > 0"):
         p.embed(ref["x"], epsilon=0.0)
     with pytest.raises(ValueError, match="delta must lie in"):

@@ -1,10 +1,10 @@
-"""edge_sdk.preprocess: the device's half of a recipe's preprocessing (numpy only)."""
+"""edge_sdk._preprocess: the device's half of a recipe's preprocessing (numpy only)."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from edge_sdk.preprocess import Preprocess
+from edge_sdk._preprocess import Preprocess
 
 
 def test_raw_uint8_nhwc_becomes_normalised_nchw() -> None:
@@ -43,7 +43,7 @@ def test_from_dict_is_strict_and_round_trips() -> None:
 
 
 def test_raw_input_refuses_images_unlike_the_recipes_in_one_line() -> None:
-    from edge_sdk.preprocess import RawInput
+    from edge_sdk._preprocess import RawInput
 
     floats = Preprocess(raw=RawInput("float32", (0, 1), (1, 28, 28)))  # a built-in set: float32 NCHW in [0, 1]
     assert Preprocess.from_dict(floats.to_dict()) == floats and floats.is_identity

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from edge_sdk.bundle import BundleError, BundleSignatureError, UnverifiedSignatureWarning, load_bundle
+from edge_sdk._bundle import BundleError, BundleSignatureError, UnverifiedSignatureWarning, load_bundle
 from reliability_log import record
 
 OTHER_KEY = "d75a980182b10ab7d54bfed3c964073a0ee172f3daa62325af021a68f707511a"  # RFC 8032 TEST 1's
@@ -114,7 +114,7 @@ def test_bad_pinned_keys_are_refused(bundle: Path, bad: object, message: str) ->
 def test_refused_before_onnxruntime_is_loaded(bundle: Path, key: str) -> None:
     """A fresh interpreter refuses each broken bundle without ever importing onnxruntime."""
     _edit_manifest(bundle)
-    code = ("import sys; from edge_sdk.bundle import load_bundle, BundleSignatureError\n"
+    code = ("import sys; from edge_sdk._bundle import load_bundle, BundleSignatureError\n"
             f"try:\n    load_bundle({str(bundle)!r}, public_key={key!r})\nexcept BundleSignatureError as e:\n"
             "    print('refused:', e)\nprint('onnxruntime loaded:', 'onnxruntime' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -1,4 +1,4 @@
-"""The binary weights format (edge_sdk.tensors) and the BTFL device's local head fit: numpy only."""
+"""The binary weights format (edge_sdk._tensors) and the BTFL device's local head fit: numpy only."""
 from __future__ import annotations
 
 import json
@@ -7,8 +7,8 @@ import struct
 import numpy as np
 import pytest
 
-from edge_sdk import tensors
-from edge_sdk.btfl_device import fit_local_head
+from edge_sdk import _tensors as tensors
+from edge_sdk._btfl import fit_local_head
 
 
 def test_weights_roundtrip_and_layout() -> None:

@@ -1,4 +1,4 @@
-"""The device's rollback and freeze ratchet (edge_sdk.versions) and strict JSON (edge_sdk.strictjson), on their
+"""The device's rollback and freeze ratchet (edge_sdk._versions) and strict JSON (edge_sdk._strictjson), on their
 own: no coordinator, no torch."""
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from edge_sdk import strictjson
-from edge_sdk.errors import BundleExpiredError, BundleRollbackError
+from edge_sdk import _strictjson as strictjson
+from edge_sdk._errors import BundleExpiredError, BundleRollbackError
 from edge_sdk.signing import TIME_FORMAT, Release
-from edge_sdk.versions import VersionLedger
+from edge_sdk._versions import VersionLedger
 
 LATER = time.strftime(TIME_FORMAT, time.gmtime(time.time() + 3600))
 

@@ -11,7 +11,7 @@ After training (:meth:`BTFL.client_artifacts`) each client computes on its train
 features: its local DLE (fsq level frequencies, Eqs. 5-6), H_l_bar / H_g_bar (mean entropies of the two heads,
 Eq. 15) and the mean feature (FedTHE's local prototype). The server's global DLE for client k is the average of
 the *other* clients' DLEs (leave-one-out, as the authors); the global prototype is the mean of all prototypes.
-Test time runs on the device in numpy (:class:`edge_sdk.btfl.BTFLStream`); see ``fl_server.bench.btgfl``.
+Test time runs on the device in numpy (:class:`edge_sdk._btfl.BTFLStream`); see ``fl_server.bench.btgfl``.
 
 In the simulation the local heads live in the server state (stacked [K, C, D]) for convenience; in a real
 deployment they never leave the client.
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from edge_sdk import btfl as btfl_math
+from edge_sdk import _btfl as btfl_math
 from fl_server.algorithms.base import Algorithm, Hyper, StepFn, register
 from fl_server.algorithms.losses import entropy_from_logits
 from fl_server.functional import State, broadcast, tree_map, weighted_mean
@@ -180,7 +180,7 @@ class BTFL(Algorithm):
     @torch.no_grad()
     def local_dle(self, params: State, x: torch.Tensor) -> np.ndarray:
         """A client's local DLE [D, L] (Eqs. 5-6) on its training samples ``x`` with the global features: what
-        a Flower client uploads for the global DLE (:func:`edge_sdk.btfl.average_dles` of all clients')."""
+        a Flower client uploads for the global DLE (:func:`edge_sdk._btfl.average_dles` of all clients')."""
         return btfl_math.fit_dle(self.client_features(params, x).double().cpu().numpy(), self.hp.dle_levels)
 
     @torch.no_grad()

@@ -78,7 +78,7 @@ def _mix_key(key: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
 class FedICON(Algorithm):
     name = "FedICON"
     Config = FedICONConfig
-    device_step = "fedicon_step"  # batch-mode TTA on the device (export/fedicon.py, edge_sdk.fedicon)
+    device_step = "fedicon_step"  # batch-mode TTA on the device (export/fedicon.py, edge_sdk._fedicon)
     device_weights = ("params", "proj")
     servable = True
     adapt_norm = "batch"  # every Eq. 7 step normalises with the statistics of its 2B augmented views

@@ -134,7 +134,7 @@ class FedTTA(Algorithm):
 
     def personalize_early_stopping(self, psi: State, phi: State, x: torch.Tensor) -> tuple[State, EntropyEarlyStopping]:
         """FedTTA++: iterate Eq. 5, keep the iterate of lowest mean prediction entropy on ``x``. An iterate whose
-        entropy overflows ends the adaptation with the best finite one (the device's rule, edge_sdk.steps)."""
+        entropy overflows ends the adaptation with the best finite one (the device's rule, edge_sdk._steps)."""
         stopper = EntropyEarlyStopping(self.hp.patience, self.hp.max_steps, self.hp.first_candidate)
         best, current = psi, psi
         while True:

@@ -27,7 +27,7 @@ Two-phase training (App. B.2, ``two_phase=True``), for when the end-to-end encod
 Validation always uses the encoder's embedding of the client's data, the path a new client takes.
 New client (inference): it computes e_new = g_gamma(D_new) locally and sends only e_new; the server returns
 w_new = f_theta(e_new). With a finite dp_epsilon (Sec. 7) the Gaussian noise goes on the pooled vector, whose
-sensitivity is 2/|D|, before psi (:func:`edge_sdk.dp.privatize_pooled`; the same guarantee as Lemma 2's noise
+sensitivity is 2/|D|, before psi (:func:`edge_sdk._dp.privatize_pooled`; the same guarantee as Lemma 2's noise
 on e, which scales with psi's spectral norm, and less noise in every direction).
 
 State: ``params`` (f_theta(0), only so that generic helpers have a target model), ``hn`` (theta),
@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from edge_sdk import dp as edge_dp
+from edge_sdk import _dp as edge_dp
 from fl_server.algorithms.base import Algorithm, Hyper, LocalTrainer, register
 from fl_server.functional import (State, clip_by_global_norm, get_params, make_forward, sgd, sgd_step,
                                   tree_map)
@@ -125,7 +125,7 @@ class SetEncoder(nn.Module):
 
     def per_sample(self, x: torch.Tensor) -> torch.Tensor:
         """phi(x): [N, *input_shape] -> [N, width]; on the unit sphere in DP mode (same map as
-        :func:`edge_sdk.dp.unit_sphere`)."""
+        :func:`edge_sdk._dp.unit_sphere`)."""
         h = self.phi(self.trunk(x))
         if self.dp:
             h = h / torch.clamp(torch.linalg.vector_norm(h, dim=-1, keepdim=True), min=1e-12)
@@ -351,7 +351,7 @@ class ODPFLHN(Algorithm):
     def privatize(self, enc: State, x: torch.Tensor, rng: np.random.Generator | None = None) -> torch.Tensor:
         """The private embedding of a new client's set ``x`` (Sec. 7): Gaussian noise for sensitivity 2/|D|
         (B = 1, unit-sphere phi, mean pooling; |D| = len(x), the client's own) on the pooled vector, then psi
-        (:func:`edge_sdk.dp.privatize_pooled`; post-processing, so the same (eps, delta) as noise on e with
+        (:func:`edge_sdk._dp.privatize_pooled`; post-processing, so the same (eps, delta) as noise on e with
         Lemma 2's 2 L B / |D|, and never noisier)."""
         if not self.hp.dp:
             raise ValueError("privatize needs the DP encoder (dp=True)")

@@ -13,7 +13,7 @@ method; the model of the last round is evaluated. Per client five test streams, 
   E synthetic   an even mix of A-D (a quarter of each), shuffled into one stream.
 Methods: FedAvg (global head), FedAvg+FT (the local head: the global features fine-tuned by one personalization
 epoch per round on frozen features), FedTHE (SPEC.md), FedTHE-code (the authors' history / z~, see
-:mod:`edge_sdk.fedthe`) and BTFL, at test batch sizes 32 and 1. Accuracy of a column =
+:mod:`edge_sdk._fedthe`) and BTFL, at test batch sizes 32 and 1. Accuracy of a column =
 mean over clients of the client's stream accuracy; "avg" = mean of the five columns.
 
 One raw file per (dataset, method, seed) under ``<results>/raw/btgfl/`` (the training run itself is resumable
@@ -31,8 +31,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from edge_sdk.btfl import BTFLStream
-from edge_sdk.fedthe import fedthe_predict
+from edge_sdk._btfl import BTFLStream, BTFLVariant
+from edge_sdk._fedthe import fedthe_predict
 from fl_server.algorithms.btfl import BTFL, ClientArtifacts
 from fl_server.bench.protocol import Experiment, Protocol
 from fl_server.bench.rows import write_atomic
@@ -114,10 +114,11 @@ def build_data(dataset: ArrayDataset, protocol: Protocol, seed: int, cfg: Stream
 def btfl_stream(art: ClientArtifacts, g: np.ndarray, l_: np.ndarray, z: np.ndarray, bs: int, **options: Any
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One fresh BTFL stream over the samples in order, ``bs`` at a time -> (probabilities [N, C], weight of
-    the global head e [N], log tau_hat [N]). ``options``: :class:`edge_sdk.btfl.BTFLStream` keywords (the
+    the global head e [N], log tau_hat [N]). ``options``: :class:`edge_sdk._btfl.BTFLVariant` fields (the
     authors' code variants); ``h_local_bar`` / ``h_global_bar`` there override the client's own."""
-    stream = BTFLStream(art.local_dle, art.global_dle,
-                        **{"h_local_bar": art.h_local_bar, "h_global_bar": art.h_global_bar, **options})
+    h_local_bar = options.pop("h_local_bar", art.h_local_bar)
+    h_global_bar = options.pop("h_global_bar", art.h_global_bar)
+    stream = BTFLStream(art.local_dle, art.global_dle, h_local_bar, h_global_bar, BTFLVariant(**options))
     out, weights, log_tau = [], [], []
     for s in range(0, len(z), bs):  # the stream is sequential by definition; each call is vectorised
         out.append(stream.predict(l_[s:s + bs], g[s:s + bs], z[s:s + bs]))

@@ -382,7 +382,7 @@ EXPERIMENTS["odpfl-dp"] = Experiment(
                 f"the embedding of the first |D| samples gets Gaussian noise for (eps, delta = {DP_DELTA}) with the "
                 f"client's own |D| (Lemma 2: sensitivity 2 L B / |D|); accuracy on the 300 held-out samples. 90 "
                 f"pathological training clients share the rest. See fl_server/bench/odpfl.py. The noise goes on the "
-                f"pooled vector (sensitivity 2/|D|) before psi (edge_sdk.dp.privatize_pooled): the same guarantee as "
+                f"pooled vector (sensitivity 2/|D|) before psi (edge_sdk._dp.privatize_pooled): the same guarantee as "
                 f"Lemma 2's noise on e and less noise. Reading: without noise ODPFL-HN serves each new client a model "
                 f"of its two classes; the noise of eps <= 1 swamps the differences between the clients' pooled "
                 f"vectors except at the largest |D| (docs/research/odpfl-hn-diagnosis.md). Calibration: the "

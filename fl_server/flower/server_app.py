@@ -23,7 +23,7 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from edge_sdk import btfl as btfl_math
+from edge_sdk import _btfl as btfl_math
 from fl_server import rundir
 from fl_server.algorithms.base import Algorithm
 from fl_server.algorithms.btfl import BTFL

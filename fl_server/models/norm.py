@@ -9,7 +9,7 @@ inside vmapped or differentiated steps). So the normalisation statistics live ou
   statistics estimate), as BatchNorm in eval mode;
 - ``mode="collect"``: batch statistics, and the input's sums are accumulated for :func:`calibrate`;
 - ``mode="rule"``: the device's rule for an adaptation step (the bundle's ``batch_norm`` entry,
-  :data:`BATCH_NORM_RULE`, ``edge_sdk.batchnorm``): the batch's statistics from ``min_batch`` samples on, else the
+  :data:`BATCH_NORM_RULE`, ``edge_sdk._batchnorm``): the batch's statistics from ``min_batch`` samples on, else the
   population's -- so the engine's test-time adaptation of a new client is the device's;
 - ``mode="mix"``: (1 - m) population + m batch statistics with m = ``momentum`` (a 0-d tensor): m = 1 is
   ``"batch"``, m = 0 ``"population"``, in between an exponential update of the population statistics (the
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 MODES = ("batch", "population", "collect", "mix", "rule")
-# how a device normalises (the bundle's ``batch_norm`` entry, read by ``edge_sdk.batchnorm.BatchNormRule``): its
+# how a device normalises (the bundle's ``batch_norm`` entry, read by ``edge_sdk._batchnorm.BatchNormRule``): its
 # predictions with the population statistics, an adaptation step on ``min_batch`` or more samples with the
 # batch's, a smaller one with the population's ("running"). Training evaluates new clients by the same rule.
 BATCH_NORM_RULE = {"statistics": "federated", "min_batch": 16, "small_batch": "running", "ema_momentum": 0.1}

@@ -1,5 +1,5 @@
 """A recipe's data: the user's arrays, an image folder, a torch ``Dataset`` or a built-in data set, as raw images
-(the recipe's :class:`~edge_sdk.preprocess.Preprocess` turns them into the model's input, on the server as on
+(the recipe's :class:`~edge_sdk._preprocess.Preprocess` turns them into the model's input, on the server as on
 the device).
 
 >>> import numpy as np
@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from edge_sdk.preprocess import LAYOUTS, Preprocess, RawInput
+from edge_sdk._preprocess import LAYOUTS, Preprocess, RawInput
 from fl_server.data import ArrayDataset, load_dataset
 from fl_server.data.federated import FederatedData
 from fl_server.recipes.errors import RecipeError

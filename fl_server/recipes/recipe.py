@@ -15,7 +15,7 @@ from typing import Any, Callable, Union
 
 import torch
 
-from edge_sdk.preprocess import Preprocess
+from edge_sdk._preprocess import Preprocess
 from fl_server.algorithms import ALGORITHMS, Algorithm, build_algorithm
 from fl_server.data.federated import PARTITIONS
 from fl_server.models import Classifier
@@ -105,7 +105,7 @@ class Recipe:
         if self.preprocess is None:
             set_("preprocess", self.data.default_preprocess())
         elif not isinstance(self.preprocess, Preprocess):
-            raise RecipeError(f"preprocess: expected edge_sdk.preprocess.Preprocess, got "
+            raise RecipeError(f"preprocess: expected edge_sdk._preprocess.Preprocess, got "
                               f"{type(self.preprocess).__name__}")
         elif self.preprocess.layout != self.data.layout:
             raise RecipeError(f"preprocess: layout {self.preprocess.layout} but the data is {self.data.layout}; "

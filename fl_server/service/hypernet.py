@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from edge_sdk import tensors
+from edge_sdk import _tensors as tensors
 from fl_server.service.artifacts import ArtifactStore
 from fl_server.service.batching import MicroBatcher
 
@@ -107,7 +107,7 @@ def encode_json(bundle_id: str, weights: dict[str, np.ndarray]) -> bytes:
 class GenerateBatcher:
     """Coalesces concurrent generate calls per bundle into batched forwards (:class:`MicroBatcher`: one
     worker thread, never the event loop); each reply is encoded on that thread too, as JSON or as the
-    binary format of :mod:`edge_sdk.tensors` (then a row of the [K, P] output is the whole payload)."""
+    binary format of :mod:`edge_sdk._tensors` (then a row of the [K, P] output is the whole payload)."""
 
     def __init__(self, cache: HypernetCache, max_batch: int = 64) -> None:
         self.cache = cache

@@ -31,7 +31,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from edge_sdk.bundle import MANIFEST, Bundle, BundleError, UnverifiedSignatureWarning, load_bundle
+from edge_sdk._bundle import MANIFEST, Bundle, BundleError, UnverifiedSignatureWarning, load_bundle
 from fl_server.algorithms import ALGORITHMS
 from fl_server.service.artifacts import ArtifactStore
 from fl_server.service.store import Store

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, R
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from edge_sdk import btfl, tensors
+from edge_sdk import _btfl as btfl, _tensors as tensors
 from fl_server.recipes.errors import RecipeError
 from fl_server.recipes.loader import resolve_in_dir
 from fl_server.service import schemas as S
@@ -182,7 +182,7 @@ def _file_chunks(path: Path, first: int, last: int, chunk: int = 1 << 20) -> Ite
                         200: {"description": "the weights: JSON (default) or, when the request's Accept names "
                                              f"{tensors.MEDIA_TYPE}, that binary format (safetensors layout: u64 "
                                              "LE header length, JSON header, raw little-endian float32; "
-                                             "edge_sdk.tensors)",
+                                             "edge_sdk._tensors)",
                               "content": {tensors.MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}})
 async def generate(body: S.GenerateRequest, request: Request, _: Principal = Depends(require_client),
                    svc: Service = Depends(service)) -> Response:

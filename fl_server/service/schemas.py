@@ -109,7 +109,7 @@ class GenerateResponse(BaseModel):
 class DLEUpload(Strict):
     freqs: list[DLERow] = Field(min_length=1, max_length=MAX_DLE_DIMS,
                                 description="local DLE [D, levels]: per-dimension level frequencies "
-                                            "(edge_sdk.btfl.fit_dle); every row has the same length and "
+                                            "(edge_sdk._btfl.fit_dle); every row has the same length and "
                                             "sums to 1; D and levels must match the other clients' DLEs")
     num_samples: int = Field(ge=1, le=10**9, description="samples the DLE was fitted on (recorded; not a weight: "
                                                           "every client weighs the same in the global DLE)")

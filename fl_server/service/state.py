@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_sdk import strictjson
+from edge_sdk import _strictjson as strictjson
 from fl_server.service.artifacts import ArtifactStore, Corrupt
 from fl_server.service.dle import DLEAggregate
 from fl_server.service.config import ServiceConfig, default_methods

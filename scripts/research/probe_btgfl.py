@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from edge_sdk.btfl import dle_log_likelihood, fsq_quantize
-from edge_sdk.fedthe import fedthe_predict
-from edge_sdk.numerics import log_softmax
+from edge_sdk._btfl import dle_log_likelihood, fsq_quantize
+from edge_sdk._fedthe import fedthe_predict
+from edge_sdk._numerics import log_softmax
 from scipy.stats import rankdata
 
 from fl_server.algorithms.btfl import BTFL, ClientArtifacts

@@ -29,7 +29,7 @@ import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import export.graphs as graphs  # noqa: E402
-from edge_sdk.steps import load_session  # noqa: E402
+from edge_sdk._steps import load_session  # noqa: E402
 from export import export_spec, tent_step_spec  # noqa: E402
 from export.decompositions import DECOMPOSITIONS, _grad_weight, convolution_backward  # noqa: E402
 from fl_server.algorithms import build_algorithm  # noqa: E402

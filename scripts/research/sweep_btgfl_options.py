@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from edge_sdk.fedthe import fedthe_predict
+from edge_sdk._fedthe import fedthe_predict
 from probe_btgfl import Streams, load_seed
 
 from fl_server.algorithms.btfl import ClientArtifacts

@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from edge_sdk import strictjson
-from edge_sdk.errors import BundleError, BundleSignatureError
-from edge_sdk.preprocess import Preprocess
+from edge_sdk import _strictjson as strictjson
+from edge_sdk._errors import BundleError, BundleSignatureError
+from edge_sdk._preprocess import Preprocess
 from edge_sdk.signing import SIGNATURE_FILE, PublicKey, Release, parse_public_key, verify_manifest
 
 __all__ = ["MANIFEST", "Bundle", "BundleError", "BundleSignatureError", "UnverifiedSignatureWarning", "load_bundle",
@@ -92,7 +92,7 @@ class Bundle:
             return {k: arrays[k] for k in arrays.files}
 
     def session(self, name: str, threads: int | None = None):  # type: ignore[no-untyped-def]
-        from edge_sdk.steps import load_session
+        from edge_sdk._steps import load_session
 
         if self.artifact(name)["kind"] != "onnx":
             raise BundleError(f"artifact {name!r} is not an ONNX graph")
@@ -104,7 +104,7 @@ def load_bundle(root: str | os.PathLike, public_key: PublicKey | None = None) ->
     ``public_key`` (32 bytes or hex): the manifest's bytes must carry a valid signature by this key
     (``manifest.sig``), checked before anything else is read. The signed release's version and expiry are in
     ``Bundle.release``; judging them (rollback, freeze) is the update channel's job (``EdgeClient.download``,
-    :mod:`edge_sdk.versions`): a bundle already on disk stays loadable offline after its release expires."""
+    :mod:`edge_sdk._versions`): a bundle already on disk stays loadable offline after its release expires."""
     root = Path(root)
     manifest_path = root / MANIFEST
     if not manifest_path.is_file():

@@ -17,10 +17,12 @@ statistics. The manifest's ``batch_norm`` entry fixes m:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import onnxruntime as ort
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
 
 SMALL_BATCH = ("running", "ema")
 Weights = dict[str, np.ndarray]

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from edge_sdk import strictjson
+from edge_sdk import _strictjson as strictjson
 
 MEDIA_TYPE = "application/vnd.fl-edge.weights"
 _DTYPES = {"F32": np.dtype("<f4")}

@@ -11,7 +11,7 @@ does (B >= 2, so never one sample's statistics), whatever the bundle's ``batch_n
 methods' steps; the device's population statistics are not changed, and predictions use them (the server's
 fedicon-shift benchmark predicts with the test batch's statistics instead, see docs/edge-architectures.md).
 
-    runner = FedICONRunner(bundle.session("fedicon_step"), proj=bundle.weights("proj"))
+    runner = FedICONStep(bundle.session("fedicon_step"), proj=bundle.weights("proj"))
     psi, steps, losses = personalize_fedicon(runner, x, bundle.weights("params"), TTAPlan.from_bundle(bundle))
 
 onnxruntime + numpy only.
@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from edge_sdk.batchnorm import statistics_feeds
-from edge_sdk.errors import BundleError
-from edge_sdk.steps import Weights, check_batch, check_weights, finite
+from edge_sdk._batchnorm import statistics_feeds
+from edge_sdk._errors import BundleError
+from edge_sdk._steps import Weights, check_batch, check_weights, finite
 
 if TYPE_CHECKING:
     import onnxruntime as ort
 
-    from edge_sdk.bundle import Bundle
+    from edge_sdk._bundle import Bundle
 
 _M32 = 0xFFFFFFFF
 # the server's constants (fl_server.algorithms.fedicon.FedICON._uniforms / personalize): key = tag + seed * 7919,
@@ -97,7 +97,7 @@ class TTAPlan:
 
 
 @dataclass
-class FedICONRunner:
+class FedICONStep:
     """The ``fedicon_step`` graph with the projection's weights (``proj``, empty for ``projection="none"``) and,
     for a batch-normalised model, the population statistics (fed to the graph, which steps with batch statistics
     as the server does, module docstring)."""
@@ -135,7 +135,7 @@ class FedICONRunner:
                 float(out["loss"]))
 
 
-def personalize_fedicon(runner: FedICONRunner, x: np.ndarray, psi: Weights,
+def personalize_fedicon(runner: FedICONStep, x: np.ndarray, psi: Weights,
                         plan: TTAPlan) -> tuple[Weights, int, list[float]]:
     """Batch-mode TTA of ``psi`` on the unlabeled set ``x`` (``FedICON.personalize``): returns (personalised psi,
     steps taken, Eq. 7 loss of every step). A step that overflows ends the adaptation at the last finite iterate."""

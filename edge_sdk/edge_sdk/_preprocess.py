@@ -5,7 +5,7 @@ model reads. The exporter writes ``preprocess.to_dict()`` into the bundle manife
 with :meth:`Preprocess.from_dict`, so a device passes the same raw images the training data was made of.
 
 >>> import numpy as np
->>> from edge_sdk.preprocess import Preprocess
+>>> from edge_sdk._preprocess import Preprocess
 >>> pre = Preprocess(layout="NHWC", scale=1 / 255, mean=(0.5,), std=(0.5,))
 >>> pre.apply(np.full((2, 28, 28, 1), 255, np.uint8)).shape
 (2, 1, 28, 28)

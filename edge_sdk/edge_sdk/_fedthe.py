@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from edge_sdk.numerics import log_softmax
+from edge_sdk._numerics import log_softmax
 
 __all__ = ["code_history", "ema", "feature_history", "fedthe_predict"]
 

@@ -17,8 +17,8 @@ import os
 import time
 from pathlib import Path
 
-from edge_sdk import strictjson
-from edge_sdk.errors import BundleExpiredError, BundleRollbackError
+from edge_sdk import _strictjson as strictjson
+from edge_sdk._errors import BundleExpiredError, BundleRollbackError
 from edge_sdk.signing import Release
 
 __all__ = ["VersionLedger"]

@@ -1,30 +1,23 @@
-"""A BTFL participant on the device (numpy + onnxruntime, no torch): the coordinator's BTFL bundle gives the
-frozen feature extractor + global head (graph ``features``, weights ``params``) and the training clients' global
-DLE (weights ``btfl``); the device then does its own part of BTFL (Sec. 4, "personalization phase"):
-
-1. trains its bias-free local head ``[C, D]`` on *frozen* features of its labeled local data
-   (:func:`fit_local_head`: full-batch gradient descent on cross-entropy with weight decay),
-2. fits its local DLE and the mean entropies H_l_bar, H_g_bar of both heads on the same data,
-3. uploads the DLE (``POST /v1/btfl/dle``) and uses the reply's ``others_dle`` -- the average of everyone
-   else's, training clients included -- as its global DLE (as BTFL's authors do),
-4. streams: ``predict_one(x)`` interpolates the two heads with BTFL's weight e (:class:`edge_sdk.btfl.BTFLStream`).
-
-    device = BTFLDevice(bundle)
-    fit = device.fit(x_labeled, y_labeled)                  # local head, local DLE, H bars
-    reply = client.upload_dle(fit.local_dle, fit.samples)   # EdgeClient
-    device.start(reply["others_dle"] if reply["others_dle"] is not None else reply["global_dle"])
-    probs = device.predict_one(x[0:1]); device.stream.last_weight   # e of that sample
-"""
+"""BTFL's personalisation phase on the device (Sec. 4) for a BTFL bundle (graph ``features``: frozen feature
+extractor + global head; weights ``btfl``: the training clients' global DLE): the bias-free local head
+(:func:`fit_local_head`, gradient descent on frozen features), the local DLE and the heads' mean entropies; then
+the stream (:class:`BTFLStream`) with the coordinator's global DLE (the reply to the DLE upload: everyone else's,
+as BTFL's authors do) or the bundle's."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from edge_sdk.btfl import BTFLStream, fit_dle
-from edge_sdk.bundle import Bundle, BundleError
-from edge_sdk.numerics import entropy, log_softmax, softmax
-from edge_sdk.steps import check_batch, graph_feeds
+from edge_sdk._btfl.dle import fit_dle
+from edge_sdk._btfl.stream import BTFLStream, BTFLVariant
+from edge_sdk._errors import BundleError
+from edge_sdk._numerics import entropy, log_softmax, softmax
+from edge_sdk._steps import check_batch, graph_feeds
+
+if TYPE_CHECKING:
+    from edge_sdk._bundle import Bundle
 
 
 def fit_local_head(features: np.ndarray, labels: np.ndarray, num_classes: int, epochs: int = 200,
@@ -59,7 +52,10 @@ class BTFLFit:
     train_accuracy: float  # of the local head on the data it was fitted on
 
 
-class BTFLDevice:
+class BTFLParticipant:
+    """A BTFL bundle's participant on the device: the frozen features graph (features z >= 0 and the global
+    head's logits), the local head and DLE fitted on labeled data, then a :class:`BTFLStream`."""
+
     def __init__(self, bundle: Bundle, threads: int | None = 1) -> None:
         if bundle.device_step != "btfl":
             raise BundleError(f"a {bundle.method} bundle has no BTFL stream (its device step is {bundle.device_step!r})")
@@ -91,15 +87,15 @@ class BTFLDevice:
                                   float((local_logits.argmax(1) == np.asarray(y)).mean()))
         return self.fit_result
 
-    def start(self, global_dle: np.ndarray | None = None, **options: object) -> BTFLStream:
-        """Begin a stream with ``global_dle`` (default: the bundle's training-time DLE); ``options`` go to
-        :class:`BTFLStream` (defaults = the paper)."""
+    def start(self, global_dle: np.ndarray | None = None, variant: BTFLVariant | None = None) -> BTFLStream:
+        """Begin a stream with ``global_dle`` (default: the bundle's training-time DLE) and ``variant`` (default:
+        the paper)."""
         if self.fit_result is None:
             raise BundleError("call fit() on the device's labeled data first (BTFL needs a local head)")
         glob = self.training_dle if global_dle is None else np.asarray(global_dle, dtype=np.float64)
         f = self.fit_result
         self.stream = BTFLStream(f.local_dle, glob, max(f.h_local_bar, 1e-6), max(f.h_global_bar, 1e-6),
-                                 **options)  # type: ignore[arg-type]
+                                 variant)
         return self.stream
 
     def _started(self) -> tuple[BTFLStream, BTFLFit]:

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from edge_sdk.batchnorm import BatchNormRule, statistics_feeds
-from edge_sdk.early_stopping import EntropyEarlyStopping
-from edge_sdk.numerics import entropy
+from edge_sdk._batchnorm import BatchNormRule, statistics_feeds
+from edge_sdk._early_stopping import EntropyEarlyStopping
+from edge_sdk._numerics import entropy
 
 if TYPE_CHECKING:
     import onnxruntime as ort
@@ -112,7 +112,7 @@ def finite(weights: Weights, entropy: float) -> bool:
 @dataclass
 class StepRunner:
     """One exported step graph plus the weights it updates (``psi``) and any fixed ones (``phi``); for a
-    batch-normalised model, the population statistics ``stats`` and the bundle's rule (:mod:`edge_sdk.batchnorm`),
+    batch-normalised model, the population statistics ``stats`` and the bundle's rule (:mod:`edge_sdk._batchnorm`),
     under which a step may update ``stats``."""
 
     session: ort.InferenceSession

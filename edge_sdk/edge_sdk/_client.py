@@ -2,7 +2,7 @@
 
     client = EdgeClient("http://coordinator:8000", cache_dir="~/.cache/fl-edge")
     info = client.join("FedTTA++")             # client id, bearer token, methods, manifest
-    bundle = client.download(info.manifest)    # resumable, sha256-verified, cached -> edge_sdk.bundle.Bundle
+    bundle = client.download(info.manifest)    # resumable, sha256-verified, cached -> edge_sdk._bundle.Bundle
 
 Every request has a timeout and is retried with exponential backoff on connection errors, timeouts, 5xx
 (but 507, the coordinator's full disk, which is reported at once) and 429/503 (honouring Retry-After, capped). Downloads resume from a partial file with ``Range`` (``If-Range``
@@ -23,9 +23,9 @@ bundle, so nothing unsigned reaches onnxruntime.
 
 Freshness: each signature is a signed *release* (:mod:`edge_sdk.signing`) with a version that rises with
 every bundle the coordinator publishes for a method and an expiry. ``download`` refuses an expired release
-(:class:`~edge_sdk.errors.BundleExpiredError`: a stale or replayed manifest) and one older than the newest it
-accepted for that method from this ``url`` under this key (:class:`~edge_sdk.errors.BundleRollbackError`), which
-it keeps in ``<cache>/accepted_versions.json`` (:mod:`edge_sdk.versions`).
+(:class:`~edge_sdk._errors.BundleExpiredError`: a stale or replayed manifest) and one older than the newest it
+accepted for that method from this ``url`` under this key (:class:`~edge_sdk._errors.BundleRollbackError`), which
+it keeps in ``<cache>/accepted_versions.json`` (:mod:`edge_sdk._versions`).
 
 Transport: use ``https://`` so that tokens and manifests do not travel in clear. The coordinator's certificate
 is verified against the CA bundle httpx ships (certifi) or, for a self-signed deployment, only against the CA
@@ -52,11 +52,11 @@ from typing import Any, Callable
 import httpx
 import numpy as np
 
-from edge_sdk import strictjson, tensors
-from edge_sdk.bundle import MANIFEST, Bundle, load_bundle, sha256_file
-from edge_sdk.errors import BundleSignatureError
+from edge_sdk import _strictjson as strictjson, _tensors as tensors
+from edge_sdk._bundle import MANIFEST, Bundle, load_bundle, sha256_file
+from edge_sdk._errors import BundleSignatureError
 from edge_sdk.signing import PublicKey, key_id, parse_public_key, verify_manifest, write_signature
-from edge_sdk.versions import VersionLedger
+from edge_sdk._versions import VersionLedger
 
 _SHA = re.compile(r"[0-9a-f]{64}")  # used with fullmatch: "$" would also accept a trailing newline
 _SAFE = re.compile(r"[A-Za-z0-9._+-]{1,64}")
@@ -259,7 +259,7 @@ class EdgeClient:
     # ------------------------------------------------------------ bundles
     def download(self, manifest: dict[str, Any] | None = None, method: str | None = None) -> Bundle:
         """Fetch (or reuse from the cache) every artifact of ``manifest``, verify the manifest's signature
-        and each sha256, and return the bundle as a verified :class:`edge_sdk.bundle.Bundle` in the cache.
+        and each sha256, and return the bundle as a verified :class:`edge_sdk._bundle.Bundle` in the cache.
         With ``method``, the signed manifest must be that method's (``"none"``: any bundle)."""
         m = manifest if manifest is not None else self.manifest(method)
         bundle_id = str(m.get("bundle_id", ""))
@@ -367,7 +367,7 @@ class EdgeClient:
 
     def generate(self, embedding: np.ndarray, bundle_id: str | None = None) -> dict[str, np.ndarray]:
         """ODPFL-HN: send only the embedding e, receive the personalised weights {psi.<name>: array}. Asks for
-        the binary reply (:mod:`edge_sdk.tensors`) and still reads the JSON one of an older coordinator."""
+        the binary reply (:mod:`edge_sdk._tensors`) and still reads the JSON one of an older coordinator."""
         e = np.asarray(embedding, dtype=np.float64).reshape(-1)
         if not np.isfinite(e).all():
             raise ValueError("embedding contains NaN or inf")
