@@ -206,18 +206,16 @@ def test_a_method_of_a_new_device_step_from_three_outside_files(plugin: Path, da
         check_contract(METHOD, manifest, [a["name"] for a in manifest["artifacts"]])
 
 
-def test_a_plugin_that_cannot_be_imported_stops_the_coordinator_with_one_line(tmp_path: Path) -> None:
+def test_a_plugin_that_cannot_be_imported_stops_the_coordinator_with_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from fl_server.service.config import load_plugins
 
-    os.environ["FL_SERVE_PLUGINS"] = str(tmp_path / "missing.py")
-    try:
-        with pytest.raises(ValueError, match=r"^FL_SERVE_PLUGINS: .*missing\.py: no such Python file$"):
-            load_plugins()
-        os.environ["FL_SERVE_PLUGINS"] = "not a module"
-        with pytest.raises(ValueError, match="a plugin is a file path ending in .py or a module name"):
-            load_plugins()
-    finally:
-        del os.environ["FL_SERVE_PLUGINS"]
+    monkeypatch.setenv("FL_SERVE_PLUGINS", str(tmp_path / "missing.py"))
+    with pytest.raises(ValueError, match=r"^FL_SERVE_PLUGINS: .*missing\.py: no such Python file$"):
+        load_plugins()
+    monkeypatch.setenv("FL_SERVE_PLUGINS", "not a module")
+    with pytest.raises(ValueError, match="a plugin is a file path ending in .py or a module name"):
+        load_plugins()
 
 
 def _string_literals(path: Path) -> Iterator[tuple[int, str]]:

@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+
 def load_plugins() -> None:
     """Import the operator's plugins, ``FL_SERVE_PLUGINS`` (comma-separated ``path/file.py`` or installed module
     names), so that the methods and device step graph builders they register are known here: jobs train them,
