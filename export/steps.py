@@ -8,7 +8,8 @@ updated weights come back as ``new.<param>``.
 - ``tent_step_spec``: (x, psi) -> (new psi, logits, entropy)   one SGD step on the mean prediction entropy
 - ``encoder_spec``: (x, gamma) -> embedding [E]               ODPFL-HN's client encoder g_gamma (Eq. 1)
 ``logits`` and ``entropy`` (mean prediction entropy, natural log) are those of the *updated* weights, which is
-what FedTTA++'s early stopping needs.
+what FedTTA++'s early stopping needs. Each device step kind has one registered graph builder
+(:func:`register_step_graph`, :data:`STEP_GRAPHS`); :func:`device_specs` picks it by the method's ``device_step``.
 
 Batch-normalised models (:class:`fl_server.models.norm.StatBatchNorm2d`) take two more kinds of input after the
 weights: ``stats.<layer>.mean`` / ``stats.<layer>.var`` (the population statistics) and ``bn_momentum``, a
@@ -139,16 +140,55 @@ def encoder_spec(algorithm: ODPFLHN, gamma: State, batch: int = 4) -> StepSpec:
                     ["x", *(f"gamma.{n}" for n in names)], outputs)
 
 
-# a method's device step kind (``Algorithm.device_step``) -> its graph, from the method and its best state. A
-# method that reuses a kind needs nothing here; a method with a new kind traces it in its own ``export_step``
-STEP_SPECS: dict[str, Callable[..., StepSpec]] = {
-    "fedtta_step": lambda algorithm, state: fedtta_step_spec(algorithm, state["params"], state["phi"]),
-    "tent_step": lambda algorithm, state: tent_step_spec(algorithm, state["params"]),
-    "encoder": lambda algorithm, state: encoder_spec(algorithm, state["enc"]),
-    "fedicon_step": lambda algorithm, state: _fedicon_step(algorithm, state),
-}
+StepGraph = Callable[[Algorithm, State], StepSpec]
+# a device step kind (``Algorithm.device_step``) -> its graph builder, from the method and its best state
+# (:func:`register_step_graph`); a method that reuses a kind needs nothing here
+STEP_GRAPHS: dict[str, StepGraph] = {}
 
 
+def register_step_graph(kind: str, *, replace: bool = False) -> Callable[[StepGraph], StepGraph]:
+    """Decorator: ``builder(algorithm, state) -> StepSpec`` traces the device step ``kind`` of any method whose
+    ``device_step`` is ``kind``; ``state`` holds the method's ``device_weights`` (float32 tensors). The built-in
+    kinds register here; a method with a step of a new kind registers its builder in its own module, imported
+    before export (a recipe file imports it; a coordinator imports the files its operator names in
+    ``FL_SERVE_PLUGINS``). A kind already taken raises ``ValueError`` unless ``replace``.
+
+    >>> @register_step_graph("scaled")
+    ... def scaled(algorithm, state):
+    ...     return forward_spec(algorithm.model, state["params"])
+    >>> STEP_GRAPHS.pop("scaled") is scaled
+    True
+    """
+    if not kind or not isinstance(kind, str):
+        raise ValueError(f"a device step kind is a non-empty string, got {kind!r}")
+
+    def add(builder: StepGraph) -> StepGraph:
+        known = STEP_GRAPHS.get(kind)
+        if known is not None and known is not builder and not replace:
+            raise ValueError(f"device step {kind!r} already has a graph builder ({known.__module__}."
+                             f"{known.__qualname__}); pick another kind or pass replace=True")
+        STEP_GRAPHS[kind] = builder
+        return builder
+
+    return add
+
+
+@register_step_graph("fedtta_step")
+def _fedtta_step(algorithm: Algorithm, state: State) -> StepSpec:
+    return fedtta_step_spec(algorithm, state["params"], state["phi"])  # type: ignore[arg-type]
+
+
+@register_step_graph("tent_step")
+def _tent_step(algorithm: Algorithm, state: State) -> StepSpec:
+    return tent_step_spec(algorithm, state["params"])  # type: ignore[arg-type]
+
+
+@register_step_graph("encoder")
+def _encoder(algorithm: Algorithm, state: State) -> StepSpec:
+    return encoder_spec(algorithm, state["enc"])  # type: ignore[arg-type]
+
+
+@register_step_graph("fedicon_step")
 def _fedicon_step(algorithm: Algorithm, state: State) -> StepSpec:
     from export.fedicon import fedicon_tta_step_spec  # imports this module
 
@@ -157,7 +197,7 @@ def _fedicon_step(algorithm: Algorithm, state: State) -> StepSpec:
 
 def device_specs(algorithm: Algorithm, state: State) -> dict[str, StepSpec]:
     """The graphs of ``algorithm``'s bundle: ``forward`` and its device step (``algorithm.device_step``), by
-    the step kind's builder (:data:`STEP_SPECS`) or the method's own ``export_step(state)``.
+    the step kind's registered builder (:func:`register_step_graph`).
 
     >>> from fl_server.algorithms import build_algorithm
     >>> from fl_server.models import build_model
@@ -168,7 +208,10 @@ def device_specs(algorithm: Algorithm, state: State) -> dict[str, StepSpec]:
     specs = {"forward": forward_spec(algorithm.model, state["params"])}
     kind = algorithm.device_step
     if kind is not None:
-        build = STEP_SPECS.get(kind)
-        own = getattr(algorithm, "export_step", None)  # a method's step of a new kind
-        specs[kind] = build(algorithm, state) if build is not None else own(state)  # type: ignore[misc]
+        build = STEP_GRAPHS.get(kind)
+        if build is None:
+            raise ValueError(f"{algorithm.name}'s device step {kind!r} has no graph builder: register one with "
+                             f"@export.steps.register_step_graph({kind!r}) in a module imported before export "
+                             f"(known: {', '.join(STEP_GRAPHS)})")
+        specs[kind] = build(algorithm, state)
     return specs

@@ -138,10 +138,11 @@ def cmd_publish(args: argparse.Namespace) -> int:
               f"{out['signing_key']}")
         return 0
     from fl_server.service.artifacts import ArtifactStore
-    from fl_server.service.config import ServiceConfig
+    from fl_server.service.config import ServiceConfig, load_plugins
     from fl_server.service.store import Store
     from fl_server.signing import ManifestSigner
 
+    load_plugins()  # the methods the coordinator of this store serves from its FL_SERVE_PLUGINS
     store_dir = Path(args.store)
     store = Store(store_dir / "coordinator.sqlite3")
     try:

@@ -95,13 +95,14 @@ def test_two_methods_of_one_name_are_refused() -> None:
     assert ALGORITHMS["FedAvg"] is FedAvg
 
 
-def test_a_step_of_a_new_kind_is_traced_by_the_method_itself(tmp_path: Path) -> None:
-    """A method whose device step is a new kind exports it through its own ``export_step`` (no exporter change);
-    the graph is real ONNX that onnxruntime runs."""
+def test_a_step_of_a_new_kind_is_traced_by_its_registered_graph_builder(tmp_path: Path) -> None:
+    """A method whose device step is a new kind exports it through the builder registered for that kind (no
+    exporter change); the graph is real ONNX that onnxruntime runs. A kind without a builder is refused in one
+    line that names the decorator; a kind cannot be taken twice."""
     import onnxruntime as ort
 
     from export.bundle import export_specs
-    from export.steps import StepSpec, device_specs
+    from export.steps import STEP_GRAPHS, StepSpec, device_specs, register_step_graph
     from fl_server.algorithms.fedavg import FedAvg
     from fl_server.models import build_model
 
@@ -109,20 +110,30 @@ def test_a_step_of_a_new_kind_is_traced_by_the_method_itself(tmp_path: Path) -> 
         name = "Sharpen"
         device_step = "sharpen"
 
-        def export_step(self, state: dict) -> StepSpec:
-            names = list(state["params"])
-
-            def fn(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
-                return (2 * self.forward(dict(zip(names, weights)), x),)
-
-            return StepSpec(fn, [torch.zeros(4, 1, 8, 8), *state["params"].values()],
-                            ["x", *(f"psi.{n}" for n in names)], ["logits"])
-
     algorithm = Sharpen(build_model("mlp", (1, 8, 8), 4, seed=0))
     params = {n: p.detach() for n, p in algorithm.model.named_parameters()}
-    specs = device_specs(algorithm, {"params": params})
-    assert sorted(specs) == ["forward", "sharpen"]
-    graph = export_specs({"sharpen": specs["sharpen"]}, tmp_path)["sharpen"]
+    with pytest.raises(ValueError, match=r"Sharpen's device step 'sharpen' has no graph builder: register one "
+                                         r"with @export\.steps\.register_step_graph\('sharpen'\)"):
+        device_specs(algorithm, {"params": params})
+
+    @register_step_graph("sharpen")
+    def sharpen(method: Sharpen, state: dict) -> StepSpec:
+        names = list(state["params"])
+
+        def fn(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return (2 * method.forward(dict(zip(names, weights)), x),)
+
+        return StepSpec(fn, [torch.zeros(4, 1, 8, 8), *state["params"].values()],
+                        ["x", *(f"psi.{n}" for n in names)], ["logits"])
+
+    try:
+        with pytest.raises(ValueError, match="device step 'sharpen' already has a graph builder"):
+            register_step_graph("sharpen")(lambda method, state: sharpen(method, state))
+        specs = device_specs(algorithm, {"params": params})
+        assert sorted(specs) == ["forward", "sharpen"]
+        graph = export_specs({"sharpen": specs["sharpen"]}, tmp_path)["sharpen"]
+    finally:
+        STEP_GRAPHS.pop("sharpen")
     session = ort.InferenceSession(str(graph))
     x = np.random.default_rng(0).random((3, 1, 8, 8), dtype=np.float32)
     out = session.run(["logits"], {"x": x, **{f"psi.{n}": v.numpy() for n, v in params.items()}})[0]

@@ -62,7 +62,8 @@ def register(cls: type[A]) -> type[A]:
     True
     """
     known = ALGORITHMS.get(cls.name)
-    if known is not None and known is not cls:
+    rerun = known is not None and (known.__module__, known.__qualname__) == (cls.__module__, cls.__qualname__)
+    if known is not None and known is not cls and not rerun:  # rerun: its file changed and was run again
         raise ValueError(f"two methods are named {cls.name!r}: {known.__module__}.{known.__qualname__} and "
                          f"{cls.__module__}.{cls.__qualname__}")
     ALGORITHMS[cls.name] = cls
@@ -86,10 +87,11 @@ class Algorithm:
     # graph and replay it (fl_server/engine/graphs.py)
     graph_safe: ClassVar[bool] = False
     # ---- the device contract: declared here once; export, publish, the coordinator and the SDK derive from it
-    # what the device runs to personalise (the bundle's step graph, ``export/steps.py: STEP_SPECS``, and the SDK's
-    # runner of that kind, recorded in the manifest as ``device_step``): "tent_step", "fedtta_step", "encoder"
-    # (ODPFL-HN's set encoder), "fedicon_step", "btfl" (BTFL's two-head stream) or None (plain inference). A method
-    # with a step of a new kind traces it in its own ``export_step(self, state) -> StepSpec``
+    # what the device runs to personalise (the bundle's step graph, built by the kind's
+    # ``@export.steps.register_step_graph(kind)`` builder, and the SDK's ``@edge_sdk.register_runner(kind)`` runner,
+    # recorded in the manifest as ``device_step``): "tent_step", "fedtta_step", "encoder" (ODPFL-HN's set encoder),
+    # "fedicon_step", "btfl" (BTFL's two-head stream) or None (plain inference). A step of a new kind needs its
+    # graph builder and its runner, each in the method author's own module (tests/test_extension.py)
     device_step: ClassVar[str | None] = None
     # the server-state entries a bundle ships as weights (FedTTA's adaptation model phi, ODPFL-HN's encoder enc)
     device_weights: ClassVar[tuple[str, ...]] = ("params",)
@@ -98,6 +100,10 @@ class Algorithm:
     finalize_weights: ClassVar[tuple[str, ...]] = ()
     # whether a coordinator can train this method as a job and serve its bundles (it has a device path)
     servable: ClassVar[bool] = False
+    # whether a coordinator with an empty store trains it by default (``FL_SERVE_DEFAULT_METHODS`` overrides; the
+    # first registered one is a device's default method). Not inherited: a subclass is a default only where it
+    # says so itself (:meth:`__init_subclass__`)
+    default_job: ClassVar[bool] = False
     # why a bundle of this method cannot be published to another coordinator ("" when it can)
     publish_refusal: ClassVar[str] = ""
     # how batch-normalised layers normalise during the device's adaptation steps: "rule" (the bundle's
@@ -107,6 +113,10 @@ class Algorithm:
     # why the server's step needs what only the clients hold ("" when it does not): such a method cannot train yet
     # with its clients on their own machines (the Flower app refuses it with this reason)
     needs_client_data: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.default_job = bool(vars(cls).get("default_job", False))
 
     def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0, **overrides: Any) -> None:
         """``seed`` fixes the initial weights of any module the method adds to ``model`` (e.g. FedTTA's g)."""

@@ -74,6 +74,7 @@ class ClientArtifacts:
 @register
 class BTFL(Algorithm):
     name = "BTFL"
+    default_job = True  # trained by a coordinator with an empty store
     device_step = "btfl"  # the device's two-head stream (edge_sdk), on the frozen ``features`` graph
     finalize_weights = ("btfl",)  # the training clients' global DLE and mean feature (:meth:`finalize`)
     servable = True

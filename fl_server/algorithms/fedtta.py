@@ -175,4 +175,5 @@ class FedTTAProx(FedTTA):
 @register
 class FedTTAPlusPlus(FedTTA):
     name = "FedTTA++"
+    default_job = True  # trained by a coordinator with an empty store
     Config = FedTTAPlusPlusConfig

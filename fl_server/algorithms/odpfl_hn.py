@@ -197,6 +197,7 @@ class HyperNetwork(nn.Module):
 @register
 class ODPFLHN(Algorithm):
     name = "ODPFL-HN"
+    default_job = True  # trained by a coordinator with an empty store
     Config = ODPFLHNConfig
     needs_client_data = ("the server embeds each client's data in client_start / aggregate; the client-side "
                          "embedding message is not built yet")

@@ -54,6 +54,7 @@ class TentConfig(FedAvgConfig):
 @register
 class Tent(FedAvg):
     name = "TENT"
+    default_job = True  # trained by a coordinator with an empty store
     device_step = "tent_step"
     servable = True
     Config = TentConfig

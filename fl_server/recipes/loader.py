@@ -1,6 +1,8 @@
 """``load_recipe("path/file.py:NAME")``: a recipe defined in a Python file (the CLI's ``--recipe``, the
-coordinator's recipe directory, ``fl-server export``). The file is code: it is run, so only an operator's or
-the user's own files are ever named; nothing received over the network reaches this function.
+coordinator's recipe directory, ``fl-server export``); ``import_plugin``: a file or module that registers a
+method, its device step's graph builder or anything else at import (the coordinator's ``FL_SERVE_PLUGINS``).
+The file is code: it is run, so only an operator's or the user's own files are ever named; nothing received
+over the network reaches these functions.
 
 >>> from fl_server.recipes import load_recipe
 >>> recipe = load_recipe("my_recipes.py:small")  # doctest: +SKIP
@@ -12,6 +14,7 @@ import hashlib
 import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 
 from fl_server.recipes.errors import RecipeError
 
@@ -22,6 +25,53 @@ def split_source(source: str) -> tuple[Path, str]:
     if not sep or not path.endswith(".py") or "/" in name or not name.isidentifier():
         path, name = str(source), "recipe"
     return Path(path), name
+
+
+def import_file(path: str | Path) -> ModuleType:
+    """Run the Python file ``path`` as a module, once per process for the same bytes (a file loaded again
+    unchanged, e.g. by the training and then by the export of one run, is not run twice: the methods it
+    registers stay the same classes). Raises :class:`RecipeError` for a missing file."""
+    path = Path(path)
+    if path.suffix != ".py" or not path.is_file():
+        raise RecipeError(f"{path}: no such Python file")
+    path = path.resolve()
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    module_name = f"_fl_recipe_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
+    known = sys.modules.get(module_name)
+    if known is not None and getattr(known, "__fl_digest__", None) == digest:
+        return known
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise RecipeError(f"cannot load {path} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    module.__fl_digest__ = digest  # type: ignore[attr-defined]
+    sys.modules[module_name] = module  # dataclasses and pickling-free introspection want the module registered
+    try:
+        spec.loader.exec_module(module)
+    except RecipeError as exc:
+        del sys.modules[module_name]
+        raise RecipeError(f"{path}: {exc}") from None
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module
+
+
+def import_plugin(entry: str) -> ModuleType:
+    """A plugin: ``path/file.py`` (:func:`import_file`) or an installed module's dotted name; importing it
+    registers what it defines (``@register`` methods, ``@register_step_graph`` builders).
+
+    >>> import_plugin("plugins/my_method.py")  # doctest: +SKIP
+    """
+    if entry.endswith(".py"):
+        return import_file(entry)
+    if not all(part.isidentifier() for part in entry.split(".")):
+        raise RecipeError(f"a plugin is a file path ending in .py or a module name (a.b.c), got {entry!r}")
+    try:
+        return importlib.import_module(entry)
+    except ModuleNotFoundError as exc:
+        raise RecipeError(f"plugin module {entry!r} cannot be imported ({exc}); install it or name its .py file") \
+            from None
 
 
 def load_recipe(source: str | Path):  # -> Recipe (annotated loosely: recipe.py imports nothing from here)
@@ -35,16 +85,7 @@ def load_recipe(source: str | Path):  # -> Recipe (annotated loosely: recipe.py 
     if not path.is_file():
         raise RecipeError(f"recipe file {path} not found")
     path = path.resolve()
-    module_name = f"_fl_recipe_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise RecipeError(f"cannot load {path} as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # dataclasses and pickling-free introspection want the module registered
-    try:
-        spec.loader.exec_module(module)
-    except RecipeError as exc:
-        raise RecipeError(f"{path}: {exc}") from None
+    module = import_file(path)
     if not hasattr(module, name):
         found = [k for k, v in vars(module).items() if isinstance(v, Recipe)]
         raise RecipeError(f"{path} defines no {name!r}; recipes in it: {', '.join(found) or 'none'} "

@@ -18,7 +18,7 @@ from fl_server.service import apidocs, dashboard, publish_api, routes
 from fl_server.service.fastpath import ArtifactFastPath
 from fl_server.service.artifacts import Corrupt
 from fl_server.service.errors import corrupt_object, http_error, server_error, storage_error, validation_error
-from fl_server.service.config import ServiceConfig
+from fl_server.service.config import ServiceConfig, load_plugins
 from fl_server.service.metrics import Metrics
 from fl_server.service.state import Service
 
@@ -110,7 +110,9 @@ async def _reject(send: Send, message: str) -> None:
 
 def create_app(store_dir: str | Path, **overrides: Any) -> FastAPI:
     """The coordinator app on ``store_dir`` (SQLite + content-addressed artifacts + job runs); keyword
-    arguments override :class:`ServiceConfig` fields. Training starts when the app starts (lifespan)."""
+    arguments override :class:`ServiceConfig` fields. Training starts when the app starts (lifespan). The
+    operator's plugins (``FL_SERVE_PLUGINS``) are imported first, so the methods they register are served."""
+    load_plugins()
     svc = Service(ServiceConfig(store_dir=Path(store_dir), **overrides))
 
     @asynccontextmanager

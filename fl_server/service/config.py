@@ -5,9 +5,26 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+
+def load_plugins() -> None:
+    """Import the operator's plugins, ``FL_SERVE_PLUGINS`` (comma-separated ``path/file.py`` or installed module
+    names), so that the methods and device step graph builders they register are known here: jobs train them,
+    publishing checks their bundles. Runs before the settings are read (:func:`fl_server.service.create_app`, a
+    job's worker, ``fl-server publish --store``); a file is run once per process. No other file is imported:
+    a job names a recipe only from ``FL_SERVE_RECIPES_DIR``, and nothing received over the network is code."""
+    from fl_server.recipes.errors import RecipeError
+    from fl_server.recipes.loader import import_plugin
+
+    for entry in _env_list("FL_SERVE_PLUGINS", ()):
+        try:
+            import_plugin(entry)
+        except RecipeError as exc:
+            raise ValueError(f"FL_SERVE_PLUGINS: {exc}") from None
+
+
 def servable_methods() -> tuple[str, ...]:
-    """Every registered method that declares a device path (``Algorithm.servable``), built-in or registered by a
-    recipe file imported before the coordinator starts."""
+    """Every registered method that declares a device path (``Algorithm.servable``): built-in, or registered by a
+    plugin (:func:`load_plugins`) or a recipe file imported before the coordinator starts."""
     from fl_server.algorithms import ALGORITHMS
 
     return tuple(name for name, cls in ALGORITHMS.items() if cls.servable)
@@ -18,7 +35,15 @@ def served_methods() -> tuple[str, ...]:
     return _env_list("FL_SERVE_METHODS", servable_methods())
 
 
-DEFAULT_METHODS = ("TENT", "FedTTA++", "ODPFL-HN", "BTFL")
+def default_methods() -> tuple[str, ...]:
+    """The registered methods that declare themselves default jobs (``Algorithm.default_job``), in registration
+    order: what an empty store trains unless ``FL_SERVE_DEFAULT_METHODS`` says otherwise, and the order in which
+    a device that names no method is given a bundle."""
+    from fl_server.algorithms import ALGORITHMS
+
+    return tuple(name for name, cls in ALGORITHMS.items() if cls.default_job)
+
+
 DATASETS = ("digits", "mnist", "fashion_mnist")
 PARTITIONS = ("pathological", "dirichlet", "iid")
 
@@ -33,7 +58,7 @@ class ServiceConfig:
     store_dir: Path
     # jobs started on the embedded digits when the store is empty; FL_SERVE_DEFAULT_METHODS="" disables them
     default_methods: tuple[str, ...] = field(default_factory=lambda: _env_list("FL_SERVE_DEFAULT_METHODS",
-                                                                               DEFAULT_METHODS))
+                                                                               default_methods()))
     # the methods this coordinator trains as jobs (FL_SERVE_METHODS="TENT,BTFL"); default: every servable one
     methods: tuple[str, ...] = field(default_factory=served_methods)
     default_rounds: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_ROUNDS", "60")))

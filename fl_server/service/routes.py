@@ -193,7 +193,10 @@ async def generate(body: S.GenerateRequest, request: Request, _: Principal = Dep
         if bundle is None or "hn" not in bundle["server"]:
             raise HTTPException(404, f"no ODPFL-HN bundle {body.bundle_id}")
     else:
-        bundle = _bundle_or_503(svc, "ODPFL-HN")
+        method = svc.step_method("encoder")  # the device step whose embeddings this route turns into weights
+        if method is None:
+            raise HTTPException(404, "no method with a hypernetwork is registered on this coordinator")
+        bundle = _bundle_or_503(svc, method)
     dim = svc.hypernets.embed_dim(bundle)
     if len(body.embedding) != dim:
         raise HTTPException(422, f"embedding must have {dim} values (the bundle's encoder output), "

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from fl_server.recipes.loader import RECIPE_NAME
-from fl_server.service.config import DATASETS, PARTITIONS
+from fl_server.service.config import DATASETS, PARTITIONS, default_methods
 
 MAX_EMBED_DIM = 4096
 MAX_DLE_DIMS = 65536
@@ -135,9 +135,10 @@ RECIPE_FIELDS = ("method", "rounds", "partition", "alpha", "num_clients")  # a r
 
 
 class JobRequest(Strict):
-    method: str = Field("TENT", max_length=MAX_METHOD_CHARS,
+    method: str = Field(default_factory=lambda: default_methods()[0], max_length=MAX_METHOD_CHARS,
                         description="a method this coordinator serves (FL_SERVE_METHODS; default: every registered "
-                                    "method with a device path)")
+                                    "method with a device path); default: the first registered default job's "
+                                    "(Algorithm.default_job)")
     dataset: Literal[DATASETS] = "digits"  # type: ignore[valid-type]
     partition: Literal[PARTITIONS] = "pathological"  # type: ignore[valid-type]
     alpha: float | None = Field(None, gt=0, le=1000, description="Dirichlet concentration (partition=dirichlet)")

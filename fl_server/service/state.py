@@ -15,7 +15,7 @@ import numpy as np
 from edge_sdk import _strictjson as strictjson
 from fl_server.service.artifacts import ArtifactStore, Corrupt
 from fl_server.service.dle import DLEAggregate
-from fl_server.service.config import DEFAULT_METHODS, ServiceConfig
+from fl_server.service.config import ServiceConfig, default_methods
 from fl_server.service.hypernet import GenerateBatcher, HypernetCache
 from fl_server.service.jobs import JobRunner
 from fl_server.service.metrics import Metrics
@@ -178,14 +178,28 @@ class Service:
         return [*served, NONE_METHOD] if served else []
 
     def bundle_for(self, method: str | None) -> dict[str, Any] | None:
-        """The newest bundle serving ``method``; for None / 'none' the default (first of DEFAULT_METHODS)."""
+        """The newest bundle serving ``method``; for None / 'none' the default (the first served of
+        :func:`~fl_server.service.config.default_methods`, else the first served)."""
         self._refresh()
         if method not in (None, NONE_METHOD):
             return self._by_method.get(method)
-        healthy = [m for m in (*DEFAULT_METHODS, *self._by_method)
-                   if m in self._by_method and not self.degraded_reason(self._by_method[m])]
-        fallback = [m for m in (*DEFAULT_METHODS, *self._by_method) if m in self._by_method]
+        order = (*default_methods(), *self._by_method)
+        healthy = [m for m in order if m in self._by_method and not self.degraded_reason(self._by_method[m])]
+        fallback = [m for m in order if m in self._by_method]
         return self._by_method[(healthy or fallback)[0]] if fallback else None
+
+    def step_method(self, step: str) -> str | None:
+        """The method whose bundles run the device step ``step``, for the routes that serve one kind of step
+        ("encoder": /v1/hypernetwork/generate, "btfl": /v1/btfl/dle): the method of the newest served bundle of
+        that step (its manifest's ``device_step``), else the first registered method declaring it (a job of it
+        may be training), else None."""
+        self._refresh()
+        for b in reversed(self._by_id.values()):
+            if self._by_method.get(b["method"]) is b and b["manifest"].get("device_step") == step:
+                return b["method"]
+        from fl_server.algorithms import ALGORITHMS
+
+        return next((name for name, cls in ALGORITHMS.items() if cls.device_step == step), None)
 
     def bundle_by_id(self, bundle_id: str) -> dict[str, Any] | None:
         self._refresh()
@@ -236,10 +250,11 @@ class Service:
         return cached[1]
 
     def btfl_base(self) -> tuple[str, np.ndarray, int] | None:
-        """(bundle id, global DLE [D, L], clients) of the newest BTFL bundle: its training clients' average DLE,
-        counted as that many clients in the average with every device's upload (POST /v1/btfl/dle); None
-        without a BTFL bundle."""
-        bundle = self.bundle_for("BTFL")
+        """(bundle id, global DLE [D, L], clients) of the newest bundle of BTFL's device step ("btfl"): its
+        training clients' average DLE, counted as that many clients in the average with every device's upload
+        (POST /v1/btfl/dle); None without such a bundle."""
+        method = self.step_method("btfl")
+        bundle = None if method is None else self.bundle_for(method)
         if bundle is None:
             return None
         cached = self._btfl_base.get(bundle["id"])

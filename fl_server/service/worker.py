@@ -94,6 +94,9 @@ def main(argv: list[str]) -> int:
         return 2
     try:
         lock = guard(Path(argv[0]))
+        from fl_server.service.config import load_plugins
+
+        load_plugins()  # the coordinator's FL_SERVE_PLUGINS (inherited): the methods its jobs may train
         run_job(Path(argv[0]))
         lock.close()
     except (ValueError, FileNotFoundError) as exc:
