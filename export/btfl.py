@@ -65,8 +65,7 @@ def export_btfl_client(algorithm: BTFL, params: State, artifacts: ClientArtifact
 def export_btfl_run(algorithm: BTFL, server_state: State, device: dict[str, dict[str, np.ndarray]],
                     dest: str | os.PathLike, extra: dict[str, Any], signer: ManifestSigner | None = None) -> Path:
     """The served BTFL bundle: graphs ``features`` and ``forward``, weights ``params`` and ``btfl`` (the run's
-    finalize weights: global DLE, clients behind it, and -- from an in-process run -- FedTHE's global prototype
-    ``mu_global``). A batch-normalised model's ``features`` graph embeds the population statistics (``device``'s
+    finalize weights: global DLE, clients behind it, and FedTHE's global prototype ``mu_global``). A batch-normalised model's ``features`` graph embeds the population statistics (``device``'s
     ``stats``), so a feature never depends on the other samples of its batch: a stream of one sample at a time
     gets what a whole client gets."""
     params = {n: v.detach().float().cpu() for n, v in server_state["params"].items()}

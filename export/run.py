@@ -49,8 +49,7 @@ def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_r
     if stat_norms(model):
         if "stats" not in device:
             raise ValueError(f"{run_dir}: the model is batch-normalised but device.npz holds no population "
-                             "statistics (a Flower run does not compute them yet; an in-process run trained "
-                             "before this version neither): train it in process with this version")
+                             "statistics (a run trained before this version): train it again with this version")
         if int8:
             raise ValueError("--int8 is not available for batch-normalised models")
         set_statistics(model, device["stats"])

@@ -64,14 +64,30 @@ def test_flower_deployment_matches_in_process_engine(deployment: LocalDeployment
     assert run["method"] == method and run["engine"] == "flower"
 
 
+def export_to_device(deployment: LocalDeployment, run_dir: Path, name: str, script: str,
+                     x: np.ndarray) -> dict[str, Any]:
+    """`fl-server export` the run into ``workdir/name``, then run the device ``script`` on it and ``x`` in a fresh
+    interpreter; its last output line (JSON), checked to come from a process that never imported torch."""
+    bundle, sample = deployment.workdir / name, deployment.workdir / f"{name}-input.npz"
+    subprocess.run([sys.executable, "-m", "fl_server.cli", "export", str(run_dir), "--out", str(bundle)],
+                   check=True, capture_output=True, timeout=300)
+    np.savez(sample, x=x)
+    out = subprocess.run([sys.executable, "-c", script, str(bundle), str(sample)], check=True,
+                         capture_output=True, text=True, timeout=300)
+    device = json.loads(out.stdout.strip().splitlines()[-1])
+    assert device.pop("torch") is False
+    return device
+
+
 DEVICE = """
 import sys, json
 import numpy as np
 from edge_sdk import open_bundle
-model = open_bundle(sys.argv[1])
+device = open_bundle(sys.argv[1])
 x = np.load(sys.argv[2])["x"]
-steps = model.personalize(x).steps
-print(json.dumps({"torch": "torch" in sys.modules, "steps": steps, "pred": model.predict(x).argmax(1).tolist()}))
+adaptation = device.personalize(x)
+print(json.dumps({"torch": "torch" in sys.modules, "steps": adaptation.steps,
+                  "pred": device.predict(x).argmax(1).tolist()}))
 """
 
 
@@ -86,18 +102,10 @@ def test_flower_run_exports_and_a_torch_free_device_personalises(deployment: Loc
     run_dir = deployment.workdir / "run-FedTTA"
     if not (run_dir / "best.npz").exists():
         deployment.run({**RECIPE, "method": "FedTTA", "run-dir": str(run_dir)}, timeout=500)
-    bundle = deployment.workdir / "bundle"
-    subprocess.run([sys.executable, "-m", "fl_server.cli", "export", str(run_dir), "--out", str(bundle)],
-                   check=True, capture_output=True, timeout=300)
-    assert json.loads((bundle / "manifest.json").read_text())["method"] == "FedTTA"
     # a new client's unlabeled digits (samples the 6000-sample federation never saw: the last 500 of MNIST)
     x = mnist_all.x[-500:].astype(np.float32)
-    sample = deployment.workdir / "device.npz"
-    np.savez(sample, x=x)
-    out = subprocess.run([sys.executable, "-c", DEVICE, str(bundle), str(sample)], check=True,
-                         capture_output=True, text=True, timeout=300)
-    device = json.loads(out.stdout.strip().splitlines()[-1])
-    assert device["torch"] is False
+    device = export_to_device(deployment, run_dir, "bundle", DEVICE, x)
+    assert json.loads((deployment.workdir / "bundle" / "manifest.json").read_text())["method"] == "FedTTA"
     assert device["steps"] == 1  # FedTTA: one adaptation step (Eq. 5) on the device
     recipe = FlowerRecipe.from_config({**RECIPE, "method": "FedTTA"})
     algorithm = recipe.build_algorithm(3)
@@ -184,11 +192,12 @@ def test_each_methods_flower_sides_match_the_engine(method: str, data_root: Path
 
 def test_btfl_on_flower_keeps_heads_on_clients_and_its_global_dle_equals_the_engines(data_root: Path) -> None:
     """BTFL over Flower: the local heads never reach the server (its copy keeps the initial draw), the clients'
-    heads equal the engine's, and the global DLE averaged from the clients' uploads equals the in-process one."""
+    heads equal the engine's, and the finalize weights built from the clients' uploads (global DLE, clients behind
+    it, mean feature) equal the in-process finalize's."""
     import torch
 
-    from edge_sdk import _btfl as btfl_math
-    from fl_server.flower.task import client_local_dle
+    from fl_server.algorithms.btfl import BTFL
+    from fl_server.flower.task import client_btfl_upload
 
     config = {**RECIPE, "method": "BTFL", "rounds": 2, "local-iterations": 6, "max-samples": 3000}
     run, parts, kept = flower_rounds_without_transport(config)
@@ -200,38 +209,65 @@ def test_btfl_on_flower_keeps_heads_on_clients_and_its_global_dle_equals_the_eng
     assert torch.equal(run.server_state["local_heads"], initial_heads)  # nothing of the clients' heads arrived
     for k, own in enumerate(kept):
         assert float((own["local_head"] - sim.server_state["local_heads"][k]).abs().max()) <= 1e-9
-    engine_dle = btfl_math.average_dles([a.local_dle for a in sim.algorithm.client_artifacts(
-        sim.server_state, sim.x, sim.fed.train)])
-    flower_dle = btfl_math.average_dles([client_local_dle(run.algorithm, run.server_state, d, recipe)
-                                         for d in parts])
-    assert flower_dle.shape == engine_dle.shape
-    np.testing.assert_allclose(flower_dle, engine_dle, atol=1e-12)
+    engine = sim.finalize(sim.server_state, recipe.rounds - 1)["btfl"]
+    flower = BTFL.finalize_from_uploads([client_btfl_upload(run.algorithm, run.server_state, d, recipe)
+                                         for d in parts])["btfl"]
+    assert sorted(flower) == sorted(engine) == ["dle_clients", "global_dle", "mu_global"]
+    for key in engine:
+        np.testing.assert_allclose(flower[key], engine[key], atol=1e-12, err_msg=key)
+
+
+BN_DEVICE = """
+import sys, json
+import numpy as np
+from edge_sdk import open_bundle
+device = open_bundle(sys.argv[1])
+x = np.load(sys.argv[2])["x"]
+print(json.dumps({"torch": "torch" in sys.modules, "whole": device.predict(x).tolist(),
+                  "one_at_a_time": [row.tolist() for row in device.stream(x[:40])]}))
+"""
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_btfl_over_the_deployment_uploads_dles_and_exports(deployment: LocalDeployment) -> None:
-    """BTFL on the real SuperLink + SuperNodes: the global DLE the server averaged from the clients' uploads
-    (device.npz) equals the in-process one for the same clients, and `fl-server export` serves it."""
-    from edge_sdk import _btfl as btfl_math
+def test_btfl_on_a_bn_model_over_the_deployment_finalizes_and_exports(deployment: LocalDeployment,
+                                                                      mnist_all) -> None:  # type: ignore[no-untyped-def]
+    """BTFL on a batch-normalised CNN on the real SuperLink + SuperNodes: the finalize step's device.npz (the
+    population statistics summed from the clients' uploads, then the global DLE and mean feature the clients
+    computed with them) equals the in-process finalize of the same best weights on the same clients, and the
+    exported bundle's torch-free device predicts what torch predicts with those statistics, one sample at a time
+    as on the whole client."""
+    import torch
 
-    run_dir = deployment.workdir / "run-BTFL"
-    config = {**RECIPE, "method": "BTFL", "rounds": 2}
+    from fl_server.models.norm import norm_mode, set_statistics
+
+    run_dir = deployment.workdir / "run-BTFL-bn"
+    config = {**RECIPE, "method": "BTFL", "rounds": 1, "model": "btfl_cnn_bn"}
     deployment.run({**config, "run-dir": str(run_dir)}, timeout=500)
     recipe = FlowerRecipe.from_config(config)
     sim = recipe.in_process()
-    for r in range(recipe.rounds):
-        sim.run_round(r)
-    engine_dle = btfl_math.average_dles([a.local_dle for a in sim.algorithm.client_artifacts(
-        sim.server_state, sim.x, sim.fed.train)])
-    served = rundir.read_device(run_dir)["btfl"]  # the run's finalize step, from the clients' uploads
-    np.testing.assert_allclose(served["global_dle"], engine_dle, atol=1e-12)
-    assert int(served["dle_clients"][0]) == 3
-    bundle = deployment.workdir / "bundle-btfl"
-    subprocess.run([sys.executable, "-m", "fl_server.cli", "export", str(run_dir), "--out", str(bundle)],
-                   check=True, capture_output=True, timeout=300)
-    with np.load(bundle / "btfl.npz") as f:
-        np.testing.assert_allclose(f["global_dle"], engine_dle, atol=1e-6)
+    best = load_state(run_dir / "best.npz")
+    engine = sim.finalize(best, 0)  # the engine's finalize (population statistics, then BTFL's) of those weights
+    served = rundir.read_device(run_dir)
+    assert sorted(served) == sorted(engine) == ["btfl", "stats"]
+    assert sorted(served["stats"]) == sorted(engine["stats"]) and len(engine["stats"]) == 4  # two BN layers
+    for key, value in engine["stats"].items():
+        np.testing.assert_allclose(served["stats"][key], value, atol=1e-5, err_msg=key)
+    for key, value in engine["btfl"].items():
+        np.testing.assert_allclose(served["btfl"][key], value, atol=1e-12, err_msg=key)
+    assert int(served["btfl"]["dle_clients"][0]) == 3
+
+    x = mnist_all.x[-300:].astype(np.float32)  # a new client's digits, never in the 6000-sample federation
+    device = export_to_device(deployment, run_dir, "bundle-btfl-bn", BN_DEVICE, x)
+    algorithm = recipe.build_algorithm(3)
+    params = {n: v.float() for n, v in best["params"].items()}
+    set_statistics(algorithm.model, served["stats"])
+    with norm_mode(algorithm.model, "population"), torch.no_grad():
+        reference = torch.log_softmax(algorithm.predict(params, torch.from_numpy(x)), -1).numpy()
+    whole = np.array(device["whole"])
+    np.testing.assert_allclose(whole, reference, atol=1e-3)
+    assert np.array_equal(whole.argmax(1), reference.argmax(1))
+    np.testing.assert_allclose(np.array(device["one_at_a_time"]), whole[:40], atol=1e-4)
 
 
 @pytest.mark.slow

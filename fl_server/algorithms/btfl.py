@@ -168,9 +168,15 @@ class BTFL(Algorithm):
         with the final features (BTFL Sec. 4.1: every client weighs the same) -- the number of clients behind it,
         and the mean of their mean features (FedTHE's global prototype)."""
         arts = self.client_artifacts(server_state, x, train)
-        return {"btfl": {"global_dle": btfl_math.average_dles([a.local_dle for a in arts]),
-                         "dle_clients": np.array([len(arts)], dtype=np.int64),
-                         "mu_global": np.asarray(arts[0].mu_global, dtype=np.float64)}}
+        return self.finalize_from_uploads([{"local_dle": a.local_dle, "mu_local": a.mu_local} for a in arts])
+
+    @staticmethod
+    def finalize_from_uploads(uploads: list[dict[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:
+        """:meth:`finalize`'s weight sets from every training client's upload (:meth:`local_upload`: local DLE and
+        mean feature), so an in-process run and the Flower server (which gets the uploads) write the same."""
+        return {"btfl": {"global_dle": btfl_math.average_dles([u["local_dle"] for u in uploads]),
+                         "dle_clients": np.array([len(uploads)], dtype=np.int64),
+                         "mu_global": np.mean([u["mu_local"] for u in uploads], axis=0).astype(np.float64)}}
 
     @torch.no_grad()
     def client_features(self, params: State, x: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
@@ -178,10 +184,11 @@ class BTFL(Algorithm):
         return torch.cat([self.features(params, x[s:s + chunk]) for s in range(0, len(x), chunk)])
 
     @torch.no_grad()
-    def local_dle(self, params: State, x: torch.Tensor) -> np.ndarray:
-        """A client's local DLE [D, L] (Eqs. 5-6) on its training samples ``x`` with the global features: what
-        a Flower client uploads for the global DLE (:func:`edge_sdk._btfl.average_dles` of all clients')."""
-        return btfl_math.fit_dle(self.client_features(params, x).double().cpu().numpy(), self.hp.dle_levels)
+    def local_upload(self, params: State, x: torch.Tensor) -> dict[str, np.ndarray]:
+        """A client's local DLE [D, L] (Eqs. 5-6) and mean feature [D] on its training samples ``x`` with the
+        global features: what a Flower client uploads for :meth:`finalize_from_uploads`."""
+        z = self.client_features(params, x).double().cpu().numpy()
+        return {"local_dle": btfl_math.fit_dle(z, self.hp.dle_levels), "mu_local": z.mean(0)}
 
     @torch.no_grad()
     def client_artifacts(self, server_state: State, x: torch.Tensor, train: list[np.ndarray],

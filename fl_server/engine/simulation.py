@@ -27,7 +27,8 @@ from fl_server.device import pick_device
 from fl_server.engine.gemm_conv import GemmConv
 from fl_server.engine.graphs import GraphedLocalSteps, vmapped_round
 from fl_server.functional import State, make_forward, stack, tree_map, unstack
-from fl_server.models.norm import StatBatchNorm2d, calibrate, norm_mode, stat_norms, statistics
+from fl_server.models.norm import (StatBatchNorm2d, client_sums, federated_statistics, norm_mode, stat_norms,
+                                   statistics_arrays)
 # the run directory's files belong to fl_server.rundir; checkpoint_meta, complete_rows and load_state are
 # imported from here by research scripts
 from fl_server.rundir import (BEST, BEST_AT_CHECKPOINT, CHECKPOINT, CHECKPOINT_JSON, METRICS,  # noqa: F401
@@ -305,9 +306,8 @@ class Simulation:
             yield
             return
         forward = make_forward(model)
-        calibrate(model, lambda xb: forward(state["params"], xb),
-                  (self.x[torch.from_numpy(t[i:i + 256]).to(self.device)] for t in self.fed.train
-                   for i in range(0, len(t), 256)))
+        federated_statistics(model, [client_sums(model, lambda xb: forward(state["params"], xb),
+                                                 self.x[torch.from_numpy(t).to(self.device)]) for t in self.fed.train])
         with norm_mode(model, "population"):
             yield
 
@@ -335,8 +335,7 @@ class Simulation:
         (``device.npz``, :func:`fl_server.rundir.write_device`) for export."""
         model = self.algorithm.model
         with self.device_semantics(state):
-            weights = {"stats": {n: v.float().cpu().numpy() for n, v in statistics(model).items()}} \
-                if stat_norms(model) else {}
+            weights = {"stats": statistics_arrays(model)} if stat_norms(model) else {}
             weights.update(self.algorithm.finalize(state, self.x, self.fed.train))
         if self.out_dir is not None:
             write_device(self.out_dir, weights, round_)

@@ -3,7 +3,9 @@
 The SuperNode's ``--node-config`` names its partition (``partition-id``; optional ``data-dir``, where the data
 set's files are). Three message kinds: ``query`` (the client's sizes and input shape, so the server can build
 the method without data), ``train`` (the engine's local steps from the state the server sent) and ``evaluate``
-(validation accuracy of the sent state on the client's own validation split).
+(validation accuracy of the sent state on the client's own validation split); and the finalize step's uploads
+at the end of a run: ``query.bn_sums`` (a batch-normalised model's sums for the population statistics) and
+``query.dle`` (BTFL's local DLE and mean feature).
 
 Example (a SuperNode on the same machine as the SuperLink, insecure, for a try-out)::
 
@@ -18,8 +20,8 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricR
 from flwr.clientapp import ClientApp
 
 from fl_server.algorithms.btfl import BTFL
-from fl_server.flower.task import (ClientData, FlowerRecipe, client_local_dle, client_round, client_validation,
-                                    load_partition)
+from fl_server.flower.task import (ClientData, FlowerRecipe, client_bn_sums, client_btfl_upload, client_round,
+                                    client_validation, load_partition)
 from fl_server.flower.wire import record_to_state, state_to_record
 
 _PRIVATE = "fl-edge-private"  # the client's own entries between rounds (BTFL's local head), never sent
@@ -90,16 +92,27 @@ def make_client_app(overrides: Mapping[str, Any] | None = None) -> ClientApp:
         return Message(RecordDict({"metrics": MetricRecord({"accuracy": acc, "num-examples": len(data.y_val)})}),
                        reply_to=msg)
 
+    @capp.query("bn_sums")
+    def bn_sums(msg: Message, context: Context) -> Message:
+        """The finalize step, a batch-normalised model: this client's sums of every layer's input with the sent
+        weights (its upload for the population statistics)."""
+        recipe, data = _setup(context, overrides)
+        algorithm = recipe.build_algorithm(int(msg.content["config"]["num-clients"]))
+        sums = client_bn_sums(algorithm, record_to_state(msg.content["server"]), data, recipe)
+        return Message(RecordDict({"sums": ArrayRecord({k: Array(v) for k, v in sums.items()})}), reply_to=msg)
+
     @capp.query("dle")
     def dle(msg: Message, context: Context) -> Message:
-        """BTFL: this client's local DLE with the sent global features (its upload for the global DLE)."""
+        """The finalize step, BTFL: this client's local DLE and mean feature with the sent global features (and
+        population statistics, ``stats``, for a batch-normalised model): its upload for the global DLE."""
         recipe, data = _setup(context, overrides)
         cfg = msg.content["config"]
         algorithm = recipe.build_algorithm(int(cfg["num-clients"]))
         if not isinstance(algorithm, BTFL):
             raise ValueError(f"query.dle is BTFL's message; this run trains {algorithm.name}")
-        local = client_local_dle(algorithm, record_to_state(msg.content["server"]), data, recipe)
-        return Message(RecordDict({"dle": ArrayRecord({"local_dle": Array(local)})}), reply_to=msg)
+        stats = {k: v.numpy() for k, v in msg.content["stats"].items()} if "stats" in msg.content else None
+        upload = client_btfl_upload(algorithm, record_to_state(msg.content["server"]), data, recipe, stats)
+        return Message(RecordDict({"dle": ArrayRecord({k: Array(v) for k, v in upload.items()})}), reply_to=msg)
 
     return capp
 

@@ -4,7 +4,8 @@ It waits for the SuperNodes, asks each for its partition id and sizes (``query``
 recipe (no data on this side), then per round selects clients like the engine (``select_clients``), sends each
 its row of the method's ``client_start`` with the server state (``train``), and folds the replies in with the
 method's ``aggregate``. Validation (``evaluate``) is the mean over training clients of their own accuracy, as
-the engine's. The run directory it writes (``run.json``, ``best.npz``, ``metrics.jsonl``) is what
+the engine's. At the end, the finalize step (:func:`finalize`) asks the clients for what a bundle needs from their
+data. The run directory it writes (``run.json``, ``best.npz``, ``metrics.jsonl``, ``device.npz``) is what
 ``fl-server export`` and the coordinator take from an in-process run.
 
 Example (after a SuperLink and SuperNodes are up; the app folder is ``examples/flower``)::
@@ -20,17 +21,17 @@ from typing import Any, Mapping
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
-from edge_sdk import _btfl as btfl_math
 from fl_server import rundir
 from fl_server.algorithms.base import Algorithm
 from fl_server.algorithms.btfl import BTFL
 from fl_server.engine.simulation import select_clients
-from fl_server.flower.task import FlowerRecipe, check_supported
+from fl_server.flower.task import FlowerRecipe, check_supported, statistics_from_uploads
 from fl_server.flower.wire import record_to_state, state_to_record
 from fl_server.functional import State, stack, unstack
+from fl_server.models.norm import stat_norms
 from fl_server.recipes.run import describe_run
 
 app = ServerApp()
@@ -108,6 +109,33 @@ class FederatedRun:
         self.server_state = self.algorithm.aggregate(self.server_state, ids, stack(states), self.sizes[ids])
 
 
+def finalize(grid: Grid, run: FederatedRun, state: State, node_of: dict[int, int],
+             timeout: float) -> dict[str, dict[str, np.ndarray]]:
+    """The run's finalize step on the clients' data, as the engine's ``Simulation.finalize`` for ``state`` (the best
+    state): a batch-normalised model's population statistics from every training client's sums (``stats``), then
+    BTFL's global DLE and mean feature from every client's upload, normalised by those statistics (``btfl``)."""
+    params = state_to_record({"params": state["params"]})
+
+    def ask(kind: str, extra: dict[str, ArrayRecord]) -> list[Any]:
+        replies = _exchange(grid, kind, {node_of[p]: RecordDict({"server": params, "config": run.config(-1), **extra})
+                                         for p in range(run.k)}, timeout, run.recipe.rounds)
+        return [replies[node_of[p]] for p in range(run.k)]
+
+    device: dict[str, dict[str, np.ndarray]] = {}
+    extra: dict[str, ArrayRecord] = {}
+    if stat_norms(run.algorithm.model):
+        sums = ask("query.bn_sums", {})
+        device["stats"] = statistics_from_uploads(run.algorithm, [_arrays(r["sums"]) for r in sums])
+        extra["stats"] = ArrayRecord({k: Array(v) for k, v in device["stats"].items()})
+    if isinstance(run.algorithm, BTFL):
+        device.update(run.algorithm.finalize_from_uploads([_arrays(r["dle"]) for r in ask("query.dle", extra)]))
+    return device
+
+
+def _arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
+    return {k: v.numpy() for k, v in record.items()}
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Train the run config's recipe on the connected SuperNodes; write the run directory ``run-dir``."""
@@ -157,14 +185,7 @@ def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
         with open(run_dir / rundir.METRICS, "a") as fh:
             fh.write(json.dumps(row) + "\n")
     rundir.save_state(run_dir / rundir.FINAL, run.server_state, {"round": recipe.rounds - 1})
-    device: dict[str, dict[str, np.ndarray]] = {}  # the finalize step: what a bundle needs from the clients' data
-    if isinstance(run.algorithm, BTFL):  # every client's local DLE with the exported features -> the global DLE
-        record = state_to_record({"params": best["params"]})
-        dles = _exchange(grid, "query.dle", {node_of[p]: RecordDict({"server": record, "config": run.config(-1)})
-                                             for p in range(k)}, timeout, recipe.rounds)
-        global_dle = btfl_math.average_dles([dles[node_of[p]]["dle"]["local_dle"].numpy() for p in range(k)])
-        device["btfl"] = {"global_dle": global_dle, "dle_clients": np.array([k], dtype=np.int64)}
-    rundir.write_device(run_dir, device, best_round)
+    rundir.write_device(run_dir, finalize(grid, run, best, node_of, timeout), best_round)
     # what `fl-server export` rebuilds the model from (fl_server.recipes.run.rebuild), as for an engine run
     description = describe_run(recipe.recipe, run.algorithm, None, recipe.seed)
     description["engine"] = "flower"

@@ -19,8 +19,9 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -28,7 +29,9 @@ import torch
 from fl_server.algorithms.base import Algorithm, NotApplicable
 from fl_server.algorithms.btfl import BTFL
 from fl_server.engine.simulation import _EVAL, Simulation, client_batches, client_rng, run_local_steps
-from fl_server.functional import State, stack, unstack
+from fl_server.functional import State, make_forward, stack, unstack
+from fl_server.models.norm import (client_sums, federated_statistics, norm_mode, norm_names, set_statistics,
+                                   statistics_arrays)
 from fl_server.recipes import Recipe, load_recipe
 from fl_server.recipes.presets import builtin_recipe
 from fl_server.recipes.run import federate, simulation
@@ -65,7 +68,7 @@ class FlowerRecipe:
         if cfg.get("recipe"):
             recipe = load_recipe(str(cfg["recipe"]))
         else:
-            changes = {field: cfg[key] for key, field in _RECIPE_KEYS.items() if key in cfg}
+            changes = {field: cfg[key] for key, field in _RECIPE_KEYS.items() if key in cfg and cfg[key] != ""}
             recipe = builtin_recipe(str(cfg.get("dataset", "mnist")), str(cfg.get("method", "FedAvg")), **changes)
         return cls(recipe, int(cfg.get("seed", 0)), dtype, int(cfg.get("eval-every", 0)))
 
@@ -178,9 +181,50 @@ def client_round(algorithm: Algorithm, start: State, server: State, data: Client
     return {k: v for k, v in trained.items() if k not in kept}, kept
 
 
-def client_local_dle(algorithm: BTFL, server: State, data: ClientData, recipe: FlowerRecipe) -> np.ndarray:
-    """BTFL: the client's local DLE [D, L] with the final global features (its upload for the global DLE)."""
-    return algorithm.local_dle(server["params"], torch.from_numpy(data.x_train).to(recipe.torch_dtype))
+_SUM_PARTS = ("sum", "sumsq", "count")  # a layer's entries of a client's upload (fl_server.models.norm.Sums)
+
+
+def client_bn_sums(algorithm: Algorithm, server: State, data: ClientData,
+                   recipe: FlowerRecipe) -> dict[str, np.ndarray]:
+    """A batch-normalised model: the sums of every layer's input over the client's training samples with the sent
+    weights (the engine's :func:`~fl_server.models.norm.client_sums`), as ``<layer>.sum`` / ``.sumsq`` /
+    ``.count``: its upload for the population statistics (:func:`statistics_from_uploads`)."""
+    model = algorithm.model
+    forward = make_forward(model)
+    sums = client_sums(model, lambda xb: forward(server["params"], xb),
+                       torch.from_numpy(data.x_train).to(recipe.torch_dtype))
+    return {f"{name}.{part}": value.numpy().reshape(-1) for name, layer in zip(norm_names(model), sums)
+            for part, value in zip(_SUM_PARTS, layer)}
+
+
+def statistics_from_uploads(algorithm: Algorithm, uploads: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The server's side: the population statistics from every training client's :func:`client_bn_sums`, added
+    up as the engine's finalize adds them (:func:`~fl_server.models.norm.federated_statistics`); set on the
+    model and returned as ``device.npz``'s ``stats``."""
+    model = algorithm.model
+    federated_statistics(model, [[[torch.from_numpy(u[f"{name}.{part}"]).reshape(() if part == "count" else -1)
+                                   for part in _SUM_PARTS] for name in norm_names(model)] for u in uploads])
+    return statistics_arrays(model)
+
+
+@contextlib.contextmanager
+def population_statistics(model: torch.nn.Module, stats: Mapping[str, np.ndarray] | None) -> Iterator[None]:
+    """Run a block with ``stats`` (``device.npz``'s ``stats``) as the population statistics and every batch-normalised
+    layer in population mode, as the engine's finalize runs (``Simulation.device_semantics``); no-op without."""
+    if not stats:
+        yield
+        return
+    set_statistics(model, dict(stats))
+    with norm_mode(model, "population"):
+        yield
+
+
+def client_btfl_upload(algorithm: BTFL, server: State, data: ClientData, recipe: FlowerRecipe,
+                       stats: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    """BTFL: the client's local DLE [D, L] and mean feature with the final global features, a batch-normalised
+    model normalising by the run's population statistics ``stats`` (its upload for ``BTFL.finalize_from_uploads``)."""
+    with population_statistics(algorithm.model, stats):
+        return algorithm.local_upload(server["params"], torch.from_numpy(data.x_train).to(recipe.torch_dtype))
 
 
 def client_validation(algorithm: Algorithm, server: State, data: ClientData, recipe: FlowerRecipe,

@@ -224,6 +224,34 @@ def _set_from_sums(model: nn.Module, sums: list[list[torch.Tensor]]) -> None:
         m.var = (squares / count - mean * mean).clamp_min(0.0).to(m.weight.dtype)
 
 
+# samples per forward when a client's sums are collected (:func:`client_sums`): each chunk is normalised with its
+# own batch statistics on the way, so the chunking is part of what the population statistics are
+CALIBRATION_CHUNK = 256
+Sums = list[list[torch.Tensor]]  # per layer [sum x, sum x^2, count] (float64, per channel)
+
+
+def client_sums(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                chunk: int = CALIBRATION_CHUNK) -> Sums:
+    """One training client's sufficient statistics of every layer's input over its samples ``x``, ``chunk`` at a
+    time: what the engine's finalize collects per training client (``Simulation.device_semantics``) and a Flower
+    client uploads; :func:`federated_statistics` adds them up."""
+    return _sums(model, forward, (x[i:i + chunk] for i in range(0, len(x), chunk)))
+
+
+def federated_statistics(model: nn.Module, per_client: Sequence[Sums]) -> None:
+    """Set every StatBatchNorm2d's population statistics from the clients' sums added up: the mean and biased
+    variance over the union of their samples (FedAvg of the clients' statistics weighted by sample count)."""
+    if not per_client:
+        raise ValueError("federated_statistics got no clients")
+    _set_from_sums(model, [[sum(c[layer][k] for c in per_client) for k in range(3)]
+                           for layer in range(len(per_client[0]))])
+
+
+def statistics_arrays(model: nn.Module) -> dict[str, np.ndarray]:
+    """:func:`statistics` as float32 numpy arrays: the ``stats`` weight set of a run's ``device.npz``."""
+    return {n: v.float().cpu().numpy() for n, v in statistics(model).items()}
+
+
 def calibrate(model: nn.Module, forward: Callable[[torch.Tensor], torch.Tensor],
               batches: Iterable[torch.Tensor]) -> None:
     """Set every StatBatchNorm2d's population statistics to the mean and biased variance of its input over
@@ -251,6 +279,5 @@ def client_statistics(model: nn.Module, forward: Callable[[torch.Tensor], torch.
         for sums in per_client:
             _set_from_sums(model, sums)
             out.append(statistics(model))
-    total = [[sum(c[layer][k] for c in per_client) for k in range(3)] for layer in range(len(per_client[0]))]
-    _set_from_sums(model, total)
+    federated_statistics(model, per_client)
     return out if how == "local" else [statistics(model)] * len(per_client)
