@@ -81,8 +81,8 @@ NONFINITE = re.compile(r"^warning: the run's weights are not finite \(NaN or inf
 
 def test_a_diverged_run_warns_at_train_and_export_refuses_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]
                                                              ) -> None:
-    """A learning rate of 1e8 sends the weights to NaN/inf in the first round: the summary, run.json and the
-    coordinator's job status (which reads run.json) say so instead of an accuracy alone; export writes nothing."""
+    """A learning rate of 1e8 sends the weights to NaN/inf in the first round: the summary and run.json say so
+    instead of an accuracy alone (or a misleading "collapsed" line); export writes nothing."""
     from fl_server import rundir
 
     (tmp_path / "diverging.py").write_text(DIVERGING)
@@ -97,6 +97,24 @@ def test_a_diverged_run_warns_at_train_and_export_refuses_it(tmp_path: Path, cap
     assert re.fullmatch(rf"error: {re.escape(str(run_dir))}: the run's best state is not finite \(NaN or inf in "
                         r"params/[\w.]+ and \d+ more tensors\): training diverged, so no bundle is written; train "
                         r"again and lower the learning rate or clip the gradients \(hyper clip_norm\)\n", err), err
+
+
+CHANCE = re.compile(r"^warning: new-client accuracy \d+\.\d% is at chance \(10\.0% for 10 classes\): the model learnt "
+                    r"\(almost\) nothing; train longer, lower the learning rate or check the labels before shipping "
+                    r"this bundle$")
+
+
+def test_fedicon_at_the_papers_rates_over_short_rounds_warns(tmp_path: Path) -> None:
+    """FedICON's paper rates (lr 0.005, head_lr 0.01) are for rounds of 5 epochs; over three rounds of 5 steps its
+    classifier does not leave its initial draw. The record (and so the summary and run.json) says so in one line
+    instead of printing a chance-level accuracy alone."""
+    from fl_server.recipes import DataSpec, Federation, Recipe, train
+
+    recipe = Recipe(model="mlp", data=DataSpec.builtin("digits"), method="FedICON", rounds=3, local_iterations=5,
+                    batch_size=32, federation=Federation(partition="iid", num_clients=6, new_fraction=0.34))
+    record = train(recipe, tmp_path / "run", device="cpu", progress=False)
+    assert record["hyper"]["lr"] == 0.005 and record["hyper"]["head_lr"] == 0.01
+    assert record["warning"] is not None and (CHANCE.match(record["warning"]) or COLLAPSED.match(record["warning"]))
 
 
 @pytest.mark.parametrize("counts, accuracy, labels, expected", [
