@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import functools
 import re
+from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +44,7 @@ class Templates:
                         self.found.append(self._render(node, env, frozenset()))
 
     @staticmethod
-    def _constants(bodies) -> dict[str, list[ast.expr]]:  # type: ignore[no-untyped-def]
+    def _constants(bodies: Iterable[Iterable[ast.AST]]) -> dict[str, list[ast.expr]]:
         """``NAME = <string expression>`` assignments of ``bodies``: name -> every value it is given."""
         out: dict[str, list[ast.expr]] = {}
         for body in bodies:
