@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-sdk bench-quick report clean
+.PHONY: setup run test test-fast test-sdk bench-quick report clean
 
 $(STAMP): pyproject.toml setup.py edge_sdk/pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found (Python 3.11 is required; set PYTHON=...)"; exit 1; }
@@ -26,6 +26,10 @@ run: $(STAMP)
 ## the whole test suite (real MNIST / Fashion-MNIST from ../shared/data when present)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+## the fast lane for development: the tests under ~5 s each (leaves out those marked slow: tests/slow_tests.txt)
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
 
 ## edge_sdk alone in a fresh venv: proves `pip install ./edge_sdk` pulls no torch
 test-sdk: $(STAMP)

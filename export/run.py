@@ -14,6 +14,7 @@ from export.quantize import freeze_weights, quantize_int8
 from export.steps import device_specs
 from fl_server import rundir
 from fl_server.algorithms.btfl import BTFL
+from fl_server.diagnostics import NONFINITE_FIX, describe_nonfinite, nonfinite_weights
 from fl_server.models.norm import BATCH_NORM_RULE, set_statistics, stat_norms
 from fl_server.recipes import Recipe
 from fl_server.recipes.run import rebuild
@@ -29,7 +30,7 @@ def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_r
     (``manifest.sig``). ``recipe``: the run's recipe, needed only when it was built in Python (run.json then names
     no recipe file to rebuild the model from). A batch-normalised model ships the run's population statistics
     (``stats``) and the device's rule (``batch_norm``, :data:`fl_server.models.norm.BATCH_NORM_RULE`), by which
-    training evaluated its new clients.
+    training evaluated its new clients. A best state with NaN or infinite weights (a diverged run) is refused.
 
     >>> export_run("runs/mnist-TENT", "runs/bundle")  # doctest: +SKIP
     PosixPath('runs/bundle')
@@ -42,6 +43,11 @@ def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_r
              "preprocess": recipe.preprocess.to_dict(),  # type: ignore[union-attr]
              **{k: run[k] for k in ("recipe", "federation", "protocol", "data", "new_clients")
                 if run.get(k) is not None}}
+    best = rundir.load_best(run_dir)
+    diverged = nonfinite_weights(best)
+    if diverged:
+        raise ValueError(f"{run_dir}: the run's best state is not finite ({describe_nonfinite(diverged)}): training "
+                         f"diverged, so no bundle is written; train again and {NONFINITE_FIX}")
     missing = [name for name in type(algorithm).finalize_weights if name not in device]
     if missing:
         raise ValueError(f"{run_dir}: device.npz lacks {', '.join(missing)} (the run's finalize step writes them); "
@@ -57,8 +63,8 @@ def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_r
     if isinstance(algorithm, BTFL):
         if int8:
             raise ValueError("--int8 is not available for BTFL bundles")
-        return export_btfl_run(algorithm, rundir.load_best(run_dir), device, dest, extra, signer)
-    state = {k: {n: v.float() for n, v in d.items()} for k, d in rundir.load_best(run_dir).items()
+        return export_btfl_run(algorithm, best, device, dest, extra, signer)
+    state = {k: {n: v.float() for n, v in d.items()} for k, d in best.items()
              if k in algorithm.device_weights}
     specs = device_specs(algorithm, state)  # forward and the method's device step (Algorithm.device_step)
     weights = {k: {n: v.numpy() for n, v in d.items()} for k, d in state.items()}

@@ -218,6 +218,10 @@ def cmd_device_data(args: argparse.Namespace) -> int:
 
     if args.source.startswith(("http://", "https://")):
         manifest = _served_manifest(args.source, args.method, args.wait)
+        if manifest.get("recipe") and not args.recipe:  # a server must not pick which local file runs here
+            raise ValueError(f"{args.source} serves a bundle of the recipe {manifest['recipe']}; a coordinator's "
+                             f"manifest does not choose a Python file to run on this machine: pass --recipe "
+                             f"FILE.py:NAME, the recipe file you trust")
     else:
         path = Path(args.source)
         path = path / "manifest.json" if path.is_dir() else path
@@ -387,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data-dir", default=None)
     p.add_argument("--recipe", default=None, help="FILE.py[:NAME]: where the recipe the bundle names is (default: "
-                                                  "its FILE.py:NAME in the working directory)")
+                                                  "its FILE.py:NAME in the working directory; required with a URL "
+                                                  "whose bundle names a recipe file)")
     p.set_defaults(func=cmd_device_data)
 
     p = add_parser("serve", help="run the coordinator API (trains the default bundles when the store is empty)")

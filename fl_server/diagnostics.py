@@ -1,7 +1,9 @@
-"""Warnings about a trained run that look fine in its numbers but are not: new-client predictions collapsed to
-one class, or an accuracy at chance. :func:`collapse_warning` is the rule (one line or None); the train summary
+"""Warnings about a trained run that look fine in its numbers but are not: weights that became NaN or infinite
+(training diverged), new-client predictions collapsed to one class, or an accuracy at chance.
+:func:`nonfinite_warning` and :func:`collapse_warning` are the rules (one line or None); the train summary
 (``fl-server train``, :func:`fl_server.recipes.train`'s record and ``run.json``), the coordinator's job status
-and ``fl-server export`` show it.
+and ``fl-server export`` show them, and export refuses a best state with non-finite weights
+(:func:`nonfinite_weights`).
 
 >>> collapse_warning([0, 0, 97, 3], num_classes=4, accuracy=0.26)
 'warning: new-client predictions collapsed to one class (class 2 takes 97% of them; accuracy 26.0%, chance 25.0%): the model learnt no classifier; lower the learning rate or check the labels, and do not ship this bundle'
@@ -11,7 +13,7 @@ True
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
@@ -21,6 +23,42 @@ from fl_server.algorithms.base import NotApplicable
 
 if TYPE_CHECKING:
     from fl_server.engine import Simulation
+
+NONFINITE_FIX = "lower the learning rate or clip the gradients (hyper clip_norm)"
+
+
+def nonfinite_weights(state: dict[str, Any]) -> list[str]:
+    """The tensors of ``state`` (nested dicts of tensors or arrays, e.g. a run's best state) holding a NaN or an
+    infinity, by their ``group/name`` paths."""
+    found = []
+    for name, value in state.items():
+        if isinstance(value, dict):
+            found += [f"{name}/{inner}" for inner in nonfinite_weights(value)]
+        elif isinstance(value, (torch.Tensor, np.ndarray)):
+            tensor = torch.as_tensor(value)
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                found.append(name)
+    return found
+
+
+def describe_nonfinite(names: Sequence[str]) -> str:
+    """``NaN or inf in params/head.weight and 3 more tensors``: which weights of a state are not finite."""
+    more = f" and {len(names) - 1} more tensor{'s' if len(names) > 2 else ''}" if len(names) > 1 else ""
+    return f"NaN or inf in {names[0]}{more}"
+
+
+def nonfinite_warning(state: dict[str, Any]) -> str | None:
+    """One line when ``state`` (the run's best state, what a bundle ships) holds a NaN or an infinity, else None.
+
+    >>> nonfinite_warning({"params": {"head.weight": torch.tensor([1.0, float("nan")])}})
+    "warning: the run's weights are not finite (NaN or inf in params/head.weight): training diverged and its accuracies mean nothing; lower the learning rate or clip the gradients (hyper clip_norm), and do not ship this bundle (fl-server export refuses it)"
+    """
+    names = nonfinite_weights(state)
+    if not names:
+        return None
+    return (f"warning: the run's weights are not finite ({describe_nonfinite(names)}): training diverged and its "
+            f"accuracies mean nothing; {NONFINITE_FIX}, and do not ship this bundle (fl-server export refuses it)")
+
 
 ONE_CLASS_SHARE = 0.9  # more of the predictions than this in one class: collapsed
 OVER_LABEL_SHARE = 0.05  # ... and that class's share of the labels is lower by more than this
@@ -81,10 +119,7 @@ def new_client_predictions(sim: Simulation, state: dict | None = None) -> NewCli
     clients or its method cannot personalise."""
     if not sim.fed.new:
         return None
-    if state is None:
-        state = sim.best_state
-    if state is None and sim.out_dir is not None and (sim.out_dir / rundir.BEST).is_file():  # a finished run, resumed
-        state = rundir.load_state(sim.out_dir / rundir.BEST, sim.device)
+    state = _best_state(sim, state)
     try:
         with torch.random.fork_rng(devices=[]):  # a method's random views leave the global RNG as it was
             preds = sim.personalized_predictions(sim.fed.new, state)
@@ -100,9 +135,23 @@ def new_client_predictions(sim: Simulation, state: dict | None = None) -> NewCli
     return NewClientPredictions(counts, labels, float(np.mean(accs)))
 
 
+def _best_state(sim: Simulation, state: dict | None) -> dict | None:
+    """``state``, else the run's best state (in memory, else from its run directory: a finished run, resumed)."""
+    if state is None:
+        state = sim.best_state
+    if state is None and sim.out_dir is not None and (sim.out_dir / rundir.BEST).is_file():
+        state = rundir.load_state(sim.out_dir / rundir.BEST, sim.device)
+    return state
+
+
 def run_warning(sim: Simulation, state: dict | None = None) -> str | None:
-    """:func:`collapse_warning` of a finished simulation's new clients (None when it has none)."""
-    seen = new_client_predictions(sim, state)
+    """:func:`nonfinite_warning` of a finished simulation's best state (or ``state``), else :func:`collapse_warning`
+    of its new clients (None when it has none)."""
+    best = _best_state(sim, state)
+    diverged = nonfinite_warning(best) if best is not None else None
+    if diverged:
+        return diverged  # its predictions (NaN logits) would only add a misleading "collapsed" line
+    seen = new_client_predictions(sim, best)
     if seen is None:
         return None
     return collapse_warning(seen.counts, len(seen.counts), seen.accuracy, seen.labels)

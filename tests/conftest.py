@@ -1,5 +1,7 @@
-"""Shared fixtures: the real data in ../shared/data (skip with a clear reason where it is absent), and a
-coordinator store with trained bundles for the API tests (trained once per session)."""
+"""Shared fixtures: the real data in ``$FL_DATA_DIR``, else ../shared/data beside the checkout (skip with a clear
+reason where it is absent), and a coordinator store with trained bundles for the API tests (trained once per
+session). ``make test-fast`` deselects the tests marked ``slow``: those :data:`SLOW_TESTS` lists and any marked
+``@pytest.mark.slow`` in its own file."""
 from __future__ import annotations
 
 import os
@@ -8,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+BESIDE_CHECKOUT = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SHARED_DATA = Path(os.environ.get("FL_DATA_DIR") or BESIDE_CHECKOUT)  # $FL_DATA_DIR first, as the README says
 sys.path.append(str(Path(__file__).resolve().parents[1] / "edge_sdk" / "tests"))  # reliability_log, RFC vectors
 if SHARED_DATA.is_dir() and not os.environ.get("FL_DATA_DIR"):
     # code under test that resolves data by itself (harness runs, subprocesses) sees the same files as the
@@ -18,6 +21,23 @@ if SHARED_DATA.is_dir() and not os.environ.get("FL_DATA_DIR"):
 
 def _have(sub: str) -> bool:
     return (SHARED_DATA / sub / "train-images-idx3-ubyte.gz").is_file()
+
+
+SLOW_TESTS = Path(__file__).with_name("slow_tests.txt")  # node ids of the tests over ~5 s, a line each
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark ``slow`` the tests :data:`SLOW_TESTS` lists (a file, or FILE::test_name with all its parameters)."""
+    listed = [line.split("#")[0].strip() for line in SLOW_TESTS.read_text().splitlines()]
+    listed = [entry for entry in listed if entry]
+    root = Path(str(config.rootpath))
+    for entry in listed:
+        if not (root / entry.split("::")[0]).is_file():
+            raise pytest.UsageError(f"{SLOW_TESTS.name} lists {entry}, which is not a test file here: correct or "
+                                    f"remove the line")
+    for item in items:
+        if any(item.nodeid == e or item.nodeid.startswith((e + "::", e + "[")) for e in listed):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ from fl_server.data import DATASETS, ArrayDataset, DataFileError, FetchError, fe
 from fl_server.data.datasets import resolve_root
 from fl_server.data.idx import read_idx
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SHARED_DATA = Path(os.environ.get("FL_DATA_DIR") or Path(__file__).resolve().parents[1].parent / "shared" / "data")
 MNIST_DIR = SHARED_DATA / "mnist"
 FASHION_DIR = SHARED_DATA / "fashion-mnist"
 

@@ -120,7 +120,9 @@ def test_device_data_finds_the_recipe_a_bundle_names(bundles: dict[str, Path], t
     args = ["device-data", str(bundle), "--kind", "clients"]
     monkeypatch.chdir(work)  # my_recipes.py is in recipes/, not here
     assert main([*args, "--out", str(tmp_path / "a.npz")]) == 2
-    assert "recipe my_recipes.py:bn is not found" in capsys.readouterr().err
+    assert capsys.readouterr().err == ("error: the bundle's recipe my_recipes.py:bn is not found (a bundle names it "
+                                       "FILE.py:NAME, relative to the working directory): run from the folder that "
+                                       "holds it or pass --recipe PATH/FILE.py:NAME\n")
     assert main([*args, "--out", str(tmp_path / "a.npz"), "--recipe", "recipes/my_recipes.py:bn"]) == 0
     monkeypatch.chdir(work / "recipes")
     assert main([*args, "--out", str(tmp_path / "b.npz")]) == 0

@@ -1,7 +1,8 @@
 """Mistakes that used to pass silently now fail or warn with one line saying what to fix: raw images unlike the
-recipe's data given to a device (already normalised, another size), and a run whose new-client predictions
-collapsed (``fl-server train`` and ``fl-server export`` say so). Real MNIST, a real recipe file, a real bundle
-run by onnxruntime. (A forward that applies softmax after its head: tests/test_recipes.py's bad recipes.)"""
+recipe's data given to a device (already normalised, another size), a run whose new-client predictions
+collapsed (``fl-server train`` and ``fl-server export`` say so), and a run whose weights became NaN or infinite
+(``fl-server train`` says so, ``fl-server export`` refuses it). Real MNIST and digits, real recipe files, a real
+bundle run by onnxruntime. (A forward that applies softmax after its head: tests/test_recipes.py's bad recipes.)"""
 from __future__ import annotations
 
 import contextlib
@@ -13,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fl_server.cli import main
 from fl_server.diagnostics import collapse_warning
 
 RECIPES = '''
@@ -34,8 +36,6 @@ collapsed = healthy.replace(hyper={{"lr": 5.0}})  # a learning rate that sends e
 @pytest.fixture(scope="module")
 def runs(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """The CLI's train and export of a healthy and of a collapsed recipe (their printed lines, the bundles)."""
-    from fl_server.cli import main
-
     tmp = tmp_path_factory.mktemp("loud")
     (tmp / "mnist_recipes.py").write_text(RECIPES.format(root=str(data_root)))
     out: dict[str, object] = {}
@@ -66,6 +66,55 @@ def test_a_collapsed_run_warns_at_train_and_export(runs: dict) -> None:
     assert healthy["run"]["warning"] is None and healthy["run"]["preprocess"]["raw"] == {
         "dtype": "uint8", "range": [0.0, 255.0], "shape": [28, 28]}
     assert not any("warning" in line for line in healthy["train"][-1:] + healthy["export"])
+
+
+DIVERGING = '''
+from fl_server.recipes import DataSpec, Federation, Recipe
+
+diverged = Recipe(model="mlp", data=DataSpec.builtin("digits"), method="FedAvg", hyper={"lr": 1e8}, rounds=2,
+                  local_iterations=5, batch_size=32, federation=Federation(partition="iid", num_clients=6))
+'''
+NONFINITE = re.compile(r"^warning: the run's weights are not finite \(NaN or inf in params/[\w.]+ and \d+ more tensors\): "
+                       r"training diverged and its accuracies mean nothing; lower the learning rate or clip the "
+                       r"gradients \(hyper clip_norm\), and do not ship this bundle \(fl-server export refuses it\)$")
+
+
+def test_a_diverged_run_warns_at_train_and_export_refuses_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                                             ) -> None:
+    """A learning rate of 1e8 sends the weights to NaN/inf in the first round: the summary and run.json say so
+    instead of an accuracy alone (or a misleading "collapsed" line); export writes nothing."""
+    from fl_server import rundir
+
+    (tmp_path / "diverging.py").write_text(DIVERGING)
+    run_dir = tmp_path / "run"
+    assert main(["train", "--recipe", f"{tmp_path / 'diverging.py'}:diverged", "--out", str(run_dir),
+                 "--no-progress", "--device", "cpu"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert NONFINITE.match(last), last
+    assert rundir.read_run(run_dir)["warning"] == last
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "bundle")]) == 2 and not (tmp_path / "bundle").exists()
+    err = capsys.readouterr().err
+    assert re.fullmatch(rf"error: {re.escape(str(run_dir))}: the run's best state is not finite \(NaN or inf in "
+                        r"params/[\w.]+ and \d+ more tensors\): training diverged, so no bundle is written; train "
+                        r"again and lower the learning rate or clip the gradients \(hyper clip_norm\)\n", err), err
+
+
+CHANCE = re.compile(r"^warning: new-client accuracy \d+\.\d% is at chance \(10\.0% for 10 classes\): the model learnt "
+                    r"\(almost\) nothing; train longer, lower the learning rate or check the labels before shipping "
+                    r"this bundle$")
+
+
+def test_fedicon_at_the_papers_rates_over_short_rounds_warns(tmp_path: Path) -> None:
+    """FedICON's paper rates (lr 0.005, head_lr 0.01) are for rounds of 5 epochs; over three rounds of 5 steps its
+    classifier does not leave its initial draw. The record (and so the summary and run.json) says so in one line
+    instead of printing a chance-level accuracy alone."""
+    from fl_server.recipes import DataSpec, Federation, Recipe, train
+
+    recipe = Recipe(model="mlp", data=DataSpec.builtin("digits"), method="FedICON", rounds=3, local_iterations=5,
+                    batch_size=32, federation=Federation(partition="iid", num_clients=6, new_fraction=0.34))
+    record = train(recipe, tmp_path / "run", device="cpu", progress=False)
+    assert record["hyper"]["lr"] == 0.005 and record["hyper"]["head_lr"] == 0.01
+    assert record["warning"] is not None and (CHANCE.match(record["warning"]) or COLLAPSED.match(record["warning"]))
 
 
 @pytest.mark.parametrize("counts, accuracy, labels, expected", [

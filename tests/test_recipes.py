@@ -305,12 +305,14 @@ recipe = Recipe(model="mlp", data=DataSpec.builtin("digits"), method="FedAvg", r
 '''
 
 
-def test_coordinator_trains_a_recipe_from_its_recipe_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_coordinator_trains_a_recipe_from_its_recipe_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """An admin names FILE:NAME from FL_SERVE_RECIPES_DIR; the job trains the user's model and serves its bundle.
     A name outside the directory's grammar or a missing file is refused before anything runs. A job whose
     new-client predictions collapsed says so in its status (one line). A job trains the recipe's own method and
     federation where the request sets none (its spec lists what it overrides), and device-data hands out that run's
-    new clients (none of its training samples)."""
+    new clients (none of its training samples), from the recipe file named with --recipe (never one the served
+    manifest names alone)."""
     import httpx
     from coordinator_proc import ADMIN, auth, join, start
 
@@ -354,7 +356,13 @@ def test_coordinator_trains_a_recipe_from_its_recipe_directory(tmp_path: Path, m
         assert "a recipe / its own" in httpx.get(f"{coord.url}/", timeout=10).text  # the dashboard
         out = tmp_path / "new.npz"  # the newest FedAvg bundle is the spread job's (jobs run in order)
         monkeypatch.chdir(tmp_path / "recipes")  # a manifest names its recipe FILE.py:NAME (no exporter's path)
-        assert main(["device-data", coord.url, "--method", "fedavg", "--kind", "clients", "--out", str(out)]) == 0
+        served = ["device-data", coord.url, "--method", "fedavg", "--kind", "clients", "--out", str(out)]
+        assert main(served) == 2 and not out.exists()  # the server's manifest does not pick a file to run here
+        err = capsys.readouterr().err
+        assert err == (f"error: {coord.url} serves a bundle of the recipe spread.py:recipe; a coordinator's manifest "
+                       "does not choose a Python file to run on this machine: pass --recipe FILE.py:NAME, the recipe "
+                       "file you trust\n"), err
+        assert main([*served, "--recipe", "spread.py:recipe"]) == 0
         fed = federate(load_recipe(tmp_path / "recipes" / "spread.py"), 0)  # the recipe's own federation
         with np.load(out, allow_pickle=False) as f:
             written = {r.tobytes() for r in f["x"]}

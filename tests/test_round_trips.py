@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +27,11 @@ def _split(fed, raw: np.ndarray) -> tuple[set[bytes], set[bytes]]:  # type: igno
     """(the training clients' samples, the new clients' samples) of ``fed`` as raw image bytes."""
     seen = np.concatenate([*fed.train, *fed.val])
     return _rows(raw[seen]), _rows(raw[np.concatenate(fed.new)])
+
+
+PYTHON_RECIPE = ("the run of 'digits' names no recipe file (its recipe was built in Python): pass the recipe in "
+                 "Python (export_run(run_dir, dest, recipe=recipe); device_samples.client_samples(manifest, "
+                 "recipe=recipe)) or train with fl-server train --recipe FILE.py:NAME")
 
 
 def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
@@ -58,8 +64,7 @@ def test_a_python_recipe_over_a_folder_named_digits_round_trips_with_the_recipe(
 
     assert main(["export", str(run_dir), "--out", str(tmp_path / "refused")]) == 2
     refusal = _one_line_error(capsys)
-    assert "names no recipe file (its recipe was built in Python)" in refusal
-    assert "export_run(run_dir, dest, recipe=recipe)" in refusal and "layout" not in refusal
+    assert refusal == f"error: {PYTHON_RECIPE}\n"  # not an error about the layout of the built-in digits
     assert not (tmp_path / "refused").exists()
 
     bundle = load_bundle(export_run(run_dir, tmp_path / "bundle", recipe=recipe))
@@ -115,7 +120,11 @@ def test_device_data_hands_out_the_runs_new_clients_only(data_root: Path, tmp_pa
     out.unlink()
     assert main(["device-data", str(bundle), "--kind", "clients", "--out", str(out)]) == 2
     err = _one_line_error(capsys)
-    assert "are not the run's" in err and "restore them or give the device your own samples" in err
+    assert re.fullmatch(rf"error: the new clients rebuilt from {re.escape(str(file))}:spread and the data \(seed 0\) "
+                        r"are not the run's \(\d+ clients / \d+ samples, sha256 [0-9a-f]{12}; the run held out 2 / \d+, "
+                        r"[0-9a-f]{12}\): the recipe file or the data \(--data-dir\) changed since training, and a "
+                        r"different split would hand out training samples; restore them or give the device your own "
+                        r"samples\n", err), err
     assert not out.exists()
     manifest = json.loads((bundle / "manifest.json").read_text())
     manifest.pop("new_clients")
@@ -143,7 +152,7 @@ def test_a_python_model_over_built_in_data_is_asked_for_in_one_line() -> None:
     fed = federate(recipe, 0)
     run = json.loads(json.dumps(describe_run(recipe, recipe.build_algorithm(recipe.build_model(0), 2), fed, 0)))
     assert run["recipe"] is None and run["data"]["builtin"] == "digits" and run["model"] == "Tiny"
-    with pytest.raises(RecipeError, match=r"^the run of 'digits' names no recipe file .*recipe=recipe\)"):
+    with pytest.raises(RecipeError, match=f"^{re.escape(PYTHON_RECIPE)}$"):
         recipe_of_run(run)
 
 
