@@ -6,6 +6,11 @@ Where the private key comes from, first match wins:
 1. ``$FL_SIGNING_KEY``: the 32-byte private seed as 64 hex characters;
 2. ``$FL_SIGNING_KEY_FILE``: a PEM (PKCS#8) private key file;
 3. ``<store>/signing_key.pem``: generated on first start (mode 0600) and reused after.
+
+Rotation retires for good: when a key from the environment replaces the store's, the store's file is deleted and
+its public key recorded in ``<store>/signing_key.retired``; a retired key is refused wherever it comes from, and a
+store whose key was retired does not generate a new one when the variables are unset (devices pin the key that
+replaced it): the coordinator stops with one line saying so.
 """
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from edge_sdk.signing import make_release, signature_record, write_signature
 
 log = logging.getLogger("fl_server.service")
 KEY_FILE = "signing_key.pem"
+RETIRED_FILE = "signing_key.retired"  # public keys (hex), one a line, that must never sign again
 OFFLINE_TTL_S = 365 * 86400  # how long a bundle signed by `fl-server export --signing-key` stays valid
 
 
@@ -74,7 +80,40 @@ class ManifestSigner:
 
     @classmethod
     def load_or_create(cls, store_dir: Path, env: Mapping[str, str] = os.environ) -> ManifestSigner:
-        """The key per the precedence in the module docstring; generates ``<store>/signing_key.pem``."""
+        """The key per the precedence in the module docstring; generates ``<store>/signing_key.pem``; retires
+        the store's key when the environment names another (module docstring)."""
+        path = Path(store_dir) / KEY_FILE
+        retired_path = path.with_name(RETIRED_FILE)
+        retired = set(retired_path.read_text().split()) if retired_path.is_file() else set()
+        signer = cls._from_environment(env)
+        if signer is None and path.is_file():
+            if path.stat().st_mode & 0o077:
+                log.warning("%s is readable by others; chmod 600 it", path)
+            signer = cls.from_pem(path)
+        if signer is not None and signer.public_hex in retired:
+            raise ValueError(f"the signing key {signer.public_hex[:16]}... ({signer.source}) was retired (listed in "
+                             f"{retired_path}); use the key that replaced it")
+        if signer is not None and signer.source != str(path) and path.is_file():
+            stored = cls.from_pem(path)
+            if stored.public_key != signer.public_key:  # rotated: the old key must not come back when env is unset
+                fd = os.open(retired_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                with os.fdopen(fd, "a") as fh:
+                    fh.write(stored.public_hex + "\n")
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                path.unlink()
+                log.warning("signing key %s retired: %s replaced it; %s deleted", stored.public_hex, signer.source,
+                            path)
+        if signer is not None:
+            return signer
+        if retired:
+            raise ValueError(f"this store's signing key was retired when FL_SIGNING_KEY or FL_SIGNING_KEY_FILE "
+                             f"replaced it ({retired_path}): set that variable again (devices pin its key), or delete "
+                             f"{retired_path.name} to generate a new key")
+        return cls._create(path)
+
+    @classmethod
+    def _from_environment(cls, env: Mapping[str, str]) -> ManifestSigner | None:
         if env.get("FL_SIGNING_KEY"):
             try:
                 seed = bytes.fromhex(env["FL_SIGNING_KEY"].strip())
@@ -85,11 +124,10 @@ class ManifestSigner:
             return cls(Ed25519PrivateKey.from_private_bytes(seed), "$FL_SIGNING_KEY")
         if env.get("FL_SIGNING_KEY_FILE"):
             return cls.from_pem(Path(env["FL_SIGNING_KEY_FILE"]))
-        path = Path(store_dir) / KEY_FILE
-        if path.is_file():
-            if path.stat().st_mode & 0o077:
-                log.warning("%s is readable by others; chmod 600 it", path)
-            return cls.from_pem(path)
+        return None
+
+    @classmethod
+    def _create(cls, path: Path) -> ManifestSigner:
         signer = cls.generate()
         pem = signer._key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                         serialization.NoEncryption())

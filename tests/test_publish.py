@@ -127,7 +127,7 @@ BAD: list[tuple[str, Callable[[dict[str, bytes]], bytes], int, str]] = [
     ("symlink", lambda f: _tar(f, {"forward.onnx.link": "/etc/passwd"}), 422, "not a regular file"),
     ("two directories", lambda f: _tar({"a/manifest.json": f["manifest.json"], "b/x.npz": b"x"}), 422,
      "more than one directory"),
-    ("broken onnx", lambda f: _tar(_replace(f, "forward", b"\x08\x07garbage")), 422, "onnxruntime cannot load"),
+    ("broken onnx", lambda f: _tar(_replace(f, "forward", b"\x08\x07garbage")), 422, "not an ONNX model"),
     ("pickled weights", lambda f: _tar(_replace(f, "params", _pickled_npz())), 422, "not a plain .npz"),
     ("odpfl-hn", lambda f: _tar(_replace(f, "params", f["params.npz"], method="ODPFL-HN")), 422,
      "hypernetwork stays on the coordinator"),

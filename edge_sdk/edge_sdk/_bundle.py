@@ -7,7 +7,13 @@ reaches onnxruntime or numpy).
 Without a pinned key (``public_key=None``) only the sha256 hashes are checked: that catches corruption, not
 an attacker who rewrites the manifest too; a bundle that carries a signature then warns
 (:class:`UnverifiedSignatureWarning`), since its signature goes unchecked. ``EdgeClient`` always passes a key
-(pinned, or trusted on first use)."""
+(pinned, or trusted on first use).
+
+A graph that names external data (a tensor whose bytes onnxruntime would read from a file beside the model, or,
+for a model given as bytes, relative to the process's working directory) is refused by :func:`load_bundle`, at any
+depth (initializers, attribute tensors, subgraphs, functions), before any session exists: the device never reads
+a file a bundle names. The SDK has no ONNX dependency, so :func:`external_tensor` reads the protobuf wire format
+itself (onnxruntime has no session option that forbids external data)."""
 from __future__ import annotations
 
 import hashlib
@@ -25,9 +31,23 @@ from edge_sdk._errors import BundleError, BundleSignatureError
 from edge_sdk._preprocess import Preprocess
 from edge_sdk.signing import SIGNATURE_FILE, PublicKey, Release, parse_public_key, verify_manifest
 
-__all__ = ["MANIFEST", "Bundle", "BundleError", "BundleSignatureError", "UnverifiedSignatureWarning", "load_bundle",
-           "sha256_file"]
+__all__ = ["MANIFEST", "Bundle", "BundleError", "BundleSignatureError", "UnverifiedSignatureWarning",
+           "external_tensor", "load_bundle", "sha256_file"]
 MANIFEST = "manifest.json"
+
+# ONNX messages that can hold tensors, and the field numbers (onnx.proto) of their sub-messages
+_MODEL, _GRAPH, _NODE, _ATTRIBUTE, _TENSOR, _SPARSE, _FUNCTION, _TRAINING = range(8)
+_CHILDREN = {
+    _MODEL: {7: _GRAPH, 20: _TRAINING, 25: _FUNCTION},
+    _TRAINING: {1: _GRAPH, 2: _GRAPH},
+    _GRAPH: {1: _NODE, 5: _TENSOR, 15: _SPARSE},
+    _NODE: {5: _ATTRIBUTE},
+    _FUNCTION: {7: _NODE, 11: _ATTRIBUTE},
+    _ATTRIBUTE: {5: _TENSOR, 6: _GRAPH, 10: _TENSOR, 11: _GRAPH, 22: _SPARSE, 23: _SPARSE},
+    _SPARSE: {1: _TENSOR, 2: _TENSOR},
+}
+_TENSOR_NAME, _TENSOR_EXTERNAL_DATA, _TENSOR_DATA_LOCATION = 8, 13, 14
+_MAX_NESTING = 100  # protobuf's own parsers stop at 100 nested messages too
 
 
 class UnverifiedSignatureWarning(UserWarning):
@@ -41,6 +61,59 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _varint(buf: bytes, i: int, end: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if i >= end or shift > 63:
+            raise ValueError("truncated varint")
+        byte = buf[i]
+        value |= (byte & 0x7F) << shift
+        i, shift = i + 1, shift + 7
+        if byte < 0x80:
+            return value, i
+
+
+def external_tensor(model: bytes) -> str | None:
+    """The name of a tensor of this serialised ONNX model that stores its data outside it (``data_location``
+    EXTERNAL or ``external_data`` entries), anywhere in it; None when it has none. Raises ValueError for bytes
+    that are not a protobuf message."""
+    stack = [(_MODEL, 0, len(model), 0)]
+    while stack:
+        kind, i, end, depth = stack.pop()
+        if depth > _MAX_NESTING:
+            raise ValueError(f"messages nested over {_MAX_NESTING} deep")
+        children, name, external, groups = _CHILDREN.get(kind, {}), "", False, 0
+        while i < end:
+            key, i = _varint(model, i, end)
+            field, wire = key >> 3, key & 7
+            if wire == 0:
+                value, i = _varint(model, i, end)
+                external |= kind == _TENSOR and not groups and field == _TENSOR_DATA_LOCATION and value == 1
+            elif wire in (1, 5):
+                i += 8 if wire == 1 else 4
+            elif wire == 2:
+                size, i = _varint(model, i, end)
+                if i + size > end:
+                    raise ValueError("truncated field")
+                if not groups and field in children:
+                    stack.append((children[field], i, i + size, depth + 1))
+                elif kind == _TENSOR and not groups and field == _TENSOR_NAME:
+                    name = model[i:i + size].decode("utf-8", "replace")
+                external |= kind == _TENSOR and not groups and field == _TENSOR_EXTERNAL_DATA
+                i += size
+            elif wire in (3, 4):  # a (deprecated) group in an unknown field: skipped
+                groups += 1 if wire == 3 else -1
+                if groups < 0:
+                    raise ValueError("unbalanced group")
+            else:
+                raise ValueError(f"wire type {wire}")
+        if i != end or groups:
+            raise ValueError("truncated message")
+        if external:
+            return name or "(unnamed)"
+    return None
 
 
 @dataclass
@@ -147,5 +220,13 @@ def load_bundle(root: str | os.PathLike, public_key: PublicKey | None = None) ->
         data = path.read_bytes()
         if hashlib.sha256(data).hexdigest() != a.get("sha256"):
             raise BundleError(f"{path}: sha256 does not match the manifest; refusing to use it")
+        if a.get("kind") == "onnx":
+            try:
+                tensor = external_tensor(data)
+            except ValueError as exc:
+                raise BundleError(f"{path}: not an ONNX model ({exc})") from None
+            if tensor is not None:
+                raise BundleError(f"{path}: tensor {tensor!r} is stored as external data (a file outside the "
+                                  "graph); a bundle's graphs must hold all their data: export it again")
         verified[str(a.get("name"))] = data
     return Bundle(root, manifest, trusted, release, verified)

@@ -17,15 +17,26 @@ are not plain finite float arrays (read without pickle), a method this coordinat
 bundle that lacks what its method's device contract declares (``Algorithm.bundle_artifacts``, the manifest's
 ``device_step``), and bundles of a method that cannot be published (ODPFL-HN: its hypernetwork never leaves the
 coordinator that trained it).
+
+Hostile bundles are refused before anything expands: a graph that names external data (any tensor,
+at any depth: initializers, attribute tensors, subgraphs, functions); graphs and weights whose declared sizes
+(initializers, constants, every value whose static shape onnx shape inference computes, with the graph's own
+shape annotations ignored; each ``.npz`` member's npy header) sum past :func:`expanded_limit`; archives of more
+than ``MAX_MEMBERS`` members or with tar headers over ``MAX_TAR_HEADER`` bytes; a manifest nested deeper than
+``MAX_MANIFEST_DEPTH``, images over ``MAX_IMAGE_SIDE`` per side, and a BTFL bundle whose ``dle_clients`` or
+global DLE a device or the DLE aggregate cannot use.
 """
 from __future__ import annotations
 
 import io
+import math
+import os
 import re
 import shutil
 import tarfile
 import tempfile
 import warnings
+import zipfile
 from pathlib import Path
 from typing import IO, Any
 
@@ -41,6 +52,21 @@ MAX_FILES = 64
 SIGNATURE = "manifest.sig"  # a publisher's own signature is not needed: the coordinator signs what it serves
 _NAME = re.compile(r"[A-Za-z0-9._+-]{1,64}")
 _METHOD = re.compile(r"[A-Za-z0-9 ._+()-]{1,64}")
+MAX_MEMBERS = MAX_FILES + 1  # archive members at most: the files and one directory entry
+MAX_TAR_HEADER = 64 << 10  # the data of one pax or GNU long-name header at most (tarfile reads it into memory)
+MAX_NPZ_ARRAYS = 4096  # members of one weights file at most
+MAX_MANIFEST_DEPTH = 32  # nesting of the manifest's JSON (an export's is 5)
+MAX_IMAGE_SIDE = 4096  # preprocess 'size' and raw image sizes at most, per side
+MAX_DLE_CLIENTS = 10_000  # a BTFL bundle's training clients at most (a job trains at most 1000)
+EXPANDED_PER_BYTE = 4  # the default expanded limit, in multiples of the bundle byte limit
+
+
+def expanded_limit(max_bytes: int) -> int:
+    """Bytes a bundle's graphs and weights may expand to in all: ``FL_SERVE_MAX_BUNDLE_EXPANDED_BYTES``, else
+    ``EXPANDED_PER_BYTE`` times the byte limit (weights stored plainly expand about 1:1; a frozen graph holds the
+    weights once more)."""
+    raw = os.environ.get("FL_SERVE_MAX_BUNDLE_EXPANDED_BYTES", "").strip()
+    return int(raw) if raw else EXPANDED_PER_BYTE * max_bytes
 
 
 def check_contract(method: str, manifest: dict[str, Any], names: list[str]) -> None:
@@ -88,7 +114,10 @@ def verify_bundle_dir(root: Path, max_bytes: int, publisher: bool = False) -> Bu
             bundle = load_bundle(root)
     except BundleError as exc:
         raise PublishError(str(exc).replace(str(root), "bundle")) from None
+    except RecursionError:  # json's parser stops at the interpreter's recursion limit
+        raise PublishError(f"{MANIFEST} is nested deeper than {MAX_MANIFEST_DEPTH} levels") from None
     m = bundle.manifest
+    check_manifest_fields(m)
     method = m["method"]
     if not isinstance(method, str) or not _METHOD.fullmatch(method):
         raise PublishError(f"manifest 'method' must be a method name (letters, digits, ' ._+()-'), got {method!r}")
@@ -103,11 +132,160 @@ def verify_bundle_dir(root: Path, max_bytes: int, publisher: bool = False) -> Bu
         check_contract(method, m, names)
     if "dataset" in m and not isinstance(m["dataset"], str):
         raise PublishError("manifest 'dataset' must be a string")
+    check_expansion(bundle, expanded_limit(max_bytes))
     graph_inputs = [_check_artifact(bundle, a) for a in m["artifacts"]]
+    if "btfl" in names:
+        check_btfl(bundle.weights("btfl"))
     if any("bn_momentum" in inputs for inputs in graph_inputs) and ("stats" not in names or "batch_norm" not in m):
         raise PublishError("the model is batch-normalised but the bundle has no population statistics ('stats') or "
                            "no 'batch_norm' rule; export it again with this version")
     return bundle
+
+
+def check_manifest_fields(m: dict[str, Any]) -> None:
+    """Bounds on the manifest's shape and on the image sizes a device will allocate (``preprocess``)."""
+    depth, level = 1, [v for v in m.values() if isinstance(v, (dict, list))]
+    while level and depth <= MAX_MANIFEST_DEPTH:
+        depth += 1
+        level = [v for c in level for v in (c.values() if isinstance(c, dict) else c) if isinstance(v, (dict, list))]
+    if level:
+        raise PublishError(f"{MANIFEST} is nested deeper than {MAX_MANIFEST_DEPTH} levels")
+    p = m.get("preprocess") or {}
+    sides = [*(p.get("size") or []), *((p.get("raw") or {}).get("shape") or [])]  # load_bundle checked the types
+    if any(s is not None and s > MAX_IMAGE_SIDE for s in sides):
+        raise PublishError(f"manifest 'preprocess': image sizes must be at most {MAX_IMAGE_SIDE} per side, got size "
+                           f"{p.get('size')} and raw shape {(p.get('raw') or {}).get('shape')}")
+
+
+def check_btfl(arrays: dict[str, np.ndarray]) -> None:
+    """A BTFL bundle's ``btfl`` weights as the DLE aggregate and devices use them: ``dle_clients`` one integer in
+    [1, ``MAX_DLE_CLIENTS``] (the training clients the global DLE counts as), ``global_dle`` [D, L] rows of level
+    frequencies (finite, non-negative, summing to 1)."""
+    n, dle = arrays.get("dle_clients"), arrays.get("global_dle")
+    if n is None or n.size != 1 or n.dtype.kind not in "iu" or not 1 <= int(n.reshape(-1)[0]) <= MAX_DLE_CLIENTS:
+        got = None if n is None else f"{n.reshape(-1)[:2].tolist()} ({n.dtype})"
+        raise PublishError(f"artifact 'btfl': dle_clients must be one integer in [1, {MAX_DLE_CLIENTS}] (the training "
+                           f"clients), got {got}")
+    if dle is None or dle.ndim != 2 or dle.shape[1] < 2 or dle.dtype.kind != "f":
+        raise PublishError(f"artifact 'btfl': global_dle must be a float [features, levels] array with levels >= 2, "
+                           f"got {None if dle is None else (dle.dtype, dle.shape)}")
+    bad = np.flatnonzero((dle < 0).any(axis=1) | ~np.isclose(dle.sum(axis=1), 1.0, atol=1e-6))
+    if bad.size:
+        raise PublishError(f"artifact 'btfl': every global_dle row must be level frequencies (non-negative, summing "
+                           f"to 1); row {int(bad[0])} is {dle[bad[0]][:8].tolist()}")
+
+
+def check_expansion(bundle: Bundle, limit: int) -> None:
+    """What the bundle's graphs and weights declare they expand to, summed, is at most ``limit`` bytes; read from
+    the graphs' protobufs and the npy headers, before any session is created or any array loaded. A graph naming
+    external data is refused here too (load_bundle refuses it first)."""
+    total = 0
+    for a in bundle.manifest["artifacts"]:
+        name, data = a["name"], bundle.data(a["name"])
+        kind = a.get("kind")
+        sizes = _graph_sizes(name, data) if kind == "onnx" else _npz_sizes(name, data) if kind == "weights" else []
+        total += sum(n for _, n in sizes)
+        if total > limit:
+            what, n = max(sizes, key=lambda s: s[1])
+            raise PublishError(f"artifact {name!r}: {what!r} would expand to {n} bytes; a bundle's graphs and weights "
+                               f"may expand to {limit} bytes in all (FL_SERVE_MAX_BUNDLE_EXPANDED_BYTES)")
+
+
+def _nbytes(name: str, dims: list[int], elem_type: int) -> int:
+    from onnx import helper
+
+    if any(d < 0 for d in dims):
+        raise PublishError(f"tensor {name!r} has a negative dimension {list(dims)[:8]}")
+    try:
+        itemsize = helper.tensor_dtype_to_np_dtype(elem_type).itemsize
+    except (KeyError, ValueError, TypeError):
+        itemsize = 8
+    return math.prod(dims) * max(itemsize, 1)
+
+
+def _graph_parts(model: Any) -> tuple[list[Any], list[Any]]:
+    """(graphs, tensors) of an ONNX model: the main graph and every subgraph at any depth (attributes of nodes in
+    graphs and in model-local functions), and every tensor in them (initializers, sparse ones, attribute values)."""
+    graphs: list[Any] = []
+    tensors: list[Any] = []
+    attrs = [a for f in model.functions for a in [*f.attribute_proto, *(a for n in f.node for a in n.attribute)]]
+    pending = [model.graph, *(g for t in model.training_info for g in (t.initialization, t.algorithm))]
+    while pending or attrs:
+        if pending:
+            g = pending.pop()
+            graphs.append(g)
+            tensors += [*g.initializer, *(t for s in g.sparse_initializer for t in (s.values, s.indices))]
+            attrs += [a for n in g.node for a in n.attribute]
+            continue
+        a = attrs.pop()
+        sparse = [*([a.sparse_tensor] if a.HasField("sparse_tensor") else []), *a.sparse_tensors]
+        tensors += [*([a.t] if a.HasField("t") else []), *a.tensors,
+                    *(t for s in sparse for t in (s.values, s.indices))]
+        pending += [*([a.g] if a.HasField("g") else []), *a.graphs]
+    return graphs, tensors
+
+
+def _graph_sizes(name: str, data: bytes) -> list[tuple[str, int]]:
+    """(tensor or value name, bytes) for every tensor of the graph and every value whose shape onnx shape inference
+    computes statically (shapes the graph itself declares are dropped first: they need not be true)."""
+    import onnx
+
+    try:
+        model = onnx.load_model_from_string(data)
+    except Exception as exc:  # protobuf's DecodeError (or RecursionError for nesting past its limit)
+        raise PublishError(f"artifact {name!r}: not an ONNX model ({type(exc).__name__})") from None
+    graphs, tensors = _graph_parts(model)
+    sizes = []
+    for t in tensors:
+        if t.data_location == onnx.TensorProto.EXTERNAL or len(t.external_data):
+            raise PublishError(f"artifact {name!r}: tensor {t.name!r} is stored as external data (a file outside the "
+                               "graph); a bundle's graphs must hold all their data: export it again")
+        sizes.append((t.name, _nbytes(t.name, list(t.dims), t.data_type)))
+    for g in graphs:
+        del g.value_info[:]
+        for v in g.output:
+            v.type.tensor_type.ClearField("shape")
+    try:
+        inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except Exception as exc:  # onnx raises its own InferenceError / ValidationError types
+        raise PublishError(f"artifact {name!r}: onnx shape inference fails ({type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0][:200] if str(exc) else ''})") from None
+    for g in _graph_parts(inferred)[0]:
+        for v in [*g.value_info, *g.output]:
+            t = v.type.tensor_type
+            if t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim):
+                sizes.append((v.name, _nbytes(v.name, [d.dim_value for d in t.shape.dim], t.elem_type)))
+    return sizes
+
+
+def _npz_sizes(name: str, data: bytes) -> list[tuple[str, int]]:
+    """(array name, bytes) of every member of an .npz, from its npy header and zip entry (no data read)."""
+    sizes = []
+    try:
+        end = zipfile._EndRecData(io.BytesIO(data))  # type: ignore[attr-defined]  # zipfile parses all it lists
+        if end and end[zipfile._ECD_SIZE] > MAX_NPZ_ARRAYS * 1024:  # type: ignore[attr-defined]
+            raise PublishError(f"artifact {name!r}: its zip directory is over {MAX_NPZ_ARRAYS * 1024} bytes")
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            if len(z.infolist()) > MAX_NPZ_ARRAYS:
+                raise PublishError(f"artifact {name!r}: more than {MAX_NPZ_ARRAYS} arrays")
+            for info in z.infolist():
+                if not info.filename.endswith(".npy"):
+                    raise PublishError(f"artifact {name!r}: member {info.filename[:80]!r} is not an .npy array")
+                with z.open(info) as fh:
+                    version = np.lib.format.read_magic(fh)
+                    if version not in ((1, 0), (2, 0)):
+                        raise PublishError(f"artifact {name!r}: {info.filename[:80]!r} has npy format {version}")
+                    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                        np.lib.format.read_array_header_2_0
+                    shape, _, dtype = read(fh)
+                array = info.filename[:-4]
+                sizes.append((array, max(info.file_size, math.prod(shape) * dtype.itemsize)))
+    except PublishError:
+        raise
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as exc:  # np.lib.format: ValueError for a bad header
+        raise PublishError(f"artifact {name!r}: not a plain .npz of arrays ({type(exc).__name__}: "
+                           f"{str(exc)[:200]})") from None
+    return sizes
 
 
 def _check_artifact(bundle: Bundle, a: dict[str, Any]) -> list[str]:
@@ -156,12 +334,15 @@ def extract_tar(archive: IO[bytes], dest: Path, max_bytes: int) -> Path:
     """Unpack a bundle archive into ``dest`` safely (no links, no paths, bounded); returns ``dest``. Members
     may sit in one top directory (``tar -cf b.tar bundle/``) or at the top (``tar -C bundle -cf - .``)."""
     try:
-        tar = tarfile.open(fileobj=archive, mode="r:*")
+        tar = tarfile.open(fileobj=archive, mode="r:*", tarinfo=_BoundedTarInfo)
     except (tarfile.TarError, OSError, EOFError) as exc:
         raise PublishError(f"the body is not a tar archive (plain or gzip) of a bundle directory ({exc})") from None
     total, seen, tops = 0, set(), set()
     with tar:
-        for member in _members(tar):
+        for count, member in enumerate(_members(tar), 1):
+            if count > MAX_MEMBERS:  # directory entries too: 500k of them once cost 38 s
+                raise PublishError(f"the archive has more than {MAX_MEMBERS} members; a bundle has at most "
+                                   f"{MAX_FILES} files")
             parts = [p for p in member.name.split("/") if p not in ("", ".")]
             if member.isdir() and len(parts) <= 1:
                 tops.update(parts)
@@ -188,6 +369,20 @@ def extract_tar(archive: IO[bytes], dest: Path, max_bytes: int) -> Path:
     if MANIFEST not in seen:
         raise PublishError(f"the archive has no {MANIFEST}: archive the bundle directory that fl-server export wrote")
     return dest
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """A tar header whose pax or GNU long-name data is refused over ``MAX_TAR_HEADER`` bytes, before tarfile
+    reads that data into memory (its size is the attacker's)."""
+
+    def _proc_member(self, tar: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type in _HEADER_TYPES and self.size > MAX_TAR_HEADER:
+            raise tarfile.HeaderError(f"a {self.type!r} header of {self.size} bytes (at most {MAX_TAR_HEADER})")
+        return super()._proc_member(tar)  # type: ignore[misc]
+
+
+_HEADER_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
+                 tarfile.GNUTYPE_LONGLINK)
 
 
 def _members(tar: tarfile.TarFile):  # type: ignore[no-untyped-def]

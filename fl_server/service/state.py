@@ -89,6 +89,7 @@ class Service:
         """FL_ADMIN_TOKEN if set; else a generated token kept in ``<store>/admin_token`` (mode 0600)."""
         if self.cfg.admin_token:
             self.store.set_admin_token(self.cfg.admin_token)
+            self.admin_token_file.unlink(missing_ok=True)  # retired: unsetting FL_ADMIN_TOKEN must not revive it
             return
         if not self.admin_token_file.is_file():
             token = self.store.add_token("admin")
