@@ -270,7 +270,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f" (from {signer.source})", flush=True)
     from fl_server.service.server import ServerLimits, uvicorn_options
 
-    # HTTP limits (head/body deadlines, head size, connection cap, trusted proxies): FL_SERVE_* knobs, README
+    # HTTP limits (head/body deadlines, head size, connection cap, trusted proxies): FL_SERVE_* (docs/coordinator.md)
     options = uvicorn_options(ServerLimits())
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 backlog=args.backlog, loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio", **options,

@@ -1,13 +1,14 @@
-"""Entropy early stopping for FedTTA++ (UPFL Sec. 4.3), shared by the server simulation and the device.
+"""Entropy early stopping for FedTTA++ (Sec. 4.3 of "UPFL: Unsupervised Personalized Federated Learning towards New
+Clients", Ye et al., SDM 2024, arXiv:2307.15994), shared by the server simulation and the device.
 
 Iterate 0 is the un-adapted model. After each adaptation step the caller reports the mean prediction
 entropy H = -sum p log p of the personalised model on the client's data; adaptation stops once the entropy
 has not decreased for ``patience`` consecutive steps (or after ``max_steps``), and the iterate with the
 lowest entropy is the answer. Iterates before ``first_candidate`` are recorded but never chosen: with 1, the
 one-step model that FedTTA's meta-training targets is the starting point and the un-adapted model (not
-trained to predict on its own) is not an answer (docs/research/fedttapp-diagnosis.md; 0 is SPEC.md's reading).
+trained to predict on its own) is not an answer (docs/research/fedttapp-diagnosis.md; 0 is the paper's reading).
 (The authors' code computes ``p * log2(prob)`` with ``p`` the patience counter, which always returns
-iterate 0 -- SPEC.md section 1.)
+iterate 0.)
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""FedTHE test-time head ensemble (Jiang & Lin 2022, "Test-time robust personalization for FL"), numpy only.
+"""FedTHE test-time head ensemble, numpy only: "Test-Time Robust Personalization for Federated Learning" (Jiang and
+Lin, ICLR 2023, arXiv:2205.10920).
 
-The BTFL paper's main baseline (``shared/SPEC.md`` section 4). Two heads on one frozen feature z: global logits
+The BTFL paper's main baseline. Two heads on one frozen feature z: global logits
 g and local (personal) logits l. For every test batch, per-sample ensemble weights w_i = softmax(a_i) with a_i
 initialised to (1, 1) minimise
 
@@ -14,7 +15,7 @@ when the norm of its gradient falls below 1e-5. Prediction: argmax o.
 Vectorisation: the loss is a mean of per-sample terms and Adam is per coordinate, so every batch of a stream is
 optimised at once: the gradient is analytic (no autograd), the batch coupling (1/B scale, the per-batch stop test)
 is kept exactly. The EMA is a first-order linear recurrence, computed in closed form over blocks (:func:`ema`).
-``variant="code"`` reproduces two facts of the authors' code (LINs-lab/FedTHE, ``THE_worker.py``) that the SPEC
+``variant="code"`` reproduces two facts of the authors' code (LINs-lab/FedTHE, ``THE_worker.py``) that the paper's
 formulation drops: (1) the history loop never feeds the first sample of a batch into the EMA, so at batch size 1
 the history stays at the stream's first feature forever; (2) z~ = 0.3 z + 0.7 h is re-assigned inside the
 optimisation loop, so at step t it is 0.3^t z + (1 - 0.3^t) h. (1) is what makes FedTHE batch-size dependent.
@@ -108,7 +109,7 @@ def fedthe_predict(global_logits: np.ndarray, local_logits: np.ndarray, features
     """One client's test stream, in order, cut into batches of ``batch_size``.
 
     global_logits, local_logits [N, C]; features [N, D]; mu_* [D] -> (ensembled logits o [N, C],
-    weights [N, 2] = (w_global, w_local)). ``variant``: "spec" (SPEC.md section 4) or "code" (the authors'
+    weights [N, 2] = (w_global, w_local)). ``variant``: "spec" (the paper's formulation) or "code" (the authors'
     history and z~, module docstring; ``feature_mix`` is then 0.3). ``initial_history`` [D] ("spec"): the
     feature history after the stream's earlier samples, when a stream arrives over several calls.
     """

@@ -1,4 +1,5 @@
-"""BTFL training recipe (Zhou et al., KDD '25; ``shared/seeds/btfl.txt`` Sec. 4 and App. "Training settings").
+"""BTFL training recipe (Sec. 4 and App. "Training settings" of "BTFL: A Bayesian-based Test-Time Generalization
+Method for Internal and External Data Distributions in Federated Learning", Zhou and Liu, KDD '25, arXiv:2503.06633).
 
 Two heads on one feature extractor phi (post-ReLU features z, dimension D):
 * the global model (phi + global head) is trained with FedAvg: CE on the client's data, weighted average;

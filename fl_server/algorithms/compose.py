@@ -1,11 +1,11 @@
 """Recipes that combine two methods.
 
-MAP -> BTFL (SPEC.md sections 3 and 6): MAP trained with ``head_only_stage2`` personalises only the
-classifier on the frozen global features, so each client's HPM classifier (:meth:`MAP.local_heads`) is a linear
-head on the global feature extractor -- exactly the role of BTFL's local head. BTFL's test-time machinery
-(local and global DLEs on the global features, the heads' mean training entropies, the Bayesian interpolation
-of :class:`edge_sdk._btfl.BTFLStream`) then runs unchanged, with MAP's personalised model as the local head and
-MAP's aggregated model as the global head.
+MAP -> BTFL (the papers are cited in :mod:`fl_server.algorithms.map` and :mod:`fl_server.algorithms.btfl`): MAP
+trained with ``head_only_stage2`` personalises only the classifier on the frozen global features, so each client's
+HPM classifier (:meth:`MAP.local_heads`) is a linear head on the global feature extractor -- exactly the role of
+BTFL's local head. BTFL's test-time machinery (local and global DLEs on the global features, the heads' mean
+training entropies, the Bayesian interpolation of :class:`edge_sdk._btfl.BTFLStream`) then runs unchanged, with
+MAP's personalised model as the local head and MAP's aggregated model as the global head.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Contrastive losses of FedICON (seeds/fedicon.txt): supervised (Eq. 4) and unsupervised (Eq. 7).
+"""Contrastive losses of FedICON (Tan et al., NeurIPS 2023, "Is Heterogeneity Notorious? Taming Heterogeneity to Handle
+Test-Time Shift in Federated Learning"): supervised (Eq. 4) and unsupervised (Eq. 7).
 
 Both act on a batch of L2-normalised representations ``z`` [M, d] (M = 2N: two augmented views of N
 samples). For an anchor x, A(x) = every other representation in the batch and

@@ -1,4 +1,5 @@
-"""FedICON (Tan et al., seeds/fedicon.txt; SPEC.md section 5).
+"""FedICON: "Is Heterogeneity Notorious? Taming Heterogeneity to Handle Test-Time Shift in Federated Learning"
+(Tan et al., NeurIPS 2023).
 
 Model: the classifier's ``features`` = encoder h (Eq. 3) and ``head`` = linear classifier; a projection
 g: D -> D -> ``proj_dim`` (ReLU MLP, as in SupCon/SimCLR) whose L2-normalised output is the contrastive

@@ -1,4 +1,5 @@
-"""FedTTA, FedTTA-Prox and FedTTA++ (UPFL, Algorithm 1; SPEC.md section 1).
+"""FedTTA, FedTTA-Prox and FedTTA++ (Algorithm 1 of "UPFL: Unsupervised Personalized Federated Learning towards
+New Clients", Ye et al., SDM 2024, arXiv:2307.15994).
 
 State: ``params`` = base model psi, ``phi`` = adaptation model g (C -> 32 -> 32 -> 32 -> 1).
 Local meta-training step on a batch (X, Y):
@@ -35,7 +36,7 @@ class FedTTAConfig(Hyper):
     adapt_width: int = 32
     patience: int = 0  # 0: one adaptation step (FedTTA); >= 1: entropy early stopping (FedTTA++)
     max_steps: int = 50  # E, the authors' code
-    # FedTTA++: first iterate that may be returned (0: the un-adapted model too, SPEC.md's reading; 1: from the
+    # FedTTA++: first iterate that may be returned (0: the un-adapted model too, the paper's reading; 1: from the
     # one-step model, docs/research/fedttapp-diagnosis.md). Left out of run fingerprints at its default.
     first_candidate: int = field(default=0, metadata={"fingerprint": "omit_default"})
     # Reference batch B of the personalization loss: l_per = sqrt(B * mean_i g_i^2), which is the paper's

@@ -1,5 +1,6 @@
-"""HeteroFedTTA (UPFL Sec. 3.4, Algorithm 2; SPEC.md section 1): FedTTA for clients with different model
-sizes, whose knowledge meets as FedMD-style ensemble logits on a public unlabeled set D_p.
+"""HeteroFedTTA (Sec. 3.4, Algorithm 2 of "UPFL: Unsupervised Personalized Federated Learning towards New
+Clients", Ye et al., SDM 2024, arXiv:2307.15994): FedTTA for clients with different model sizes, whose knowledge
+meets as FedMD-style ensemble logits on a public unlabeled set D_p.
 
 Pure functions of one size group's :class:`~fl_server.algorithms.fedtta.FedTTA` (its forward, inner step
 and update are reused unchanged). D_p is cut into fixed chunks X_p of B samples; the personalized model on a

@@ -1,5 +1,6 @@
-"""MAP = restricted softmax (FedRS) + inherited private model (FedPHP) (seeds/map.txt, Algorithm 1;
-SPEC.md section 6), with FedRS and FedPHP as its ablations.
+"""MAP = restricted softmax (FedRS) + inherited private model (FedPHP) (Algorithm 1 of "MAP: Model Aggregation and
+Personalization in Federated Learning with Incomplete Classes", Li et al., arXiv:2404.09232), with FedRS and FedPHP
+as its ablations.
 
 Client procedure on a selected client k, ``local_iterations`` SGD-momentum steps split in two stages:
 - stage 1 (the first ``stage1_fraction``): restricted softmax (Eq. 8), p_c ∝ exp(a_c w_c^T h) with
@@ -69,7 +70,7 @@ class MAPConfig(Hyper):
     # -sum softmax(g_p/tau) log softmax(g) (student at temperature 1, no tau^2)
     kd_form: str = field(default="kl", metadata={"fingerprint": "omit_default"})
     mu_cap: float = field(default=1.0, metadata={"fingerprint": "omit_default"})
-    # mu_k from the selections before this one (the code) instead of including it (Eq. 10 as SPEC.md)
+    # mu_k from the selections before this one (the code) instead of including it (Eq. 10 as written)
     mu_previous_count: bool = field(default=False, metadata={"fingerprint": "omit_default"})
 
     def __post_init__(self) -> None:

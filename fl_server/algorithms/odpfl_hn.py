@@ -1,5 +1,6 @@
-"""ODPFL-HN: on-demand personalised FL with a client encoder and a hypernetwork (SPEC.md section 2;
-seeds/odpfl-hn.txt, Algorithm 1, Eq. 1, Sec. 7).
+"""ODPFL-HN: on-demand personalised FL with a client encoder and a hypernetwork (Algorithm 1, Eq. 1, Sec. 7 of
+"Late to the Party? On-Demand Unlabeled Personalized Federated Learning" (Amosy, Eyal and Chechik, WACV 2024,
+arXiv:2111.08356)).
 
 Modules (both owned by the server, shipped to clients as needed):
   g_gamma  client encoder, a deep set over the client's samples  [N, *input_shape] -> e [E]

@@ -1,4 +1,5 @@
-"""Federated partitions (SPEC.md section 8). Every function is a pure function of (labels, rng).
+"""Federated partitions of the papers' protocols: pathological shards (McMahan et al.), Dirichlet(alpha) over labels
+(Hsu et al.), natural clients, incomplete classes. Every function is a pure function of (labels, rng).
 
 All return ``list[np.ndarray]``: one int64 index array per client, indices into the dataset.
 """

@@ -1,6 +1,6 @@
 """Model zoo: every classifier is ``features`` (x -> post-ReLU z, shape [N, D]) followed by a linear ``head``.
 
-Architectures follow the papers (see ../shared/SPEC.md):
+Architectures follow the papers (cited in the method modules, :mod:`fl_server.algorithms`):
 - ``mlp``: UPFL's MNIST model, 2 hidden layers of 200 units.
 - ``convnet``: McMahan et al. (2017) CNN, conv5x5(32)-pool-conv5x5(64)-pool-FC512-head. UPFL App. G calls
   this the *medium* model; ``convnet_small`` / ``convnet_big`` use 16-32 / 64-128 channels.

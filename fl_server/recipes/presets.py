@@ -28,7 +28,7 @@ FEDTTA_HP: dict[str, dict[str, dict[str, float]]] = {
     # adapt_lr 0.01 (FedTTA's) instead of Table 4's 0.001 ("as Prox"): chosen on validation, seeds 0-1
     # (scripts/research/probe_fedttapp_adapt_lr.py; UPFL App. C searched eta_adapt per method)
     "mnist": {**_TABLE4_MNIST, "FedTTA++": {**_TABLE4_MNIST["FedTTA++"], "adapt_lr": 0.01, "first_candidate": 1}},
-    # the embedded 8x8 digits (the default job, no paper rates): Table 4's MNIST rates and SPEC's stopping rule
+    # the embedded 8x8 digits (the default job, no paper rates): Table 4's MNIST rates and the paper's stopping rule
     # as written; the two MNIST choices above were made on MNIST validation and are not carried over here
     "digits": _TABLE4_MNIST,
     "fashion_mnist": {

@@ -4,8 +4,8 @@ parity). By concept: :mod:`.dle` (quantisation, DLEs), :mod:`.weight` (the DPI i
 tau_hat, HBU), :mod:`.stream` (:class:`BTFLStream` and the paper-versus-authors :class:`BTFLVariant`),
 :mod:`.head` (the device's local head and its participant).
 
-Reference: "Bayesian Test-time Federated Learning" (BTFL, KDD '25; ``shared/seeds/btfl.txt``) and
-``shared/SPEC.md`` section 3. Equation numbers below are the paper's.
+Reference: "BTFL: A Bayesian-based Test-Time Generalization Method for Internal and External Data Distributions in
+Federated Learning" (Zhou and Liu, KDD '25, arXiv:2503.06633). Equation numbers below are the paper's.
 
 Pipeline for one test sample with frozen feature ``z`` (post-ReLU, dimension D) and two heads
 (local / personal and global, C classes):

@@ -81,7 +81,7 @@ def soft_clip_log_tau(log_tau: np.ndarray, kb: float = 4.0) -> np.ndarray:
     """Authors' code variant: soft clip of tau_hat into [1/(kb+1), kb+1], done on the log scale.
 
     log tau -> L tanh(log tau / L) with L = log(kb + 1): identity to first order at tau = 1, monotone,
-    saturating at the bounds. (The authors' exact saturating function is not given in SPEC.md; this is our
+    saturating at the bounds. (The authors' exact saturating function is not given in the paper; this is our
     smooth choice with the same range. Their bug mapping tau_hat == 1 to 0 is not reproduced.)
     """
     if not (math.isfinite(kb) and kb > 0):
