@@ -493,3 +493,80 @@ def test_supernodes_train_on_the_data_each_holds(tmp_path: Path, fashion_all) ->
         engine = node_rounds_without_transport(NODE_RUN, [tmp_path / s for s in order])
         diffs.append(max(float(np.abs(flower[k] - engine[k]).max()) for k in engine))
     assert min(diffs) <= 1e-9 < max(diffs), diffs
+
+
+# ---------------------------------------------------------------------- TLS + SuperNode authentication
+def write_pki(root: Path, nodes: int) -> None:
+    """A CA (``ca.crt``), the SuperLink's certificate for 127.0.0.1 signed by it (``server.pem``, ``server.key``)
+    and ``nodes`` SuperNode key pairs (``node{i}``, OpenSSH private key; ``node{i}.pub``), P-384 throughout."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def cert(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name, signer: ec.EllipticCurvePrivateKey,
+             ext: x509.ExtensionType) -> x509.Certificate:
+        now = datetime.datetime.now(datetime.timezone.utc)
+        return (x509.CertificateBuilder().subject_name(name(subject)).issuer_name(issuer)
+                .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+                .add_extension(ext, critical=False).sign(signer, hashes.SHA256()))
+
+    pem = serialization.Encoding.PEM
+    ca_key, key = ec.generate_private_key(ec.SECP384R1()), ec.generate_private_key(ec.SECP384R1())
+    ca = cert("fl-edge test CA", ca_key, name("fl-edge test CA"), ca_key, x509.BasicConstraints(ca=True, path_length=0))
+    san = x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    (root / "ca.crt").write_bytes(ca.public_bytes(pem))
+    (root / "server.pem").write_bytes(cert("127.0.0.1", key, ca.subject, ca_key, san).public_bytes(pem))
+    (root / "server.key").write_bytes(key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                                        serialization.NoEncryption()))
+    for i in range(nodes):
+        node = ec.generate_private_key(ec.SECP384R1())
+        (root / f"node{i}").write_bytes(node.private_bytes(pem, serialization.PrivateFormat.OpenSSH,
+                                                           serialization.NoEncryption()))
+        (root / f"node{i}.pub").write_bytes(node.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                                           serialization.PublicFormat.OpenSSH))
+
+
+@pytest.mark.timeout(300)
+def test_tls_and_supernode_authentication(tmp_path: Path, fashion_all) -> None:  # type: ignore[no-untyped-def]
+    """The production setup of the README: a SuperLink with TLS (a CA generated here) and
+    --enable-supernode-auth, two SuperNode public keys registered with ``flwr supernode register``; the two
+    nodes train a round over TLS, and a SuperNode with an unregistered key is refused (exits without joining)."""
+    pytest.importorskip("cryptography", reason="generating the test CA needs the cryptography package")
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    write_pki(pki, 3)
+    sources, _ = write_node_data(fashion_all, tmp_path, nodes=2, per_node=60)
+    ca = str(pki / "ca.crt")
+    dep = LocalDeployment(num_nodes=2, workdir=tmp_path, node_configs=[f"data='{s}'" for s in sources],
+                          link_args=["--ssl-ca-certfile", ca, "--ssl-certfile", str(pki / "server.pem"),
+                                     "--ssl-keyfile", str(pki / "server.key"), "--enable-supernode-auth"],
+                          node_args=[["--root-certificates", ca, "--auth-supernode-private-key",
+                                      str(pki / f"node{i}")] for i in range(3)],
+                          connection={"root-certificates": ca})
+    flwr = str(Path(sys.executable).parent / "flwr")
+    try:
+        dep.start_link()
+        for i in range(2):
+            subprocess.run([flwr, "supernode", "register", str(pki / f"node{i}.pub"), "local-deployment"],
+                           env=dep.env, cwd=tmp_path, check=True, capture_output=True, timeout=60)
+        stranger = dep.start_node(dep.node_args[2], f"data='{sources[0]}'", "unregistered")
+        assert stranger.wait(timeout=60) != 0
+        assert "Failed to activate SuperNode" in (tmp_path / "unregistered.log").read_text()
+        for i in range(2):
+            dep.start_node(dep.node_args[i], dep.node_configs[i], f"supernode-{i}")
+        listed = subprocess.run([flwr, "supernode", "list", "local-deployment", "--format", "json"], env=dep.env,
+                                cwd=tmp_path, check=True, capture_output=True, text=True, timeout=60).stdout
+        dep.run({**NODE_RUN, "local-iterations": 3, "min-nodes": 2, "run-dir": "run-tls"}, timeout=200)
+    finally:
+        dep.stop()
+    assert len(json.loads(listed[listed.index("{"):])["nodes"]) == 2, listed
+    rows = [json.loads(line) for line in (tmp_path / "run-tls" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0] and 0.0 <= rows[0]["val"] <= 1.0
