@@ -383,7 +383,8 @@ def write_node_data(fashion, root: Path, nodes: int = 3,  # type: ignore[no-unty
     return sources, idx
 
 
-def test_node_data_is_checked_at_load_and_split_on_the_node(tmp_path: Path, fashion_all) -> None:  # type: ignore[no-untyped-def]
+def test_node_data_is_checked_at_load_and_split_on_the_node(tmp_path: Path,
+                                                            fashion_all) -> None:  # type: ignore[no-untyped-def]
     """A node's own image folder or arrays file: preprocessed as the recipe's data, split with the run's seed;
     a wrong shape, labels out of range or no labels (a new client) refused with one line."""
     import os

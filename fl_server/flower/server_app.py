@@ -119,8 +119,9 @@ def finalize(grid: Grid, run: FederatedRun, state: State, node_of: dict[int, int
     params = state_to_record({"params": state["params"]})
 
     def ask(kind: str, extra: dict[str, ArrayRecord]) -> list[Any]:
-        replies = _exchange(grid, kind, {node_of[p]: RecordDict({"server": params, "config": run.config(-1, p), **extra})
-                                         for p in range(run.k)}, timeout, run.recipe.rounds)
+        payloads = {node_of[p]: RecordDict({"server": params, "config": run.config(-1, p), **extra})
+                    for p in range(run.k)}
+        replies = _exchange(grid, kind, payloads, timeout, run.recipe.rounds)
         return [replies[node_of[p]] for p in range(run.k)]
 
     device: dict[str, dict[str, np.ndarray]] = {}
