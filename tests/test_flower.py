@@ -331,3 +331,243 @@ def test_a_users_recipe_file_trains_on_flower_like_in_process(tmp_path: Path, da
     assert sorted(flower) == sorted(engine)
     diff = max(float(np.abs(flower[k] - engine[k]).max()) for k in engine)
     assert diff <= 1e-6, diff
+
+
+# ---------------------------------------------------------------------- recipe + run-config overrides
+def test_run_config_overrides_apply_over_a_recipe_file_and_clashing_keys_are_refused(tmp_path: Path) -> None:
+    """``rounds`` and the other recipe keys set in the run config apply over a recipe file as over a preset ("":
+    the recipe's own); ``dataset``, ``method`` or ``model`` beside a recipe file are refused with one line."""
+    from fl_server.recipes import RecipeError
+    from fl_server.recipes.presets import builtin_recipe
+
+    source = tmp_path / "mine.py"
+    source.write_text("from fl_server.recipes.presets import builtin_recipe\n"
+                      "RECIPE = builtin_recipe('digits', 'FedTTA', rounds=7, num_clients=20)\n")
+    unset = {key: "" for key in ("rounds", "local-iterations", "num-clients", "dataset", "method", "model")}
+    own = FlowerRecipe.from_config({**unset, "recipe": f"{source}:RECIPE"}).recipe
+    assert (own.rounds, own.local_iterations, own.federation.num_clients, own.method) == (7, 20, 20, "FedTTA")
+    changed = FlowerRecipe.from_config({**unset, "recipe": f"{source}:RECIPE", "rounds": 2, "num-clients": 4,
+                                        "val-fraction": 0.25}).recipe
+    assert (changed.rounds, changed.federation.num_clients, changed.federation.val_fraction) == (2, 4, 0.25)
+    assert changed.method == "FedTTA" and changed.hyper == own.hyper and changed.source == own.source
+    assert FlowerRecipe.from_config({**unset, "dataset": "digits"}).recipe.rounds == builtin_recipe("digits").rounds
+    with pytest.raises(RecipeError, match=r"^run config: method='TENT' beside recipe=.*sets its own method; drop"):
+        FlowerRecipe.from_config({**unset, "recipe": f"{source}:RECIPE", "method": "TENT"})
+    with pytest.raises(RecipeError, match=r"rounds must be an integer >= 1, got 0"):
+        FlowerRecipe.from_config({"recipe": f"{source}:RECIPE", "rounds": 0})
+
+
+# ---------------------------------------------------------------------- node-local data
+FASHION = {"dataset": "fashion_mnist", "model": "mlp", "method": "FedAvg", "seed": 0}
+
+
+def write_node_data(fashion, root: Path, nodes: int = 3,  # type: ignore[no-untyped-def]
+                    per_node: int = 120) -> tuple[list[str], np.ndarray]:
+    """Each node's own Fashion-MNIST samples (disjoint): node 0 an image folder of PNGs (class folders named by
+    label), the others arrays files (float32 NCHW in [0, 1], as the built-in recipe takes them). Returns the
+    node-config ``data`` values (relative to ``root``) and each node's sample indices."""
+    from PIL import Image
+
+    idx = np.random.default_rng(1).permutation(len(fashion.y))[:nodes * per_node].reshape(nodes, per_node)
+    sources = []
+    for node, rows in enumerate(idx):
+        if node == 0:
+            for i in rows:
+                folder = root / f"node{node}" / str(int(fashion.y[i]))
+                folder.mkdir(parents=True, exist_ok=True)
+                Image.fromarray(np.round(fashion.x[i, 0] * 255).astype(np.uint8)).save(folder / f"{i}.png")
+            sources.append(f"node{node}")
+        else:
+            np.savez(root / f"node{node}.npz", x=fashion.x[rows], y=fashion.y[rows])
+            sources.append(f"node{node}.npz")
+    return sources, idx
+
+
+def test_node_data_is_checked_at_load_and_split_on_the_node(tmp_path: Path,
+                                                            fashion_all) -> None:  # type: ignore[no-untyped-def]
+    """A node's own image folder or arrays file: preprocessed as the recipe's data, split with the run's seed;
+    a wrong shape, labels out of range or no labels (a new client) refused with one line."""
+    import os
+
+    from fl_server.flower.task import load_node_data
+    from fl_server.recipes import RecipeError
+
+    recipe = FlowerRecipe.from_config(FASHION)
+    (folder, arrays, _), idx = write_node_data(fashion_all, tmp_path, per_node=60)
+    images, stored = load_node_data(recipe, tmp_path / folder), load_node_data(recipe, tmp_path / arrays)
+    for data in (images, stored):
+        assert data.local and data.input_shape == (1, 28, 28) and data.x_train.dtype == np.float32
+        assert (len(data.y_train), len(data.y_val)) == (51, 9)  # the recipe's val_fraction 0.15 of 60
+    with np.load(tmp_path / arrays) as f:  # the arrays come back as they were, split by the run's seed
+        x, y = f["x"], f["y"]
+    again = load_node_data(recipe, tmp_path / arrays)
+    np.testing.assert_array_equal(again.x_val, stored.x_val)
+    assert sorted(np.concatenate([stored.y_train, stored.y_val]).tolist()) == sorted(y.tolist())
+    other = load_node_data(FlowerRecipe.from_config({**FASHION, "seed": 1}), tmp_path / arrays)
+    assert not np.array_equal(other.y_val, stored.y_val) or not np.array_equal(other.x_val, stored.x_val)
+    # the PNGs' samples are the node's Fashion-MNIST images (to uint8 rounding), their folders its labels
+    got = np.concatenate([images.x_train, images.x_val]).reshape(60, -1)
+    labels = np.concatenate([images.y_train, images.y_val])
+    order, want = np.argsort(got.sum(1)), np.argsort(fashion_all.x[idx[0]].reshape(60, -1).sum(1))
+    np.testing.assert_allclose(got[order], fashion_all.x[idx[0]].reshape(60, -1)[want], atol=0.5 / 255 + 1e-6)
+    np.testing.assert_array_equal(labels[order], fashion_all.y[idx[0]][want])
+    placed = stored.placed({"client-id": 2, "num-clients": 3})
+    assert (placed.partition_id, placed.num_partitions) == (2, 3)
+
+    def refused(name: str, pattern: str, **arrays: np.ndarray) -> None:
+        np.savez(tmp_path / name, **arrays)
+        with pytest.raises(RecipeError, match=pattern):
+            load_node_data(recipe, tmp_path / name)
+
+    refused("new.npz", r"no labels \(array 'y'\); a node without labels is a new client .* cannot train", x=x)
+    refused("big.npz", r"labels in \[\d, 10\], the recipe has 10 classes \(0 .. 9\)", x=x, y=np.where(y == 0, 10, y))
+    refused("hwc.npz", r"expected raw images \[N, 1, 28, 28\]", x=x.transpose(0, 2, 3, 1), y=y)
+    refused("raw.npz", r"expects raw pixels in \[0, 1\] \(float32\)", x=x * 255, y=y)
+    refused("text.npz", r"labels must be integers, one per image \(60\)", x=x, y=y.astype(np.float32))
+    unlabeled = tmp_path / "phone"
+    unlabeled.mkdir()
+    for png in sorted((tmp_path / folder).glob("*/*.png"))[:3]:
+        os.link(png, unlabeled / png.name)
+    with pytest.raises(RecipeError, match=r"images without class subfolders have no labels; .* cannot train"):
+        load_node_data(recipe, unlabeled)
+    (tmp_path / folder / "boots").mkdir()
+    (unlabeled / sorted(os.listdir(unlabeled))[0]).rename(tmp_path / folder / "boots" / "a.png")
+    with pytest.raises(RecipeError, match=r"class folder\(s\) boots are not the recipe's classes"):
+        load_node_data(recipe, tmp_path / folder)
+    with pytest.raises(RecipeError, match=r"node data nowhere.npz \(/.*nowhere.npz\): no such image folder"):
+        load_node_data(recipe, "nowhere.npz")
+
+
+def test_nodes_holding_their_own_data_are_numbered_and_a_mix_or_partitioning_keys_are_refused() -> None:
+    from fl_server.flower.server_app import FlowerError, clients_of
+
+    local = {"partition-id": -1, "num-partitions": 0}
+    assert clients_of({}, {9: local, 4: local})[0] == {0: 4, 1: 9}  # clients numbered by node id
+    with pytest.raises(FlowerError, match=r"^1 SuperNodes hold their own data .*, 1 a partition"):
+        clients_of({}, {9: local, 4: {"partition-id": 0, "num-partitions": 2}})
+    with pytest.raises(FlowerError, match=r"^run config num-clients, max-samples: these split a shared data set"):
+        clients_of({"num-clients": 10, "new-fraction": "", "max-samples": 600}, {9: local, 4: local})
+
+
+NODE_RUN = {**FASHION, "rounds": 1, "local-iterations": 10, "batch-size": 32, "dtype": "float64"}
+
+
+def node_rounds_without_transport(config: dict, sources: list[Path]) -> dict[str, np.ndarray]:
+    """The Flower app's two sides on node-local data, client i holding ``sources[i]``: the final server state."""
+    from fl_server.flower.server_app import FederatedRun
+    from fl_server.flower.task import client_round, load_node_data
+    from fl_server.flower.wire import record_to_state
+
+    recipe = FlowerRecipe.from_config(config)
+    data = [load_node_data(recipe, s) for s in sources]
+    run = FederatedRun(recipe, [{"input-shape": list(d.input_shape), "num-train": len(d.y_train)} for d in data])
+    client = recipe.build_algorithm(len(data))
+    for r in range(recipe.rounds):
+        ids = np.arange(len(data))
+        states = [client_round(client, record_to_state(msg["state"]), record_to_state(msg["server"]),
+                               data[k].placed(msg["config"]), recipe, r, None)[0]
+                  for k, msg in zip(ids, run.train_payloads(ids, r))]
+        run.aggregate(ids, states)
+    return to_numpy_flat(run.server_state)
+
+
+@pytest.mark.timeout(300)
+def test_supernodes_train_on_the_data_each_holds(tmp_path: Path, fashion_all) -> None:  # type: ignore[no-untyped-def]
+    """Three SuperNodes, each given only its own Fashion-MNIST samples (an image folder or an arrays file, paths
+    relative to the SuperNode's working directory), no partition-id and no data set anywhere else: one FedAvg
+    round trains to the weights the app's two sides compute on the same node data (the nodes numbered by their
+    random node ids: one order of the three matches), validated on the nodes' own splits; the relative run-dir
+    lands in the SuperLink's directory."""
+    import itertools
+
+    sources, _ = write_node_data(fashion_all, tmp_path)
+    with LocalDeployment(num_nodes=3, workdir=tmp_path, env={"FL_DATA_DIR": str(tmp_path / "no-data-here")},
+                         node_configs=[f"data='{s}'" for s in sources]) as dep:
+        dep.run({**NODE_RUN, "run-dir": "run-local"}, timeout=240)
+    run_dir = tmp_path / "run-local"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0] and rows[0]["val"] > 0.2  # chance: 0.1
+    assert json.loads((run_dir / "run.json").read_text())["engine"] == "flower"
+    flower = to_numpy_flat(load_state(run_dir / "final.npz"))
+    diffs = []
+    for order in itertools.permutations(sources):
+        engine = node_rounds_without_transport(NODE_RUN, [tmp_path / s for s in order])
+        diffs.append(max(float(np.abs(flower[k] - engine[k]).max()) for k in engine))
+    assert min(diffs) <= 1e-9 < max(diffs), diffs
+
+
+# ---------------------------------------------------------------------- TLS + SuperNode authentication
+def write_pki(root: Path, nodes: int) -> None:
+    """A CA (``ca.crt``), the SuperLink's certificate for 127.0.0.1 signed by it (``server.pem``, ``server.key``)
+    and ``nodes`` SuperNode key pairs (``node{i}``, OpenSSH private key; ``node{i}.pub``), P-384 throughout."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def cert(subject: str, key: ec.EllipticCurvePrivateKey, issuer: x509.Name, signer: ec.EllipticCurvePrivateKey,
+             ext: x509.ExtensionType) -> x509.Certificate:
+        now = datetime.datetime.now(datetime.timezone.utc)
+        return (x509.CertificateBuilder().subject_name(name(subject)).issuer_name(issuer)
+                .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+                .add_extension(ext, critical=False).sign(signer, hashes.SHA256()))
+
+    pem = serialization.Encoding.PEM
+    ca_key, key = ec.generate_private_key(ec.SECP384R1()), ec.generate_private_key(ec.SECP384R1())
+    ca = cert("fl-edge test CA", ca_key, name("fl-edge test CA"), ca_key, x509.BasicConstraints(ca=True, path_length=0))
+    san = x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    (root / "ca.crt").write_bytes(ca.public_bytes(pem))
+    (root / "server.pem").write_bytes(cert("127.0.0.1", key, ca.subject, ca_key, san).public_bytes(pem))
+    (root / "server.key").write_bytes(key.private_bytes(pem, serialization.PrivateFormat.PKCS8,
+                                                        serialization.NoEncryption()))
+    for i in range(nodes):
+        node = ec.generate_private_key(ec.SECP384R1())
+        (root / f"node{i}").write_bytes(node.private_bytes(pem, serialization.PrivateFormat.OpenSSH,
+                                                           serialization.NoEncryption()))
+        (root / f"node{i}.pub").write_bytes(node.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                                                           serialization.PublicFormat.OpenSSH))
+
+
+@pytest.mark.timeout(300)
+def test_tls_and_supernode_authentication(tmp_path: Path, fashion_all) -> None:  # type: ignore[no-untyped-def]
+    """The production setup of the README: a SuperLink with TLS (a CA generated here) and
+    --enable-supernode-auth, two SuperNode public keys registered with ``flwr supernode register``; the two
+    nodes train a round over TLS, and a SuperNode with an unregistered key is refused (exits without joining)."""
+    pytest.importorskip("cryptography", reason="generating the test CA needs the cryptography package")
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    write_pki(pki, 3)
+    sources, _ = write_node_data(fashion_all, tmp_path, nodes=2, per_node=60)
+    ca = str(pki / "ca.crt")
+    dep = LocalDeployment(num_nodes=2, workdir=tmp_path, node_configs=[f"data='{s}'" for s in sources],
+                          link_args=["--ssl-ca-certfile", ca, "--ssl-certfile", str(pki / "server.pem"),
+                                     "--ssl-keyfile", str(pki / "server.key"), "--enable-supernode-auth"],
+                          node_args=[["--root-certificates", ca, "--auth-supernode-private-key",
+                                      str(pki / f"node{i}")] for i in range(3)],
+                          connection={"root-certificates": ca})
+    flwr = str(Path(sys.executable).parent / "flwr")
+    try:
+        dep.start_link()
+        for i in range(2):
+            subprocess.run([flwr, "supernode", "register", str(pki / f"node{i}.pub"), "local-deployment"],
+                           env=dep.env, cwd=tmp_path, check=True, capture_output=True, timeout=60)
+        stranger = dep.start_node(dep.node_args[2], f"data='{sources[0]}'", "unregistered")
+        assert stranger.wait(timeout=60) != 0
+        assert "Failed to activate SuperNode" in (tmp_path / "unregistered.log").read_text()
+        for i in range(2):
+            dep.start_node(dep.node_args[i], dep.node_configs[i], f"supernode-{i}")
+        listed = subprocess.run([flwr, "supernode", "list", "local-deployment", "--format", "json"], env=dep.env,
+                                cwd=tmp_path, check=True, capture_output=True, text=True, timeout=60).stdout
+        dep.run({**NODE_RUN, "local-iterations": 3, "min-nodes": 2, "run-dir": "run-tls"}, timeout=200)
+    finally:
+        dep.stop()
+    assert len(json.loads(listed[listed.index("{"):])["nodes"]) == 2, listed
+    rows = [json.loads(line) for line in (tmp_path / "run-tls" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0] and 0.0 <= rows[0]["val"] <= 1.0

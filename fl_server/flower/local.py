@@ -44,11 +44,18 @@ def _wait_port(port: int, proc: subprocess.Popen, timeout: float, log: Path) -> 
 
 
 class LocalDeployment:
-    """SuperLink + ``num_nodes`` SuperNodes (``partition-id`` 0 .. N-1) under ``workdir``; stopped on exit."""
+    """SuperLink + ``num_nodes`` SuperNodes under ``workdir``; stopped on exit. Node i's ``--node-config`` is
+    ``node_configs[i]`` (default ``partition-id=i``). ``link_args`` / ``node_args`` replace ``--insecure`` (TLS
+    and SuperNode authentication flags), ``connection`` the ``flwr`` connection's ``insecure = true``."""
 
     def __init__(self, num_nodes: int, workdir: Path, startup_timeout: float = 120.0,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, node_configs: list[str] | None = None,
+                 link_args: list[str] | None = None, node_args: list[list[str]] | None = None,
+                 connection: dict[str, Any] | None = None) -> None:
         self.num_nodes, self.workdir, self.startup_timeout = num_nodes, Path(workdir), startup_timeout
+        self.node_configs = node_configs or [f"partition-id={i}" for i in range(num_nodes)]
+        self.link_args, self.connection = link_args or ["--insecure"], connection or {"insecure": True}
+        self.node_args = node_args or [["--insecure"]] * num_nodes
         self.procs: list[subprocess.Popen] = []
         bin_dir = str(Path(sys.executable).parent)  # flower-superexec and flwr-clientapp must be on PATH
         self.env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
@@ -64,24 +71,32 @@ class LocalDeployment:
         return proc
 
     def start(self) -> LocalDeployment:
+        self.start_link()
+        for i in range(self.num_nodes):
+            self.start_node(self.node_args[i], self.node_configs[i], f"supernode-{i}")
+        return self
+
+    def start_link(self) -> None:
+        """The SuperLink, and the ``local-deployment`` connection to it in ``$FLWR_HOME/config.toml``."""
         home = self.workdir / "flwr-home"
         home.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         (home / "config.toml").write_text(tomli_w.dumps({"superlink": {
             "default": "local-deployment",
-            "local-deployment": {"address": f"127.0.0.1:{self.port}", "insecure": True}}}))
-        bin_dir = Path(sys.executable).parent
+            "local-deployment": {"address": f"127.0.0.1:{self.port}", **self.connection}}}))
         link_log = self.workdir / "superlink.log"
-        link = self._spawn([str(bin_dir / "flower-superlink"), "--insecure", "--host", "127.0.0.1", "--port",
-                            str(self.port), "--disable-runtime-dependency-installation"], link_log)
-        _wait_port(self.port, link, self.startup_timeout, link_log)
-        for pid in range(self.num_nodes):
-            node_port, log = free_port(), self.workdir / f"supernode-{pid}.log"
-            node = self._spawn([str(bin_dir / "flower-supernode"), "--insecure", "--superlink",
-                                f"127.0.0.1:{self.port}", "--port", str(node_port),
-                                "--node-config", f"partition-id={pid}"], log)
-            _wait_port(node_port, node, self.startup_timeout, log)
-        return self
+        link = self._spawn([str(Path(sys.executable).parent / "flower-superlink"), *self.link_args, "--host",
+                            "127.0.0.1", "--port", str(self.port), "--disable-runtime-dependency-installation"],
+                           link_log)
+        _wait_port(self.port, link, self.startup_timeout, log=link_log)
+
+    def start_node(self, args: list[str], node_config: str, name: str) -> subprocess.Popen:
+        """A SuperNode with ``args`` and ``--node-config node_config`` (log: ``workdir/name.log``), once it listens."""
+        node_port, log = free_port(), self.workdir / f"{name}.log"
+        node = self._spawn([str(Path(sys.executable).parent / "flower-supernode"), *args, "--superlink",
+                            f"127.0.0.1:{self.port}", "--port", str(node_port), "--node-config", node_config], log)
+        _wait_port(node_port, node, self.startup_timeout, log)
+        return node
 
     def run(self, run_config: dict[str, Any], app_dir: Path = APP_DIR, timeout: float = 600.0) -> str:
         """``flwr run`` the app with ``run_config`` overrides and wait for it; returns its output. Fails when the

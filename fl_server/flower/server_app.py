@@ -1,7 +1,8 @@
 """The Flower ServerApp: the coordinator's side of a run whose clients train on their own machines.
 
-It waits for the SuperNodes, asks each for its partition id and sizes (``query``), builds the method from the
-recipe (no data on this side), then per round selects clients like the engine (``select_clients``), sends each
+It waits for the SuperNodes, asks each for its partition id and sizes (``query``; nodes that hold their own
+data are numbered as clients 0 .. N-1 by node id, and each message tells a node its number), builds the method
+from the recipe (no data on this side), then per round selects clients like the engine (``select_clients``), sends each
 its row of the method's ``client_start`` with the server state (``train``), and folds the replies in with the
 method's ``aggregate``. Validation (``evaluate``) is the mean over training clients of their own accuracy, as
 the engine's. At the end, the finalize step (:func:`finalize`) asks the clients for what a bundle needs from their
@@ -84,8 +85,9 @@ class FederatedRun:
         self.server_state: State = self.algorithm.init_state(dtype, torch.device("cpu"))
         self.sizes = torch.tensor([int(i["num-train"]) for i in infos], dtype=dtype)
 
-    def config(self, round_: int) -> ConfigRecord:
-        return ConfigRecord({"round": round_, "num-clients": self.k})
+    def config(self, round_: int, client: int) -> ConfigRecord:
+        """A message's config: the round, the number of training clients and the receiver's client number."""
+        return ConfigRecord({"round": round_, "num-clients": self.k, "client-id": client})
 
     def train_payloads(self, ids: np.ndarray, round_: int) -> list[RecordDict]:
         """Client ``ids[i]``'s message: its row of ``client_start`` and the server state."""
@@ -93,8 +95,8 @@ class FederatedRun:
         starts = [{k: v for k, v in s.items() if k not in private}
                   for s in unstack(self.algorithm.client_start(self.server_state, ids))]
         server = self.shared_record()
-        return [RecordDict({"state": state_to_record(s), "server": server, "config": self.config(round_)})
-                for s in starts]
+        return [RecordDict({"state": state_to_record(s), "server": server, "config": self.config(round_, int(i))})
+                for s, i in zip(starts, ids)]
 
     def shared_record(self) -> ArrayRecord:
         """The server state without its per-client rows (``Algorithm.per_client_keys``)."""
@@ -117,8 +119,9 @@ def finalize(grid: Grid, run: FederatedRun, state: State, node_of: dict[int, int
     params = state_to_record({"params": state["params"]})
 
     def ask(kind: str, extra: dict[str, ArrayRecord]) -> list[Any]:
-        replies = _exchange(grid, kind, {node_of[p]: RecordDict({"server": params, "config": run.config(-1), **extra})
-                                         for p in range(run.k)}, timeout, run.recipe.rounds)
+        payloads = {node_of[p]: RecordDict({"server": params, "config": run.config(-1, p), **extra})
+                    for p in range(run.k)}
+        replies = _exchange(grid, kind, payloads, timeout, run.recipe.rounds)
         return [replies[node_of[p]] for p in range(run.k)]
 
     device: dict[str, dict[str, np.ndarray]] = {}
@@ -149,6 +152,32 @@ def make_server_app(run_config: Mapping[str, Any]) -> ServerApp:
     return fixed
 
 
+_PARTITIONING = ("num-clients", "new-fraction", "partition", "max-samples")  # how a shared data set is split
+
+
+def clients_of(cfg: Mapping[str, Any], infos: dict[int, dict[str, Any]]) -> tuple[dict[int, int], list[dict]]:
+    """(client number -> node id, the clients' query replies in client order). Nodes holding their own data
+    (partition-id -1) are the clients, numbered by node id; nodes holding partitions of the recipe's data set
+    are numbered by partition id, one per partition. A mix, or partitioning keys beside node-local data, is
+    refused with one line."""
+    local = sorted(n for n, i in infos.items() if int(i["partition-id"]) < 0)
+    if local and len(local) < len(infos):
+        raise FlowerError(f"{len(local)} SuperNodes hold their own data (data=...), {len(infos) - len(local)} a "
+                          "partition (partition-id=...); give every SuperNode of a run the same kind")
+    if local:
+        set_ = [key for key in _PARTITIONING if cfg.get(key, "") != ""]
+        if set_:
+            raise FlowerError(f"run config {', '.join(set_)}: these split a shared data set; the SuperNodes hold "
+                              f"their own data (each one client), so drop them")
+        return dict(enumerate(local)), [infos[n] for n in local]
+    by_pid = {int(i["partition-id"]): n for n, i in infos.items()}
+    k = int(next(iter(infos.values()))["num-partitions"])
+    if sorted(by_pid) != list(range(k)):
+        raise FlowerError(f"the recipe has {k} training clients; connected SuperNodes hold partitions "
+                          f"{sorted(by_pid)} (one SuperNode per partition id 0 .. {k - 1})")
+    return by_pid, [infos[by_pid[p]] for p in range(k)]
+
+
 def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
     """The run: query the nodes, train ``rounds`` rounds, validate, write ``cfg["run-dir"]``."""
     recipe = FlowerRecipe.from_config(cfg)
@@ -157,13 +186,9 @@ def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
     timeout = float(cfg.get("round-timeout", 600))
     nodes = wait_for_nodes(grid, int(cfg.get("min-nodes", 1)), timeout)
     query = _exchange(grid, "query", {n: RecordDict({"config": ConfigRecord({})}) for n in nodes}, timeout, -1)
-    by_pid = {int(c["info"]["partition-id"]): (n, dict(c["info"])) for n, c in query.items()}
-    k = int(next(iter(by_pid.values()))[1]["num-partitions"])
-    if sorted(by_pid) != list(range(k)):
-        raise FlowerError(f"the recipe has {k} training clients; connected SuperNodes hold partitions "
-                          f"{sorted(by_pid)} (one SuperNode per partition id 0 .. {k - 1})")
-    node_of = {pid: node for pid, (node, _) in by_pid.items()}
-    run = FederatedRun(recipe, [by_pid[p][1] for p in range(k)])
+    node_of, infos = clients_of(cfg, {n: dict(c["info"]) for n, c in query.items()})
+    k = len(node_of)
+    run = FederatedRun(recipe, infos)
     (run_dir / rundir.METRICS).unlink(missing_ok=True)
     best_val, best, best_round, t_start = float("-inf"), run.server_state, 0, time.perf_counter()
     for r in range(recipe.rounds):
@@ -174,7 +199,7 @@ def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
         row: dict[str, Any] = {"round": r}
         if (recipe.eval_every and (r + 1) % recipe.eval_every == 0) or r == recipe.rounds - 1:
             server = run.shared_record()
-            evals = _exchange(grid, "evaluate", {node_of[p]: RecordDict({"server": server, "config": run.config(r)})
+            evals = _exchange(grid, "evaluate", {node_of[p]: RecordDict({"server": server, "config": run.config(r, p)})
                                                  for p in range(k)}, timeout, r)
             row["val"] = float(np.mean([evals[node_of[p]]["metrics"]["accuracy"] for p in range(k)]))
             row["test"] = None

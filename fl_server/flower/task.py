@@ -3,8 +3,10 @@
 A run is described by the Flower run config (``[tool.flwr.app.config]`` of the app, ``flwr run --run-config``):
 a recipe (a user's recipe file, or a built-in data set's preset recipe, :func:`fl_server.recipes.presets.
 builtin_recipe`, with the run config's overrides), a seed and a dtype. Both sides build the same method object
-from it; the server never holds data: each SuperNode loads its own training client's partition (``partition-id``
-in its ``--node-config``), and only states and the method's messages cross the wire.
+from it; the server never holds data, and only states and the method's messages cross the wire. A SuperNode
+trains on the data it holds (``data`` in its ``--node-config``: an arrays file or an image folder,
+:func:`load_node_data`), or, for tests and simulations, on one partition of the recipe's own data set
+(``partition-id``, :func:`load_partition`).
 
 The client step is the engine's :func:`~fl_server.engine.simulation.run_local_steps` over the client's own
 batch stream (:func:`~fl_server.engine.simulation.client_rng`, the engine's ``batch_stream="per_client"``); the
@@ -20,7 +22,9 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 import numpy as np
@@ -28,11 +32,12 @@ import torch
 
 from fl_server.algorithms.base import Algorithm, NotApplicable
 from fl_server.algorithms.btfl import BTFL
+from fl_server.data.partitions import train_val_split
 from fl_server.engine.simulation import _EVAL, Simulation, client_batches, client_rng, run_local_steps
 from fl_server.functional import State, make_forward, stack, unstack
 from fl_server.models.norm import (client_sums, federated_statistics, norm_mode, norm_names, set_statistics,
                                    statistics_arrays)
-from fl_server.recipes import Recipe, load_recipe
+from fl_server.recipes import DataSpec, Federation, Recipe, RecipeError, load_recipe
 from fl_server.recipes.presets import builtin_recipe
 from fl_server.recipes.run import federate, simulation
 
@@ -43,6 +48,31 @@ _RECIPE_KEYS = {"num-clients": "num_clients", "new-fraction": "new_fraction", "v
                 "max-samples": "max_samples"}
 _KNOWN = {"dataset", "method", "seed", "dtype", "eval-every", "run-dir", "data-dir", "round-timeout", "min-nodes",
           "recipe", *_RECIPE_KEYS}
+
+
+_FILE_OWNS = ("dataset", "method", "model")  # what a recipe file sets itself: refused beside one
+
+
+def recipe_of_config(cfg: Mapping[str, Any]) -> Recipe:
+    """The run's recipe: the recipe file ``recipe`` or the preset of ``dataset`` and ``method`` (default mnist,
+    FedAvg), with every set (non-empty) key of :data:`_RECIPE_KEYS` applied over it (``rounds=50`` trains 50
+    rounds whichever the recipe). Beside a recipe file, ``dataset``, ``method`` and ``model`` are refused (the
+    file sets them, and ``fl-server export`` rebuilds the model from it)."""
+    changes = {field: cfg[key] for key, field in _RECIPE_KEYS.items() if cfg.get(key, "") != ""}
+    if not cfg.get("recipe"):
+        return builtin_recipe(str(cfg.get("dataset") or "mnist"), str(cfg.get("method") or "FedAvg"), **changes)
+    clash = [key for key in _FILE_OWNS if cfg.get(key, "") != ""]
+    if clash:
+        raise RecipeError(f"run config: {', '.join(f'{k}={cfg[k]!r}' for k in clash)} beside recipe="
+                          f"{cfg['recipe']!r}: the recipe file sets its own {'/'.join(clash)}; drop "
+                          f"{'them' if len(clash) > 1 else 'it'} from the run config or edit the file")
+    recipe = load_recipe(str(cfg["recipe"]))
+    fed_keys = {f.name for f in dataclasses.fields(Federation)}
+    fed = {k: v for k, v in changes.items() if k in fed_keys}
+    rest = {k: v for k, v in changes.items() if k not in fed_keys}
+    if fed:
+        rest["federation"] = dataclasses.replace(recipe.federation, **fed)
+    return recipe.replace(**rest) if rest else recipe
 
 
 @dataclass(frozen=True)
@@ -65,12 +95,7 @@ class FlowerRecipe:
         dtype = str(cfg.get("dtype", "float32"))
         if dtype not in ("float32", "float64"):
             raise ValueError(f"dtype {dtype!r}: use 'float32' or 'float64'")
-        if cfg.get("recipe"):
-            recipe = load_recipe(str(cfg["recipe"]))
-        else:
-            changes = {field: cfg[key] for key, field in _RECIPE_KEYS.items() if key in cfg and cfg[key] != ""}
-            recipe = builtin_recipe(str(cfg.get("dataset", "mnist")), str(cfg.get("method", "FedAvg")), **changes)
-        return cls(recipe, int(cfg.get("seed", 0)), dtype, int(cfg.get("eval-every", 0)))
+        return cls(recipe_of_config(cfg), int(cfg.get("seed", 0)), dtype, int(cfg.get("eval-every", 0)))
 
     @property
     def method(self) -> str:
@@ -119,9 +144,19 @@ class ClientData:
     x_val: np.ndarray
     y_val: np.ndarray
 
+    local: bool = False  # the node's own data (its client id is the server's, sent with each message)
+
     @property
     def input_shape(self) -> tuple[int, ...]:
         return tuple(self.x_train.shape[1:])
+
+    def placed(self, config: Mapping[str, Any]) -> ClientData:
+        """Node-local data as the client the server numbered it (``client-id`` of ``num-clients`` in a message's
+        config: its batch stream and its row of the method's state); a partition keeps its own id."""
+        if not self.local:
+            return self
+        return dataclasses.replace(self, partition_id=int(config["client-id"]),
+                                   num_partitions=int(config["num-clients"]))
 
 
 _FEDERATIONS: dict[tuple[str, int, str | None], FederatedData] = {}
@@ -143,6 +178,86 @@ def load_partition(recipe: FlowerRecipe, partition_id: int, data_root: str | Non
     x, y = fed.dataset.x, fed.dataset.y
     return ClientData(partition_id, fed.num_train_clients, fed.dataset.num_classes, x[tr].copy(), y[tr].copy(),
                       x[va].copy(), y[va].copy())
+
+
+def _node_images(recipe: Recipe, path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """An image folder as raw images in the recipe's layout and its labels: each class subfolder is named by the
+    recipe's class name (its data's ``classes``) or, when it names none, by the label number 0..K-1. uint8 images
+    go to a recipe whose raw images are uint8 as they are, to one whose raw images are floats in [0, 1] (the
+    built-in data sets) scaled by 1/255."""
+    if any(p.suffix.lower() in (".png", ".jpg", ".jpeg") for p in path.iterdir() if p.is_file()) and \
+            not any(p.is_dir() for p in path.iterdir()):
+        raise RecipeError(f"node data {path}: images without class subfolders have no labels; a node without "
+                          "labels is a new client (it adapts on the device) and cannot train")
+    spec = DataSpec.from_image_folder(path)
+    names = list(recipe.data.classes or [str(k) for k in range(recipe.num_classes)])
+    unknown = [c for c in spec.classes or () if c not in names]
+    if unknown:
+        raise RecipeError(f"node data {path}: class folder(s) {', '.join(unknown)} are not the recipe's classes; "
+                          f"name each folder after one of {', '.join(names)}")
+    labels = np.array([names.index(c) for c in spec.classes or ()])[spec.y]
+    if isinstance(spec.x, list):
+        raise RecipeError(f"node data {path}: its images differ in size; give every image the recipe's size")
+    raw, x = recipe.preprocess.raw, spec.x  # type: ignore[union-attr]
+    if raw is not None and raw.dtype != "uint8":
+        if raw.dtype[:5] != "float" or raw.range != (0.0, 1.0):
+            raise RecipeError(f"node data {path}: the recipe takes raw {raw.dtype} images, an image folder holds "
+                              "uint8 ones; give the node an arrays file (.npz with x, y) in the recipe's form")
+        x = (x / np.float32(255)).astype(raw.dtype)
+    layout = recipe.preprocess.layout  # type: ignore[union-attr]
+    return (x.transpose(0, 3, 1, 2) if layout == "NCHW" else x), labels
+
+
+def load_node_data(recipe: FlowerRecipe, source: str | Path) -> ClientData:
+    """A SuperNode's own data (``data`` in its ``--node-config``; a relative path is the SuperNode's working
+    directory's): an arrays file (``.npz`` with ``x``, raw images as the run's bundle takes them, and ``y``,
+    integer labels; never a pickle) or an image folder (one subfolder per class). Checked at load (shapes,
+    dtype, labels in range, the recipe's input shape; one line each, :class:`RecipeError`), preprocessed by the
+    recipe, then split into training and validation (``val_fraction`` of the recipe's federation) on the node,
+    drawn from the run's seed."""
+    path = Path(source).expanduser()
+    where = f"node data {source}" + ("" if path.is_absolute() else f" ({path.resolve()})")
+    r = recipe.recipe
+    if path.is_dir():
+        x, y = _node_images(r, path)
+    elif path.suffix == ".npz" and path.is_file():
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                if "x" not in f.files:
+                    raise RecipeError(f"{where}: no array 'x' (the raw images); it holds {', '.join(f.files)}")
+                if "y" not in f.files:
+                    raise RecipeError(f"{where}: no labels (array 'y'); a node without labels is a new client "
+                                      "(it adapts on the device) and cannot train")
+                x, y = f["x"], f["y"]
+        except ValueError as exc:  # an object array: a pickle inside, never loaded
+            raise RecipeError(f"{where}: unreadable arrays ({exc}); save plain numeric arrays x, y") from None
+    else:
+        raise RecipeError(f"{where}: no such image folder or arrays file (.npz with x, y)")
+    if y.ndim != 1 or y.dtype.kind not in "iu" or len(y) != len(x):
+        raise RecipeError(f"{where}: labels must be integers, one per image ({len(x)}), got {y.dtype} "
+                          f"{list(y.shape)}")
+    if len(y) < 2:
+        raise RecipeError(f"{where}: {len(y)} sample(s); a training node needs at least 2 (training and validation)")
+    if y.min() < 0 or y.max() >= r.num_classes:
+        raise RecipeError(f"{where}: labels in [{int(y.min())}, {int(y.max())}], the recipe has {r.num_classes} "
+                          f"classes (0 .. {r.num_classes - 1})")
+    if x.dtype.kind not in "uif":
+        raise RecipeError(f"{where}: images must be uint8 or float arrays, got {x.dtype}")
+    try:
+        inputs = r.preprocess.apply(x)  # type: ignore[union-attr]  # checks the raw images' shape and range
+    except ValueError as exc:
+        raise RecipeError(f"{where}: {exc}") from None
+    if tuple(inputs.shape[1:]) != tuple(r.input_shape):
+        raise RecipeError(f"{where}: images become model inputs {list(inputs.shape[1:])}, the recipe's model takes "
+                          f"{list(r.input_shape)}")
+    if not np.isfinite(inputs).all():
+        raise RecipeError(f"{where}: NaN or infinite values in the images")
+    tr, va = train_val_split(np.arange(len(y)), r.federation.val_fraction, np.random.default_rng(recipe.seed))
+    if len(tr) == 0 or len(va) == 0:
+        raise RecipeError(f"{where}: {len(y)} samples leave {len(tr)} for training and {len(va)} for validation "
+                          f"(val_fraction {r.federation.val_fraction}); give the node more samples")
+    y = y.astype(np.int64)
+    return ClientData(-1, 0, r.num_classes, inputs[tr], y[tr], inputs[va], y[va], local=True)
 
 
 def client_train(algorithm: Algorithm, start: State, server: State, data: ClientData, recipe: FlowerRecipe,
