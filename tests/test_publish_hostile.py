@@ -21,7 +21,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from coordinator_proc import ADMIN, Coordinator, auth, start
-from edge_sdk.bundle import BundleError, load_bundle
+from edge_sdk import BundleError, load_bundle
 from fl_server.cli import main as cli
 from fl_server.service.publish import tar_bundle
 
