@@ -213,7 +213,7 @@ def test_client_statistics_federated_and_local(fashion_batches) -> None:  # type
 
 
 def test_bn_tent_shift_script_smoke(fashion_all) -> None:  # type: ignore[no-untyped-def]
-    """scripts/bn_tent_shift.py (the docs/results/bn-tent-shift.json experiment) at its CI size."""
+    """lab/research/bn_tent_shift.py (the docs/results/bn-tent-shift.json experiment) at its CI size."""
     import importlib.util
 
     path = Path(__file__).resolve().parents[1] / "scripts" / "bn_tent_shift.py"

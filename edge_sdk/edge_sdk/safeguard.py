@@ -15,7 +15,7 @@ class of more than ``threshold`` of the samples, it keeps the received model.
     decision.message         # the line a demo prints
 
 The default threshold is chosen on validation shifts only (corruptions no test domain uses), from the
-``unseen-domain`` experiment's table (docs/results/unseen-domain.json; fl_server/bench/unseen.py).
+``unseen-domain`` experiment's table (docs/results/unseen-domain.json; lab/unseen.py).
 numpy only.
 """
 from __future__ import annotations
