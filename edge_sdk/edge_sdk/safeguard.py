@@ -26,7 +26,7 @@ import numpy as np
 
 # Chosen on the unseen-domain experiment's validation rows only (validation corruptions, 3 seeds, MNIST and
 # Fashion-MNIST): the threshold of best mean safeguarded accuracy over the personalising methods, ahead of the
-# safeguard off (threshold 1); tests/test_unseen_domain.py checks it against docs/results/unseen-domain.json.
+# safeguard off (threshold 1); lab/tests/test_unseen_domain.py checks it against docs/results/unseen-domain.json.
 DEFAULT_THRESHOLD = 0.5
 
 
