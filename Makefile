@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-fast test-sdk bench-quick report clean
+.PHONY: setup run test test-fast test-lab test-sdk bench-quick report clean
 
 $(STAMP): pyproject.toml setup.py edge_sdk/pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "error: $(PYTHON) not found (Python 3.11 is required; set PYTHON=...)"; exit 1; }
@@ -31,15 +31,19 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
+## the results lab's own tests (lab/: the paper-reproduction harness, outside the package; CI runs them after make test)
+test-lab: $(STAMP)
+	$(BIN)/python -m pytest -q lab/tests
+
 ## edge_sdk alone in a fresh venv: proves `pip install ./edge_sdk` pulls no torch
 test-sdk: $(STAMP)
 	PYTHON=$(PYTHON) bash scripts/check_edge_sdk_venv.sh
 
 bench-quick: $(STAMP)
-	$(BIN)/fl-server bench upfl-table1 --quick --seeds 1
+	$(BIN)/python -m lab bench upfl-table1 --quick --seeds 1
 
 report: $(STAMP)
-	$(BIN)/fl-server report
+	$(BIN)/python -m lab report
 
 clean:
 	rm -rf runs .pytest_cache

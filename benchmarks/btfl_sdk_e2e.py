@@ -1,7 +1,7 @@
 """BTFL on the device path, end to end, against the harness: parity and per-sample latency.
 
-Takes a finished ``fl-server bench btgfl`` training run (its last-round checkpoint, as the benchmark evaluates),
-rebuilds the seed's clients and test streams exactly as :mod:`fl_server.bench.btgfl` does, and for every client
+Takes a finished ``python -m lab bench btgfl`` training run (its last-round checkpoint, as the benchmark evaluates),
+rebuilds the seed's clients and test streams exactly as :mod:`lab.btgfl` does, and for every client
 exports its BTFL bundle (:func:`export.btfl.export_btfl_client`: the ``features`` graph + the global model's
 weights + the client's BTFL state), loads it torch-free (:func:`edge_sdk.load_bundle`) and streams each of
 the five test columns one sample at a time, as a phone would:
@@ -23,6 +23,11 @@ from __future__ import annotations
 
 import os
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: lab/ is not installed
+from lab import btgfl  # noqa: E402
+from lab.experiments import get_experiment  # noqa: E402
+from lab.rows import merge_rows  # noqa: E402
+
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_var] = "1"  # one core: before numpy / torch are imported
 
@@ -43,9 +48,6 @@ from edge_sdk import load_bundle
 from edge_sdk._steps import graph_feeds
 from export.btfl import export_btfl_client
 from fl_server.algorithms.btfl import BTFL
-from fl_server.bench import btgfl
-from fl_server.bench.experiments import get_experiment
-from fl_server.bench.rows import merge_rows
 from fl_server.data import load_dataset
 from fl_server.engine.simulation import load_state
 from fl_server.models import build_model

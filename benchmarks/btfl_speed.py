@@ -27,6 +27,10 @@ the start and end of the run: on a shared machine compare rows of one run (ratio
 from __future__ import annotations
 
 import os
+import sys
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: lab/ is not installed
+from lab.rows import merge_rows  # noqa: E402
 
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS"):
     os.environ[_var] = "1"  # one core: set before numpy is imported
@@ -42,7 +46,6 @@ from typing import Any
 
 import numpy as np
 
-from fl_server.bench.rows import merge_rows
 
 from edge_sdk import _btfl as btfl, entropy
 

@@ -20,11 +20,13 @@ from pathlib import Path
 import numpy as np
 
 from edge_sdk import _btfl as btfl
-from fl_server.bench.rows import merge_rows
 from fl_server.service.dle import DLEAggregate
 from fl_server.service.store import Store
 
 from timing import command_line, interleaved_median_ms
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: lab/ is not installed
+from lab.rows import merge_rows  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "dle-view.json"
 SHAPE = (64, 2)

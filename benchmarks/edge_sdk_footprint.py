@@ -19,7 +19,7 @@ import venv
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fl_server.bench.rows import merge_rows  # noqa: E402  (standard library only)
+from lab.rows import merge_rows  # noqa: E402  (standard library only)
 
 ROOT = Path(__file__).resolve().parents[1]
 

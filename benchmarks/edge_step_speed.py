@@ -17,6 +17,11 @@ torch's own kernels (``aten.convolution`` / ``aten.convolution_backward``), with
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: lab/ is not installed
+from lab.rows import merge_rows  # noqa: E402
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -37,7 +42,6 @@ from export.fedicon import fedicon_tta_step_spec  # noqa: E402
 from export.decompositions import convolution_backward  # noqa: E402
 from fl_server.algorithms import build_algorithm  # noqa: E402
 from fl_server.recipes.presets import FEDTTA_HP  # noqa: E402
-from fl_server.bench.rows import merge_rows  # noqa: E402
 from fl_server.data import load_dataset  # noqa: E402
 from fl_server.models import build_model  # noqa: E402
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,13 +25,15 @@ from fl_server.algorithms import build_algorithm
 from fl_server.algorithms.fedtta import FedTTA
 from fl_server.recipes.presets import FEDTTA_HP
 from fl_server.algorithms.losses import entropy_from_logits, kl_from_logits
-from fl_server.bench.rows import merge_rows
 from fl_server.data import load_dataset
 from fl_server.device import describe, pick_device
 from fl_server.functional import State, tree_map
 from fl_server.models import build_model
 
 from timing import interleaved_median_ms, run_fields, sync
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: lab/ is not installed
+from lab.rows import merge_rows  # noqa: E402
 
 CLIENTS, BATCH, NEW_CLIENT_SAMPLES = 10, 64, 500
 

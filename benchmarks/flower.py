@@ -27,8 +27,10 @@ from typing import Any
 
 import torch
 
-from fl_server.flower.local import LocalDeployment
 from fl_server.flower.task import FlowerRecipe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the loopback deployment the tests use
+from flower_local import LocalDeployment  # noqa: E402
 
 
 def round_seconds(run_dir: Path) -> list[float]:

@@ -25,17 +25,20 @@ import statistics
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from fl_server.bench.experiments import get_experiment
-from fl_server.bench.rows import merge_rows
-from fl_server.bench.runner import build_federated, build_simulation
 from fl_server.device import describe, pick_device
 from fl_server.engine import Simulation
 
 from timing import sync
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: lab/ is not installed
+from lab.experiments import get_experiment  # noqa: E402
+from lab.rows import merge_rows  # noqa: E402
+from lab.runner import build_federated, build_simulation  # noqa: E402
 
 
 VARIANTS = {"eager": {"cuda_graphs": False, "batched_conv": "native"},  # explicit: not $FL_BATCHED_CONV's default

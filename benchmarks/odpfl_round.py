@@ -16,15 +16,18 @@ import os
 import shlex
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
-from fl_server.bench.experiments import get_experiment
-from fl_server.bench.rows import merge_rows
-from fl_server.bench.runner import build_simulation
 from fl_server.device import describe
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: lab/ is not installed
+from lab.experiments import get_experiment  # noqa: E402
+from lab.rows import merge_rows  # noqa: E402
+from lab.runner import build_simulation  # noqa: E402
 
 
 def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:

@@ -44,10 +44,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from fl_server.bench.experiments import get_experiment
-from fl_server.bench.rows import merge_rows
-from fl_server.bench.runner import build_federated, build_simulation
 from fl_server.data import load_dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: lab/ is not installed
+from lab.experiments import get_experiment  # noqa: E402
+from lab.rows import merge_rows  # noqa: E402
+from lab.runner import build_federated, build_simulation  # noqa: E402
 
 PEER_APP = Path(__file__).resolve().parent / "peer" / "flower_fedavg_app.py"
 PEER_PINS = ("torch==2.13.0", "flwr[simulation]==1.42.0")  # torch first, alone (see the module docstring)

@@ -16,17 +16,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
 
-from fl_server.bench.experiments import get_experiment
-from fl_server.bench.map_incomplete import build_map_simulation
-from fl_server.bench.rows import merge_rows
-from fl_server.bench.runner import build_simulation
 from fl_server.device import describe
 from fl_server.functional import State, to_numpy_flat
 
 from timing import interleaved_median_ms, run_fields, sync
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: lab/ is not installed
+from lab.experiments import get_experiment  # noqa: E402
+from lab.map_incomplete import build_map_simulation  # noqa: E402
+from lab.rows import merge_rows  # noqa: E402
+from lab.runner import build_simulation  # noqa: E402
 
 CASES = [("BTFL round, btgfl fashion_mnist", "btgfl", "fashion_mnist", "BTFL"),
          ("MAP round, map-incomplete fashion_mnist-paper", "map-incomplete", "fashion_mnist-paper", "MAP"),

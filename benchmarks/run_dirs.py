@@ -8,10 +8,12 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from fl_server.bench.rows import merge_rows
 from fl_server import rundir
 from fl_server.data.federated import FederatedData
 from fl_server.recipes.run import client_data
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: lab/ is not installed
+from lab.rows import merge_rows  # noqa: E402
 
 
 def run_clients(run_dir: Path, data_dir: str | None) -> tuple[dict[str, Any], FederatedData]:

@@ -1,6 +1,6 @@
 """The device path against the server path on the new clients of a finished run (Table-1 parity).
 
-For each run directory (``fl-server train --out DIR`` or a ``fl-server bench`` run dir: run.json + best.npz) the
+For each run directory (``fl-server train --out DIR`` or a ``python -m lab bench`` run dir: run.json + best.npz) the
 run is exported to a bundle (``export_run``); every held-out new client of the run's protocol is personalised
 twice on its unlabeled data, by the method's torch code (``Algorithm.personalize``, as in the harness) and by
 ``edge_sdk.open_bundle`` on onnxruntime, and scored on its labels. Reports both mean accuracies,

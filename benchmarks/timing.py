@@ -43,7 +43,7 @@ def sync(device: object) -> None:
 
 def command_line() -> str:
     """The command that reproduces this benchmark run, as its rows record it."""
-    from fl_server.bench.rows import invocation
+    from lab.rows import invocation
 
     return invocation()
 

@@ -16,14 +16,17 @@ import json
 import os
 import shlex
 import sys
+from pathlib import Path
 
 import torch
 
-from fl_server.bench.rows import merge_rows
 from fl_server.device import describe, pick_device
 from fl_server.functional import get_params
 from fl_server.models import build_model
 from timing import median_ms
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: lab/ is not installed
+from lab.rows import merge_rows  # noqa: E402
 
 LR, WD, M = 0.03, 1e-5, 0.9  # MAP Sec. 5
 

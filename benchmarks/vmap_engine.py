@@ -14,12 +14,12 @@ import shlex
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from fl_server.algorithms import build_algorithm
 from fl_server.recipes.presets import FEDTTA_HP
-from fl_server.bench.rows import merge_rows
 from fl_server.data import load_dataset
 from fl_server.data.federated import make_federated
 from fl_server.device import describe, pick_device
@@ -27,6 +27,9 @@ from fl_server.engine import RunConfig, Simulation
 from fl_server.models import build_model
 
 from timing import sync
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: lab/ is not installed
+from lab.rows import merge_rows  # noqa: E402
 
 CASES = [  # (label, method, model, hyperparameters)
     ("FedAvg round, MLP 2x200", "FedAvg", "mlp", {"lr": 0.1}),

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 from pathlib import Path
 
@@ -12,7 +11,7 @@ import numpy as np
 from fl_server.data.errors import FetchError
 
 
-def _add_run_flags(p: argparse.ArgumentParser) -> None:
+def add_run_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda, cuda:1 ...")
     p.add_argument("--mode", default="auto", choices=("auto", "vmap", "loop"),
                    help="step same-architecture clients together (vmap) or one by one (reference loop); "
@@ -56,51 +55,6 @@ def cmd_train(args: argparse.Namespace) -> int:
           f"(bundle: fl-server export {args.out} --out BUNDLE)")
     if record["warning"]:
         print(record["warning"])
-    return 0
-
-
-def _table_argv(argv: list[str], seed_numbers: list[int] | None) -> list[str]:
-    """The arguments that reproduce the whole table: ``--seed N`` runs (one process per seed) are recorded as
-    ``--seeds max(N)+1``, since the resumable harness then runs every seed that is missing."""
-    if not seed_numbers:
-        return argv
-    kept, i = [], 0
-    while i < len(argv):
-        if argv[i] in ("--seed", "--seeds"):
-            i += 2  # the flag and its value
-            continue
-        if not argv[i].startswith(("--seed=", "--seeds=")):
-            kept.append(argv[i])
-        i += 1
-    return [*kept, "--seeds", str(max(seed_numbers) + 1)]
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from fl_server.bench.experiments import get_experiment
-    from fl_server.bench.report import split_label, write_report
-    from fl_server.bench.runner import run_experiment
-
-    if args.experiment == "list":
-        from fl_server.bench.experiments import EXPERIMENTS
-
-        for name, e in EXPERIMENTS.items():
-            print(f"{name:<22} {', '.join(e.protocols)}")
-        return 0
-    exp = get_experiment(args.experiment)
-    datasets = args.dataset or [d for d in exp.protocols if d != "digits"]
-    methods = args.methods or list(exp.methods)
-    results = Path(args.results_dir or ("runs/quick/results" if args.quick else "docs/results"))
-    seeds = args.seed_numbers or args.seeds
-    command = "fl-server " + " ".join(shlex.quote(a) for a in _table_argv(sys.argv[1:], args.seed_numbers))
-    runs = Path(args.runs_dir or ("runs/quick/runs" if args.quick else "runs/bench"))
-    rows = run_experiment(exp, datasets, methods, seeds, results, runs, args.quick,
-                          args.device, args.mode, not args.no_progress, args.data_dir, command)
-    for r in (r for r in rows if r["dataset"] in datasets and r["method"] in methods):  # the table holds every row
-        paper = "" if r["paper"] is None else f" (paper {r['paper']:.2f})"
-        print(f"{r['dataset']:>14} {r['method']:>10} {split_label(r):>4}: {r['mean']:.2f} +- {r['std']:.2f} "
-              f"over {r['seeds']} seed(s){paper}")
-    if results == Path("docs/results"):
-        print(f"wrote {write_report(Path('docs'))}")
     return 0
 
 
@@ -154,16 +108,6 @@ def cmd_publish(args: argparse.Namespace) -> int:
     print(f"published {out['method']} bundle {out['bundle_id']} into {store_dir}; fl-server serve --store "
           f"{store_dir} serves it signed with {key} (a coordinator already running on this store serves it after "
           "a restart; publish to it with --server URL instead)")
-    return 0
-
-
-def cmd_report(args: argparse.Namespace) -> int:
-    from fl_server.bench.report import write_report
-
-    docs = Path(args.docs)
-    if not (docs / "results").is_dir():
-        raise FileNotFoundError(f"{docs} has no results/ folder (the docs directory of this repository)")
-    print(f"wrote {write_report(docs)}")
     return 0
 
 
@@ -295,7 +239,7 @@ def _tls_files(args: argparse.Namespace) -> dict[str, str]:
     return {"ssl_certfile": cert, "ssl_keyfile": key}
 
 
-class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends ``(default: X)`` where a default exists and the help text does not already explain it."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
@@ -313,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add_parser(name: str, **kwargs: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, formatter_class=_DefaultsFormatter, **kwargs)
+        return sub.add_parser(name, formatter_class=DefaultsFormatter, **kwargs)
 
     p = add_parser("train", help="train a recipe: your own (--recipe FILE.py:NAME) or a built-in one "
                                  "(default: FedAvg on the embedded digits)")
@@ -328,25 +272,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clients", type=int, default=None, help="number of clients (default: the protocol's)")
     p.add_argument("--seed", type=int, default=0, help="seed of the partition, initialisation and sampling")
     p.add_argument("--out", default="runs/train", help="run directory (metrics.jsonl, checkpoints; resumable)")
-    _add_run_flags(p)
+    add_run_flags(p)
     p.set_defaults(func=cmd_train)
 
-    p = add_parser("bench", help="run a named experiment and write docs/results/<experiment>.json")
-    p.add_argument("experiment", help="e.g. upfl-table1, btgfl, fedicon-shift, map-incomplete, odpfl-dirichlet "
-                                      "(`fl-server bench list` names them all)")
-    p.add_argument("--dataset", action="append", help="repeatable; default: every paper data set of the experiment")
-    p.add_argument("--methods", nargs="+", default=None, metavar="METHOD",
-                   help=f"default: the experiment's; any of {methods}")
-    p.add_argument("--seeds", type=int, default=3, help="run seeds 0..SEEDS-1")
-    p.add_argument("--seed", type=int, action="append", dest="seed_numbers", metavar="N",
-                   help="repeatable; run only these seeds (e.g. one seed per process) instead of --seeds")
-    p.add_argument("--quick", action="store_true",
-                   help="CI-sized protocol: results in runs/quick/results, run dirs in runs/quick/runs")
-    p.add_argument("--results-dir", default=None, help="default: docs/results (runs/quick/results with --quick)")
-    p.add_argument("--runs-dir", default=None,
-                   help="run dirs, resumable (default: runs/bench; runs/quick/runs with --quick)")
-    _add_run_flags(p)
-    p.set_defaults(func=cmd_bench)
+    for name, what in (("bench", "run a named experiment"), ("report", "regenerate docs/RESULTS.md")):
+        p = sub.add_parser(name, add_help=False, help=f"{what} (the lab, in a clone: python -m lab {name} ...)")
+        p.add_argument("args", nargs=argparse.REMAINDER)
 
     p = add_parser("export", help="export a trained run's best model and device steps as an ONNX bundle")
     p.add_argument("run_dir", help="run directory of `fl-server train --out` (holds run.json and best.npz)")
@@ -363,10 +294,6 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--server", help="a running coordinator's URL (POST /v1/bundles with the admin token)")
     p.add_argument("--admin-token", default=None, help="with --server (default: $FL_ADMIN_TOKEN)")
     p.set_defaults(func=cmd_publish)
-
-    p = add_parser("report", help="regenerate docs/RESULTS.md")
-    p.add_argument("--docs", default="docs")
-    p.set_defaults(func=cmd_report)
 
     p = add_parser("data", help="obtain or inspect data sets")
     p.add_argument("action", choices=("fetch", "info"))
@@ -412,7 +339,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run_lab(argv: list[str]) -> int:
+    """``fl-server bench|report ...``: the lab's ``python -m lab bench|report ...``. The lab (lab/) lives in the
+    repository beside fl_server/, not in the installed package: found on the path or beside an editable install."""
+    try:
+        from lab.cli import main as lab_main
+    except ModuleNotFoundError as exc:
+        clone = Path(__file__).resolve().parents[1]
+        if exc.name != "lab" or not (clone / "lab" / "cli.py").is_file():
+            print(f"error: `fl-server {argv[0]}` runs the results lab (lab/), which is not part of the installed "
+                  f"package: from the root of a clone of the repository run `python -m lab {argv[0]} ...`",
+                  file=sys.stderr)
+            return 2
+        sys.path.insert(0, str(clone))  # an editable install from a clone: lab/ sits beside fl_server/
+        from lab.cli import main as lab_main
+    return lab_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["bench"], ["report"]):
+        return run_lab(argv)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

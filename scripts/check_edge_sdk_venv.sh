@@ -2,7 +2,7 @@
 # The device side alone: a fresh venv with only `pip install ./edge_sdk` must get neither torch nor scipy, must
 # import edge_sdk without torch, and, with pytest added and scipy still absent, must pass the SDK's own tests
 # (edge_sdk/tests: every device method, BTFL and FedTHE included) against bundles and torch reference outputs
-# exported beforehand by the coordinator's environment ($MAIN_PYTHON -m export.sdk_fixture).
+# exported beforehand by the coordinator's environment ($MAIN_PYTHON edge_sdk/tests/sdk_fixture.py).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 main_python=${MAIN_PYTHON:-$here/.venv/bin/python}
@@ -33,7 +33,7 @@ PY
 "$venv/bin/pip" install -q "pytest>=8"
 "$venv/bin/python" -c "import importlib.util as u, sys; sys.exit('FAIL: scipy is importable in the SDK venv; the \
 device tests must run without it' if u.find_spec('scipy') is not None else None)"
-(cd "$here" && FL_DATA_DIR=${FL_DATA_DIR:-$(cd "$here/.." && pwd)/shared/data} "$main_python" -m export.sdk_fixture "$work/fixture")
+(cd "$here" && FL_DATA_DIR=${FL_DATA_DIR:-$(cd "$here/.." && pwd)/shared/data} "$main_python" edge_sdk/tests/sdk_fixture.py "$work/fixture")
 cd "$work" && EDGE_SDK_FIXTURE="$work/fixture" "$venv/bin/python" -m pytest -q -p no:cacheprovider "$here/edge_sdk/tests"
 # the device examples with edge_sdk alone, against a real coordinator (the coordinator side uses $main_python)
 MAIN_PYTHON=$main_python bash "$here/scripts/run_device_examples.sh" "$venv/bin/python" "$work/examples"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -31,38 +32,6 @@ def test_train_on_embedded_digits(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "run.json").read_text())["method"] == "TENT"
 
 
-def test_bench_quick_writes_schema_rows(tmp_path: Path, data_root: Path) -> None:
-    out = fl_server("bench", "upfl-table1", "--quick", "--dataset", "mnist", "--seeds", "1", "--methods", "FedAvg", "TENT",
-                    "--results-dir", str(tmp_path / "res"), "--runs-dir", str(tmp_path / "runs"), "--no-progress",
-                    env={"FL_DATA_DIR": str(data_root)})
-    assert out.returncode == 0, out.stderr
-    rows = json.loads((tmp_path / "res" / "upfl-table1.json").read_text())
-    keys = {"experiment", "dataset", "method", "split", "metric", "mean", "std", "seeds", "paper", "device",
-            "wall_s", "command"}
-    assert {(r["method"], r["split"]) for r in rows} == {(m, s) for m in ("FedAvg", "TENT") for s in ("val", "test")}
-    for r in rows:
-        assert keys <= set(r) and r["seeds"] == 1 and 0 <= r["mean"] <= 100
-    assert next(r for r in rows if r["method"] == "FedAvg" and r["split"] == "test")["paper"] == 94.69
-    # resumable: a second call finds every seed file and trains nothing
-    again = fl_server("bench", "upfl-table1", "--quick", "--dataset", "mnist", "--seeds", "1", "--methods", "FedAvg", "TENT",
-                      "--results-dir", str(tmp_path / "res"), "--runs-dir", str(tmp_path / "runs"), "--no-progress",
-                      env={"FL_DATA_DIR": str(data_root)})
-    assert again.returncode == 0 and "FedAvg" in again.stdout
-    # --seed runs one chosen seed (e.g. one process per seed); the table aggregates every seed file present
-    one = fl_server("bench", "upfl-table1", "--quick", "--dataset", "mnist", "--seed", "1", "--methods", "FedAvg",
-                    "--results-dir", str(tmp_path / "res"), "--runs-dir", str(tmp_path / "runs"), "--no-progress",
-                    env={"FL_DATA_DIR": str(data_root)})
-    assert one.returncode == 0, one.stderr
-    raw = tmp_path / "res" / "raw" / "upfl-table1" / "mnist"
-    assert sorted(p.name for p in (raw / "FedAvg").glob("seed*.json")) == ["seed0.json", "seed1.json"]
-    assert sorted(p.name for p in (raw / "TENT").glob("seed*.json")) == ["seed0.json"]
-    rows = json.loads((tmp_path / "res" / "upfl-table1.json").read_text())
-    assert {r["method"]: r["seeds"] for r in rows} == {"FedAvg": 2, "TENT": 1}
-    # the recorded command reproduces the table (every seed), not just the one seed this process ran
-    command = next(r["command"] for r in rows if r["method"] == "FedAvg")
-    assert command.endswith("--seeds 2") and "--seed 1" not in command
-
-
 def test_data_info_and_clear_errors(tmp_path: Path, data_root: Path) -> None:
     ok = fl_server("data", "info", "mnist", "--dir", str(data_root))
     assert ok.returncode == 0 and "train: 60000 samples" in ok.stdout
@@ -80,22 +49,23 @@ def test_data_fetch_defaults_to_the_data_root_and_fails_in_one_line(tmp_path: Pa
     assert cifar.stderr.startswith("error: cifar10 cannot be fetched automatically") and cifar.stderr.count("\n") == 1
 
 
-def test_bench_quick_keeps_its_run_dirs_apart_from_full_runs(tmp_path: Path, data_root: Path) -> None:
-    out = fl_server("bench", "upfl-table1", "--quick", "--dataset", "mnist", "--seeds", "1", "--methods", "FedAvg",
-                    "--no-progress", env={"FL_DATA_DIR": str(data_root)}, cwd=tmp_path)
-    assert out.returncode == 0, out.stderr
-    assert (tmp_path / "runs/quick/results/upfl-table1.json").exists()
-    assert list((tmp_path / "runs/quick/runs").rglob("metrics.jsonl")) and not (tmp_path / "runs/bench").exists()
-
-
 def test_unknown_method_is_one_clear_line(tmp_path: Path) -> None:
     out = fl_server("train", "--method", "Nope", "--rounds", "1", "--out", str(tmp_path))
     assert out.returncode == 2 and "unknown method 'Nope'" in out.stderr
     assert "Building" not in out.stdout and "clients" not in out.stdout  # refused before the data set is built
     gpu = fl_server("train", "--device", "gpu", "--rounds", "1", "--out", str(tmp_path))
     assert gpu.returncode == 2 and gpu.stderr == "error: unknown device 'gpu'; use auto, cpu, cuda or cuda:N\n"
-    listed = fl_server("bench", "list")
-    assert listed.returncode == 0 and listed.stdout.startswith("upfl-table1")
+
+
+def test_bench_and_report_hand_over_to_the_lab_or_say_how_to_run_it(tmp_path: Path) -> None:
+    """From a clone `fl-server bench|report` runs the lab (lab/, beside fl_server/); an installed wheel has no lab:
+    one line says how to run it."""
+    listed = fl_server("bench", "list", cwd=tmp_path)  # not the clone's root: lab/ found beside fl_server/
+    assert listed.returncode == 0 and listed.stdout.startswith("upfl-table1"), listed.stderr
+    shutil.copytree(ROOT / "fl_server", tmp_path / "fl_server", ignore=shutil.ignore_patterns("static", "__pycache__"))
+    alone = fl_server("report", env={"PYTHONPATH": str(tmp_path)}, cwd=tmp_path)  # a package without lab/ beside it
+    assert alone.returncode == 2 and alone.stderr.count("\n") == 1, alone.stderr
+    assert "not part of the installed package" in alone.stderr and "python -m lab report" in alone.stderr
 
 
 def test_train_export_and_personalize_on_device(tmp_path: Path) -> None:

@@ -93,7 +93,7 @@ def test_written_docs_name_only_files_that_exist() -> None:
 # --- user docs: what a reader of a clone can follow -------------------------------------------------------------
 # User docs are the READMEs and every Markdown page under docs/ but docs/research/ (the lab's notes, where work logs
 # and machine descriptions belong). The package is the shipped Python of fl_server/, export/ and edge_sdk/ (the lab,
-# fl_server/bench/, may cite its sources).
+# lab/, outside the package, may cite its sources).
 README_MAX_LINES = 200
 GENERATED_BY_LAB = "docs/RESULTS.md"  # written by `fl-server report`: checked on its own below
 HASH = r"[0-9a-f]{7,40}"  # an abbreviated or full commit hash
@@ -128,8 +128,7 @@ def _user_docs() -> list[Path]:
 
 
 def _package_files() -> list[Path]:
-    files = [p for p in _tracked("fl_server", "export", "edge_sdk/edge_sdk") if p.suffix == ".py"]
-    return [p for p in files if p.relative_to(REPO).parts[:2] != ("fl_server", "bench")]
+    return [p for p in _tracked("fl_server", "export", "edge_sdk/edge_sdk") if p.suffix == ".py"]
 
 
 def test_user_doc_patterns_catch_what_they_should() -> None:

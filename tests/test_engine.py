@@ -10,7 +10,8 @@ import torch
 
 from fl_server.algorithms import build_algorithm
 from fl_server.data.federated import hold_out_validation_clients, make_federated
-from fl_server.engine import RunConfig, Simulation, client_batches
+from fl_server.engine import RunConfig, Simulation
+from fl_server.engine.simulation import client_batches
 from fl_server.models import build_model
 
 

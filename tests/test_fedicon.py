@@ -179,55 +179,6 @@ def test_fedicon_online_equals_drawing_at_every_chunk(mnist_all, chunk: int, mem
     assert all(torch.equal(params[k], ref[k]) for k in ref)
 
 
-def test_fedicon_shift_online_memory_is_the_clients_training_data(mnist_all) -> None:  # type: ignore[no-untyped-def]
-    from fl_server.bench.shift import _online_memories
-
-    fed = make_federated(mnist_all.subset(np.arange(2000)), "dirichlet", num_clients=4, new_fraction=0.0,
-                         alpha=0.5, seed=0)
-    model = build_model("mlp", (1, 28, 28), 10, seed=0)
-    batch = build_algorithm("FedICON", model, 4, seed=0)
-    assert _online_memories(batch, fed, 0, torch.device("cpu"), torch.float32) is None
-    online = build_algorithm("FedICON", model, 4, seed=0, tta_mode="online", memory_size=16)
-    memories = _online_memories(online, fed, 0, torch.device("cpu"), torch.float32)
-    assert memories is not None and len(memories) == fed.num_train_clients
-    for memory, train in zip(memories, fed.train):
-        assert memory.shape == (16, 1, 28, 28)
-        own = torch.from_numpy(fed.dataset.x[train]).flatten(1)
-        assert bool((memory.flatten(1)[:, None] == own[None]).all(-1).any(1).all())
-
-
-def test_fedicon_shift_quick_experiment(tmp_path, data_root) -> None:  # type: ignore[no-untyped-def]
-    """The harness end to end at CI size: every method, shifted conditions, rows per shift."""
-    from fl_server.bench.experiments import get_experiment
-    from fl_server.bench.runner import run_experiment
-
-    exp = get_experiment("fedicon-shift")
-    rows = run_experiment(exp, ["mnist"], list(exp.methods), 1, tmp_path / "results", tmp_path / "runs",
-                          quick=True, progress=False, data_root=str(data_root))
-    got = {(r["method"], r["split"], r["shift"]) for r in rows}
-    for method in exp.methods:
-        for shift in ("clean", "gaussian_noise-3", "covariate-s3", "digits"):
-            assert (method, "test", shift) in got
-        assert (method, "val", "clean") in got
-    assert all(0.0 <= r["mean"] <= 100.0 for r in rows)
-    # trainings are shared: one FedAvg and one FedICON run folder
-    assert sorted(p.name for p in (tmp_path / "runs" / "fedicon-shift" / "mnist").iterdir()) == ["FedAvg", "FedICON"]
-    by = {(r["method"], r["shift"]): r["mean"] for r in rows if r["split"] == "test"}
-    assert by[("FedAvg", "clean")] > by[("FedAvg", "digits")]  # the domain shift costs accuracy
-
-
-def test_bn_affine_tent_is_refused_without_batch_normalisation(tmp_path, data_root) -> None:  # type: ignore[no-untyped-def]
-    """Before training anything (no run folder is written)."""
-    from fl_server.bench.experiments import get_experiment
-    from fl_server.bench.shift import run_shift_seed
-
-    protocol = get_experiment("fedicon-shift").protocols["mnist"].quick()
-    with pytest.raises(ValueError, match=r"^TENT \(BN affine\) needs a batch-normalised model and mlp has none"):
-        run_shift_seed(protocol, "TENT (BN affine)", 0, tmp_path / "runs" / "TENT_BN_affine" / "seed0",
-                       device="cpu", progress=False, data_root=str(data_root))
-    assert not (tmp_path / "runs").exists()
-
-
 def test_tta_step_exports_to_onnx_with_parity(tmp_path, trained) -> None:  # type: ignore[no-untyped-def]
     """The Eq. 7 step is a pure graph (x, u, weights) -> weights: ONNX on onnxruntime matches torch at
     another batch size than the traced one."""
@@ -250,17 +201,6 @@ def test_tta_step_exports_to_onnx_with_parity(tmp_path, trained) -> None:  # typ
     new_p, _ = algo.tta_step(sim.server_state["params"], sim.server_state["proj"], x,
                              u.transpose(0, 1).reshape(12, -1))
     assert np.allclose(out[0], new_p[spec.input_names[2][len("psi."):]].numpy(), atol=1e-5)
-
-
-def test_local_test_sets_follow_each_clients_label_mix() -> None:
-    from fl_server.bench.shift import assign_by_label
-
-    labels = np.repeat(np.arange(3), [100, 200, 300])
-    counts = np.array([[10, 0, 30], [30, 20, 0], [0, 20, 30]])
-    parts = assign_by_label(labels, counts, np.random.default_rng(0))
-    assert sorted(np.concatenate(parts).tolist()) == list(range(600))  # every test sample, exactly once
-    got = np.stack([np.bincount(labels[p], minlength=3) for p in parts])
-    assert got.tolist() == [[25, 0, 150], [75, 100, 0], [0, 100, 150]]
 
 
 def test_without_projection_the_losses_act_on_the_encoder_output(mnist_all) -> None:  # type: ignore[no-untyped-def]

@@ -18,10 +18,10 @@ from fl_server import rundir
 pytest.importorskip("flwr", reason="the flower extra is not installed (pip install 'fl-edge[flower]')")
 
 from fl_server.engine.simulation import load_state  # noqa: E402
-from fl_server.flower.local import LocalDeployment  # noqa: E402
 from fl_server.flower.task import FlowerRecipe  # noqa: E402
 from fl_server.flower.wire import state_to_record  # noqa: E402
 from fl_server.functional import to_numpy_flat  # noqa: E402
+from flower_local import LocalDeployment  # noqa: E402  (beside this file)
 
 # 10 clients, 70% new: 3 training clients (one per SuperNode); 6000 random MNIST samples keep the rounds short
 RECIPE = {"dataset": "mnist", "num-clients": 10, "new-fraction": 0.7, "max-samples": 6000, "rounds": 3,

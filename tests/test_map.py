@@ -142,19 +142,6 @@ def test_map_personalises_above_the_global_model(fashion_all) -> None:  # type: 
     assert heads["weight"].shape == (fed.num_train_clients, 10, 200)
 
 
-def test_map_incomplete_quick_experiment(tmp_path, data_root) -> None:  # type: ignore[no-untyped-def]
-    from fl_server.bench.experiments import get_experiment
-    from fl_server.bench.runner import run_experiment
-
-    exp = get_experiment("map-incomplete")
-    rows = run_experiment(exp, ["fashion_mnist"], ["FedAvg", "MAP"], 1, tmp_path / "results", tmp_path / "runs",
-                          quick=True, progress=False, data_root=str(data_root))
-    got = {(r["method"], r["split"]): r for r in rows}
-    assert set(got) == {(m, s) for m in ("FedAvg", "MAP") for s in ("personalization", "aggregation")}
-    assert got[("MAP", "personalization")]["paper"] == 92.1
-    assert all(10.0 < r["mean"] <= 100.0 for r in rows)
-
-
 def test_head_only_stage2_gives_heads_on_the_global_features(fashion_all) -> None:  # type: ignore[no-untyped-def]
     """The BTFL composition: stage 2 moves only the classifier, so the personalised model = uploaded
     features + a personal head."""

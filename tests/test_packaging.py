@@ -1,5 +1,6 @@
 """Distribution metadata: both wheels build without setuptools' license-deprecation banner, carry the
-Apache-2.0 LICENSE, and the device SDK's wheel passes ``twine check --strict`` (readme, classifiers, URLs)."""
+Apache-2.0 LICENSE, and the device SDK's wheel passes ``twine check --strict`` (readme, classifiers, URLs); the
+coordinator's wheel holds the product only: no results lab, test fixture or test deployment."""
 from __future__ import annotations
 
 import subprocess
@@ -44,7 +45,7 @@ def test_edge_sdk_wheel_passes_twine_check(tmp_path: Path) -> None:
     assert check.returncode == 0 and "PASSED" in check.stdout, check.stdout + check.stderr
 
 
-def test_coordinator_wheel_ships_license_and_docs_assets(tmp_path: Path) -> None:
+def test_coordinator_wheel_ships_the_product_only_with_license_and_docs_assets(tmp_path: Path) -> None:
     wheel, log = _wheel(REPO, tmp_path)
     assert "deprecated" not in log.lower(), [line for line in log.splitlines() if "deprecated" in line.lower()]
     with zipfile.ZipFile(wheel) as zf:
@@ -53,3 +54,10 @@ def test_coordinator_wheel_ships_license_and_docs_assets(tmp_path: Path) -> None
     for asset in ("swagger-ui/swagger-ui-bundle.js", "swagger-ui/swagger-ui.css", "swagger-ui/LICENSE",
                   "redoc/redoc.standalone.js", "redoc/LICENSE"):
         assert f"fl_server/service/static/{asset}" in names, asset
+    packages = {n.split("/")[0] for n in names if not n.startswith("fl_edge-")}
+    assert packages == {"fl_server", "export"}, packages  # no lab/, tests/, benchmarks/, examples/
+    modules = {n for n in names if n.endswith(".py")}
+    leaked = {n for n in modules if "/bench/" in n or n.endswith(("sdk_fixture.py", "flower/local.py", "conftest.py"))
+              or "/test_" in n}  # the harness, the SDK's test fixture, the loopback test deployment, tests
+    assert not leaked, sorted(leaked)
+    assert {"fl_server/cli.py", "fl_server/flower/task.py", "export/run.py"} <= modules

@@ -15,7 +15,7 @@ class of more than ``threshold`` of the samples, it keeps the received model.
     decision.message         # the line a demo prints
 
 The default threshold is chosen on validation shifts only (corruptions no test domain uses), from the
-``unseen-domain`` experiment's table (docs/results/unseen-domain.json; fl_server/bench/unseen.py).
+``unseen-domain`` experiment's table (docs/results/unseen-domain.json; lab/unseen.py).
 numpy only.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ import numpy as np
 
 # Chosen on the unseen-domain experiment's validation rows only (validation corruptions, 3 seeds, MNIST and
 # Fashion-MNIST): the threshold of best mean safeguarded accuracy over the personalising methods, ahead of the
-# safeguard off (threshold 1); tests/test_unseen_domain.py checks it against docs/results/unseen-domain.json.
+# safeguard off (threshold 1); lab/tests/test_unseen_domain.py checks it against docs/results/unseen-domain.json.
 DEFAULT_THRESHOLD = 0.5
 
 

@@ -1,8 +1,8 @@
 """The SDK's own tests run in a venv with only ``pip install ./edge_sdk`` (plus pytest): no torch.
 
-Bundles and torch reference outputs come from ``python -m export.sdk_fixture DIR`` (run with the coordinator's
-environment), named by ``EDGE_SDK_FIXTURE=DIR``; in the full development environment the fixture is built on
-the fly instead."""
+Bundles and torch reference outputs come from ``python edge_sdk/tests/sdk_fixture.py DIR`` (run with the
+coordinator's environment), named by ``EDGE_SDK_FIXTURE=DIR``; in the full development environment the fixture
+is built on the fly instead."""
 from __future__ import annotations
 
 import importlib.util
@@ -20,11 +20,13 @@ def sdk_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if given:
         path = Path(given)
         if not (path / "reference.npz").is_file():
-            pytest.fail(f"EDGE_SDK_FIXTURE={given} holds no reference.npz; run `python -m export.sdk_fixture {given}`")
+            pytest.fail(f"EDGE_SDK_FIXTURE={given} holds no reference.npz; run "
+                        f"`python edge_sdk/tests/sdk_fixture.py {given}`")
         return path
     if importlib.util.find_spec("torch") is None:
-        pytest.skip("no EDGE_SDK_FIXTURE given and no torch here to build one (python -m export.sdk_fixture DIR)")
-    from export.sdk_fixture import make_sdk_fixture
+        pytest.skip("no EDGE_SDK_FIXTURE given and no torch here to build one "
+                    "(python edge_sdk/tests/sdk_fixture.py DIR)")
+    from sdk_fixture import make_sdk_fixture  # beside this file (torch, fl_server)
 
     root = str(SHARED_DATA) if (SHARED_DATA / "mnist").is_dir() else None
     return make_sdk_fixture(tmp_path_factory.mktemp("sdk-fixture"), root)

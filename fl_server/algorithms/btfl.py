@@ -12,7 +12,7 @@ After training (:meth:`BTFL.client_artifacts`) each client computes on its train
 features: its local DLE (fsq level frequencies, Eqs. 5-6), H_l_bar / H_g_bar (mean entropies of the two heads,
 Eq. 15) and the mean feature (FedTHE's local prototype). The server's global DLE for client k is the average of
 the *other* clients' DLEs (leave-one-out, as the authors); the global prototype is the mean of all prototypes.
-Test time runs on the device in numpy (:class:`edge_sdk._btfl.BTFLStream`); see ``fl_server.bench.btgfl``.
+Test time runs on the device in numpy (:class:`edge_sdk._btfl.BTFLStream`); see ``lab.btgfl``.
 
 In the simulation the local heads live in the server state (stacked [K, C, D]) for convenience; in a real
 deployment they never leave the client.

@@ -26,7 +26,7 @@ FEDTTA_HP: dict[str, dict[str, dict[str, float]]] = {
     # first_candidate 1 (the un-adapted base model is never an answer): chosen on the MNIST training
     # clients' validation sets (docs/research/fedttapp-diagnosis.md); Fashion-MNIST follows by the same argument.
     # adapt_lr 0.01 (FedTTA's) instead of Table 4's 0.001 ("as Prox"): chosen on validation, seeds 0-1
-    # (scripts/research/probe_fedttapp_adapt_lr.py; UPFL App. C searched eta_adapt per method)
+    # (lab/research/probe_fedttapp_adapt_lr.py; UPFL App. C searched eta_adapt per method)
     "mnist": {**_TABLE4_MNIST, "FedTTA++": {**_TABLE4_MNIST["FedTTA++"], "adapt_lr": 0.01, "first_candidate": 1}},
     # the embedded 8x8 digits (the default job, no paper rates): Table 4's MNIST rates and the paper's stopping rule
     # as written; the two MNIST choices above were made on MNIST validation and are not carried over here
@@ -40,7 +40,7 @@ FEDTTA_HP: dict[str, dict[str, dict[str, float]]] = {
 }
 
 # UPFL Table 4 (ODPFL-HN rows): local, encoder and hypernetwork learning rates per data set.
-# hn_lr kept at Table 4's 0.5 on validation (scripts/research/probe_odpfl_hn.py, MNIST seed 0, 60 rounds, new clients
+# hn_lr kept at Table 4's 0.5 on validation (lab/research/probe_odpfl_hn.py, MNIST seed 0, 60 rounds, new clients
 # removed: best val 96.31 at 0.5, 95.56 at 0.1, 94.93 at 0.05; docs/results/odpfl-hn-probe.json). At 0.5 with
 # pFedHN's momentum most hypernetwork ReLUs die (alive 13/5/33% per layer) and the generated weights barely
 # depend on the embedding (spread across clients 1e-4): the model it serves is close to one global model,
@@ -53,7 +53,7 @@ ODPFL_HP: dict[str, dict[str, dict[str, float]]] = {
     "fashion_mnist": {"ODPFL-HN": {"local_lr": 0.1, "encoder_lr": 0.5, "hn_lr": 0.1}},
 }
 
-# FedICON's rates for rounds of 20 local steps (the fedicon-shift CPU protocols, fl_server/bench/experiments.py, which
+# FedICON's rates for rounds of 20 local steps (the fedicon-shift CPU protocols, lab/experiments.py, which
 # use them): the paper's lr 0.005 / head_lr 0.01 are for rounds of 5 epochs; at 20 steps a round the classifier
 # phase does not leave its initial draw (a 30-round MNIST run of the built-in recipe with them: new clients at 9.3%,
 # one class predicted for most samples). The encoder phase is 80% of the rounds (FedICON.fit_hyper).

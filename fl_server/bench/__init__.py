@@ -1,1 +1,0 @@
-"""Results harness: named experiments, resumable seed runs, aggregated tables, docs/RESULTS.md."""

@@ -1,0 +1,139 @@
+"""Run folders across GPU leases: what a lease sends back, in as few bytes as resuming needs.
+
+A call carries at most 64 MiB (the tree, Fashion-MNIST's 30 MB and the checkpoints) and returns 8 files of at most
+16 MiB. A simulation's run folder holds three states of about 6.7 MB each: checkpoint.npz, best.npz (moves on
+after the checkpoint; a resumed run replays those rounds and finds it again) and best.ckpt.npz (the best state as
+of the checkpoint). A hetero run folder holds checkpoint.npz and best.npz, written at the same validation round.
+Resuming needs the checkpoint and the best state as of it (best.ckpt.npz, else best.npz), and not even that when
+the best round is the checkpoint's own: then both hold the same arrays (checked before it is left out) and
+``restore`` writes it back from the checkpoint. ``restore`` also puts best.npz back beside a carried
+best.ckpt.npz (as a hard link: states are replaced by rename, never written through), so a resumed run that does
+not improve again still has its best.npz.
+
+    python lab/research/lease_checkpoints.py pack RUNS REL OUT.tgz   # a cut-off run folder RUNS/REL, slim
+    python lab/research/lease_checkpoints.py restore RUNS           # after unpacking: best files put back
+    python lab/research/lease_checkpoints.py bests RUNS RESULTS OUT.tgz  # finished rows' best.npz (probes)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from fl_server.rundir import (BEST, BEST_AT_CHECKPOINT, CHECKPOINT, CHECKPOINT_JSON, META_KEY,  # noqa: E402
+                              METRICS, RUN)
+
+RUN_FILES = (METRICS, CHECKPOINT_JSON, RUN, CHECKPOINT)
+
+
+def read_npz(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any] | None]:
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    meta = arrays.pop(META_KEY, None)
+    return arrays, None if meta is None else json.loads(meta.tobytes())
+
+
+def same_arrays(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
+    return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def best_at_checkpoint(run: Path) -> Path | None:
+    """The file holding the best state as of the checkpoint: best.ckpt.npz (simulations), else best.npz (hetero)."""
+    return next((run / n for n in (BEST_AT_CHECKPOINT, BEST) if (run / n).exists()), None)
+
+
+def best_is_checkpoint(run: Path) -> bool:
+    """Whether the best state as of the checkpoint is the checkpoint's own state (its best round is the checkpoint's
+    last round and, where a best file exists, that file holds the same arrays)."""
+    state, meta = read_npz(run / CHECKPOINT)
+    if meta is None or meta.get("best_round") != meta.get("rounds_done", 0) - 1:
+        return False
+    best = best_at_checkpoint(run)
+    if best is None:
+        return True  # after a slim pack: the checkpoint's meta alone says so
+    best_state, best_meta = read_npz(best)
+    return (best_meta is None or best_meta.get("round") == meta["best_round"]) and same_arrays(state, best_state)
+
+
+def pack(runs: Path, rel: str, out: Path) -> list[str]:
+    """tar.gz of RUNS/REL with what resuming needs; returns the member names."""
+    run = runs / rel
+    names = [f for f in RUN_FILES if (run / f).exists()]
+    best = best_at_checkpoint(run)
+    if best is not None and not best_is_checkpoint(run):
+        names.append(best.name)
+    with tarfile.open(out, "w:gz") as tar:
+        for name in names:
+            tar.add(run / name, arcname=f"{rel}/{name}")
+    return names
+
+
+def restore(runs: Path) -> list[Path]:
+    """Put the best files back into every run folder whose archive left them out; returns the folders touched."""
+    done = []
+    for ckpt in sorted(runs.rglob(CHECKPOINT)):
+        run = ckpt.parent
+        if (run / BEST_AT_CHECKPOINT).exists():
+            if not (run / BEST).exists():
+                os.link(run / BEST_AT_CHECKPOINT, run / BEST)
+                done.append(run)
+            continue
+        if (run / BEST).exists() or not best_is_checkpoint(run):
+            continue
+        state, meta = read_npz(ckpt)
+        assert meta is not None
+        state[META_KEY] = np.frombuffer(json.dumps({"round": meta["best_round"], "val": meta["best_val"]}).encode(),
+                                    dtype=np.uint8)
+        np.savez(run / BEST, **state)
+        os.link(run / BEST, run / BEST_AT_CHECKPOINT)
+        done.append(run)
+    return done
+
+
+def bests(runs: Path, results: Path, out: Path) -> list[str]:
+    """tar.gz of best.npz, run.json and checkpoint.json of every run folder whose row has a raw result."""
+    members = []
+    with tarfile.open(out, "w:gz") as tar:
+        for best in sorted(runs.rglob(BEST)):
+            rel = best.parent.relative_to(runs)
+            if not (results / "raw" / rel).with_suffix(".json").exists():
+                continue
+            for name in (BEST, RUN, CHECKPOINT_JSON):
+                if (best.parent / name).exists():
+                    tar.add(best.parent / name, arcname=f"{rel}/{name}")
+                    members.append(f"{rel}/{name}")
+    return members
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("pack")
+    p.add_argument("runs", type=Path)
+    p.add_argument("rel")
+    p.add_argument("out", type=Path)
+    r = sub.add_parser("restore")
+    r.add_argument("runs", type=Path)
+    b = sub.add_parser("bests")
+    b.add_argument("runs", type=Path)
+    b.add_argument("results", type=Path)
+    b.add_argument("out", type=Path)
+    args = ap.parse_args()
+    if args.what == "pack":
+        print(f"{args.out.name}: {', '.join(pack(args.runs, args.rel, args.out))}")
+    elif args.what == "restore":
+        for run in restore(args.runs):
+            print(f"restored the best files of {run}")
+    else:
+        print(f"{args.out.name}: {len(bests(args.runs, args.results, args.out))} files")
+
+
+if __name__ == "__main__":
+    main()

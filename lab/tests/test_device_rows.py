@@ -1,0 +1,41 @@
+"""lab/research/device_rows.tsv, the GPU queue's rows: every step of every row is a `bench` command that names a
+known experiment, one of its data sets and its methods (a malformed row fails only on the lent GPU, hours later)."""
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from lab.experiments import get_experiment
+
+ROWS = Path(__file__).resolve().parents[2] / "lab" / "research" / "device_rows.tsv"
+
+
+def _option_values(args: list[str], flag: str) -> list[str]:
+    if flag not in args:
+        return []
+    values = []
+    for a in args[args.index(flag) + 1:]:
+        if a.startswith("--"):
+            break
+        values.append(a)
+    return values
+
+
+def test_every_queue_row_is_a_valid_bench_command() -> None:
+    names = []
+    for line in ROWS.read_text().splitlines():
+        if not line.strip():
+            continue
+        name, sep, rest = line.partition("\t")
+        assert sep and name and " " not in name, f"row {line!r}: NAME<TAB>bench ..."
+        names.append(name)
+        for step in rest.split("&&"):  # device_queue.sh splits steps on && and evals each
+            args = shlex.split(step)
+            assert args[0] == "bench", f"{name}: step {step!r} is not a bench command"
+            exp = get_experiment(args[1])
+            for dataset in _option_values(args, "--dataset"):
+                assert dataset in exp.protocols, f"{name}: {exp.name} has no data set {dataset!r}"
+            for method in _option_values(args, "--methods"):
+                assert method in exp.methods, f"{name}: {exp.name} has no method {method!r}"
+            assert "&&" not in args and args.count("bench") == 1, f"{name}: steps not split: {step!r}"
+    assert len(names) == len(set(names)), "row names must be unique (they name the done/ markers)"

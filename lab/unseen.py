@@ -1,0 +1,176 @@
+"""The ``unseen-domain`` protocol: new clients from a domain the federation never saw (issue #39).
+
+Training: the federation trains on the *train* split of MNIST (or Fashion-MNIST), a CPU-sized version of
+UPFL's pathological protocol (``Protocol`` fields; the model of best training-client validation accuracy is
+the one a new client receives). New clients: two classes each, ``per_client`` samples (UPFL's new clients),
+``clients`` per condition, drawn from
+- ``split="test"``: the official *test* split, clean (in-domain reference) and under each of
+  ``test_corruptions`` at each severity in ``severities`` (rows ``covariate-s<k>`` average the corruptions),
+  and, for MNIST, scikit-learn's 8x8 digits upsampled to 28x28 (``digits``);
+- ``split="val"``: the training clients' validation samples (never trained on) under ``val_corruptions``
+  (types no test condition uses) -- the only numbers the safeguard's threshold is chosen on.
+For every client: the received model's accuracy, the personalised accuracy (the method's test-time step on the
+client's unlabeled set, then prediction on it), the safeguarded accuracy (edge_sdk.safeguard: the received
+model is kept when the adapted one changes more than a threshold share of the predictions), and whether
+personalisation (or the safeguarded choice) made the client worse than the received model.
+Methods share trainings: TENT evaluates the FedAvg run (the run folder of the training method is reused).
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from edge_sdk.safeguard import disagreement
+from fl_server.algorithms import build_algorithm
+from fl_server.data import load_dataset
+from fl_server.data.corruptions import corrupt
+from fl_server.data.domains import two_class_clients, upsampled_digits
+from fl_server.data.federated import FederatedData
+
+if TYPE_CHECKING:
+    from lab.protocol import Protocol
+
+# display name -> training method (the run whose received model the method personalises)
+UNSEEN_METHODS: dict[str, str] = {"FedAvg": "FedAvg", "TENT": "FedAvg", "FedTTA": "FedTTA",
+                                  "FedTTA-Prox": "FedTTA-Prox", "FedTTA++": "FedTTA++", "ODPFL-HN": "ODPFL-HN",
+                                  "FedICON": "FedICON"}
+# the methods whose device step changes the received model (the safeguard's candidates)
+PERSONALISING: tuple[str, ...] = tuple(m for m in UNSEEN_METHODS if m != "FedAvg")
+# safeguard thresholds scored on the validation conditions (1.0: never keeps the received model = off)
+THRESHOLDS: tuple[float, ...] = (0.05, 0.1, 0.2, 0.3, 0.5, 1.0)
+Condition = tuple[str, str, list[np.ndarray], list[np.ndarray]]  # split, shift, per-client x, per-client y
+
+
+def conditions(protocol: "Protocol", fed: FederatedData, seed: int, data_root: str | None) -> list[Condition]:
+    """Every evaluation condition's new clients (see the module docstring)."""
+    opt = protocol.options
+    n, size = opt.get("clients", 10), opt.get("per_client", 100)
+    out: list[Condition] = []
+
+    def add(split: str, shift: str, x: np.ndarray, y: np.ndarray, key: int, corruption: str | None = None,
+            severity: int = 0) -> None:
+        parts = two_class_clients(y, n, size, np.random.default_rng([seed, 0x39, key]))
+        xs = [x[p] for p in parts]
+        if corruption is not None:  # corrupt only the clients' samples; one seeded stream per condition
+            rng = np.random.default_rng([seed, 0xC0, key])
+            xs = [corrupt(xi, corruption, severity, rng) for xi in xs]
+        out.append((split, shift, xs, [y[p] for p in parts]))
+
+    val_idx = np.concatenate(fed.val)
+    xv, yv = fed.dataset.x[val_idx], fed.dataset.y[val_idx]
+    for name in opt.get("val_corruptions", ()):
+        for sev in opt.get("severities", (3, 5)):
+            add("val", f"{name}-{sev}", xv, yv, len(out), name, sev)
+    test = load_dataset(protocol.dataset, root=data_root, split="test")
+    add("test", "clean", test.x, test.y, len(out))
+    for name in opt.get("test_corruptions", ()):
+        for sev in opt.get("severities", (3, 5)):
+            add("test", f"{name}-{sev}", test.x, test.y, len(out), name, sev)
+    if protocol.dataset == "mnist" and opt.get("digits", True):
+        digits = upsampled_digits(tuple(fed.dataset.x.shape[2:]))  # type: ignore[arg-type]
+        add("test", "digits", digits.x, digits.y, len(out))
+    return out
+
+
+def client_outcomes(algo: Any, state: dict, x: np.ndarray, y: np.ndarray, device: torch.device,
+                    dtype: torch.dtype) -> dict[str, Any]:
+    """One new client: received and personalised accuracy and the two models' predictions' disagreement."""
+    xt = torch.from_numpy(x).to(device, dtype)
+    with torch.no_grad():
+        received = algo.predict(state["params"], xt).cpu().numpy()
+    adapted_params = algo.personalize(state, xt)
+    with torch.no_grad():
+        adapted = algo.predict(adapted_params, xt).cpu().numpy()
+    return {"received": float((received.argmax(-1) == y).mean()),
+            "personalised": float((adapted.argmax(-1) == y).mean()),
+            "disagreement": disagreement(received, adapted)}
+
+
+def summarise(clients: list[dict[str, Any]], threshold: float) -> dict[str, float]:
+    """Percentages over a condition's clients: received, personalised and safeguarded accuracy, and the share of
+    clients each of the last two leaves below the received model."""
+    rec = np.array([c["received"] for c in clients])
+    per = np.array([c["personalised"] for c in clients])
+    kept = np.array([c["disagreement"] > threshold for c in clients])
+    safe = np.where(kept, rec, per)
+    tol = 1e-9
+    return {"received": 100 * rec.mean(), "personalised": 100 * per.mean(), "safeguard": 100 * safe.mean(),
+            "worse": 100 * np.mean(per < rec - tol), "safeguard_worse": 100 * np.mean(safe < rec - tol),
+            "kept": 100 * kept.mean()}
+
+
+def run_unseen_seed(protocol: "Protocol", method: str, seed: int, run_dir: Path | None, device: str = "auto",
+                    mode: str = "auto", progress: bool = True, data_root: str | None = None,
+                    fed: FederatedData | None = None) -> dict[str, Any]:
+    """Train (or reuse) the method's training run, then evaluate every new-client condition."""
+    from lab.runner import build_federated, build_simulation, safe_name, seed_record
+
+    if method not in UNSEEN_METHODS:
+        raise ValueError(f"unseen-domain has no method {method!r}; choose one of {', '.join(UNSEEN_METHODS)}")
+    train_name = UNSEEN_METHODS[method]
+    fed = fed if fed is not None else build_federated(protocol, seed, data_root)
+    train_dir = None if run_dir is None else run_dir.parent.parent / safe_name(train_name) / run_dir.name
+    sim = build_simulation(protocol, train_name, seed, train_dir, device, mode, progress, data_root, fed)
+    record = seed_record(protocol, train_name, seed, sim, sim.run())
+    t0 = time.perf_counter()
+    state = sim.best_state if sim.best_state is not None else sim.server_state
+    algo = sim.algorithm if train_name == method else build_algorithm(
+        method, sim.algorithm.model, fed.num_train_clients, seed=seed, **protocol.method_hp.get(method, {}))
+    per_condition = {f"{split}/{shift}": [client_outcomes(algo, state, xi, yi, sim.device, sim.dtype)
+                                          for xi, yi in zip(xs, ys)]
+                     for split, shift, xs, ys in conditions(protocol, fed, seed, data_root)}
+    results = score(per_condition, protocol.options.get("severities", (3, 5)))
+    return {**record, "method": method, "trained_as": train_name, "results": results,
+            "clients": per_condition,
+            "wall_s": round(record["wall_s"] + time.perf_counter() - t0, 2)}
+
+
+def score(per_condition: dict[str, list[dict[str, Any]]], severities: tuple[int, ...]) -> list[dict[str, Any]]:
+    """Result entries from each condition's per-client outcomes (keys "split/shift"): the threshold-free
+    measures (received, personalised, worse; ``threshold`` None) and, at every threshold of ``THRESHOLDS``,
+    the safeguarded ones (safeguard, safeguard_worse, kept), then the condition means (:func:`_add_means`)."""
+    results: list[dict[str, Any]] = []
+    for key, clients in per_condition.items():
+        split, shift = key.split("/", 1)
+        free = summarise(clients, 1.0)
+        results += [{"split": split, "shift": shift, "measure": m, "threshold": None, "value": free[m]}
+                    for m in ("received", "personalised", "worse")]
+        for threshold in THRESHOLDS:
+            guarded = summarise(clients, threshold)
+            results += [{"split": split, "shift": shift, "measure": m, "threshold": threshold, "value": guarded[m]}
+                        for m in ("safeguard", "safeguard_worse", "kept")]
+    _add_means(results, severities)
+    return results
+
+
+def _add_means(results: list[dict[str, Any]], severities: tuple[int, ...]) -> None:
+    """``covariate-s<k>`` test rows (mean over the corruptions at severity k) and ``val-mean`` rows (mean over
+    every validation condition), per measure and threshold."""
+    groups: dict[tuple[str, str, str, float | None], list[float]] = {}
+    for r in results:
+        if r["split"] == "val":
+            groups.setdefault(("val", "val-mean", r["measure"], r["threshold"]), []).append(r["value"])
+        elif r["shift"] not in ("clean", "digits"):
+            sev = r["shift"].rsplit("-", 1)[1]
+            if int(sev) in severities:
+                groups.setdefault(("test", f"covariate-s{sev}", r["measure"], r["threshold"]), []).append(r["value"])
+    results += [{"split": k[0], "shift": k[1], "measure": k[2], "threshold": k[3], "value": float(np.mean(v))}
+                for k, v in groups.items()]
+
+
+def chosen_threshold(rows: list[dict[str, Any]], adaptive: tuple[str, ...]) -> float:
+    """The safeguard threshold of best mean ``val-mean`` safeguarded accuracy over the ``adaptive`` methods and
+    data sets in an aggregated ``unseen-domain`` table (ties: the larger threshold, the one that intervenes
+    less)."""
+    scores: dict[float, list[float]] = {}
+    for r in rows:
+        if r.get("shift") == "val-mean" and r.get("measure") == "safeguard" and r["method"] in adaptive:
+            scores.setdefault(r["threshold"], []).append(r["mean"])
+    if not scores:
+        raise ValueError("the table has no val-mean safeguard rows of the adaptive methods")
+    best = max(np.mean(v) for v in scores.values())
+    return max(t for t, v in scores.items() if np.mean(v) >= best - 1e-9)
