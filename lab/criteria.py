@@ -244,7 +244,7 @@ def status_section(results: Results, criteria: Iterable[Criterion] = CRITERIA) -
     """The markdown table of verdicts for docs/RESULTS.md."""
     lines = ["## Reproduction status", "",
              "Each issue's measurable acceptance criteria, checked by `lab/criteria.py` against the "
-             f"tables below (means over seeds; met = holds with {SEEDS} seeds; partial = fewer seeds so far; "
+             f"tables of docs/RESULTS.md (means over seeds; met = holds with {SEEDS} seeds; partial = fewer seeds so far; "
              "the vmap-engine rows of #2 and the device-parity rows of #7 are single runs from "
              "docs/benchmarks/vmap-engine.json and edge-sdk.json). A criterion not met links the page that says why.",
              "", "| issue | criterion | status | measured |", "|---|---|---|---|"]

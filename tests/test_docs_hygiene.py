@@ -165,8 +165,6 @@ def test_package_cites_papers_not_files_outside_the_repository() -> None:
     assert not found, "\n".join(found)
 
 
-@pytest.mark.xfail(strict=True, reason="docs/RESULTS.md still opens with the issue-keyed status and cites SPEC.md: "
-                                       "the lab's report writes it; drop this mark once the report no longer does")
 def test_generated_results_page_is_clean() -> None:
     hits = user_doc_offences((REPO / GENERATED_BY_LAB).read_text())
     assert not hits, "\n".join(hits[:10])

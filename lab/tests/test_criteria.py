@@ -6,7 +6,7 @@ from pathlib import Path
 
 from lab.criteria import (CRITERIA, SDK_BENCHMARK, VMAP_BENCHMARK, Criterion, at_least, beats,
                                       sdk_parity, status_section, table_complete, vmap_engine, within)
-from lab.report import DETAIL_PAGE, write_report
+from lab.report import DETAIL_PAGE, STATUS_PAGE, write_report
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,8 +65,9 @@ def test_status_section_on_the_committed_tables(tmp_path: Path) -> None:
     (docs / "results").mkdir(parents=True)
     (docs / "results" / "upfl-table1.json").write_text(json.dumps([row("FedAvg", 99.0) | {"experiment": "upfl-table1"}]))
     report = write_report(docs).read_text()
-    assert report.index("## Reproduction status") < report.index("## upfl-table1")
-    assert "| #2 | UPFL Table 1 MNIST: FedAvg new clients >= paper 94.69 - 2 | met |" in report
+    status = (docs / STATUS_PAGE).read_text()
+    assert "## Reproduction status" not in report and "## upfl-table1" in report  # the page opens with the tables
+    assert "| #2 | UPFL Table 1 MNIST: FedAvg new clients >= paper 94.69 - 2 | met |" in status
 
 
 def _anchor(heading: str) -> str:
@@ -134,7 +135,8 @@ def test_report_feeds_the_edge_sdk_benchmark_to_the_verdicts(tmp_path: Path) -> 
     (docs / "benchmarks" / "edge-sdk.json").write_text(json.dumps([
         {"benchmark": "edge-sdk", "what": "new-client parity SDK vs torch, TENT mnist seed 0",
          "metric": "accuracy_diff_points_sdk_minus_torch", "value": 0.5}]))
-    report = write_report(docs).read_text()
+    write_report(docs)
+    report = (docs / STATUS_PAGE).read_text()
     assert "| #7 | edge_sdk new-client parity with torch within 0.1 point: TENT MNIST | not met |" in report
     assert "| #7 | edge_sdk new-client parity with torch within 0.1 point: TENT Fashion-MNIST | missing |" in report
 
@@ -149,16 +151,17 @@ def test_committed_results_md_is_current(tmp_path: Path) -> None:
         shutil.copytree(REPO / "docs" / sub, docs / sub, ignore=shutil.ignore_patterns("raw"))
     regenerated = write_report(docs).read_text()
     assert regenerated == (REPO / "docs" / "RESULTS.md").read_text(), "run `python -m lab report` and commit docs/RESULTS.md"
-    detail = (docs / DETAIL_PAGE).read_text()
-    assert detail == (REPO / "docs" / DETAIL_PAGE).read_text(), f"run `python -m lab report` and commit docs/{DETAIL_PAGE}"
+    for page in (DETAIL_PAGE, STATUS_PAGE):
+        assert (docs / page).read_text() == (REPO / "docs" / page).read_text(), \
+            f"run `python -m lab report` and commit docs/{page}"
 
 
 def test_results_md_is_a_page_a_person_reads() -> None:
-    """docs/RESULTS.md stays under 500 lines: the status first, then one compact table per experiment with each
-    data set's command once; every row's note and the probe tables are on the research page."""
+    """docs/RESULTS.md stays under 500 lines: one compact table per experiment with each data set's command once;
+    every row's note and the probe tables are on the research page, the tracker-keyed checklist on its own."""
     text = (REPO / "docs" / "RESULTS.md").read_text()
     assert len(text.splitlines()) < 500
-    assert text.index("## Reproduction status") < min(text.index(f"## {name}") for name in ("upfl-table1", "btgfl"))
+    assert "## Reproduction status" not in text and "| #" not in text
     assert "## probe:" not in text and "## probe:" in (REPO / "docs" / DETAIL_PAGE).read_text()
     table1 = text[text.index("## upfl-table1"):text.index("## btgfl")]
     assert table1.count("`python -m lab bench upfl-table1 --dataset mnist") == 1  # the command once, not per row
