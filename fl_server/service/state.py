@@ -111,7 +111,10 @@ class Service:
             bundles = self.store.bundles()  # oldest first: the newest bundle of a method wins
             self._by_method = {b["method"]: b for b in bundles}
             self._by_id = {b["id"]: b for b in bundles}
-            self._versions = self.store.bundle_versions()
+            versions = self.store.bundle_versions()
+            # a bundle published again has a new version: its cached signature (the old version) is dropped
+            self._signatures = {k: v for k, v in self._signatures.items() if versions.get(k) == self._versions.get(k)}
+            self._versions = versions
             self._public = set(self._by_id) | {a["sha256"] for b in bundles
                                                          for a in b["manifest"]["artifacts"]}
             self._objects = {b["id"]: _objects(b) for b in bundles}
@@ -221,6 +224,7 @@ class Service:
         its manifest.json to its method, its release version and an expiry ``cfg.manifest_ttl_s`` ahead. Kept
         and re-signed once half of that has passed, so a device always gets at least half the validity."""
         now = time.time()
+        self._refresh()  # a bundle published again has a new version
         cached = self._signatures.get(bundle_id)
         if cached is None or now >= cached[1]:
             bundle = self.bundle_by_id(bundle_id)
