@@ -68,7 +68,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     signer = ManifestSigner.from_pem(Path(args.signing_key)) if args.signing_key else None
     path = export_run(args.run_dir, args.out, int8=args.int8, signer=signer)
     how = f"load_bundle(dir, public_key='{signer.public_hex}')" if signer else "load_bundle (unsigned: hashes only)"
-    print(f"bundle written to {path} (verify and use it on a device with edge_sdk.{how})")
+    print(f"bundle written to {path} (verify and use it on a device with edge_sdk.{how}; fl-server publish serves "
+          "it as a release numbered by the coordinator)")
     warning = rundir.read_run(args.run_dir).get("warning")
     if warning:  # recorded by fl-server train (fl_server.diagnostics)
         print(warning)
@@ -88,8 +89,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
         if not token:
             raise ValueError("--server needs the admin token: --admin-token or $FL_ADMIN_TOKEN")
         out = publish.upload(root, args.server, token)
-        print(f"published {out['method']} bundle {out['bundle_id']} to {args.server}; served signed with its key "
-              f"{out['signing_key']}")
+        print(f"published {out['method']} bundle {out['bundle_id']} to {args.server} as release {out['version']}; "
+              f"served signed with its key {out['signing_key']}")
         return 0
     from fl_server.service.artifacts import ArtifactStore
     from fl_server.service.config import ServiceConfig, load_plugins
@@ -105,8 +106,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
     finally:
         store.close()
     key = ManifestSigner.load_or_create(store_dir).public_hex
-    print(f"published {out['method']} bundle {out['bundle_id']} into {store_dir}; fl-server serve --store "
-          f"{store_dir} serves it signed with {key} (a coordinator already running on this store serves it after "
+    print(f"published {out['method']} bundle {out['bundle_id']} into {store_dir} as release {out['version']}; "
+          f"fl-server serve --store {store_dir} serves it signed with {key} (a coordinator already running on this store serves it after "
           "a restart; publish to it with --server URL instead)")
     return 0
 
@@ -284,7 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="bundle directory to write (replaced atomically)")
     p.add_argument("--int8", action="store_true", help="also ship forward_int8 (frozen, int8-quantized received model)")
     p.add_argument("--signing-key", default=None,
-                   help="Ed25519 private key (PEM, e.g. a coordinator store's signing_key.pem): write manifest.sig")
+                   help="Ed25519 private key (PEM, e.g. a coordinator store's signing_key.pem): write manifest.sig, "
+                        "a signed candidate without a version (load_bundle verifies it; devices take releases only "
+                        "from the coordinator, which numbers it when it is published)")
     p.set_defaults(func=cmd_export)
 
     p = add_parser("publish", help="verify a bundle exported elsewhere and serve it from a coordinator")

@@ -29,7 +29,7 @@ from edge_sdk.signing import make_release, signature_record, write_signature
 log = logging.getLogger("fl_server.service")
 KEY_FILE = "signing_key.pem"
 RETIRED_FILE = "signing_key.retired"  # public keys (hex), one a line, that must never sign again
-OFFLINE_TTL_S = 365 * 86400  # how long a bundle signed by `fl-server export --signing-key` stays valid
+OFFLINE_TTL_S = 365 * 86400  # the expiry a candidate (`fl-server export --signing-key`) states
 
 
 class ManifestSigner:
@@ -45,9 +45,10 @@ class ManifestSigner:
     def sign(self, data: bytes) -> bytes:
         return self._key.sign(data)
 
-    def record(self, manifest: bytes, method: str, version: int, expires_at: float) -> dict[str, str]:
+    def record(self, manifest: bytes, method: str, version: int | None, expires_at: float) -> dict[str, str]:
         """The ``manifest.sig`` record for these exact manifest bytes: a signed release of ``method`` at
-        ``version`` (>= 1, rising per method), valid until ``expires_at`` (seconds since the epoch).
+        ``version`` (>= 1, rising per method: the coordinator's store assigns it), valid until ``expires_at``
+        (seconds since the epoch); ``version`` None: a candidate (:meth:`sign_bundle`).
 
         >>> signer = ManifestSigner.generate()
         >>> signer.record(b'{"method": "TENT"}', "TENT", 1, time.time() + 3600)["alg"]
@@ -56,13 +57,13 @@ class ManifestSigner:
         release = make_release(manifest, method, version, expires_at, self.public_key)
         return signature_record(self.public_key, release, self.sign(release))
 
-    def sign_bundle(self, root: Path, version: int | None = None, ttl_s: float = OFFLINE_TTL_S) -> Path:
-        """Write ``root/manifest.sig`` for ``root/manifest.json``, an offline export. ``version`` defaults to
-        the signing time in seconds (it rises with every later export without any state to keep)."""
+    def sign_bundle(self, root: Path, ttl_s: float = OFFLINE_TTL_S) -> Path:
+        """Write ``root/manifest.sig`` for ``root/manifest.json``, an offline export: a signed *candidate*
+        without a version (:mod:`edge_sdk.signing`). ``load_bundle`` verifies it; a device's update channel never
+        accepts it, since only the coordinator numbers releases: publishing the bundle makes it one."""
         manifest = (root / "manifest.json").read_bytes()
-        now = time.time()
         method = str(strictjson.loads(manifest)["method"])
-        return write_signature(root, self.record(manifest, method, version or int(now), now + ttl_s))
+        return write_signature(root, self.record(manifest, method, None, time.time() + ttl_s))
 
     @classmethod
     def generate(cls) -> ManifestSigner:

@@ -54,11 +54,12 @@ class Coordinator:
 
 def start(store: Path, methods: str = "TENT,ODPFL-HN", rounds: int = 1, workers: int = 2,
           env: dict[str, str] | None = None, tls: tuple[Path, Path, Path] | None = None,
-          wrap: list[str] | None = None) -> Coordinator:
+          wrap: list[str] | None = None, port: int | None = None) -> Coordinator:
     """``env`` adds to the server's environment (e.g. ``FL_SERVE_TOKEN_RATE``); ``tls`` = (certificate, key,
     CA that signed it): serve HTTPS (``--tls-cert/--tls-key``), polled with that CA pinned; ``wrap`` is a
-    command the server's command line is appended to (it must ``exec`` it, so that ``proc.pid`` is the server's)."""
-    port = free_port()
+    command the server's command line is appended to (it must ``exec`` it, so that ``proc.pid`` is the server's); ``port``: a
+    restart on the port an earlier server had (devices keep their URL), else a free one."""
+    port = port or free_port()
     env = {**os.environ, "FL_SERVE_DEFAULT_METHODS": methods, "FL_SERVE_ROUNDS": str(rounds),
            "FL_SERVE_WORKERS": str(workers), "FL_ADMIN_TOKEN": ADMIN, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "edge_sdk"), os.environ.get("PYTHONPATH", "")]),

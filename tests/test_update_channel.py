@@ -65,7 +65,7 @@ def test_a_replayed_older_bundle_of_the_same_method_is_refused(server: Coordinat
         assert c.download(new).manifest["method"] == "TENT"  # the newest stays usable
     ledger = tmp_path / "accepted_versions.json"
     assert ledger.stat().st_mode & 0o077 == 0
-    assert json.loads(ledger.read_text())[f"{server.url} key {key[:16]}"]["TENT"]["version"] == 2
+    assert json.loads(ledger.read_text())[server.url]["TENT"][key[:16]]["version"] == 2
     record("signature", "older signed bundle of the same method replayed (proxy)",
            "refused by EdgeClient.download (BundleRollbackError), also after a device restart")
 
@@ -114,7 +114,7 @@ def test_release_versions_rise_per_method_and_survive_restarts(tmp_path: Path) -
     for i, method in enumerate(["TENT", "ODPFL-HN", "TENT"]):
         store.add_bundle(f"{i:064x}", "job", method, "digits", manifest, {})
     assert store.bundle_versions() == {f"{0:064x}": 1, f"{1:064x}": 1, f"{2:064x}": 2}
-    store.add_bundle(f"{2:064x}", "job", "TENT", "digits", manifest, {})  # registered again: keeps its version
+    assert store.add_bundle(f"{2:064x}", "job", "TENT", "digits", manifest, {}) == 2  # the served one again: kept
     store.close()
     store = Store(tmp_path / "s.sqlite3")  # a restart
     store.add_bundle(f"{3:064x}", "job", "TENT", "digits", manifest, {})

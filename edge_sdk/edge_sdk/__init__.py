@@ -36,6 +36,7 @@ _NAMES = {
     "EdgeClient": "edge_sdk._client",
     "EdgeClientError": "edge_sdk._client",
     "TrustOnFirstUseWarning": "edge_sdk._client",
+    "StaleReleaseWarning": "edge_sdk._client",
     "Preprocess": "edge_sdk._preprocess",
     "Runner": "edge_sdk._registry",
     "register_runner": "edge_sdk._registry",

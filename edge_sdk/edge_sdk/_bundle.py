@@ -175,8 +175,9 @@ class Bundle:
 def load_bundle(root: str | os.PathLike, public_key: PublicKey | None = None) -> Bundle:
     """Read and fully verify a bundle directory; raises :class:`BundleError` with one clear line.
     ``public_key`` (32 bytes or hex): the manifest's bytes must carry a valid signature by this key
-    (``manifest.sig``), checked before anything else is read. The signed release's version and expiry are in
-    ``Bundle.release``; judging them (rollback, freeze) is the update channel's job (``EdgeClient.download``,
+    (``manifest.sig``), checked before anything else is read: a coordinator's release or an offline export's
+    candidate (``Bundle.release.candidate``). The signed release's version and expiry are in ``Bundle.release``;
+    judging them (rollback, freeze) is the update channel's job (``EdgeClient.download``,
     :mod:`edge_sdk._versions`): a bundle already on disk stays loadable offline after its release expires."""
     root = Path(root)
     manifest_path = root / MANIFEST
@@ -187,7 +188,8 @@ def load_bundle(root: str | os.PathLike, public_key: PublicKey | None = None) ->
     if public_key is not None:
         trusted = parse_public_key(public_key)
         sig_path = root / SIGNATURE_FILE
-        release = verify_manifest(raw, sig_path.read_bytes() if sig_path.is_file() else None, trusted, str(root))
+        release = verify_manifest(raw, sig_path.read_bytes() if sig_path.is_file() else None, trusted, str(root),
+                                  candidate_ok=True)
     elif (root / SIGNATURE_FILE).is_file():
         warnings.warn(UnverifiedSignatureWarning(
             f"{root} is signed, but no public key was given: its signature is not checked (only its sha256 "

@@ -21,11 +21,15 @@ bundle, so nothing unsigned reaches onnxruntime.
   key is required, and a coordinator that presents another key is refused until the entry is deleted or a
   key is pinned. This protects against later tampering, not against an attacker present at first contact.
 
-Freshness: each signature is a signed *release* (:mod:`edge_sdk.signing`) with a version that rises with
-every bundle the coordinator publishes for a method and an expiry. ``download`` refuses an expired release
+Freshness: each signature is a signed *release* (:mod:`edge_sdk.signing`) with a version that the coordinator
+assigns, rising with every bundle it publishes for a method, and an expiry. ``download`` refuses an offline
+export's candidate (no version: only the coordinator numbers releases), an expired release
 (:class:`~edge_sdk._errors.BundleExpiredError`: a stale or replayed manifest) and one older than the newest it
-accepted for that method from this ``url`` under this key (:class:`~edge_sdk._errors.BundleRollbackError`), which
-it keeps in ``<cache>/accepted_versions.json`` (:mod:`edge_sdk._versions`).
+accepted for that method from this ``url`` under any key it still pins (one ratchet across key rotations;
+:class:`~edge_sdk._errors.BundleRollbackError`), which it keeps in ``<cache>/accepted_versions.json``
+(:mod:`edge_sdk._versions`). Offline (``manifest`` fell back to the cache), ``download`` keeps using the cached
+bundle after its release expired, with a :class:`StaleReleaseWarning` that states the expiry; the same expired
+release from the network is refused.
 
 Transport: use ``https://`` so that tokens and manifests do not travel in clear. The coordinator's certificate
 is verified against the CA bundle httpx ships (certifi) or, for a self-signed deployment, only against the CA
@@ -77,6 +81,10 @@ class TrustOnFirstUseWarning(UserWarning):
     """No public key was pinned: the coordinator's key was trusted on first use and stored in the cache."""
 
 
+class StaleReleaseWarning(UserWarning):
+    """The coordinator is unreachable and the cached bundle in use has an expired signed release."""
+
+
 class _Deadline(Exception):
     pass
 
@@ -121,6 +129,7 @@ class EdgeClient:
                 raise EdgeClientError(f"ca_file {os.fspath(ca_file)!r}: not a readable PEM CA certificate "
                                       f"({exc})") from None
         self.versions = VersionLedger(self.cache / "accepted_versions.json")
+        self._offline: set[str] = set()  # bundle ids of cached manifests manifest() fell back to (unreachable)
         self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout), transport=transport,
                                  verify=verify, event_hooks=event_hooks or {}, headers={"User-Agent": "edge_sdk/0.1"})
         (self.cache / "objects").mkdir(parents=True, exist_ok=True)
@@ -214,12 +223,16 @@ class EdgeClient:
             cached = self._manifest_path(method)
             if cached.is_file() and exc.status is None:  # offline, not refused
                 try:
-                    return strictjson.loads(cached.read_bytes())
+                    m = strictjson.loads(cached.read_bytes())
                 except (ValueError, RecursionError):
                     raise exc from None  # the cached copy is damaged too: report the network error
+                if isinstance(m, dict):
+                    self._offline.add(str(m.get("bundle_id")))  # download may use it after its release expired
+                return m
             raise
         if not isinstance(m, dict):
             raise EdgeClientError(f"GET {self.url}/v1/manifest: unexpected reply (a JSON {type(m).__name__})")
+        self._offline.clear()  # reachable again: every release must be fresh
         self._save_manifest(m, method)
         return m
 
@@ -280,10 +293,11 @@ class EdgeClient:
                                                        "delete the entry there if the key was rotated on purpose)")
             raise BundleSignatureError(f"{exc}{hint}") from None
         # freshness next: an expired release, or one older than this device accepted, is a replay. One ratchet
-        # per coordinator and signing key: a rotated key starts its own (TUF resets on rotation the same way,
-        # so a compromised old key that signed a huge version cannot lock the new one out)
-        channel = f"{self.url} key {key_id(key)}"
-        self.versions.check(channel, release, f"bundle {bundle_id}")
+        # per coordinator and method across key rotations (the coordinator numbers releases whatever key signs);
+        # only keys still pinned hold it up, so dropping a compromised key that signed a huge version unlocks it
+        stale = release.expired() and bundle_id in self._offline  # our own cache, the coordinator unreachable
+        keys = [key_id(k) for k in self.pinned_keys] or [key_id(key)]
+        self.versions.check(self.url, release, f"bundle {bundle_id}", keys=keys, expired_ok=stale)
         try:
             listed = strictjson.loads(raw)
             same = [a["sha256"] for a in listed["artifacts"]] == [a["sha256"] for a in m["artifacts"]]
@@ -301,7 +315,13 @@ class EdgeClient:
         write_signature(root, m["signature"])
         _link(manifest_file, root / MANIFEST)
         bundle = load_bundle(root, public_key=key)
-        self.versions.accept(channel, release)
+        if stale:
+            warnings.warn(StaleReleaseWarning(
+                f"{self.url} is unreachable: using the cached bundle {bundle_id} ({release.method}, release "
+                f"{release.version}), whose signed release expired at {release.expires}; it is refused from the "
+                "network until the coordinator signs it again"), stacklevel=2)
+        else:
+            self.versions.accept(self.url, release)
         return bundle
 
     def fetch(self, sha256: str, size: int | None = None) -> Path:

@@ -14,6 +14,13 @@ it accepted for that method (rollback) and an expired one (freeze). The manifest
 sha256 and size, so the one signature covers the whole bundle: signature first (authenticity of the release),
 then the manifest's hash, then each file's hash.
 
+Only the coordinator numbers releases (one version sequence per method, kept in its store). An offline export
+(``fl-server export --signing-key``) signs a *candidate* instead, ``{"type": "fl-edge/candidate", ...}`` without a
+version: another role in the signed payload, as TUF separates the roles a key may sign for. ``load_bundle``
+accepts a candidate (a bundle copied onto a device by hand); the update channel (``verify_manifest`` by default,
+``EdgeClient.download``) never does, so an export served by a man in the middle cannot move a device's ratchet.
+Publishing the export makes the coordinator sign it as a release with its own next version.
+
 ``manifest.sig`` (and the ``signature`` field of the coordinator's manifest view) is strict JSON:
 ``{"alg": "Ed25519", "key_id": ..., "public_key": "<64 hex>", "release": "<the release's exact JSON text>",
 "signature": "<128 hex over the release text>"}``. ``public_key`` and ``key_id`` only name the signer for
@@ -37,6 +44,7 @@ from edge_sdk._errors import BundleSignatureError
 SIGNATURE_FILE = "manifest.sig"
 ALG = "Ed25519"
 RELEASE_TYPE = "fl-edge/release"
+CANDIDATE_TYPE = "fl-edge/candidate"  # an offline export's signature: no version, never a served release
 TIME_FORMAT = "%Y-%m-%dT%H:%M:%SZ"  # UTC, whole seconds (RFC 3339)
 PublicKey = bytes | str
 _SHA = re.compile(r"[0-9a-f]{64}")
@@ -73,9 +81,10 @@ class Release:
 
     bundle_id: str
     method: str
-    version: int
+    version: int  # 0 for a candidate (an offline export: the coordinator numbers it when it is published)
     expires: str  # UTC, TIME_FORMAT
     key_id: str
+    candidate: bool = False
 
     @property
     def expires_at(self) -> float:
@@ -86,14 +95,15 @@ class Release:
         return (time.time() if now is None else now) >= self.expires_at
 
 
-def make_release(manifest: bytes, method: str, version: int, expires_at: float, signer_key: bytes) -> bytes:
-    """The exact release bytes to sign for ``manifest`` (strict JSON, sorted keys)."""
-    if not isinstance(version, int) or version < 1:
+def make_release(manifest: bytes, method: str, version: int | None, expires_at: float, signer_key: bytes) -> bytes:
+    """The exact release bytes to sign for ``manifest`` (strict JSON, sorted keys); ``version`` None: a
+    candidate (an offline export, numbered by the coordinator when it is published)."""
+    if version is not None and (not isinstance(version, int) or version < 1):
         raise ValueError(f"a release version is an integer >= 1, got {version!r}")
-    return strictjson.dumps({"type": RELEASE_TYPE, "bundle_id": hashlib.sha256(manifest).hexdigest(),
-                             "method": method, "version": version,
-                             "expires": time.strftime(TIME_FORMAT, time.gmtime(expires_at)),
-                             "key_id": key_id(signer_key)}, sort_keys=True, separators=(",", ":")).encode()
+    fields = {"bundle_id": hashlib.sha256(manifest).hexdigest(), "method": method,
+              "expires": time.strftime(TIME_FORMAT, time.gmtime(expires_at)), "key_id": key_id(signer_key)}
+    fields.update({"type": CANDIDATE_TYPE} if version is None else {"type": RELEASE_TYPE, "version": version})
+    return strictjson.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
 
 def signature_record(signer_key: bytes, release: bytes, signature: bytes) -> dict[str, str]:
@@ -121,28 +131,38 @@ def parse_signature(record: Any, where: str) -> tuple[bytes, bytes, bytes]:
     return signer, sig, release.encode()
 
 
-def parse_release(release: bytes, where: str) -> Release:
-    """A signed release's fields, each checked for type and form."""
+def parse_release(release: bytes, where: str, candidate_ok: bool = False) -> Release:
+    """A signed release's fields, each checked for type and form; a candidate (an offline export) only with
+    ``candidate_ok``."""
     try:
         r = strictjson.loads(release)
-        if not isinstance(r, dict) or r.get("type") != RELEASE_TYPE:
+        kind = r.get("type") if isinstance(r, dict) else None
+        if kind not in (RELEASE_TYPE, CANDIDATE_TYPE):
             raise ValueError(f"not a {RELEASE_TYPE} object")
-        out = Release(r["bundle_id"], r["method"], r["version"], r["expires"], r["key_id"])
+        if kind == CANDIDATE_TYPE and "version" in r:
+            raise ValueError("a candidate has no version")
+        out = Release(r["bundle_id"], r["method"], r["version"] if kind == RELEASE_TYPE else 0, r["expires"],
+                      r["key_id"], candidate=kind == CANDIDATE_TYPE)
         if not (isinstance(out.bundle_id, str) and _SHA.fullmatch(out.bundle_id) and isinstance(out.method, str)
                 and isinstance(out.key_id, str)):
             raise ValueError("bundle_id, method and key_id must be a sha256 and strings")
-        if type(out.version) is not int or out.version < 1:
+        if not out.candidate and (type(out.version) is not int or out.version < 1):
             raise ValueError(f"version must be an integer >= 1, got {out.version!r}")
         out.expires_at  # noqa: B018 - parses the time
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise BundleSignatureError(f"{where}: malformed signed release ({exc})") from None
+    if out.candidate and not candidate_ok:
+        raise BundleSignatureError(f"{where}: signed as an offline export's candidate, not a release of the "
+                                   "coordinator (only the coordinator numbers releases); publish the bundle "
+                                   "(fl-server publish) and download it from there")
     return out
 
 
-def verify_manifest(manifest: bytes, record: Any, trusted: bytes, where: str) -> Release:
+def verify_manifest(manifest: bytes, record: Any, trusted: bytes, where: str, candidate_ok: bool = False) -> Release:
     """Check ``manifest`` (exact bytes) against its signature ``record`` under the ``trusted`` key and return
     the signed :class:`Release`; raises :class:`BundleSignatureError` saying which of missing / malformed /
-    other key / altered it is. Freshness (version, expiry) is the caller's to judge."""
+    other key / altered / a candidate (unless ``candidate_ok``: a bundle on disk) it is. Freshness (version,
+    expiry) is the caller's to judge."""
     if record is None:
         raise BundleSignatureError(f"{where}: the bundle is not signed (no {SIGNATURE_FILE}) but a public key "
                                    f"is pinned ({key_id(trusted)}...); refusing an unsigned bundle")
@@ -155,7 +175,10 @@ def verify_manifest(manifest: bytes, record: Any, trusted: bytes, where: str) ->
     except SignatureError as exc:
         raise BundleSignatureError(f"{where}: the release does not match its signature ({exc}); it was "
                                    "modified after signing") from None
-    release = parse_release(release_bytes, where)
+    release = parse_release(release_bytes, where, candidate_ok)
+    if release.key_id != key_id(trusted):  # the device's ratchet is kept per key id: it must name its signer
+        raise BundleSignatureError(f"{where}: the signed release names key {release.key_id[:16]!r}, not its signer "
+                                   f"{key_id(trusted)}; refusing it")
     if hashlib.sha256(manifest).hexdigest() != release.bundle_id:
         raise BundleSignatureError(f"{where}: manifest.json does not match its signature (the signed release "
                                    f"names bundle {release.bundle_id[:16]}...); it was modified after signing")

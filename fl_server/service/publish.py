@@ -320,14 +320,16 @@ def _check_artifact(bundle: Bundle, a: dict[str, Any]) -> list[str]:
 
 def publish_dir(store: Store, artifacts: ArtifactStore, root: Path, max_bytes: int) -> dict[str, Any]:
     """Verify ``root`` and serve it: its files enter the artifact store, the bundle the store's table.
-    Returns ``{"bundle_id", "method", "dataset"}``. Publishing the same bundle again is harmless."""
+    Returns ``{"bundle_id", "method", "dataset", "version"}``: the release version the coordinator assigned
+    (:meth:`Store.add_bundle`; a publisher's own ``manifest.sig`` is ignored). Publishing the served bundle again
+    is harmless; publishing an earlier one serves it again under a new version (a rollback)."""
     bundle = verify_bundle_dir(root, max_bytes)
     for a in bundle.manifest["artifacts"]:
         artifacts.put_file(root / a["file"], expected=a["sha256"])
     bundle_id = artifacts.put_file(root / MANIFEST)
     dataset = str(bundle.manifest.get("dataset", "custom"))
-    store.add_bundle(bundle_id, PUBLISHED_JOB, bundle.method, dataset, bundle.manifest, {})
-    return {"bundle_id": bundle_id, "method": bundle.method, "dataset": dataset}
+    version = store.add_bundle(bundle_id, PUBLISHED_JOB, bundle.method, dataset, bundle.manifest, {})
+    return {"bundle_id": bundle_id, "method": bundle.method, "dataset": dataset, "version": version}
 
 
 def extract_tar(archive: IO[bytes], dest: Path, max_bytes: int) -> Path:

@@ -22,6 +22,7 @@ class Published(BaseModel):
     bundle_id: str
     method: str
     dataset: str
+    version: int  # the release version the coordinator assigned (rising per method)
     manifest_url: str
     signing_key: str
 
@@ -35,8 +36,9 @@ class Published(BaseModel):
 async def publish(request: Request, _: Principal = Depends(require_admin)) -> dict[str, Any]:
     """Publish a bundle directory exported elsewhere (``fl-server export``), sent as a tar archive (plain or
     gzip): it is verified (names, sizes, sha256s, ONNX graphs load, weights without pickle), stored, and served
-    to devices like a bundle the coordinator trained, its manifest signed with the coordinator's key; it
-    becomes the bundle served for its method."""
+    to devices like a bundle the coordinator trained, its manifest signed with the coordinator's key as a
+    release with the method's next version (a publisher's own signature is ignored); it becomes the bundle
+    served for its method. Publishing an earlier bundle again serves it under a new version (a rollback)."""
     svc = request.app.state.service
     with tempfile.SpooledTemporaryFile(max_size=8 << 20) as body:
         async for chunk in request.stream():

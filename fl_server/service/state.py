@@ -60,7 +60,8 @@ class Service:
         self.dles = DLEAggregate(self.store)  # BTFL: running sums of the clients' DLEs
         self.admin_token_file = cfg.store_dir / "admin_token"
         self.signer = ManifestSigner.load_or_create(cfg.store_dir)
-        self._signatures: dict[str, tuple[dict[str, str], float]] = {}  # id -> (record, when to re-sign)
+        # id -> (record, when to re-sign, the version it signs)
+        self._signatures: dict[str, tuple[dict[str, str], float, int]] = {}
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -221,8 +222,9 @@ class Service:
         its manifest.json to its method, its release version and an expiry ``cfg.manifest_ttl_s`` ahead. Kept
         and re-signed once half of that has passed, so a device always gets at least half the validity."""
         now = time.time()
+        self._refresh()  # a bundle published again has a new version: its cached record is re-signed
         cached = self._signatures.get(bundle_id)
-        if cached is None or now >= cached[1]:
+        if cached is None or now >= cached[1] or cached[2] != self._versions.get(bundle_id):
             bundle = self.bundle_by_id(bundle_id)
             if bundle is None:
                 raise KeyError(f"no bundle {bundle_id}")
@@ -231,7 +233,7 @@ class Service:
                 version = self._versions[bundle_id] = self.store.bundle_versions()[bundle_id]
             record = self.signer.record(self.artifact_bytes(bundle_id), bundle["manifest"]["method"], version,
                                         now + self.cfg.manifest_ttl_s)
-            cached = self._signatures[bundle_id] = (record, now + self.cfg.manifest_ttl_s / 2)
+            cached = self._signatures[bundle_id] = (record, now + self.cfg.manifest_ttl_s / 2, version)
         return cached[0]
 
     def manifest_view(self, bundle: dict[str, Any]) -> dict[str, Any]:

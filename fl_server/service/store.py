@@ -319,30 +319,38 @@ class Store:
 
     # --------------------------------------------------------------- bundles
     def add_bundle(self, bundle_id: str, job_id: str, method: str, dataset: str, manifest: dict[str, Any],
-                   server: dict[str, str]) -> None:
+                   server: dict[str, str]) -> int:
+        """Record a bundle; it becomes the one served for ``method``. Returns its release version: the next of
+        the method for a new bundle or an earlier one published again (an operator's rollback: a device that
+        has a newer release takes it, since versions only rise), unchanged for the one already served."""
         with self._lock:  # the bundle and its version appear together to readers
-            self._db.execute("INSERT OR REPLACE INTO bundles VALUES (?, ?, ?, ?, ?, ?, ?)",
-                             (bundle_id, job_id, method, dataset, json.dumps(manifest), json.dumps(server),
-                              time.time()))
-            self._number_bundles()
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("INSERT OR REPLACE INTO bundles VALUES (?, ?, ?, ?, ?, ?, ?)",
+                                 (bundle_id, job_id, method, dataset, json.dumps(manifest), json.dumps(server),
+                                  time.time()))
+                self._db.execute("UPDATE bundle_versions SET version = (SELECT MAX(version) + 1 FROM bundle_versions "
+                                 "WHERE method = ?) WHERE bundle_id = ? AND version < (SELECT MAX(version) FROM "
+                                 "bundle_versions WHERE method = ?)", (method, bundle_id, method))
+                self._number_bundles()
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+            version = self._db.execute("SELECT version FROM bundle_versions WHERE bundle_id = ?",
+                                       (bundle_id,)).fetchone()[0]
         self.bundles_version += 1
+        return int(version)
 
     def _number_bundles(self) -> None:
         """Give every bundle without a release version the next version of its method, oldest first (under the
-        lock). Versions are stored, so they only ever rise, across restarts too: devices refuse a lower one."""
+        lock, in a transaction). Versions are stored, so they only ever rise, across restarts too: devices refuse
+        a lower one."""
         new = self._db.execute("SELECT id, method FROM bundles WHERE id NOT IN (SELECT bundle_id FROM "
                                "bundle_versions) ORDER BY created").fetchall()
-        if not new:
-            return
-        self._db.execute("BEGIN IMMEDIATE")
-        try:
-            for row in new:  # one by one: each sees the version given to the one before
-                self._db.execute("INSERT INTO bundle_versions SELECT ?, ?, COALESCE(MAX(version), 0) + 1 FROM "
-                                 "bundle_versions WHERE method = ?", (row["id"], row["method"], row["method"]))
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+        for row in new:  # one by one: each sees the version given to the one before
+            self._db.execute("INSERT INTO bundle_versions SELECT ?, ?, COALESCE(MAX(version), 0) + 1 FROM "
+                             "bundle_versions WHERE method = ?", (row["id"], row["method"], row["method"]))
 
     def bundle_versions(self) -> dict[str, int]:
         """Bundle id -> its release version (rising per method, in the order bundles were added)."""
