@@ -115,7 +115,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         dump = Path(tmp) / "server.json"
         env = {**os.environ, "PYTHONPATH": f"{repo}{os.pathsep}{repo / 'edge_sdk'}", "OMP_NUM_THREADS": "1",
-               "FL_SERVE_DEFAULT_METHODS": "TENT,ODPFL-HN", "FL_SERVE_WORKERS": "2",
+               "FL_SERVE_DEFAULT_METHODS": "TENT,ODPFL-HN", "FL_SERVE_WORKERS": "2", "FL_SERVE_ENROLLMENT": "open",
                "FL_ADMIN_TOKEN": "profile-burst-admin-token"}  # 16+ characters, as the server requires
         log = open(Path(tmp) / "server.log", "w+")
         proc = subprocess.Popen([sys.executable, "-c", SERVER_WRAPPER, str(port), str(store), str(dump)],

@@ -116,6 +116,9 @@ def main() -> int:
     ap.add_argument("--public-key", default=os.environ.get("FL_SIGNING_PUBLIC_KEY"),
                     help="the coordinator's manifest signing key to pin (hex, printed by fl-server serve; default "
                          "$FL_SIGNING_PUBLIC_KEY); without it the key is trusted on first use, with a warning")
+    ap.add_argument("--enrollment-token", default=os.environ.get("FL_ENROLLMENT_TOKEN"),
+                    help="the operator's enrollment token (POST /v1/enrollments; default $FL_ENROLLMENT_TOKEN): "
+                         "needed to join unless the coordinator runs with FL_SERVE_ENROLLMENT=open")
     ap.add_argument("--ca-file", default=os.environ.get("FL_CA_FILE"),
                     help="https:// coordinator with a self-signed certificate: the CA (PEM) to pin "
                          "(default $FL_CA_FILE)")
@@ -132,7 +135,7 @@ def main() -> int:
     with EdgeClient(args.server, cache_dir=args.cache, public_key=args.public_key, ca_file=args.ca_file) as client:
         try:
             client.wait_ready(None if method == "none" else method, timeout=args.wait, on_wait=_print_progress)
-            info = client.join(None if method == "none" else method)
+            info = client.join(None if method == "none" else method, enrollment_token=args.enrollment_token)
         except EdgeClientError as exc:
             if exc.status == 404 and method == "BTFL":
                 print(f"error: this coordinator has no BTFL bundle and no BTFL job (start one with the admin "

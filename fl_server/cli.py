@@ -112,6 +112,32 @@ def cmd_publish(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_revoke(args: argparse.Namespace) -> int:
+    """Revoke an enrollment token (and by default its clients) or one client at a running coordinator."""
+    import os
+
+    import httpx
+
+    token = args.admin_token or os.environ.get("FL_ADMIN_TOKEN")
+    if not token:
+        raise ValueError("revoke needs the admin token: --admin-token or $FL_ADMIN_TOKEN")
+    if args.enrollment:
+        path, params = f"/v1/enrollments/{args.enrollment}", {"clients": str(not args.keep_clients).lower()}
+    else:
+        path, params = f"/v1/clients/{args.client}", {}
+    try:
+        r = httpx.delete(args.server.rstrip("/") + path, params=params, timeout=30,
+                         headers={"Authorization": f"Bearer {token}"})
+    except httpx.TransportError as exc:
+        raise ValueError(f"{args.server}: unreachable ({exc})") from None
+    if r.status_code != 200:
+        raise ValueError(f"DELETE {path}: HTTP {r.status_code}: {r.text[:300]}")
+    out = r.json()
+    print(f"revoked {path.split('/')[2][:-1]} {out['id']}: {out['clients_revoked']} client(s) revoked, "
+          f"{out['dles_removed']} DLE(s) removed from the global DLE")
+    return 0
+
+
 def cmd_data(args: argparse.Namespace) -> int:
     from fl_server.data import fetch, load_dataset
     from fl_server.data.datasets import resolve_root
@@ -217,9 +243,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     # HTTP limits (head/body deadlines, head size, connection cap, trusted proxies): FL_SERVE_* (docs/coordinator.md)
     options = uvicorn_options(ServerLimits())
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                backlog=args.backlog, loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio", **options,
-                **tls)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                            backlog=args.backlog, loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
+                            **options, **tls)  # configures uvicorn's loggers
+    from fl_server.service.logging_limits import install
+
+    install()  # the same line repeated under attack is collapsed (FL_SERVE_LOG_RATE / _BURST)
+    uvicorn.Server(config).run()
     return 0
 
 
@@ -297,6 +327,16 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--server", help="a running coordinator's URL (POST /v1/bundles with the admin token)")
     p.add_argument("--admin-token", default=None, help="with --server (default: $FL_ADMIN_TOKEN)")
     p.set_defaults(func=cmd_publish)
+
+    p = add_parser("revoke", help="revoke an enrollment token or a client at a running coordinator (admin)")
+    p.add_argument("--server", required=True, help="the coordinator's URL")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--enrollment", help="an enrollment id (POST /v1/enrollments): no further join spends it")
+    what.add_argument("--client", help="a client id: its token stops working and its DLE leaves the global DLE")
+    p.add_argument("--keep-clients", action="store_true",
+                   help="with --enrollment: leave the clients that joined with it (default: revoke them too)")
+    p.add_argument("--admin-token", default=None, help="default: $FL_ADMIN_TOKEN")
+    p.set_defaults(func=cmd_revoke)
 
     p = add_parser("data", help="obtain or inspect data sets")
     p.add_argument("action", choices=("fetch", "info"))

@@ -54,6 +54,9 @@ echo "health: $(docker inspect -f '{{.State.Health.Status}}' "$NAME")"
 # devices pin the signing key, read from the container's store (the operator's channel), not trusted on first use
 FL_SIGNING_PUBLIC_KEY=$(docker exec "$NAME" python -c "from pathlib import Path; from fl_server.signing import ManifestSigner; print(ManifestSigner.load_or_create(Path('/data')).public_hex)")
 export FL_SIGNING_PUBLIC_KEY
+# joining needs an enrollment token (the image's default): the operator issues one with the admin token
+FL_ENROLLMENT_TOKEN=$("$PY" -c "import httpx, sys; print(httpx.post('http://127.0.0.1:$PORT/v1/enrollments', json={'uses': 2}, headers={'Authorization': 'Bearer ' + sys.argv[1]}).json()['token'])" "$(docker exec "$NAME" cat /data/admin_token)")
+export FL_ENROLLMENT_TOKEN  # examples/stream_inference.py reads it
 
 for m in tent odpfl-hn; do
   step "a device joins the container and streams (--method $m)"

@@ -7,6 +7,8 @@ BIN=${BIN:-.venv/bin}
 PORT=${PORT:-8000}
 STORE=${STORE:-runs/store}
 export FL_SERVE_WORKERS=${FL_SERVE_WORKERS:-2}  # two training jobs at a time
+# a local trial on loopback: anyone may join without an enrollment token (never where untrusted devices reach it)
+export FL_SERVE_ENROLLMENT=${FL_SERVE_ENROLLMENT:-open}
 METHODS=${METHODS:-"tent fedtta++ odpfl-hn btfl none"}
 URL="http://127.0.0.1:${PORT}"
 mkdir -p runs

@@ -13,7 +13,7 @@ main_python=${MAIN_PYTHON:-$here/.venv/bin/python}
 mkdir -p "$work"
 port=$("$main_python" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
 url="http://127.0.0.1:$port"
-(cd "$here" && FL_SERVE_DEFAULT_METHODS=TENT FL_SERVE_ROUNDS=2 FL_SERVE_WORKERS=1 OMP_NUM_THREADS=1 \
+(cd "$here" && FL_SERVE_DEFAULT_METHODS=TENT FL_SERVE_ROUNDS=2 FL_SERVE_WORKERS=1 OMP_NUM_THREADS=1 FL_SERVE_ENROLLMENT=open \
   exec "$main_python" -m fl_server.cli serve --port "$port" --store "$work/store" --log-level warning) \
   > "$work/coordinator.log" 2>&1 &
 server=$!

@@ -66,7 +66,8 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
           response_schema_conformance, negative_data_rejection, ignored_auth, clear_error, finite_weights]
 NEGATIVE_ONLY = {"POST /v1/jobs"}
 # the fuzzed server runs without rate limits: a 429 is documented, but it would keep cases from the code
-NO_LIMITS = {"FL_SERVE_TOKEN_RATE": "0", "FL_SERVE_JOIN_RATE": "0", "FL_SERVE_ADDRESS_RATE": "0"}
+NO_LIMITS = {"FL_SERVE_TOKEN_RATE": "0", "FL_SERVE_JOIN_RATE": "0", "FL_SERVE_ADDRESS_RATE": "0",
+             "FL_SERVE_ADMIN_FAIL_RATE": "0"}
 
 
 @dataclass

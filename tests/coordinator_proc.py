@@ -54,13 +54,17 @@ class Coordinator:
 
 def start(store: Path, methods: str = "TENT,ODPFL-HN", rounds: int = 1, workers: int = 2,
           env: dict[str, str] | None = None, tls: tuple[Path, Path, Path] | None = None,
-          wrap: list[str] | None = None, port: int | None = None) -> Coordinator:
+          wrap: list[str] | None = None, port: int | None = None, open_enrollment: bool = True) -> Coordinator:
     """``env`` adds to the server's environment (e.g. ``FL_SERVE_TOKEN_RATE``); ``tls`` = (certificate, key,
     CA that signed it): serve HTTPS (``--tls-cert/--tls-key``), polled with that CA pinned; ``wrap`` is a
     command the server's command line is appended to (it must ``exec`` it, so that ``proc.pid`` is the server's); ``port``: a
-    restart on the port an earlier server had (devices keep their URL), else a free one."""
+    restart on the port an earlier server had (devices keep their URL), else a free one.
+    ``open_enrollment``: anyone may join (FL_SERVE_ENROLLMENT=open, what most tests join with); False leaves
+    the coordinator's default (an enrollment token needed)."""
     port = port or free_port()
-    env = {**os.environ, "FL_SERVE_DEFAULT_METHODS": methods, "FL_SERVE_ROUNDS": str(rounds),
+    base = {k: v for k, v in os.environ.items() if k != "FL_SERVE_ENROLLMENT"}
+    env = {**base, **({"FL_SERVE_ENROLLMENT": "open"} if open_enrollment else {}),
+           "FL_SERVE_DEFAULT_METHODS": methods, "FL_SERVE_ROUNDS": str(rounds),
            "FL_SERVE_WORKERS": str(workers), "FL_ADMIN_TOKEN": ADMIN, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "edge_sdk"), os.environ.get("PYTHONPATH", "")]),
            **(env or {})}
@@ -108,8 +112,8 @@ def train_store(store: Path) -> Path:
 
 
 def start_copy(trained: Path, store: Path, env: dict[str, str] | None = None,
-               tls: tuple[Path, Path, Path] | None = None) -> Coordinator:
+               tls: tuple[Path, Path, Path] | None = None, open_enrollment: bool = True) -> Coordinator:
     """A server on a copy of a trained store: its bundles are served at once, nothing is trained (the
     finished jobs' run directories are not needed to serve and are left out)."""
     shutil.copytree(trained, store, ignore=lambda d, names: ["jobs"] if Path(d) == trained else [])
-    return start(store, env=env, tls=tls)
+    return start(store, env=env, tls=tls, open_enrollment=open_enrollment)

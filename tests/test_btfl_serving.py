@@ -13,11 +13,12 @@ import httpx
 import numpy as np
 import pytest
 
-from coordinator_proc import ADMIN, REPO, Coordinator, auth, join, start
+from coordinator_proc import ADMIN, REPO, Coordinator, auth, join, start, start_copy
 from edge_sdk import _btfl as btfl
 from fl_server.recipes.run import client_data
 
 pytestmark = pytest.mark.timeout(600)
+SHARE = 0.02  # FL_SERVE_DLE_SOURCE_SHARE's default
 
 
 @pytest.fixture(scope="module")
@@ -66,16 +67,19 @@ def test_dle_upload_changes_the_served_global_dle(server: Coordinator) -> None:
     rng = np.random.default_rng(1)
     dle_a = btfl.fit_dle(rng.exponential(2.0, size=(40, base.shape[0])))
     dle_b = btfl.fit_dle(rng.exponential(0.3, size=(60, base.shape[0])))
+    # a and b joined from one address (open mode: their source): together they weigh at most 0.02 * n_base
+    cap = SHARE * n_base
     r = httpx.post(url, json={"freqs": dle_a.tolist(), "num_samples": 40}, headers=_auth(a), timeout=10)
     assert r.status_code == 200, r.text
-    np.testing.assert_allclose(r.json()["global_dle"], btfl.average_dles([base, dle_a], [n_base, 1]), atol=1e-12)
+    np.testing.assert_allclose(r.json()["global_dle"], btfl.average_dles([base, dle_a], [n_base, cap]), atol=1e-12)
     np.testing.assert_allclose(r.json()["others_dle"], base, atol=1e-12)  # a's global DLE: everyone else's
     r = httpx.post(url, json={"freqs": dle_b.tolist(), "num_samples": 60}, headers=_auth(b), timeout=10)
     assert r.json()["clients"] == 2
-    np.testing.assert_allclose(r.json()["global_dle"], btfl.average_dles([base, dle_a, dle_b], [n_base, 1, 1]),
-                               atol=1e-12)
+    np.testing.assert_allclose(r.json()["global_dle"],
+                               btfl.average_dles([base, dle_a, dle_b], [n_base, cap / 2, cap / 2]), atol=1e-12)
     seen_by_a = httpx.get(url, headers=_auth(a), timeout=10).json()  # b's upload reached a's global DLE
-    np.testing.assert_allclose(seen_by_a["others_dle"], btfl.average_dles([base, dle_b], [n_base, 1]), atol=1e-12)
+    np.testing.assert_allclose(seen_by_a["others_dle"], btfl.average_dles([base, dle_b], [n_base, cap / 2]),
+                               atol=1e-12)
     wrong = np.full((base.shape[0] + 1, base.shape[1]), 1.0 / base.shape[1])
     bad = httpx.post(url, json={"freqs": wrong.tolist(), "num_samples": 5}, headers=_auth(a), timeout=10)
     assert bad.status_code == 422  # must match the bundle's [D, levels]
@@ -197,3 +201,70 @@ def test_one_device_interface_runs_btfl_and_fedthe(server: Coordinator, tmp_path
     received = open_bundle(bundle, method="none")
     assert (streamed.argmax(1) == digits.y[200:260]).mean() >= (received.predict(stream).argmax(1)
                                                                  == digits.y[200:260]).mean() - 0.1
+
+
+def _moved(before: list[list[float]], after: list[list[float]]) -> float:
+    """The largest change of a row of the global DLE, relative to the row (L1: a row is a distribution)."""
+    b, a = np.asarray(before), np.asarray(after)
+    return float((np.abs(a - b).sum(axis=1) / np.abs(b).sum(axis=1)).max())
+
+
+def _poison(dims: int, levels: int) -> list[list[float]]:
+    rows = np.zeros((dims, levels))
+    rows[:, -1] = 1.0  # every row's mass on its last level: what flipped all 200 rows before
+    return rows.tolist()
+
+
+def test_with_the_defaults_one_token_or_one_address_moves_no_row_by_5_percent(
+        server: Coordinator, tmp_path: Path) -> None:
+    """Issue 50, D8 and N12. With the settings a user gets (fl-server serve, the image): joining needs an
+    enrollment token, and one fleet token uploading its maximum of poisoned DLEs moves no row of the global DLE by
+    5% of its value; nor does one address of an open coordinator. The operator revokes the token (its clients'
+    DLEs leave) and one client (its DLE leaves), over the API and with fl-server revoke."""
+    from fl_server.cli import main
+
+    coord = start_copy(server.store, tmp_path / "store", open_enrollment=False)  # the coordinator's defaults
+    try:
+        url = coord.url
+        r = httpx.post(f"{url}/v1/clients", json={"method": "BTFL"}, timeout=30)
+        assert r.status_code == 401, r.text  # an address alone joins nothing
+        fleet = httpx.post(f"{url}/v1/enrollments", json={"uses": 40}, headers=auth(ADMIN), timeout=30).json()
+        clients = [httpx.post(f"{url}/v1/clients", json={"method": "BTFL", "enrollment_token": fleet["token"]},
+                              timeout=30).json() for _ in range(20)]
+        dle_url = f"{url}/v1/btfl/dle"
+        before = httpx.get(dle_url, headers=_auth(clients[0]), timeout=30).json()
+        poison = {"freqs": _poison(before["dims"], before["levels"]), "num_samples": 10**9}
+        codes = [httpx.post(dle_url, json=poison, headers=_auth(c), timeout=30).status_code for c in clients]
+        assert codes == [200] * 16 + [403] * 4  # FL_SERVE_DLE_PER_SOURCE (16)
+        after = httpx.get(dle_url, headers=_auth(clients[0]), timeout=30).json()
+        assert after["clients"] == before["clients"] + 16
+        assert 0.01 < _moved(before["global_dle"], after["global_dle"]) < 0.05  # was 1.0: every row flipped
+
+        revoked = httpx.delete(f"{url}/v1/enrollments/{fleet['id']}", headers=auth(ADMIN), timeout=30)
+        assert revoked.json() == {"id": fleet["id"], "clients_revoked": 20, "dles_removed": 16}, revoked.text
+        assert httpx.get(dle_url, headers=_auth(clients[0]), timeout=30).status_code == 401
+        assert httpx.post(f"{url}/v1/clients", json={"enrollment_token": fleet["token"]}, timeout=30).json() == {
+            "detail": "this enrollment token is used up, expired or revoked; ask the operator for another"}
+        fresh = httpx.post(f"{url}/v1/enrollments", json={"uses": 1}, headers=auth(ADMIN), timeout=30).json()
+        reader = httpx.post(f"{url}/v1/clients", json={"method": "BTFL", "enrollment_token": fresh["token"]},
+                            timeout=30).json()
+        restored = httpx.get(dle_url, headers=_auth(reader), timeout=30).json()
+        np.testing.assert_allclose(restored["global_dle"], before["global_dle"], atol=1e-9)
+        assert httpx.delete(f"{url}/v1/enrollments/nope", headers=auth(ADMIN), timeout=30).status_code == 404
+        assert httpx.delete(f"{url}/v1/clients/{reader['client_id']}", headers=_auth(reader),
+                            timeout=30).status_code == 403  # admin only
+    finally:
+        coord.stop()
+
+    # one address of an open coordinator (the module's server: FL_SERVE_ENROLLMENT=open, every join from here)
+    dle_url = f"{server.url}/v1/btfl/dle"
+    sybils = [_join(server) for _ in range(20)]
+    before = httpx.get(dle_url, headers=_auth(sybils[0]), timeout=30).json()
+    poison = {"freqs": _poison(before["dims"], before["levels"]), "num_samples": 10**9}
+    accepted = [c for c in sybils if httpx.post(dle_url, json=poison, headers=_auth(c), timeout=30).status_code == 200]
+    after = httpx.get(dle_url, headers=_auth(sybils[0]), timeout=30).json()
+    assert accepted and _moved(before["global_dle"], after["global_dle"]) < 0.05
+    out = main(["revoke", "--server", server.url, "--client", accepted[0]["client_id"], "--admin-token", ADMIN])
+    assert out == 0 and httpx.get(dle_url, headers=_auth(accepted[0]), timeout=30).status_code == 401
+    left = httpx.get(dle_url, headers=_auth(sybils[-1]), timeout=30).json()
+    assert left["clients"] == after["clients"] - 1

@@ -80,3 +80,16 @@ def test_bad_manifests_are_refused(bundle_dir: Path, tmp_path: Path) -> None:
         load_bundle(missing)
     with pytest.raises(BundleError, match="no artifact 'nope'"):
         load_bundle(bundle_dir).artifact("nope")
+
+
+def test_out_of_range_numbers_and_deep_nesting_are_bundle_errors(bundle_dir: Path, tmp_path: Path) -> None:
+    """Issue 50, N9: ``1e999`` in a manifest escaped as a raw ValueError and a deeply nested one as a
+    RecursionError; both are the SDK's BundleError with one line."""
+    bad = _copy(bundle_dir, tmp_path / "bad")
+    text = (bundle_dir / "manifest.json").read_text()
+    cases = {"1e999": ('{"lr_bound": 1e999, ', "the number 1e999 is out of a float's range"),
+             "deep": ('{"nested": ' + "[" * 100_000 + "]" * 100_000 + ", ", "nested too deeply")}
+    for prefix, message in cases.values():
+        (bad / "manifest.json").write_text(prefix + text.lstrip()[1:])
+        with pytest.raises(BundleError, match=f"malformed manifest \\(not strict JSON: {message}\\)$"):
+            load_bundle(bad)

@@ -1,7 +1,7 @@
 """The coordinator's running DLE sums (fl_server/service/dle.py) against a direct re-computation with
-edge_sdk._btfl.average_dles over every client's latest row (one weight per client; a served bundle's DLE weighs
-as many as its training clients), on a real SQLite store, through uploads, replacements, a shape change and a
-restart."""
+edge_sdk._btfl.average_dles over every client's latest row (a served bundle's DLE weighs as many as its training
+clients; one source's clients together at most FL_SERVE_DLE_SOURCE_SHARE of that), on a real SQLite store,
+through uploads, replacements, removals, a shape change and a restart."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,11 +14,19 @@ from fl_server.service.dle import DLEAggregate, ShapeMismatch
 from fl_server.service.store import Store
 
 
-def _direct(latest: dict[str, tuple[np.ndarray, int]], exclude: str | None, base: tuple | None) -> np.ndarray | None:
-    rows = [(f, 1) for cid, (f, _) in latest.items() if cid != exclude]  # the claimed sample count is no weight
+def _direct(latest: dict[str, tuple[np.ndarray, int]], exclude: str | None, base: tuple | None,
+            share: float = 0.02) -> np.ndarray | None:
+    """Clients without a source: each its own, weighing min(1, share * K) with a bundle of K clients, else 1."""
+    w = 1.0 if base is None else min(1.0, share * base[2])
+    rows = [(f, w) for cid, (f, _) in latest.items() if cid != exclude]  # the claimed sample count is no weight
     if base is not None:
         rows.insert(0, (base[1], base[2]))
-    return btfl.average_dles([f for f, _ in rows], [n for _, n in rows]) if rows else None
+    return _weighted([f for f, _ in rows], [n for _, n in rows]) if rows else None
+
+
+def _weighted(dles: list[np.ndarray], weights: list[float]) -> np.ndarray:
+    total = sum(w * f for f, w in zip(dles, weights))
+    return total / total.sum(axis=1, keepdims=True)
 
 
 def _random_dle(rng: np.random.Generator, shape: tuple[int, int]) -> np.ndarray:
@@ -76,3 +84,40 @@ def test_shape_rules(tmp_path: Path) -> None:
     assert served is not None and served.clients == 0
     np.testing.assert_allclose(served.global_dle, base[1])
     np.testing.assert_allclose(served.others_dle, base[1])
+
+
+def test_one_source_weighs_at_most_its_share_and_a_revoked_client_leaves(tmp_path: Path) -> None:
+    """Four clients of one source split its cap (share * K); a client of another source keeps its own; the
+    aggregate equals the direct weighted average, a poisoned source moves no row by more than 2*share/(1+share)
+    (L1), and removing a client re-weighs its source's others."""
+    rng = np.random.default_rng(1)
+    shape, share = (5, 4), 0.05
+    base = ("bundle", _random_dle(rng, shape), 10)
+    store = Store(tmp_path / "db.sqlite3")
+    agg = DLEAggregate(store, source_share=share)
+    sybils = [store.add_client("BTFL", "b", source="enr:sybil")[0] for _ in range(4)]
+    honest = store.add_client("BTFL", "b", source="enr:honest")[0]
+    poison = np.zeros(shape)
+    poison[:, 0] = 1.0  # every row's mass on one level
+    for cid in sybils:
+        agg.put(cid, poison.tolist(), 10**6, base, "enr:sybil", per_source=16)
+    view = agg.view(sybils[0], base, "enr:sybil")
+    assert view is not None and view.clients == 4
+    cap = share * base[2]  # 0.5: each sybil weighs 0.125
+    np.testing.assert_allclose(view.global_dle, _weighted([base[1], poison], [10, cap]), atol=1e-12)
+    np.testing.assert_allclose(view.others_dle, _weighted([base[1], poison], [10, cap - cap / 4]), atol=1e-12)
+    moved = np.abs(view.global_dle - base[1]).sum(axis=1).max()
+    assert 0.01 < moved <= 2 * share / (1 + share) + 1e-12
+    mine = _random_dle(rng, shape)
+    agg.put(honest, mine.tolist(), 3, base, "enr:honest", per_source=16)
+    view = agg.view(honest, base, "enr:honest")
+    np.testing.assert_allclose(view.global_dle, _weighted([base[1], poison, mine], [10, cap, cap]), atol=1e-12)
+    np.testing.assert_allclose(view.others_dle, _weighted([base[1], poison], [10, cap]), atol=1e-12)
+    assert agg.remove(sybils[0], "enr:sybil") and not agg.remove(sybils[0], "enr:sybil")
+    for cid in sybils[1:]:
+        assert agg.remove(cid, "enr:sybil")
+    view = agg.view(honest, base, "enr:honest")
+    assert view.clients == 1 and store.dle(sybils[1]) is None
+    np.testing.assert_allclose(view.global_dle, _weighted([base[1], mine], [10, cap]), atol=1e-12)
+    restarted = DLEAggregate(Store(tmp_path / "db.sqlite3"), source_share=share).view(honest, base, "enr:honest")
+    np.testing.assert_allclose(restarted.global_dle, view.global_dle, atol=1e-12)

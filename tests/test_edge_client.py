@@ -379,3 +379,18 @@ def test_misbehaving_server_gives_a_clear_error(tmp_path: Path, kind: str) -> No
     if call == "fetch":
         assert not (tmp_path / "objects" / ("ab" * 32)).exists()
     record("server", f"server: {kind}", "clear EdgeClientError within the deadline")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("respond, message", [(_endless, "reply larger than 1048576 bytes"),
+                                              (_trickle, r"no manifest within 2s \(timed out")],
+                         ids=["endless body", "trickled body"])
+def test_wait_ready_has_a_size_limit_and_a_total_deadline(tmp_path: Path, respond, message: str) -> None:  # type: ignore[no-untyped-def]
+    """Issue 50, N8: wait_ready (the streaming example's first call) read 645 MB from a hostile server and was
+    still blocked after 45 s with timeout=5; now every reply is bounded and the call ends by its timeout."""
+    with serve(respond) as bad:
+        with EdgeClient(bad.url, cache_dir=tmp_path, timeout=5.0, max_response_bytes=1 << 20) as c:
+            t0 = time.monotonic()
+            with pytest.raises(EdgeClientError, match=message):
+                c.wait_ready(timeout=2.0, poll=0.1)
+            assert time.monotonic() - t0 < 2.0 + 1.5

@@ -49,7 +49,7 @@ def test_enrollment_bounds_sybils(server: Coordinator, tmp_path: Path) -> None:
     tokens.append(device.join(enrollment_token=enrollment["token"]).token)
     r = _join(url, enrollment["token"])
     assert (r.status_code, r.json()["detail"]) == (
-        403, "this enrollment token is used up or expired; ask the operator for another")
+        403, "this enrollment token is used up, expired or revoked; ask the operator for another")
 
     dle_url = f"{url}/v1/btfl/dle"
     assert [httpx.get(dle_url, headers=auth(t), timeout=30).status_code for t in tokens] == [404] * 4

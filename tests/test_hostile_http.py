@@ -191,3 +191,41 @@ def test_manifest_if_none_match_and_head(served: Coordinator) -> None:
     art = bundle["artifacts"][0]
     r = httpx.head(f"{served.url}{art['url']}", timeout=30)
     assert (r.status_code, r.content, r.headers["content-length"]) == (200, b"", str(art["size"]))
+
+
+def test_repeated_log_lines_are_collapsed_and_admin_guesses_limited(tmp_path: Path) -> None:
+    """Issue 50, N14: under attack the log grew by one warning per bad request, 2,000 wrong admin tokens were
+    answered at full speed. Now the same line is collapsed
+    (a burst, then a summary "suppressed N similar lines"), an address that keeps presenting wrong admin tokens
+    gets 429 before any token is looked at."""
+    coord = start(tmp_path / "store", methods="", env={"FL_SERVE_LOG_BURST": "5", "FL_SERVE_LOG_RATE": "2"})
+    try:
+        def garbage() -> None:
+            s = _connect(coord.url)
+            s.sendall(b"\x00\x17 not http at all\r\n\r\n")
+            _read_all(s)
+            s.close()
+
+        for _ in range(100):
+            garbage()
+        time.sleep(1.0)  # the bucket refills: the next line says how many were dropped
+        garbage()
+        time.sleep(0.5)
+        lines = [ln for ln in coord.log.read_text().splitlines() if "Invalid HTTP request" in ln]
+        assert 5 <= len(lines) <= 12, lines  # was 101
+        assert any("suppressed" in ln and "similar lines)" in ln for ln in lines), lines
+
+        jobs = f"{coord.url}/v1/jobs"
+        codes = [httpx.get(jobs, headers=auth(f"wrong-admin-token-{i:04d}"), timeout=10).status_code for i in range(40)]
+        assert codes[:30] == [401] * 30 and set(codes[30:]) == {429}, codes  # FL_SERVE_ADMIN_FAIL_BURST: 30
+        r = httpx.get(jobs, headers=auth(ADMIN), timeout=10)  # guesses get no answer either, even a right one
+        assert r.status_code == 429 and "failed admin authentications from this address" in r.json()["detail"]
+    finally:
+        coord.stop()
+
+
+def test_the_public_dashboard_lists_no_client_id(served: Coordinator) -> None:
+    """Issue 50, N14: the dashboard (public, no token) listed the first 12 characters of every client id."""
+    client_id = join(served.url)["client_id"]
+    page = httpx.get(f"{served.url}/", timeout=10).text
+    assert "Clients (latest 50)" in page and client_id[:8] not in page

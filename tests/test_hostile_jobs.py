@@ -87,3 +87,56 @@ def test_bounded_queue_cancel_kills_worker_and_no_secret_in_its_environment(tmp_
     for name in ("coordinator.sqlite3", "coordinator.sqlite3-wal", "signing_key.pem"):
         if (store / name).exists():
             assert stat.S_IMODE(os.stat(store / name).st_mode) == 0o600, name
+
+
+RECIPES = '''
+from pathlib import Path
+
+from fl_server.recipes import DataSpec, Recipe, recipe_factory
+
+
+def wipe():  # any zero-argument function of the file: a job must not be able to call it
+    Path(__file__).with_name("called").write_text("wipe ran")
+    return Recipe(model="mlp", data=DataSpec.builtin("digits"), method="FedAvg", rounds=1)
+
+
+@recipe_factory
+def small():
+    return Recipe(model="mlp", data=DataSpec.builtin("digits"), method="FedAvg", rounds=1)
+'''
+
+
+def test_recipe_links_out_of_the_directory_and_unregistered_functions_are_refused(tmp_path: Path) -> None:
+    """Issue 50, N13: a symlink in the recipe directory to a file outside it was followed and imported, and a job
+    could name any zero-argument function of a recipe file, which the worker called. Now the link is refused
+    (404, one line) and a job naming an unregistered function fails without calling it; a function registered
+    with @recipe_factory and a Recipe object are what a job may name."""
+    from fl_server.recipes import RecipeError, load_recipe
+    from fl_server.recipes.loader import resolve_in_dir
+
+    recipes, outside = tmp_path / "recipes", tmp_path / "outside"
+    recipes.mkdir(), outside.mkdir()
+    (outside / "evil.py").write_text("raise SystemExit('imported')\n")
+    (recipes / "evil.py").symlink_to(outside / "evil.py")
+    (recipes / "mine.py").write_text(RECIPES)
+    with pytest.raises(RecipeError, match="^recipe file evil.py links out of the coordinator's recipe directory"):
+        resolve_in_dir(recipes, "evil")
+    with pytest.raises(RecipeError, match=r"^mine.py:wipe is a function, not a Recipe nor a function registered "):
+        load_recipe(resolve_in_dir(recipes, "mine:wipe"), registered_only=True)
+    assert load_recipe(resolve_in_dir(recipes, "mine:small"), registered_only=True).rounds == 1
+    assert not (recipes / "called").exists()
+
+    coord = start(tmp_path / "store", methods="", env={"FL_SERVE_RECIPES_DIR": str(recipes)})
+    try:
+        url = f"{coord.url}/v1/jobs"
+        r = httpx.post(url, json={"recipe": "evil", "rounds": 1}, headers=auth(ADMIN), timeout=30)
+        assert r.status_code == 404 and "links out of the coordinator's recipe directory" in r.text, r.text
+        job = httpx.post(url, json={"recipe": "mine:wipe", "rounds": 1}, headers=auth(ADMIN), timeout=30).json()
+        deadline = time.monotonic() + 120
+        while (state := httpx.get(f"{url}/{job['id']}", headers=auth(ADMIN), timeout=30).json())["status"] in (
+                "queued", "running") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert state["status"] == "failed" and "not a Recipe nor a function registered" in state["error"], state
+        assert not (recipes / "called").exists()
+    finally:
+        coord.stop()

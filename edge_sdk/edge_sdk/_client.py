@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import math
 import json
 import os
 import re
@@ -164,9 +165,15 @@ class EdgeClient:
                 time.sleep(min(self.max_backoff, self.backoff * 2 ** attempt))
         raise EdgeClientError(f"{method} {self.url}{path}: {last} (after {self.retries + 1} attempts)")
 
-    def _read(self, method: str, path: str, limit: int, **kwargs: Any) -> httpx.Response:
-        """A response with its body read under ``limit`` bytes and the per-attempt ``deadline``."""
-        end = time.monotonic() + self.deadline
+    def _read(self, method: str, path: str, limit: int, end: float | None = None, **kwargs: Any) -> httpx.Response:
+        """A response with its body read under ``limit`` bytes and the per-attempt ``deadline`` (or ``end``, a
+        ``time.monotonic()`` when sooner); no read waits past it."""
+        now = time.monotonic()
+        end = min(now + self.deadline, end if end is not None else math.inf)
+        left = max(0.01, end - now)  # no single read or connect may wait past the end either
+        default = self.http.timeout
+        kwargs.setdefault("timeout", httpx.Timeout(**{k: min(left, t if t is not None else math.inf) for k, t in (
+            ("connect", default.connect), ("read", default.read), ("write", default.write), ("pool", default.pool))}))
         with self.http.stream(method, path, **kwargs) as r:
             body = bytearray()
             for chunk in r.iter_bytes():  # as received (decoded): the limit bounds what lands in memory
@@ -174,9 +181,8 @@ class EdgeClient:
                 if len(body) > limit:
                     raise EdgeClientError(f"{method} {self.url}{path}: reply larger than {limit} bytes; refusing it")
                 if time.monotonic() > end:
-                    raise _Deadline(f"reply not complete after {self.deadline:g}s")
-        headers = [(k, v) for k, v in r.headers.items() if k.lower() not in ("content-encoding", "content-length")]
-        return httpx.Response(r.status_code, headers=headers, content=bytes(body), request=r.request)
+                    raise _Deadline(f"reply not complete after {end - now:g}s")
+        return httpx.Response(r.status_code, headers=_plain(r.headers), content=bytes(body), request=r.request)
 
     def _json(self, method: str, path: str, **kwargs: Any) -> Any:
         r = self._request(method, path, **kwargs)
@@ -360,7 +366,13 @@ class EdgeClient:
                     if r.status_code == 416:  # the partial file is already complete (or bogus)
                         return
                     if r.status_code not in (200, 206):
-                        r.read()
+                        error = b""
+                        for chunk in r.iter_bytes():  # an error reply: 64 KiB of it at most, within the deadline
+                            error += chunk
+                            if len(error) > 64 << 10 or time.monotonic() > end:
+                                raise EdgeClientError(f"GET {url}: HTTP {r.status_code} with an endless reply",
+                                                      r.status_code)
+                        r = httpx.Response(r.status_code, headers=_plain(r.headers), content=error, request=r.request)
                         if r.status_code < 500:
                             raise EdgeClientError(f"GET {url}: HTTP {r.status_code}: {_detail(r)}", r.status_code)
                         raise httpx.TransportError(f"HTTP {r.status_code}")
@@ -422,26 +434,31 @@ class EdgeClient:
         deadline = time.monotonic() + timeout
         params = {"method": method} if method else None
         while True:
-            try:
-                r = self.http.get("/v1/manifest", params=params)
-            except httpx.TransportError as exc:  # not up yet
+            try:  # every reply under max_response_bytes, and nothing waits past the deadline
+                r = self._read("GET", "/v1/manifest", self.max_response_bytes, end=deadline, params=params)
+            except (httpx.TransportError, httpx.DecodingError, _Deadline) as exc:  # not up yet, or too slow
                 if time.monotonic() > deadline:
-                    raise EdgeClientError(f"{self.url} unreachable after {timeout:.0f}s ({exc})") from None
-                time.sleep(poll)
+                    raise EdgeClientError(f"{self.url}: no manifest within {timeout:g}s "
+                                          f"({_transport_problem(exc)})") from None
+                time.sleep(max(0.0, min(poll, deadline - time.monotonic())))
                 continue
             if r.status_code == 200:
-                return strictjson.loads(r.content)
+                try:
+                    return strictjson.loads(r.content)
+                except ValueError:
+                    raise EdgeClientError(f"GET {self.url}/v1/manifest: the reply is not JSON (starts "
+                                          f"{r.content[:40]!r})", r.status_code) from None
             if r.status_code != 503 or time.monotonic() > deadline:
                 raise EdgeClientError(f"no bundle for {method or 'the default method'}: HTTP {r.status_code} "
                                       f"{_detail(r)}", r.status_code)
             if on_wait is not None:
                 try:
-                    detail = r.json().get("detail")
+                    detail = strictjson.loads(r.content).get("detail")
                 except (ValueError, AttributeError):
                     detail = None
                 if isinstance(detail, dict):
                     on_wait(detail)
-            time.sleep(min(poll, _retry_after(r, poll)))
+            time.sleep(max(0.0, min(poll, _retry_after(r, poll), deadline - time.monotonic())))
 
     # ----------------------------------------------------------------- cache
     def _manifest_path(self, method: str | None) -> Path:
@@ -482,9 +499,14 @@ def _retry_after(r: httpx.Response, default: float) -> float:
         return default
 
 
+def _plain(headers: httpx.Headers) -> list[tuple[str, str]]:
+    """A read reply's headers for a response rebuilt from its decoded body."""
+    return [(k, v) for k, v in headers.items() if k.lower() not in ("content-encoding", "content-length")]
+
+
 def _detail(r: httpx.Response) -> str:
     try:
-        return json.dumps(r.json().get("detail"))[:500]
+        return json.dumps(strictjson.loads(r.content).get("detail"))[:500]
     except (ValueError, AttributeError):
         return r.text[:500]
 

@@ -26,9 +26,20 @@ def _refuse(name: str) -> Any:
     raise ValueError(f"not strict JSON: {name} is not a JSON value")
 
 
+def _finite(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"not strict JSON: the number {text[:40]} is out of a float's range")
+    return value
+
+
 def loads(data: str | bytes | bytearray) -> Any:
-    """Parse RFC 8259 JSON; ``NaN`` / ``Infinity`` / ``-Infinity`` raise ``ValueError`` (as malformed JSON does)."""
-    return json.loads(data, parse_constant=_refuse)
+    """Parse RFC 8259 JSON; ``NaN`` / ``Infinity`` / ``-Infinity``, a number past a float's range (``1e999``) and
+    nesting too deep for the parser raise ``ValueError`` (as malformed JSON does)."""
+    try:
+        return json.loads(data, parse_constant=_refuse, parse_float=_finite)
+    except RecursionError:
+        raise ValueError("not strict JSON: nested too deeply") from None
 
 
 def dumps(obj: Any, **kwargs: Any) -> str:

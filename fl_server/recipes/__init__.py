@@ -12,10 +12,10 @@
 from edge_sdk._preprocess import Preprocess
 from fl_server.recipes.data import DataSpec
 from fl_server.recipes.errors import RecipeError
-from fl_server.recipes.loader import load_recipe
+from fl_server.recipes.loader import load_recipe, recipe_factory
 from fl_server.recipes.model import ModelSpec
 from fl_server.recipes.recipe import Federation, Recipe
 from fl_server.recipes.run import federate, train
 
 __all__ = ["DataSpec", "Federation", "ModelSpec", "Preprocess", "Recipe", "RecipeError", "federate", "load_recipe",
-           "train"]
+           "recipe_factory", "train"]

@@ -13,8 +13,10 @@ import dataclasses
 import hashlib
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from fl_server.recipes.errors import RecipeError
 
@@ -74,9 +76,22 @@ def import_plugin(entry: str) -> ModuleType:
             from None
 
 
-def load_recipe(source: str | Path):  # -> Recipe (annotated loosely: recipe.py imports nothing from here)
+def recipe_factory(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """Register a function of a recipe file as a recipe: a coordinator's job may name it (``FILE:NAME``) and it is
+    called with no arguments to build the ``Recipe``. A job names nothing else but a ``Recipe`` object.
+
+    >>> @recipe_factory  # doctest: +SKIP
+    ... def small() -> Recipe: return Recipe(model="mlp", data=DataSpec.builtin("digits"), method="TENT")
+    """
+    fn.__fl_recipe_factory__ = True  # type: ignore[attr-defined]
+    return fn
+
+
+def load_recipe(source: str | Path, registered_only: bool = False):  # -> Recipe (recipe.py imports nothing here)
     """The ``Recipe`` object named ``NAME`` (default ``recipe``) in the Python file ``path``; also accepts a
-    callable ``NAME()`` returning one. The recipe remembers ``source`` (absolute path) for its runs' run.json."""
+    callable ``NAME()`` returning one (with ``registered_only``, a coordinator's job: only one decorated with
+    :func:`recipe_factory`; any other function is refused, not called). The recipe remembers ``source``
+    (absolute path) for its runs' run.json."""
     from fl_server.recipes.recipe import Recipe
 
     path, name = split_source(str(source))
@@ -92,6 +107,9 @@ def load_recipe(source: str | Path):  # -> Recipe (annotated loosely: recipe.py 
                           f"(name one as {path.name}:NAME)")
     recipe = getattr(module, name)
     if callable(recipe) and not isinstance(recipe, Recipe):
+        if registered_only and not getattr(recipe, "__fl_recipe_factory__", False):
+            raise RecipeError(f"{path.name}:{name} is a {type(recipe).__name__}, not a Recipe nor a function "
+                              "registered with @recipe_factory; a job names only those")
         recipe = recipe()
     if not isinstance(recipe, Recipe):
         raise RecipeError(f"{path}:{name} is a {type(recipe).__name__}, not a Recipe")
@@ -111,7 +129,10 @@ def resolve_in_dir(directory: str | Path | None, name: str) -> str:
     if not re.match(RECIPE_NAME, name):
         raise RecipeError(f"recipe names are FILE or FILE:NAME (letters, digits, _ and -), got {name!r}")
     file, _, attr = name.partition(":")
-    path = Path(directory) / f"{file}.py"
+    root = Path(directory).resolve()
+    path = root / f"{file}.py"
     if not path.is_file():
         raise RecipeError(f"no recipe file {file}.py in the coordinator's recipe directory")
+    if path.resolve().parent != root:  # a link to a file elsewhere is not the operator's recipe
+        raise RecipeError(f"recipe file {file}.py links out of the coordinator's recipe directory; copy the file in")
     return f"{path.resolve()}:{attr or 'recipe'}"

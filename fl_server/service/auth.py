@@ -47,4 +47,13 @@ async def require_client(request: Request, creds: HTTPAuthorizationCredentials |
 
 
 async def require_admin(request: Request, creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> Principal:
-    return _principal(request, creds, "admin", "this endpoint needs the admin token")
+    """The admin token; every refused attempt (401, 403) takes one from its address's failure bucket, and an
+    address whose bucket is empty gets 429 before any token is looked at (no guessing at full speed)."""
+    failures, key = request.app.state.service.admin_failures, f"ip:{client_address(request)}"
+    failures.check(key, "failed admin authentications from this address", consume=False)
+    try:
+        return _principal(request, creds, "admin", "this endpoint needs the admin token")
+    except HTTPException as exc:
+        if exc.status_code in (401, 403):
+            failures.take(key)
+        raise

@@ -94,17 +94,24 @@ class ServiceConfig:
     unused_client_ttl_s: float = field(default_factory=lambda: float(os.environ.get(
         "FL_SERVE_UNUSED_CLIENT_TTL_S", "86400")))
 
-    # who may join: "open" (anyone who can reach the coordinator) or "token" (a join needs an enrollment token
-    # from POST /v1/enrollments). Open by default so that `make run`, the examples and a first deployment work
-    # with nothing but the URL; a coordinator that untrusted devices can reach must use "token" (docs)
-    enrollment: str = field(default_factory=lambda: os.environ.get("FL_SERVE_ENROLLMENT", "open"))
+    # who may join: "token" (default: a join needs an enrollment token from POST /v1/enrollments) or "open"
+    # (anyone who can reach the coordinator: `make run`, local trials; never where untrusted devices reach it)
+    enrollment: str = field(default_factory=lambda: os.environ.get("FL_SERVE_ENROLLMENT", "token"))
     # BTFL: clients of one source (one enrollment token, or one join address in open mode) whose DLEs count in
-    # the global DLE at most; further uploads from that source are refused (bounds a Sybil's weight)
+    # the global DLE at most; further uploads from that source are refused (a quota on rows, not the weight)
     dle_per_source: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_DLE_PER_SOURCE", "16")))
+    # BTFL: one source's whole weight in the global DLE at most, as a share of the served bundle's training
+    # clients (dle_clients): its clients split it, so a source moves any row by <= 2*share/(1+share) (L1)
+    dle_source_share: float = field(default_factory=lambda: float(os.environ.get("FL_SERVE_DLE_SOURCE_SHARE",
+                                                                                 "0.02")))
     # authenticated requests per second and burst per client address, and per enrollment, on top of the per-token
     # limit: minted tokens do not multiply it (0 disables)
     address_rate: float = field(default_factory=lambda: float(os.environ.get("FL_SERVE_ADDRESS_RATE", "200")))
     address_burst: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_ADDRESS_BURST", "2000")))
+    # refused admin authentications (401/403 on an admin route) per address: per second and burst; past the
+    # burst the address gets 429 on admin routes until its bucket refills (0 disables)
+    admin_fail_rate: float = field(default_factory=lambda: float(os.environ.get("FL_SERVE_ADMIN_FAIL_RATE", "0.2")))
+    admin_fail_burst: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_ADMIN_FAIL_BURST", "30")))
     # training jobs waiting to start at most (POST /v1/jobs answers 503 beyond; the default jobs are exempt)
     max_queued_jobs: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_MAX_QUEUED_JOBS", "16")))
 
@@ -131,14 +138,19 @@ class ServiceConfig:
             raise ValueError("FL_SERVE_MANIFEST_TTL_S must be >= 60 (seconds a signed release stays valid)")
         if self.artifact_cache_file_max < 0:
             raise ValueError("FL_SERVE_ARTIFACT_CACHE_FILE_MAX must be >= 0 (0: stream every artifact from disk)")
-        if min(self.token_rate, self.token_burst, self.join_rate, self.join_burst) < 0:
-            raise ValueError("FL_SERVE_{TOKEN,JOIN}_{RATE,BURST} must be >= 0 (a rate of 0 disables the limit)")
+        if min(self.token_rate, self.token_burst, self.join_rate, self.join_burst, self.admin_fail_rate,
+               self.admin_fail_burst) < 0:
+            raise ValueError("FL_SERVE_{TOKEN,JOIN,ADMIN_FAIL}_{RATE,BURST} must be >= 0 (a rate of 0 disables the "
+                             "limit)")
         if not self.scrub_s >= 0 or self.min_free_bytes < 0:
             raise ValueError("FL_SERVE_SCRUB_S and FL_SERVE_MIN_FREE_BYTES must be >= 0")
         if self.enrollment not in ("open", "token"):
             raise ValueError("FL_SERVE_ENROLLMENT must be 'open' or 'token'")
         if self.dle_per_source < 1 or min(self.address_rate, self.address_burst) < 0:
             raise ValueError("FL_SERVE_DLE_PER_SOURCE must be >= 1 and FL_SERVE_ADDRESS_{RATE,BURST} >= 0")
+        if not 0 < self.dle_source_share <= 1:
+            raise ValueError("FL_SERVE_DLE_SOURCE_SHARE must be in (0, 1] (one source's weight in the global DLE "
+                             "as a share of the bundle's training clients)")
         if self.max_queued_jobs < 1:
             raise ValueError("FL_SERVE_MAX_QUEUED_JOBS must be >= 1")
         if self.max_clients < 0:

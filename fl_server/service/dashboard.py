@@ -58,8 +58,9 @@ def dashboard(svc: Service = Depends(service)) -> HTMLResponse:
     bundles = [f'<tr><td><code>{e(b["id"][:16])}</code></td><td>{e(b["method"])}</td><td>{e(b["dataset"])}</td>'
                f'<td>{len(b["manifest"]["artifacts"])}</td><td>{sum(a["size"] for a in b["manifest"]["artifacts"]):,}'
                f'</td><td>{_ago(b["created"])}</td></tr>' for b in svc.store.bundles()]
-    clients = [f'<tr><td><code>{e(c["id"][:12])}</code></td><td>{e(c["method"] or "")}</td>'
-               f'<td>{_ago(c["created"])}</td><td>{_ago(c["first_used"])}</td></tr>' for c in svc.store.clients(50)]
+    # the page is public: no client id (nor a prefix of one) is shown, only what clients joined for and when
+    clients = [f'<tr><td>{e(c["method"] or "")}</td><td>{_ago(c["created"])}</td><td>{_ago(c["first_used"])}</td>'
+               '</tr>' for c in svc.store.clients(50)]
     degraded = "".join(f'<tr><td>{e(m)}</td><td class="failed">{e(why)}</td></tr>'
                        for m, why in svc.degraded().items())
     live = any(j["status"] in ("queued", "running") for j in jobs)
@@ -72,7 +73,7 @@ def dashboard(svc: Service = Depends(service)) -> HTMLResponse:
 <th>validation accuracy per round</th><th>error</th></tr>{''.join(rows)}</table>
 <h2>Bundles</h2><table><tr><th>bundle</th><th>method</th><th>data set</th><th>artifacts</th><th>bytes</th>
 <th>created</th></tr>{''.join(bundles)}</table>
-<h2>Clients (latest 50)</h2><table><tr><th>client</th><th>method</th><th>joined</th>
+<h2>Clients (latest 50)</h2><table><tr><th>method</th><th>joined</th>
 <th>first authenticated request</th></tr>
 {''.join(clients)}</table></body></html>"""
     return HTMLResponse(body)

@@ -1,14 +1,20 @@
-"""BTFL's global DLE on the coordinator (BTFL Sec. 4.1: the server averages the local DLEs): the per-client
+"""BTFL's global DLE on the coordinator (BTFL Sec. 4.1: the server averages the local DLEs): the weighted
 average of every client's latest uploaded DLE and, when a BTFL bundle is served, its K training clients' DLE
 counted as K clients.
 
-Every client weighs the same, as in the paper, the authors' code and ``btgfl``: a client's claimed sample count
-is recorded but is no weight, so no single upload can outweigh the others.
+A client's claimed sample count is recorded but is no weight. Weights bound what one source can do (a source is
+where clients come from: one enrollment token, or one join address in open mode; a client without one is its
+own source). While a BTFL bundle with K training clients is served, one source's clients together weigh at most
+``cap = share * K`` (FL_SERVE_DLE_SOURCE_SHARE, 0.02): a source with n clients gives each min(1, cap / n). So
+however many DLEs a source uploads (at most FL_SERVE_DLE_PER_SOURCE clients of it are in), it moves a row of
+the global DLE by at most ``2 * share / (1 + share)`` of the row (L1; 3.9% at 0.02): a new source cannot
+outweigh the training federation, and many honest sources together can. Without a served bundle every client
+weighs 1.
 
-The aggregate is kept as running sums, one per [D, levels] shape: sum_i f_i and the number of clients. An
-upload subtracts the client's previous DLE and adds the new one; a view reads the sums and the caller's own
-row. Both cost O(D * levels) whatever the number of clients (each request used to decode every client's row
-from the store under the lock). The sums are rebuilt from the store once, at start.
+The aggregate is kept as running sums, one per [D, levels] shape: sum_i w_i f_i, sum_i w_i and the number of
+clients. An upload replaces its source's terms (the source's rows, at most FL_SERVE_DLE_PER_SOURCE, are read
+back: a new client re-weighs its source's others); a view reads the sums and the caller's own row. The sums are
+rebuilt from the store at start and when the served bundle's K changes.
 """
 from __future__ import annotations
 
@@ -34,7 +40,8 @@ class SourceFull(PermissionError):
 
 @dataclass
 class _Sums:
-    total: np.ndarray  # sum_i f_i, float64 [D, L]
+    total: np.ndarray  # sum_i w_i f_i, float64 [D, L]
+    weight: float  # sum_i w_i
     clients: int
 
 
@@ -46,40 +53,72 @@ class DLEView:
 
 
 class DLEAggregate:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, source_share: float = 0.02) -> None:
         self._store = store
+        self._share = source_share
         self._lock = threading.Lock()
+        self._cap: float | None = None  # a source's weight at most (None: no bundle, every client weighs 1)
         self._sums: dict[Shape, _Sums] = {}
         self._newest: Shape | None = None  # shape of the newest upload: fixes the view while no bundle does
-        for row in store.dles():  # ordered by upload time
-            self._add(np.asarray(row["freqs"], dtype=np.float64), +1)
+        self._rebuild(None)
 
-    def _add(self, freqs: np.ndarray, sign: int) -> None:
-        shape: Shape = (freqs.shape[0], freqs.shape[1])
-        sums = self._sums.setdefault(shape, _Sums(np.zeros(shape), 0))
-        sums.total += sign * freqs
-        sums.clients += sign
-        if sign > 0:
-            self._newest = shape
+    def _rebuild(self, cap: float | None) -> None:
+        self._cap, self._sums = cap, {}
+        groups: dict[str, list[np.ndarray]] = {}
+        for row in self._store.dles():  # ordered by upload time
+            freqs = np.asarray(row["freqs"], dtype=np.float64)
+            groups.setdefault(_key(row["source"], row["client_id"]), []).append(freqs)
+            self._newest = (freqs.shape[0], freqs.shape[1])
+        for rows in groups.values():
+            self._apply(rows, +1)
 
-    def _own(self, client_id: str) -> np.ndarray | None:
-        row = self._store.dle(client_id)
-        return None if row is None else np.asarray(row["freqs"], dtype=np.float64)
+    def _weigh(self, base: Base | None) -> None:
+        """Fix the per-source cap to ``base``'s (rebuilding the sums when it changed)."""
+        cap = None if base is None else self._share * base[2]
+        if cap != self._cap:
+            self._rebuild(cap)
+
+    def _client_weight(self, n: int) -> float:
+        """The weight of each client of a source with ``n`` clients in the aggregate."""
+        return 1.0 if self._cap is None else min(1.0, self._cap / n)
+
+    def _apply(self, rows: list[np.ndarray], sign: int) -> None:
+        """Add (sign +1) or remove (-1) one source's terms: its rows, grouped by shape."""
+        by_shape: dict[Shape, list[np.ndarray]] = {}
+        for f in rows:
+            by_shape.setdefault((f.shape[0], f.shape[1]), []).append(f)
+        for shape, group in by_shape.items():
+            w = self._client_weight(len(group))
+            sums = self._sums.setdefault(shape, _Sums(np.zeros(shape), 0.0, 0))
+            sums.total += sign * w * np.sum(group, axis=0)
+            sums.weight += sign * w * len(group)
+            sums.clients += sign * len(group)
+
+    def _source_rows(self, source: str | None, client_id: str) -> dict[str, np.ndarray]:
+        """client id -> DLE of every client of the source (``client_id`` alone when it has none)."""
+        if source:
+            rows = self._store.dles_of_source(source)
+        else:
+            own = self._store.dle(client_id)
+            rows = {} if own is None else {client_id: own["freqs"]}
+        return {cid: np.asarray(f, dtype=np.float64) for cid, f in rows.items()}
 
     def put(self, client_id: str, freqs: list[list[float]], num_samples: int, base: Base | None,
             source: str | None = None, per_source: int = 0) -> None:
         """Replace ``client_id``'s DLE (``num_samples`` is recorded, not a weight). A served BTFL bundle fixes
         the shape; else the other clients' DLEs do (the caller's own previous DLE is replaced, so it does not).
-        At most ``per_source`` (> 0) clients of one ``source`` (enrollment or join address) have a DLE: one
-        source's weight in the average is bounded, however many clients it mints. Raises
-        :class:`ShapeMismatch` or :class:`SourceFull`."""
+        At most ``per_source`` (> 0) clients of one ``source`` (enrollment or join address) have a DLE, and
+        together they weigh at most the cap (module docstring). Raises :class:`ShapeMismatch` or
+        :class:`SourceFull`."""
         new = np.asarray(freqs, dtype=np.float64)
         with self._lock:  # check, write and sums together: concurrent first uploads must not mix shapes
-            if source and per_source > 0 and self._store.dle_clients_of(source, client_id) >= per_source:
+            self._weigh(base)
+            before = self._source_rows(source, client_id)
+            if source and per_source > 0 and len(before.keys() - {client_id}) >= per_source:
                 kind = "enrollment" if source.startswith("enr:") else "address"
                 raise SourceFull(f"{per_source} clients of this {kind} have a DLE in the aggregate already "
                                  "(FL_SERVE_DLE_PER_SOURCE): one source's weight is bounded")
-            own = self._own(client_id)
+            own = before.get(client_id)
             if base is not None:
                 allowed, whose = {base[1].shape}, "the served BTFL bundle's"
             else:
@@ -90,36 +129,56 @@ class DLEAggregate:
                 shape = min(allowed)  # without a bundle there is one (every upload was checked against it)
                 raise ShapeMismatch(f"DLE shape {list(new.shape)} differs from {whose} {list(shape)}")
             self._store.put_dle(client_id, freqs, num_samples)
-            if own is not None:
-                self._add(own, -1)
-            self._add(new, +1)
+            self._apply(list(before.values()), -1)
+            self._apply(list({**before, client_id: new}.values()), +1)
+            self._newest = (new.shape[0], new.shape[1])
 
-    def view(self, client_id: str, base: Base | None) -> DLEView | None:
-        """The aggregate of the current shape (the served bundle's, else the newest upload's); rows of another
-        shape (stored before a BTFL bundle of another shape was served) are left out. None: nothing yet."""
+    def remove(self, client_id: str, source: str | None) -> bool:
+        """Take ``client_id``'s DLE out of the aggregate and the store (revocation); False: it has none."""
         with self._lock:
+            before = self._source_rows(source, client_id)
+            if client_id not in before:
+                return False
+            self._store.delete_dle(client_id)
+            self._apply(list(before.values()), -1)
+            self._apply([f for cid, f in before.items() if cid != client_id], +1)
+            return True
+
+    def view(self, client_id: str, base: Base | None, source: str | None = None) -> DLEView | None:
+        """The aggregate of the current shape (the served bundle's, else the newest upload's); rows of another
+        shape (stored before a BTFL bundle of another shape was served) are left out. ``others_dle`` leaves
+        the caller's own DLE out (at its weight). None: nothing yet."""
+        with self._lock:
+            self._weigh(base)
             shape = tuple(base[1].shape) if base is not None else self._newest
             if shape is None:
                 return None
-            sums = self._sums.get(shape) or _Sums(np.zeros(shape), 0)
-            total, clients = sums.total.copy(), sums.clients
-            own = self._own(client_id)
-        count = clients
+            sums = self._sums.get(shape) or _Sums(np.zeros(shape), 0.0, 0)
+            total, weight, clients = sums.total.copy(), sums.weight, sums.clients
+            mine = self._source_rows(source, client_id)
+            own = mine.get(client_id)
+            same = sum(f.shape == shape for f in mine.values())
+            own_weight = self._client_weight(max(1, same))
         if base is not None:
             total += base[2] * base[1]
-            count += base[2]
-        if count == 0:
+            weight += base[2]
+        if weight <= 0:
             return None
-        others = _normalized(total, count)
+        others = _normalized(total, weight)
         if own is not None and own.shape == shape:
-            others = _normalized(total - own, count - 1) if count > 1 else None
-        return DLEView(clients, _normalized(total, count), others)
+            rest = weight - own_weight
+            others = _normalized(total - own_weight * own, rest) if rest > 1e-9 else None
+        return DLEView(clients, _normalized(total, weight), others)
 
 
-def _normalized(total: np.ndarray, count: int) -> np.ndarray:
-    """sum_i f_i / count, with the rounding of the running sums (a subtraction can leave -1e-17) removed:
-    entries >= 0 and rows summing to 1, as every DLE check on the device requires."""
-    dle = np.maximum(total / count, 0.0)
+def _key(source: str | None, client_id: str) -> str:
+    return source or f"client:{client_id}"
+
+
+def _normalized(total: np.ndarray, weight: float) -> np.ndarray:
+    """sum_i w_i f_i / sum_i w_i, with the rounding of the running sums (a subtraction can leave -1e-17)
+    removed: entries >= 0 and rows summing to 1, as every DLE check on the device requires."""
+    dle = np.maximum(total / weight, 0.0)
     return dle / dle.sum(axis=1, keepdims=True)
 
 

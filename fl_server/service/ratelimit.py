@@ -31,8 +31,9 @@ class Buckets:
         self._state: OrderedDict[str, tuple[float, float]] = OrderedDict()  # key -> (tokens, last time)
         self._lock = threading.Lock()
 
-    def take(self, key: str) -> float:
-        """Take one request from ``key``'s bucket: 0.0 if allowed, else the seconds until one is."""
+    def take(self, key: str, consume: bool = True) -> float:
+        """Take one request from ``key``'s bucket: 0.0 if allowed, else the seconds until one is.
+        ``consume=False`` only looks (the bucket keeps its request)."""
         if not self.limit.enabled:
             return 0.0
         rate, burst = self.limit.rate, float(self.limit.burst)
@@ -41,14 +42,15 @@ class Buckets:
             tokens, last = self._state.pop(key, (burst, now))
             tokens = min(burst, tokens + (now - last) * rate)
             wait = 0.0 if tokens >= 1 else (1 - tokens) / rate
-            self._state[key] = (tokens - 1 if wait == 0.0 else tokens, now)
+            self._state[key] = (tokens - 1 if wait == 0.0 and consume else tokens, now)
             if len(self._state) > self.max_keys:
                 self._state.popitem(last=False)
         return wait
 
-    def check(self, key: str, what: str) -> None:
-        """Raise 429 (with Retry-After) when ``key`` is over its limit; ``what`` names it in the message."""
-        wait = self.take(key)
+    def check(self, key: str, what: str, consume: bool = True) -> None:
+        """Raise 429 (with Retry-After) when ``key`` is over its limit; ``what`` names it in the message;
+        ``consume=False``: raise when it is, without taking a request."""
+        wait = self.take(key, consume)
         if wait > 0:
             retry = max(1, math.ceil(wait))
             raise HTTPException(429, f"rate limit exceeded for {what} ({self.limit.rate:g} requests/s, burst "

@@ -115,6 +115,42 @@ def create_enrollment(body: S.EnrollmentRequest, _: Principal = Depends(require_
     return {"id": enrollment_id, "token": token, "uses": body.uses, "expires": expires}
 
 
+def _revoke_clients(svc: Service, client_ids: list[str]) -> tuple[int, int]:
+    """Revoke each client's token and take its DLE out of the global DLE: (clients revoked, DLEs removed)."""
+    revoked = removed = 0
+    for client_id in client_ids:
+        exists, source = svc.store.client_source(client_id)
+        if exists and svc.store.revoke_client(client_id):
+            revoked += 1
+            removed += svc.dles.remove(client_id, source)
+    return revoked, removed
+
+
+@router.delete("/v1/enrollments/{enrollment_id}", response_model=S.Revoked, tags=["admin"],
+               responses=documented(*AUTH, 404, 422, e404="no such enrollment"))
+def revoke_enrollment(enrollment_id: str, clients: bool = Query(True, description="also revoke the clients that "
+                                                                "joined with it and remove their DLEs"),
+                      _: Principal = Depends(require_admin), svc: Service = Depends(service)) -> dict[str, Any]:
+    """Revoke an enrollment token (admin): no further join spends it; by default the clients that joined with
+    it are revoked too (their bearer tokens stop working) and their DLEs leave the global DLE."""
+    ids = svc.store.revoke_enrollment(enrollment_id[:64])
+    if ids is None:
+        raise HTTPException(404, f"no enrollment {enrollment_id[:64]!r}")
+    revoked, removed = _revoke_clients(svc, ids if clients else [])
+    return {"id": enrollment_id, "clients_revoked": revoked, "dles_removed": removed}
+
+
+@router.delete("/v1/clients/{client_id}", response_model=S.Revoked, tags=["admin"],
+               responses=documented(*AUTH, 404, 422, e404="no such client"))
+def revoke_client(client_id: str, _: Principal = Depends(require_admin),
+                  svc: Service = Depends(service)) -> dict[str, Any]:
+    """Revoke a client (admin): its bearer token stops working and its uploaded DLE leaves the global DLE."""
+    revoked, removed = _revoke_clients(svc, [client_id[:64]])
+    if not revoked:
+        raise HTTPException(404, f"no client {client_id[:64]!r}")
+    return {"id": client_id, "clients_revoked": revoked, "dles_removed": removed}
+
+
 @router.get("/v1/manifest", response_model=S.Manifest, tags=["devices"],
             responses={304: {"description": "If-None-Match matched (the newest bundle is the one the device has)"},
                        **documented(404, 422, 503, e404="no bundle and no job for this method")})
@@ -207,12 +243,14 @@ async def generate(body: S.GenerateRequest, request: Request, _: Principal = Dep
                     headers={"Vary": "Accept"})
 
 
-def _dle_view(svc: Service, client_id: str) -> dict[str, Any]:
-    """Global DLE = per-client average of the BTFL bundle's training-time DLE (when a BTFL bundle is served;
-    it counts as its training clients) and every client's latest upload of that shape; ``others_dle`` leaves
-    the caller's own upload out."""
+def _dle_view(svc: Service, who: Principal) -> dict[str, Any]:
+    """Global DLE = weighted average of the BTFL bundle's training-time DLE (when a BTFL bundle is served;
+    it counts as its training clients) and every client's latest upload of that shape (one source weighs at
+    most FL_SERVE_DLE_SOURCE_SHARE of the bundle: fl_server.service.dle); ``others_dle`` leaves the caller's
+    own upload out."""
+    assert who.client_id is not None
     base = svc.btfl_base()
-    view = svc.dles.view(client_id, base)
+    view = svc.dles.view(who.client_id, base, who.source)
     if view is None:
         raise HTTPException(404, "no DLE yet: no BTFL bundle is served and no client has uploaded one")
     return view_json(view, base)
@@ -226,8 +264,9 @@ def _dle_view(svc: Service, client_id: str) -> dict[str, Any]:
 def upload_dle(body: S.DLEUpload, who: Principal = Depends(require_client),
                svc: Service = Depends(service)) -> dict[str, Any]:
     """BTFL: a participating client uploads its local DLE (replacing its previous one); the global DLE is
-    re-aggregated as the average of every client's latest DLE and, when a BTFL bundle is served, its
-    training clients' DLE (BTFL Sec. 4.1; every client weighs the same, whatever its num_samples)."""
+    re-aggregated as the weighted average of every client's latest DLE and, when a BTFL bundle is served, its
+    training clients' DLE (BTFL Sec. 4.1; num_samples is no weight; one source, an enrollment or a join address,
+    weighs at most FL_SERVE_DLE_SOURCE_SHARE of the bundle's training clients)."""
     assert who.client_id is not None
     if len({len(row) for row in body.freqs}) != 1:
         raise HTTPException(422, "invalid DLE: every row of freqs must have the same number of levels")
@@ -244,15 +283,14 @@ def upload_dle(body: S.DLEUpload, who: Principal = Depends(require_client),
         raise HTTPException(422, str(exc)) from None
     except SourceFull as exc:
         raise HTTPException(403, str(exc)) from None
-    return _dle_view(svc, who.client_id)
+    return _dle_view(svc, who)
 
 
 @router.get("/v1/btfl/dle", response_model=S.DLEResponse, tags=["methods"],
             responses=documented(*AUTH, 404, e404="no DLE has been uploaded yet"))
 def global_dle(who: Principal = Depends(require_client), svc: Service = Depends(service)) -> dict[str, Any]:
     """The current global DLE."""
-    assert who.client_id is not None
-    return _dle_view(svc, who.client_id)
+    return _dle_view(svc, who)
 
 
 # -------------------------------------------------------------------- jobs

@@ -48,6 +48,12 @@ class Enrollment(BaseModel):
     expires: float | None = Field(None, description="Unix time, or null for never")
 
 
+class Revoked(BaseModel):
+    id: str
+    clients_revoked: int = Field(description="clients whose bearer token stopped working")
+    dles_removed: int = Field(description="of them, those whose DLE left the global DLE")
+
+
 class ArtifactRef(BaseModel):
     name: str
     kind: str
@@ -124,7 +130,9 @@ class DLEResponse(BaseModel):
     clients: int = Field(description="clients whose latest uploaded DLE is in the aggregate")
     dims: int
     levels: int
-    global_dle: list[list[float]] = Field(description="average of all clients' DLEs, one weight per client")
+    global_dle: list[list[float]] = Field(description="weighted average of the clients' DLEs and the bundle's: one "
+                                                      "source weighs at most FL_SERVE_DLE_SOURCE_SHARE of the "
+                                                      "bundle's training clients")
     others_dle: list[list[float]] | None = Field(
         None, description="the same average without the caller's own DLE (what BTFL's authors use); "
                           "null while the caller's is the only one")

@@ -45,6 +45,7 @@ class Service:
         self.token_limits = Buckets(Limit(cfg.token_rate, cfg.token_burst))
         self.join_limits = Buckets(Limit(cfg.join_rate, cfg.join_burst))
         self.address_limits = Buckets(Limit(cfg.address_rate, cfg.address_burst))  # also keyed by enrollment
+        self.admin_failures = Buckets(Limit(cfg.admin_fail_rate, cfg.admin_fail_burst))  # refused admin tokens
         self._public: set[str] = set()
         self._bundle_version = -1
         self._by_method: dict[str, dict[str, Any]] = {}
@@ -57,7 +58,7 @@ class Service:
         self._lock = threading.Lock()
         self._objects: dict[str, set[str]] = {}  # bundle id -> every object it needs (manifest, artifacts, server)
         self._scrubbing = threading.Event()
-        self.dles = DLEAggregate(self.store)  # BTFL: running sums of the clients' DLEs
+        self.dles = DLEAggregate(self.store, cfg.dle_source_share)  # BTFL: running sums of the clients' DLEs
         self.admin_token_file = cfg.store_dir / "admin_token"
         self.signer = ManifestSigner.load_or_create(cfg.store_dir)
         # id -> (record, when to re-sign, the version it signs)

@@ -56,7 +56,7 @@ class RegistryFull(RuntimeError):
 
 
 class EnrollmentRefused(PermissionError):
-    """A join whose enrollment token is missing, unknown, used up or expired (FL_SERVE_ENROLLMENT=token)."""
+    """A join whose enrollment token is missing, unknown, used up, expired or revoked (FL_SERVE_ENROLLMENT=token)."""
 
 
 def hash_token(token: str) -> str:
@@ -191,14 +191,9 @@ class Store:
         if row is None or not hmac.compare_digest(row["hash"], digest):
             raise EnrollmentRefused("unknown enrollment token")
         if row["uses_left"] < 1 or (row["expires"] is not None and row["expires"] < time.time()):
-            raise EnrollmentRefused("this enrollment token is used up or expired; ask the operator for another")
+            raise EnrollmentRefused("this enrollment token is used up, expired or revoked; ask the operator for another")
         self._db.execute("UPDATE enrollments SET uses_left = uses_left - 1 WHERE id = ?", (row["id"],))
         return str(row["id"])
-
-    def dle_clients_of(self, source: str, but: str) -> int:
-        """How many clients of ``source`` other than ``but`` have an uploaded DLE."""
-        return int(self._run("SELECT COUNT(*) AS n FROM dles d JOIN clients c ON c.id = d.client_id "
-                             "WHERE c.source = ? AND d.client_id != ?", (source, but))[0]["n"])
 
     # --------------------------------------------------------------- clients
     def add_client(self, method: str, bundle_id: str, user_agent: str = "", max_clients: int = 0,
@@ -379,8 +374,41 @@ class Store:
         return {**dict(rows[0]), "freqs": json.loads(rows[0]["freqs"])} if rows else None
 
     def dles(self) -> list[dict[str, Any]]:
-        rows = self._run("SELECT * FROM dles ORDER BY updated")
+        """Every DLE row, oldest upload first, with its client's ``source`` (None for an unknown client)."""
+        rows = self._run("SELECT d.*, c.source FROM dles d LEFT JOIN clients c ON c.id = d.client_id "
+                         "ORDER BY d.updated")
         return [{**dict(r), "freqs": json.loads(r["freqs"])} for r in rows]
+
+    def dles_of_source(self, source: str) -> dict[str, list[list[float]]]:
+        """client id -> DLE of every client of ``source`` that has one."""
+        rows = self._run("SELECT d.client_id, d.freqs FROM dles d JOIN clients c ON c.id = d.client_id "
+                         "WHERE c.source = ?", (source,))
+        return {r["client_id"]: json.loads(r["freqs"]) for r in rows}
+
+    def delete_dle(self, client_id: str) -> None:
+        self._run("DELETE FROM dles WHERE client_id = ?", (client_id,))
+
+    # ------------------------------------------------------------ revocation
+    def client_source(self, client_id: str) -> tuple[bool, str | None]:
+        """(whether the client exists, its source)."""
+        rows = self._run("SELECT source FROM clients WHERE id = ?", (client_id,))
+        return (True, rows[0]["source"]) if rows else (False, None)
+
+    def revoke_client(self, client_id: str) -> bool:
+        """The client's bearer token stops working (its DLE: :meth:`DLEAggregate.remove`); False: no such client."""
+        with self._lock, self._transaction():
+            self._db.execute("DELETE FROM tokens WHERE scope = 'client' AND client_id = ?", (client_id,))
+            return self._db.execute("SELECT 1 FROM clients WHERE id = ?", (client_id,)).fetchone() is not None
+
+    def revoke_enrollment(self, enrollment_id: str) -> list[str] | None:
+        """No further join spends the enrollment token; returns the ids of the clients that joined with it
+        (None: no such enrollment)."""
+        with self._lock, self._transaction():
+            found = self._db.execute("UPDATE enrollments SET uses_left = 0, expires = 0 WHERE id = ?",
+                                     (enrollment_id,)).rowcount
+            ids = [r["id"] for r in self._db.execute("SELECT id FROM clients WHERE source = ?",
+                                                     ("enr:" + enrollment_id,))]
+        return ids if found else None
 
     # ------------------------------------------------------------------ meta
     def get_meta(self, key: str) -> str | None:

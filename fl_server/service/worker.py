@@ -53,7 +53,7 @@ def job_recipe(spec: dict[str, Any]) -> Recipe:
 
     fed_changes = {k: spec[k] for k in ("num_clients", "partition", "alpha") if spec.get(k) is not None}
     if spec.get("recipe"):
-        recipe = load_recipe(spec["recipe"])
+        recipe = load_recipe(spec["recipe"], registered_only=True)  # no other function of the file is called
         method, served = spec.get("method") or recipe.method, served_methods()
         if method not in served:
             raise RecipeError(f"the recipe's method {method} is not served by the coordinator; name one of "
