@@ -1,9 +1,16 @@
-"""Device adaptation step on onnxruntime against the torch eager step, one CPU core, same run.
+"""Device adaptation step on onnxruntime against the torch eager step, one CPU core, same run; the device's peak memory.
 
-For the MLP 2x200 and the ConvNet: FedTTA's adaptation step (UPFL Eq. 5), TENT's entropy step and FedICON's
-test-time step (Eq. 7 on two augmented views of each image, the projection included) on a batch of real MNIST
-images; also the plain forward. Median over repeats after warm-up, the ORT and torch calls
-alternating. Rows merged into docs/benchmarks/edge-sdk.json by (what, device).
+For every edge model of the zoo (``--models``: the MLP 2x200, the ConvNet, resnet8_bn, mobilenet_s): FedTTA's
+adaptation step (UPFL Eq. 5) and TENT's entropy step as a bundle ships them (:func:`export.steps.device_specs`: the
+weights a step never changes -- FedTTA's adaptation model, all but the normalisation scale and shift under TENT's
+``adapt="norm_affine"``, which the batch-normalised models use -- are constants of the graph), on a batch of real
+MNIST images; also the plain forward and, for the MLP and the ConvNet, FedICON's test-time step (Eq. 7 on two
+augmented views of each image, the projection included). The torch side is the method's own step (the
+batch-normalised models in torch's batch-statistics BatchNorm, as the engine trains and adapts at this batch), the
+updated model's logits and entropy included. Median over repeats after warm-up, the ORT and torch calls
+alternating. ``peak_rss_mb``: the peak resident memory (``ru_maxrss``) of a fresh torch-free process that opens
+the method's bundle with the SDK and personalises on the batch (one subprocess per model and method). Rows merged
+into docs/benchmarks/edge-sdk.json by (what, device).
 
 The ConvNet's steps are convolution-bound: its second convolution (32 -> 64 channels, 5x5, on 14x14) runs four
 times in a step (forward with the received weights, input gradient, weight gradient, forward with the updated
@@ -12,7 +19,7 @@ onnxruntime (the forward Conv; the input and weight gradients as :mod:`export.de
 torch's own kernels (``aten.convolution`` / ``aten.convolution_backward``), with the rate each reaches
 (``gflops_*``: 2 * multiply-adds / time).
 
-    python benchmarks/edge_step_speed.py [--batch 64] [--repeats 50] [--data-dir DIR]
+    python benchmarks/edge_step_speed.py [--batch 64] [--repeats 50] [--models mlp,convnet,...] [--data-dir DIR]
 """
 from __future__ import annotations
 
@@ -28,28 +35,52 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import shlex  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any, Callable, Iterator  # noqa: E402
 
+import numpy as np  # noqa: E402
+import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
 
 from edge_sdk._steps import load_session  # noqa: E402
 from timing import interleaved_median_ms  # noqa: E402
-from export import export_function, export_spec, fedtta_step_spec, forward_spec, tent_step_spec  # noqa: E402
+from export import export_function, export_spec  # noqa: E402
+from export.bundle import write_bundle  # noqa: E402
+from export.steps import device_specs  # noqa: E402
 from export.fedicon import fedicon_tta_step_spec  # noqa: E402
 from export.decompositions import convolution_backward  # noqa: E402
 from fl_server.algorithms import build_algorithm  # noqa: E402
+from fl_server.algorithms.losses import entropy_from_logits  # noqa: E402
+from fl_server.algorithms.tent import norm_affine_names  # noqa: E402
+from fl_server.functional import make_forward  # noqa: E402
 from fl_server.recipes.presets import FEDTTA_HP  # noqa: E402
 from fl_server.data import load_dataset  # noqa: E402
 from fl_server.models import build_model  # noqa: E402
+from fl_server.models.norm import BATCH_NORM_RULE, calibrate, norm_mode, stat_norms, statistics_arrays  # noqa: E402
+
+
+MODELS = ("mlp", "convnet", "resnet8_bn", "mobilenet_s")
+# run in a fresh interpreter (no torch): open a bundle, personalise on the saved batch, print the peak RSS in MB
+DEVICE_PROCESS = """
+import resource, sys
+import numpy as np
+from edge_sdk import open_bundle
+device = open_bundle(sys.argv[1])
+device.personalize(np.load(sys.argv[2]))
+assert "torch" not in sys.modules
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--models", default=",".join(MODELS), help="comma-separated zoo models")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--out", default="docs/benchmarks/edge-sdk.json")
     args = ap.parse_args()
@@ -57,40 +88,93 @@ def main() -> int:
     ds = load_dataset("mnist", root=args.data_dir, split="test")
     x = torch.from_numpy(ds.x[: args.batch])
     command = "python benchmarks/edge_step_speed.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    common = {"device": "cpu:1 thread", "torch": torch.__version__, "onnxruntime": ort.__version__, "command": command}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for model_name in ("mlp", "convnet"):
-            fedtta = build_algorithm("FedTTA", build_model(model_name, (1, 28, 28), 10, seed=0), 1,
-                                     **FEDTTA_HP["mnist"]["FedTTA"])
-            tent = build_algorithm("TENT", build_model(model_name, (1, 28, 28), 10, seed=0), 1, lr=0.1)
-            icon = build_algorithm("FedICON", build_model(model_name, (1, 28, 28), 10, seed=0), 1)
-            st = fedtta.init_state(torch.float32, torch.device("cpu"))
-            proj = icon.init_state(torch.float32, torch.device("cpu"))["proj"]
-            specs = {"forward": forward_spec(fedtta.model, st["params"]),
-                     "FedTTA step": fedtta_step_spec(fedtta, st["params"], st["phi"]),
-                     "TENT step": tent_step_spec(tent, st["params"]),
-                     # its example uniforms u are made for the batch timed here
-                     "FedICON step": fedicon_tta_step_spec(icon, st["params"], proj, batch=args.batch)}
-            for label, spec in specs.items():
-                path = export_spec(spec, Path(tmp) / f"{model_name}-{label.replace(' ', '_')}.onnx")
-                session = load_session(path, threads=1)
-                feeds = dict(zip(spec.input_names, [x.numpy(), *(w.detach().numpy() for w in spec.example[1:])]))
-                # alternating calls: load on a shared machine hits both alike
-                ms = interleaved_median_ms({"ort": lambda: session.run(None, feeds),
-                                            "torch": lambda: spec.fn(x, *spec.example[1:])}, args.repeats)
-                ort_ms, torch_ms = ms["ort"], ms["torch"]
+        np.save(Path(tmp) / "x.npy", x.numpy())
+        for model_name in args.models.split(","):
+            for label, ort_ms, torch_ms, extra in model_rows(model_name, x, args.repeats, Path(tmp)):
                 row = {"benchmark": "edge-sdk", "what": f"{label}, {model_name}, batch {args.batch}",
                        "metric": "speedup_ort_vs_torch", "value": round(torch_ms / ort_ms, 2),
-                       "ort_ms": round(ort_ms, 3), "torch_eager_ms": round(torch_ms, 3),
-                       "device": "cpu:1 thread", "torch": torch.__version__, "onnxruntime": ort.__version__,
-                       "load_average_1min": round(os.getloadavg()[0], 2), "command": command}
-                print(json.dumps(row))
+                       "ort_ms": round(ort_ms, 3), "torch_eager_ms": round(torch_ms, 3), **extra, **common,
+                       "load_average_1min": round(os.getloadavg()[0], 2)}
+                print(json.dumps(row), flush=True)
                 rows.append(row)
-        rows += conv_kernel_rows(args.batch, args.repeats, Path(tmp), command)
+        if "convnet" in args.models.split(","):
+            rows += conv_kernel_rows(args.batch, args.repeats, Path(tmp), command)
     merge_rows(args.out, rows)
     for r in rows:
-        print(f"{r['what']:<34} ORT {r['ort_ms']:>8.3f} ms   torch {r['torch_eager_ms']:>8.3f} ms   x{r['value']}")
+        rss = f"   peak RSS {r['peak_rss_mb']:>6.1f} MB" if "peak_rss_mb" in r else ""
+        print(f"{r['what']:<40} ORT {r['ort_ms']:>8.3f} ms   torch {r['torch_eager_ms']:>8.3f} ms   x{r['value']}{rss}")
     return 0
+
+
+def model_rows(model_name: str, x: torch.Tensor, repeats: int, tmp: Path) -> Iterator[tuple[str, float, float, dict]]:
+    """(label, ORT ms, torch ms, extra fields) of the forward, FedTTA's and TENT's steps (FedICON's on models
+    without normalisation layers) of ``model_name``."""
+    normalised = bool(norm_affine_names(build_model(model_name, (1, 28, 28), 10, seed=0)))
+    fedtta_hp, tent_hp = dict(FEDTTA_HP["mnist"]["FedTTA"]), {"lr": 0.1, "adapt": "norm_affine" if normalised else "all"}
+    state = build_algorithm("FedTTA", build_model(model_name, (1, 28, 28), 10, seed=0), 1,
+                            **fedtta_hp).init_state(torch.float32, torch.device("cpu"))
+
+    def build(method: str, **hp: Any) -> Any:
+        algorithm = build_algorithm(method, build_model(model_name, (1, 28, 28), 10, seed=0), 1, **hp)
+        if stat_norms(algorithm.model):  # the population statistics a bundle ships, from this batch
+            forward = make_forward(algorithm.model)
+            calibrate(algorithm.model, lambda xb: forward(state["params"], xb), [x])
+        return algorithm
+
+    fedtta, tent = build("FedTTA", **fedtta_hp), build("TENT", **tent_hp)
+    steps = {"FedTTA step": (fedtta, "fedtta_step", fedtta_hp, lambda: fedtta.adapt_step(state["params"], state["phi"], x)),
+             "TENT step": (tent, "tent_step", tent_hp, lambda: tent.entropy_step(state["params"], x))}
+    weights = {k: {n: v.detach().numpy() for n, v in d.items()} for k, d in state.items()}
+    specs = device_specs(fedtta, state, freeze=True)
+    graphs = {"forward": export_spec(specs["forward"], tmp / f"{model_name}-forward.onnx")}
+    forward = specs["forward"]
+    yield ("forward", *ort_vs_torch(graphs["forward"], forward, x, lambda: forward.fn(x, *forward.example[1:]), repeats), {})
+    for label, (algorithm, kind, hp, torch_step) in steps.items():
+        spec = device_specs(algorithm, state, freeze=True)[kind]
+        graphs[kind] = export_spec(spec, tmp / f"{model_name}-{kind}.onnx")
+
+        def eager(algorithm: Any = algorithm, torch_step: Any = torch_step) -> float:  # + the updated model's output
+            with norm_mode(algorithm.model, "batch"):
+                return entropy_from_logits(algorithm.forward(torch_step(), x)).mean()
+
+        bundle = write_bundle(tmp / f"{model_name}-{kind}", {"forward": graphs["forward"], kind: graphs[kind]},
+                              {**weights, **({"stats": statistics_arrays(algorithm.model)} if stat_norms(algorithm.model) else {})},
+                              algorithm.name, hp, extra={"batch_norm": dict(BATCH_NORM_RULE)} if stat_norms(algorithm.model) else None)
+        extra = {"nodes": len(onnx.load(str(graphs[kind])).graph.node), "bundle_bytes": tree_bytes(bundle),
+                 "peak_rss_mb": peak_rss_mb(bundle, tmp / "x.npy")}
+        yield (label, *ort_vs_torch(graphs[kind], spec, x, eager, repeats), extra)
+    if not normalised:
+        icon = build("FedICON")
+        proj = icon.init_state(torch.float32, torch.device("cpu"))["proj"]
+        spec = fedicon_tta_step_spec(icon, state["params"], proj, batch=len(x))  # its uniforms u: for this batch
+        path = export_spec(spec, tmp / f"{model_name}-fedicon.onnx")
+        yield ("FedICON step", *ort_vs_torch(path, spec, x, lambda: spec.fn(x, *spec.example[1:]), repeats), {})
+
+
+def ort_vs_torch(path: Path, spec: Any, x: torch.Tensor, eager: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """Median ms of the graph at ``path`` on onnxruntime (one thread) and of ``eager()``, calls alternating (load on
+    a shared machine hits both alike)."""
+    session = load_session(path, threads=1)
+    values = dict(zip(spec.input_names, [x.numpy(), *(w.detach().numpy() for w in spec.example[1:])]))
+    feeds = {i.name: values[i.name] for i in session.get_inputs()}
+    ms = interleaved_median_ms({"ort": lambda: session.run(None, feeds), "torch": eager}, repeats)
+    return ms["ort"], ms["torch"]
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+
+
+def peak_rss_mb(bundle: Path, x: Path) -> float:
+    """Peak RSS of a fresh torch-free process that opens ``bundle`` and personalises on the batch saved at ``x``."""
+    # started by a shell that forks it: Linux keeps ru_maxrss across exec, so a process forked from this one (torch
+    # loaded, several hundred MB) would report this one's size ("; exit" keeps the shell from exec-ing it)
+    out = subprocess.run(["/bin/sh", "-c", '"$@"; exit $?', "sh", sys.executable, "-c", DEVICE_PROCESS, str(bundle),
+                          str(x)], check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return round(float(out.stdout.split()[-1]), 1)
 
 
 def conv_kernel_rows(batch: int, repeats: int, tmp: Path, command: str) -> list[dict]:

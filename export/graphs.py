@@ -22,7 +22,7 @@ from google.protobuf.message import Message
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from export.decompositions import DECOMPOSITIONS
-from export.rewrites import pool_plane_offsets
+from export.rewrites import pool_plane_offsets, pow_to_mul
 
 OPSET = 18
 DEBUG_FIELDS = ("doc_string", "metadata_props")  # what a device never reads: free text and key-value notes
@@ -131,7 +131,7 @@ def _export(fn: Callable[..., tuple[torch.Tensor, ...]], example: Sequence[torch
                                      dynamic_shapes=dynamic, opset_version=OPSET, verbose=False)
     onnx_program.save(str(tmp))
     model = onnx.load(str(tmp))
-    if strip_debug(model) | bool(pool_plane_offsets(model)):
+    if strip_debug(model) | bool(pool_plane_offsets(model)) | bool(pow_to_mul(model)):
         onnx.save(model, str(tmp))
     os.replace(tmp, path)
     return path

@@ -22,7 +22,7 @@ from fl_server.signing import ManifestSigner
 
 
 def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_root: str | None = None,
-               signer: ManifestSigner | None = None, recipe: Recipe | None = None) -> Path:
+               signer: ManifestSigner | None = None, recipe: Recipe | None = None, freeze: bool = False) -> Path:
     """Build the method's device graphs around the best-validation weights of ``run_dir``; write a bundle whose
     manifest records the method's device step (:func:`export.bundle.write_bundle`). ``int8``: also ship
     ``forward_int8``, the received model frozen and dynamically quantized (plain inference). ``data_root``: where a
@@ -31,6 +31,8 @@ def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_r
     no recipe file to rebuild the model from). A batch-normalised model ships the run's population statistics
     (``stats``) and the device's rule (``batch_norm``, :data:`fl_server.models.norm.BATCH_NORM_RULE`), by which
     training evaluated its new clients. A best state with NaN or infinite weights (a diverged run) is refused.
+    ``freeze``: the weights the device step never changes are constants of its graph (faster steps, a larger
+    bundle: :func:`export.steps.device_specs`).
 
     >>> export_run("runs/mnist-TENT", "runs/bundle")  # doctest: +SKIP
     PosixPath('runs/bundle')
@@ -66,7 +68,7 @@ def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_r
         return export_btfl_run(algorithm, best, device, dest, extra, signer)
     state = {k: {n: v.float() for n, v in d.items()} for k, d in best.items()
              if k in algorithm.device_weights}
-    specs = device_specs(algorithm, state)  # forward and the method's device step (Algorithm.device_step)
+    specs = device_specs(algorithm, state, freeze)  # forward and the method's device step (Algorithm.device_step)
     weights = {k: {n: v.numpy() for n, v in d.items()} for k, d in state.items()}
     weights.update(device)  # stats, and any finalize weights of the method
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():

@@ -22,7 +22,7 @@ population statistics under the exponential rule).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -30,7 +30,7 @@ from fl_server.algorithms.base import Algorithm
 from fl_server.algorithms.fedtta import FedTTA
 from fl_server.algorithms.losses import entropy_from_logits
 from fl_server.algorithms.odpfl_hn import ODPFLHN
-from fl_server.algorithms.tent import Tent
+from fl_server.algorithms.tent import Tent, norm_affine_names
 from fl_server.functional import State, make_forward
 from fl_server.models import Classifier
 from fl_server.models.norm import norm_names, statistics, statistics_inputs, used_statistics
@@ -47,6 +47,8 @@ class StepSpec:
     batch_inputs: tuple[str, ...] = ("x",)
     # inputs baked into the graph as initializers (their example values): frozen graphs (export.embed)
     embedded: tuple[str, ...] = ()
+    # weight inputs the step never changes (its new.* outputs return them as they came): what frozen_spec embeds
+    frozen: tuple[str, ...] = ()
 
 
 def _example_x(model: Classifier, params: State, batch: int) -> torch.Tensor:
@@ -79,7 +81,35 @@ def with_norm_statistics(spec: StepSpec, model: torch.nn.Module, stats: Stats | 
     example = [*spec.example, *(stats[n].to(dtype) for n in stat_names), torch.tensor(momentum, dtype=dtype)]
     outputs = [*spec.output_names, *(f"new_stats.{n}" for n in stat_names)] if return_stats else spec.output_names
     return StepSpec(fn, example, [*spec.input_names, *(f"stats.{n}" for n in stat_names), "bn_momentum"],
-                    outputs, spec.batch_inputs)
+                    outputs, spec.batch_inputs, spec.embedded)
+
+
+def frozen_spec(spec: StepSpec, frozen: Iterable[str]) -> StepSpec:
+    """``spec`` with the weight inputs ``frozen`` (graph input names, e.g. ``psi.features.0.weight``) baked into
+    the graph as initializers holding their example values (the bundle's weights), and their ``new.*`` outputs --
+    the unchanged inputs -- dropped. onnxruntime folds and pre-packs constants (a convolution with constant
+    weights runs its fast packed kernel), and the device feeds only what the step changes."""
+    frozen = tuple(n for n in spec.input_names if n in set(frozen))
+    if not frozen:
+        return spec
+    gone = {f"new.{n.split('.', 1)[1]}" for n in frozen}
+    keep = [i for i, n in enumerate(spec.output_names) if n not in gone]
+
+    def fn(*args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = spec.fn(*args)
+        return tuple(out[i] for i in keep)
+
+    return StepSpec(fn, spec.example, spec.input_names, [spec.output_names[i] for i in keep], spec.batch_inputs,
+                    (*spec.embedded, *frozen))  # (frozen: none left to embed)
+
+
+def tent_frozen(algorithm: Tent, psi: State) -> list[str]:
+    """The inputs TENT's step never changes: every weight but the normalisation layers' scale and shift under
+    ``adapt="norm_affine"``, none under ``adapt="all"``."""
+    if algorithm.hp.adapt != "norm_affine":
+        return []
+    moving = set(norm_affine_names(algorithm.model))
+    return [f"psi.{n}" for n in psi if n not in moving]
 
 
 def forward_spec(model: Classifier, params: State, batch: int = 4, stats: Stats | None = None) -> StepSpec:
@@ -175,12 +205,16 @@ def register_step_graph(kind: str, *, replace: bool = False) -> Callable[[StepGr
 
 @register_step_graph("fedtta_step")
 def _fedtta_step(algorithm: Algorithm, state: State) -> StepSpec:
-    return fedtta_step_spec(algorithm, state["params"], state["phi"])  # type: ignore[arg-type]
+    spec = fedtta_step_spec(algorithm, state["params"], state["phi"])  # type: ignore[arg-type]
+    spec.frozen = tuple(f"phi.{n}" for n in state["phi"])  # the adaptation model g is fixed on the device
+    return spec
 
 
 @register_step_graph("tent_step")
 def _tent_step(algorithm: Algorithm, state: State) -> StepSpec:
-    return tent_step_spec(algorithm, state["params"])  # type: ignore[arg-type]
+    spec = tent_step_spec(algorithm, state["params"])  # type: ignore[arg-type]
+    spec.frozen = tuple(tent_frozen(algorithm, state["params"]))  # type: ignore[arg-type]
+    return spec
 
 
 @register_step_graph("encoder")
@@ -195,9 +229,13 @@ def _fedicon_step(algorithm: Algorithm, state: State) -> StepSpec:
     return fedicon_tta_step_spec(algorithm, state["params"], state.get("proj", {}))  # type: ignore[arg-type]
 
 
-def device_specs(algorithm: Algorithm, state: State) -> dict[str, StepSpec]:
+def device_specs(algorithm: Algorithm, state: State, freeze: bool = False) -> dict[str, StepSpec]:
     """The graphs of ``algorithm``'s bundle: ``forward`` and its device step (``algorithm.device_step``), by
-    the step kind's registered builder (:func:`register_step_graph`).
+    the step kind's registered builder (:func:`register_step_graph`). ``freeze``: the weights the step never
+    changes (``StepSpec.frozen``: FedTTA's adaptation model, all but the normalisation scale and shift under TENT's
+    ``adapt="norm_affine"``) become constants of the step graph (:func:`frozen_spec`): a faster step (TENT on
+    resnet8_bn / mobilenet_s, docs/benchmarks/edge-sdk.json), for a bundle that holds those weights twice (in the
+    step graph and in ``params``, which the forward graph reads).
 
     >>> from fl_server.algorithms import build_algorithm
     >>> from fl_server.models import build_model
@@ -214,4 +252,6 @@ def device_specs(algorithm: Algorithm, state: State) -> dict[str, StepSpec]:
                              f"@export.steps.register_step_graph({kind!r}) in a module imported before export "
                              f"(known: {', '.join(STEP_GRAPHS)})")
         specs[kind] = build(algorithm, state)
+        if freeze:
+            specs[kind] = frozen_spec(specs[kind], specs[kind].frozen)
     return specs

@@ -22,7 +22,7 @@ SMOKE: dict[str, list[str]] = {
     "btfl_sdk_e2e.py": ["--latency-only", "--samples", "16", "--repeats", "1"],
     "dle_view.py": ["--clients", "10", "--repeats", "1"],
     "edge_sdk_footprint.py": ["--repeats", "1"],
-    "edge_step_speed.py": ["--batch", "4", "--repeats", "1"],
+    "edge_step_speed.py": ["--batch", "4", "--repeats", "1", "--models", "mlp,resnet8_bn"],
     "fedtta_step.py": ["--models", "mlp", "--repeats", "1", "--device", "cpu"],
     "gpu_engine.py": ["--smoke", "--repeats", "1", "--device", "cpu", "--methods", "FedTTA"],
     "int8_frozen.py": ["{run}"],

@@ -1,0 +1,108 @@
+"""Lean device steps (issue #51): the weights a step never changes are constants of its graph (onnxruntime folds and
+pre-packs them) and the device feeds only what the step changes, with the same results as the graph that takes
+every weight; the exported normalisation backward has no ``Pow`` and each zoo model's TENT step stays within a
+recorded node count."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from edge_sdk._steps import StepRunner, load_session
+from export import export_spec, fedtta_step_spec, tent_step_spec
+from export.rewrites import pow_to_mul
+from export.steps import device_specs
+from fl_server.algorithms import build_algorithm
+from fl_server.algorithms.tent import norm_affine_names
+from fl_server.functional import make_forward
+from fl_server.models import build_model
+from fl_server.models.norm import calibrate, stat_norms, statistics_arrays
+from fl_server.recipes.presets import FEDTTA_HP
+
+# the TENT step graph a bundle ships, per zoo edge model: nodes at most (measured 76, 136, 933, 1150)
+NODE_BOUNDS = {"mlp": 80, "convnet": 140, "resnet8_bn": 945, "mobilenet_s": 1160}
+
+
+def _algorithm(method: str, arch: str, x: torch.Tensor, **hp: object):  # type: ignore[no-untyped-def]
+    alg = build_algorithm(method, build_model(arch, (1, 28, 28), 10, seed=0), 1, seed=0, **hp)
+    state = alg.init_state(torch.float32, torch.device("cpu"))
+    if stat_norms(alg.model):
+        forward = make_forward(alg.model)
+        calibrate(alg.model, lambda xb: forward(state["params"], xb), [x])
+    return alg, state
+
+
+def _steps(full: Path, lean: Path, x: np.ndarray, psi: dict, fixed: dict, stats: dict) -> None:
+    """Two steps on each graph from the same weights: the same updated weights, logits and entropy."""
+    a = StepRunner(load_session(full), fixed=fixed, stats=stats)
+    b = StepRunner(load_session(lean), fixed=fixed, stats=stats)
+    wa, wb = psi, psi
+    for _ in range(2):
+        wa, la, ha = a.step(x, wa)
+        wb, lb, hb = b.step(x, wb)
+        assert wa.keys() == wb.keys() == psi.keys()
+        for n in wa:
+            np.testing.assert_allclose(wb[n], wa[n], rtol=1e-5, atol=1e-6, err_msg=n)
+        np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-5)
+        assert abs(ha - hb) <= 1e-5
+    assert any(not np.array_equal(wb[n], psi[n]) for n in psi)  # the steps moved something
+
+
+def test_frozen_weights_are_constants_of_the_step_graph(mnist_all, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    x = torch.from_numpy(mnist_all.x[:64])
+    tent, state = _algorithm("TENT", "btfl_cnn_bn", x, adapt="norm_affine", tent_lr=1.0)
+    lean = device_specs(tent, state, freeze=True)["tent_step"]
+    moving = set(norm_affine_names(tent.model))
+    assert [n for n in lean.input_names if n.startswith("psi.")] == [f"psi.{n}" for n in state["params"]]
+    export_spec(tent_step_spec(tent, state["params"]), tmp_path / "tent_full.onnx")
+    export_spec(lean, tmp_path / "tent_lean.onnx")
+    graph = onnx.load(str(tmp_path / "tent_lean.onnx")).graph
+    # the graph takes and returns only the normalisation scale and shift; the rest are initializers
+    assert {i.name for i in graph.input if i.name.startswith("psi.")} == {f"psi.{n}" for n in moving}
+    assert {o.name for o in graph.output if o.name.startswith("new.")} == {f"new.{n}" for n in moving}
+    assert {f"psi.{n}" for n in state["params"]} - {f"psi.{n}" for n in moving} <= {i.name for i in graph.initializer}
+    psi = {n: v.numpy() for n, v in state["params"].items()}
+    _steps(tmp_path / "tent_full.onnx", tmp_path / "tent_lean.onnx", x.numpy(), psi, {},
+           statistics_arrays(tent.model))
+    # TENT adapting every weight has nothing to freeze
+    all_tent, all_state = _algorithm("TENT", "mlp", x, lr=0.1)
+    assert not device_specs(all_tent, all_state, freeze=True)["tent_step"].embedded
+
+    fedtta, fstate = _algorithm("FedTTA", "mlp", x, **FEDTTA_HP["mnist"]["FedTTA"])
+    export_spec(fedtta_step_spec(fedtta, fstate["params"], fstate["phi"]), tmp_path / "fedtta_full.onnx")
+    export_spec(device_specs(fedtta, fstate, freeze=True)["fedtta_step"], tmp_path / "fedtta_lean.onnx")
+    assert not [i.name for i in onnx.load(str(tmp_path / "fedtta_lean.onnx")).graph.input if i.name.startswith("phi.")]
+    _steps(tmp_path / "fedtta_full.onnx", tmp_path / "fedtta_lean.onnx", x.numpy(),
+           {n: v.numpy() for n, v in fstate["params"].items()}, {n: v.numpy() for n, v in fstate["phi"].items()}, {})
+
+
+@pytest.mark.parametrize("arch", list(NODE_BOUNDS))
+def test_tent_step_graph_is_lean(arch: str, mnist_all, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    x = torch.from_numpy(mnist_all.x[:16])
+    normalised = bool(norm_affine_names(build_model(arch, (1, 28, 28), 10, seed=0)))
+    tent, state = _algorithm("TENT", arch, x, lr=0.1, adapt="norm_affine" if normalised else "all")
+    nodes = onnx.load(str(export_spec(device_specs(tent, state, freeze=True)["tent_step"], tmp_path / "t.onnx"))).graph.node
+    assert not [n for n in nodes if n.op_type == "Pow"]
+    assert len(nodes) <= NODE_BOUNDS[arch], f"{arch}: {len(nodes)} nodes, recorded bound {NODE_BOUNDS[arch]}"
+
+
+def test_pow_to_mul_is_bit_identical() -> None:
+    x = (np.random.default_rng(0).standard_normal(100_000) * 10).astype(np.float32)
+    for power in (1.0, 2.0, 3.0, 0.5):
+        graph = helper.make_graph(
+            [helper.make_node("Pow", ["x", "e"], ["p"]), helper.make_node("Neg", ["p"], ["y"])], "g",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None])],
+            [numpy_helper.from_array(np.array(power, np.float32), "e")])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+        run = lambda: ort.InferenceSession(model.SerializeToString(),  # noqa: E731
+                                           providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+        before = run()
+        assert pow_to_mul(model) == (power != 0.5)  # x^0.5 is left to Pow
+        assert [n.op_type for n in model.graph.node].count("Pow") == (power == 0.5)
+        np.testing.assert_array_equal(run(), before)
