@@ -36,9 +36,7 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import shlex  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
-from pathlib import Path  # noqa: E402
 from typing import Any, Callable, Iterator  # noqa: E402
 
 import numpy as np  # noqa: E402
