@@ -22,6 +22,8 @@ each end-to-end pass): the rest of the per-sample CPU time is the SDK's (local h
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: lab/ is not installed
 from lab import btgfl  # noqa: E402
