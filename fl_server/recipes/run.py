@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from edge_sdk._preprocess import Preprocess
+from edge_sdk import Preprocess
 from fl_server.algorithms import Algorithm, build_algorithm
 from fl_server.data.federated import (FederatedData, hold_out_validation_clients, make_federated,
                                      natural_federated, random_subset)
