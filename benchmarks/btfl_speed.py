@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: lab/ is not installed
 from lab.rows import merge_rows  # noqa: E402
@@ -40,7 +41,6 @@ import json
 import math
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from typing import Any
 

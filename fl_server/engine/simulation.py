@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from fl_server.algorithms.base import Algorithm, LocalTrainer, NotApplicable, StepFn
 from fl_server.data.federated import FederatedData
-from fl_server.device import pick_device
+from fl_server.torch_device import pick_device
 from fl_server.engine.gemm_conv import GemmConv
 from fl_server.engine.graphs import GraphedLocalSteps, vmapped_round
 from fl_server.functional import State, make_forward, stack, tree_map, unstack
