@@ -20,7 +20,6 @@ COPY docker/slim_venv.sh docker/smoke.sh /tmp/
 COPY pyproject.toml setup.py README.md LICENSE ./
 COPY edge_sdk/ ./edge_sdk/
 COPY fl_server/ ./fl_server/
-COPY export/ ./export/
 RUN python3 -m venv /opt/venv \
  && if ls /tmp/wheels/*.whl >/dev/null 2>&1; then SRC="--no-index --find-links /tmp/wheels"; \
     else SRC="--extra-index-url ${TORCH_INDEX}"; fi \

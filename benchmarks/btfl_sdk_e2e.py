@@ -2,7 +2,7 @@
 
 Takes a finished ``python -m lab bench btgfl`` training run (its last-round checkpoint, as the benchmark evaluates),
 rebuilds the seed's clients and test streams exactly as :mod:`lab.btgfl` does, and for every client
-exports its BTFL bundle (:func:`export.btfl.export_btfl_client`: the ``features`` graph + the global model's
+exports its BTFL bundle (:func:`fl_server.export.btfl.export_btfl_client`: the ``features`` graph + the global model's
 weights + the client's BTFL state), loads it torch-free (:func:`edge_sdk.load_bundle`) and streams each of
 the five test columns one sample at a time, as a phone would:
 
@@ -48,7 +48,7 @@ import torch
 from edge_sdk._btfl import BTFLStream
 from edge_sdk import load_bundle
 from edge_sdk._steps import graph_feeds
-from export.btfl import export_btfl_client
+from fl_server.export.btfl import export_btfl_client
 from fl_server.algorithms.btfl import BTFL
 from fl_server.data import load_dataset
 from fl_server.engine.simulation import load_state

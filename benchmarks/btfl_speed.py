@@ -41,7 +41,6 @@ import json
 import math
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 from typing import Any
 

@@ -1,7 +1,7 @@
 """Device adaptation step on onnxruntime against the torch eager step, one CPU core, same run; the device's peak memory.
 
 For every edge model of the zoo (``--models``: the MLP 2x200, the ConvNet, resnet8_bn, mobilenet_s): FedTTA's
-adaptation step (UPFL Eq. 5) and TENT's entropy step as a bundle ships them (:func:`export.steps.device_specs`: the
+adaptation step (UPFL Eq. 5) and TENT's entropy step as a bundle ships them (:func:`fl_server.export.steps.device_specs`: the
 weights a step never changes -- FedTTA's adaptation model, all but the normalisation scale and shift under TENT's
 ``adapt="norm_affine"``, which the batch-normalised models use -- are constants of the graph), on a batch of real
 MNIST images; also the plain forward and, for the MLP and the ConvNet, FedICON's test-time step (Eq. 7 on two
@@ -15,7 +15,7 @@ into docs/benchmarks/edge-sdk.json by (what, device).
 The ConvNet's steps are convolution-bound: its second convolution (32 -> 64 channels, 5x5, on 14x14) runs four
 times in a step (forward with the received weights, input gradient, weight gradient, forward with the updated
 weights). Three more rows time that convolution's three kernels alone, as the step graphs run them on
-onnxruntime (the forward Conv; the input and weight gradients as :mod:`export.decompositions` lowers them) against
+onnxruntime (the forward Conv; the input and weight gradients as :mod:`fl_server.export.decompositions` lowers them) against
 torch's own kernels (``aten.convolution`` / ``aten.convolution_backward``), with the rate each reaches
 (``gflops_*``: 2 * multiply-adds / time).
 
@@ -46,11 +46,11 @@ import torch  # noqa: E402
 
 from edge_sdk._steps import load_session  # noqa: E402
 from timing import interleaved_median_ms  # noqa: E402
-from export import export_function, export_spec  # noqa: E402
-from export.bundle import write_bundle  # noqa: E402
-from export.steps import device_specs  # noqa: E402
-from export.fedicon import fedicon_tta_step_spec  # noqa: E402
-from export.decompositions import convolution_backward  # noqa: E402
+from fl_server.export import export_function, export_spec  # noqa: E402
+from fl_server.export.bundle import write_bundle  # noqa: E402
+from fl_server.export.steps import device_specs  # noqa: E402
+from fl_server.export.fedicon import fedicon_tta_step_spec  # noqa: E402
+from fl_server.export.decompositions import convolution_backward  # noqa: E402
 from fl_server.algorithms import build_algorithm  # noqa: E402
 from fl_server.algorithms.losses import entropy_from_logits  # noqa: E402
 from fl_server.algorithms.tent import norm_affine_names  # noqa: E402

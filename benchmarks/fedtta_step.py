@@ -26,7 +26,7 @@ from fl_server.algorithms.fedtta import FedTTA
 from fl_server.recipes.presets import FEDTTA_HP
 from fl_server.algorithms.losses import entropy_from_logits, kl_from_logits
 from fl_server.data import load_dataset
-from fl_server.device import describe, pick_device
+from fl_server.torch_device import describe, pick_device
 from fl_server.functional import State, tree_map
 from fl_server.models import build_model
 

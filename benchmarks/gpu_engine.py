@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from fl_server.device import describe, pick_device
+from fl_server.torch_device import describe, pick_device
 from fl_server.engine import Simulation
 
 from timing import sync

@@ -1,7 +1,7 @@
 """int8 dynamic quantization of a trained model's frozen forward path: size, accuracy change, latency.
 
 For each finished run directory (``fl-server train --out DIR``: run.json + best.npz), the received model's
-forward graph is exported, frozen (weights as initializers) and quantized to int8 (export/quantize.py). Both are
+forward graph is exported, frozen (weights as initializers) and quantized to int8 (fl_server/export/quantize.py). Both are
 scored on the run's own new clients (the held-out clients of its protocol, received model without
 personalisation) and timed at batch 64 on one onnxruntime thread, in the same run. Rows merged into
 docs/benchmarks/edge-sdk.json by (what, device).
@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from edge_sdk._steps import load_session
-from export import export_spec, forward_spec
-from export.quantize import freeze_weights, quantize_int8
+from fl_server.export import export_spec, forward_spec
+from fl_server.export.quantize import freeze_weights, quantize_int8
 from fl_server.engine.simulation import load_state
 from fl_server.models import build_model
 from run_dirs import measure_runs, run_clients

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from fl_server.device import describe
+from fl_server.torch_device import describe
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: lab/ is not installed
 from lab.experiments import get_experiment  # noqa: E402

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fl_server.device import describe
+from fl_server.torch_device import describe
 from fl_server.functional import State, to_numpy_flat
 
 from timing import interleaved_median_ms, run_fields, sync

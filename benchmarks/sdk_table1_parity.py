@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from edge_sdk import open_bundle
-from export.run import export_run
+from fl_server.export.run import export_run
 from fl_server.engine.simulation import load_state
 from fl_server.recipes.run import rebuild
 from fl_server.rundir import rounds_done

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from fl_server.device import describe, pick_device
+from fl_server.torch_device import describe, pick_device
 from fl_server.functional import get_params
 from fl_server.models import build_model
 from timing import median_ms

@@ -22,7 +22,7 @@ from fl_server.algorithms import build_algorithm
 from fl_server.recipes.presets import FEDTTA_HP
 from fl_server.data import load_dataset
 from fl_server.data.federated import make_federated
-from fl_server.device import describe, pick_device
+from fl_server.torch_device import describe, pick_device
 from fl_server.engine import RunConfig, Simulation
 from fl_server.models import build_model
 

@@ -11,7 +11,7 @@ and streams them.
 2. :func:`resnet` is the user's model: residual blocks with GroupNorm and a linear head ``fc``; the recipes
    :func:`tent_recipe` and :func:`fedtta_recipe` put it together with the folder, a Dirichlet federation and
    the preprocessing (uint8 -> [0, 1] -> mean/std), which goes into the bundle manifest;
-3. each recipe is trained (``fl_server.recipes.train``) and exported (``export.run.export_run``, the same as
+3. each recipe is trained (``fl_server.recipes.train``) and exported (``fl_server.export.run.export_run``, the same as
    ``fl-server export``), and the bundle is published to the coordinator (``POST /v1/bundles``, what
    ``fl-server publish --server`` does), which serves it signed with its key;
 4. the device (``examples/custom_model_device.py``, edge_sdk + numpy only) gets raw uint8 images of Fashion-MNIST's
@@ -124,7 +124,7 @@ def write_device_images(out: Path, data_dir: str | None, n: int) -> Path:
 
 def train_export_publish(name: str, work: Path, server: str, token: str) -> dict:
     """Train the recipe ``name`` of this file, export its bundle, publish it to ``server``."""
-    from export.run import export_run
+    from fl_server.export.run import export_run
     from fl_server.recipes import load_recipe, train
     from fl_server.service.publish import upload
 

@@ -61,7 +61,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from export.run import export_run
+    from fl_server.export.run import export_run
     from fl_server import rundir
     from fl_server.signing import ManifestSigner
 

@@ -23,7 +23,7 @@ from typing import Mapping
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from edge_sdk import _strictjson as strictjson
+from edge_sdk.shared import strict_loads
 from edge_sdk.signing import make_release, signature_record, write_signature
 
 log = logging.getLogger("fl_server.service")
@@ -62,7 +62,7 @@ class ManifestSigner:
         without a version (:mod:`edge_sdk.signing`). ``load_bundle`` verifies it; a device's update channel never
         accepts it, since only the coordinator numbers releases: publishing the bundle makes it one."""
         manifest = (root / "manifest.json").read_bytes()
-        method = str(strictjson.loads(manifest)["method"])
+        method = str(strict_loads(manifest)["method"])
         return write_signature(root, self.record(manifest, method, None, time.time() + ttl_s))
 
     @classmethod

@@ -42,7 +42,7 @@ from fl_server.data.corruptions import CORRUPTIONS, corrupt
 from fl_server.data.datasets import ArrayDataset
 from fl_server.data.federated import FederatedData
 from fl_server.data.shifts import rotate
-from fl_server.device import describe
+from fl_server.torch_device import describe
 from fl_server.engine import Simulation
 
 COLUMNS = ("orig_ind", "shifted_ind", "orig_exd", "shifted_exd", "synthetic")

@@ -36,7 +36,7 @@ from fl_server.algorithms.hetero_fedtta import (SIZE_GROUPS, assign_sizes, clien
 from lab.protocol import Protocol
 from lab.runner import build_federated, own_simulation
 from fl_server.data.federated import FederatedData
-from fl_server.device import describe
+from fl_server.torch_device import describe
 from fl_server.engine import Simulation
 from fl_server.functional import State, tree_map
 from fl_server.rundir import checkpoint_meta, load_state, save_state

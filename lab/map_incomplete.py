@@ -27,7 +27,7 @@ from lab.protocol import Protocol
 from lab.runner import build_federated, own_simulation
 from fl_server.data import load_dataset
 from fl_server.data.federated import FederatedData
-from fl_server.device import describe
+from fl_server.torch_device import describe
 from fl_server.engine import Simulation
 
 

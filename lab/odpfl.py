@@ -31,7 +31,7 @@ from lab.runner import own_simulation
 from fl_server.data import load_dataset, partitions
 from fl_server.data.datasets import ArrayDataset
 from fl_server.data.federated import FederatedData
-from fl_server.device import describe
+from fl_server.torch_device import describe
 from fl_server.engine import Simulation
 
 DP_SET_SIZES = (100, 300, 1000, 3000)

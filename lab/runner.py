@@ -19,7 +19,7 @@ from lab.rows import invocation, write_atomic
 from fl_server.data import load_dataset
 from fl_server.data.federated import (FederatedData, hold_out_validation_clients, make_federated,
                                      random_subset, rotation_concept_shift)
-from fl_server.device import describe
+from fl_server.torch_device import describe
 from fl_server.engine import Simulation
 from fl_server.engine.simulation import RunResult
 from fl_server.recipes.run import simulation

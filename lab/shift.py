@@ -38,7 +38,7 @@ from fl_server.data import load_dataset
 from fl_server.data.corruptions import corrupt
 from fl_server.data.federated import FederatedData
 from fl_server.data.shifts import resize
-from fl_server.device import describe
+from fl_server.torch_device import describe
 from fl_server.engine import Simulation
 from fl_server.functional import make_forward, unstack
 from fl_server.models.norm import calibrate, norm_mode, stat_norms

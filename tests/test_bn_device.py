@@ -12,8 +12,8 @@ import torch
 
 from edge_sdk import load_bundle, open_bundle
 from edge_sdk._batchnorm import BatchNormRule
-from export import forward_spec, tent_step_spec
-from export.bundle import export_specs, write_bundle
+from fl_server.export import forward_spec, tent_step_spec
+from fl_server.export.bundle import export_specs, write_bundle
 from fl_server.models.norm import BATCH_NORM_RULE
 from fl_server.algorithms import build_algorithm
 from fl_server.data.federated import make_federated

@@ -196,7 +196,7 @@ def test_btfl_client_bundle_runs_on_the_device_path(mnist_all, tmp_path: Path) -
     """Export client 1's bundle, load it torch-free (onnxruntime + numpy) and reproduce the server-side stream."""
     from edge_sdk._btfl import BTFLStream
     from edge_sdk._bundle import load_bundle
-    from export.btfl import export_btfl_client
+    from fl_server.export.btfl import export_btfl_client
 
     alg, server, x, y, train = _small_btfl(mnist_all)
     for _ in range(3):  # a few real steps so the heads are not at their init
@@ -236,8 +236,8 @@ def test_frozen_features_graph_equals_the_format1_graph(mnist_all, tmp_path: Pat
     and the device (graph_feeds) runs both."""
     from edge_sdk._bundle import load_bundle
     from edge_sdk._steps import graph_feeds
-    from export.btfl import export_btfl_client
-    from export.embed import embed_inputs
+    from fl_server.export.btfl import export_btfl_client
+    from fl_server.export.embed import embed_inputs
 
     alg, server, x, _, train = _small_btfl(mnist_all)
     art = alg.client_artifacts(server, x, train)[0]

@@ -10,8 +10,8 @@ import torch
 
 from edge_sdk._bundle import BundleError, load_bundle
 from edge_sdk._steps import StepRunner
-from export import fedtta_step_spec, forward_spec
-from export.bundle import export_specs, write_bundle
+from fl_server.export import fedtta_step_spec, forward_spec
+from fl_server.export.bundle import export_specs, write_bundle
 from fl_server.algorithms import build_algorithm
 from fl_server.recipes.presets import FEDTTA_HP
 from fl_server.models import build_model

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import edge_sdk
-from export.run import export_run
+from fl_server.export.run import export_run
 from fl_server import rundir
 from fl_server.algorithms import ALGORITHMS
 from fl_server.recipes import DataSpec, Federation, ModelSpec, Recipe

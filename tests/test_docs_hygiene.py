@@ -92,7 +92,7 @@ def test_written_docs_name_only_files_that_exist() -> None:
 
 # --- user docs: what a reader of a clone can follow -------------------------------------------------------------
 # User docs are the READMEs and every Markdown page under docs/ but docs/research/ (the lab's notes, where work logs
-# and machine descriptions belong). The package is the shipped Python of fl_server/, export/ and edge_sdk/ (the lab,
+# and machine descriptions belong). The package is the shipped Python of fl_server/, fl_server/export/ and edge_sdk/ (the lab,
 # lab/, outside the package, may cite its sources).
 README_MAX_LINES = 200
 GENERATED_BY_LAB = "docs/RESULTS.md"  # written by `fl-server report`: checked on its own below
@@ -128,7 +128,7 @@ def _user_docs() -> list[Path]:
 
 
 def _package_files() -> list[Path]:
-    return [p for p in _tracked("fl_server", "export", "edge_sdk/edge_sdk") if p.suffix == ".py"]
+    return [p for p in _tracked("fl_server", "edge_sdk/edge_sdk") if p.suffix == ".py"]
 
 
 def test_user_doc_patterns_catch_what_they_should() -> None:

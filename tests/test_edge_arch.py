@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from export import export_spec, fedtta_step_spec, forward_spec, tent_step_spec
+from fl_server.export import export_spec, fedtta_step_spec, forward_spec, tent_step_spec
 from fl_server.algorithms import build_algorithm
 from fl_server.recipes.presets import FEDTTA_HP
 from fl_server.functional import make_forward
@@ -100,7 +100,7 @@ def test_forward_tent_and_fedtta_parity(model_name: str, fashion_batches, tmp_pa
 def test_convolution_backward_decomposition(c_in, c_out, groups, kernel, stride, padding, dilation, size) -> None:  # type: ignore[no-untyped-def]
     """Dense, depthwise and grouped convolutions, strided, padded, dilated, 1x1: the decomposition's three
     gradients equal autograd's (float64)."""
-    from export.decompositions import convolution_backward
+    from fl_server.export.decompositions import convolution_backward
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, c_in, size, size, dtype=torch.float64, generator=g, requires_grad=True)
@@ -122,7 +122,7 @@ def test_max_pool_backward_decomposition(shape, kernel, stride) -> None:  # type
     """Tiling windows (square or not, stride given or defaulted): the gradient goes where autograd sends it, ties
     (many, from rounding ReLU outputs) to the first maximum of a window; overlapping windows are left to the
     exporter."""
-    from export.decompositions import max_pool2d_with_indices_backward
+    from fl_server.export.decompositions import max_pool2d_with_indices_backward
 
     g = torch.Generator().manual_seed(0)
     x = torch.relu(torch.randn(shape, generator=g)).round().requires_grad_(True)
@@ -236,7 +236,7 @@ def test_tent_all_weights_and_fedicon_step_parity(fashion_batches, tmp_path: Pat
     """The coverage table's TENT (all weights) and FedICON step columns: both steps on a net with every feature
     match torch within 1e-5 at batch 1, 17 and 64, at both ends of the bn_momentum rule (population and
     test-batch statistics)."""
-    from export.fedicon import fedicon_tta_step_spec
+    from fl_server.export.fedicon import fedicon_tta_step_spec
     from fl_server.data.augment import hash_uniform, num_uniforms
     from fl_server.functional import get_params
 

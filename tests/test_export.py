@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from export import export_spec, fedtta_step_spec, forward_spec, tent_step_spec
+from fl_server.export import export_spec, fedtta_step_spec, forward_spec, tent_step_spec
 from fl_server.algorithms import build_algorithm
 from fl_server.recipes.presets import FEDTTA_HP
 from fl_server.functional import make_forward
@@ -60,7 +60,7 @@ def test_tent_step_parity(model_name: str, batches, tmp_path: Path) -> None:  # 
     _check(tent_step_spec(alg, state["params"]), tmp_path / "tent_step.onnx", batches)
     nodes = onnx.load(str(tmp_path / "tent_step.onnx")).graph.node
     pools = [n for n in nodes if n.op_type == "MaxPool"]
-    # export.decompositions: ReLU's backward is a multiply by a 0/1 mask, not the exporter's slow Where; the
+    # fl_server.export.decompositions: ReLU's backward is a multiply by a 0/1 mask, not the exporter's slow Where; the
     # max-pool backward compares with the upsampled maximum instead of scattering with the forward's indices
     assert not [n for n in nodes if n.op_type in ("Where", "ScatterElements")]
     assert all(len(n.output) == 1 for n in pools)  # no pooling computes indices

@@ -9,7 +9,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from export import encoder_spec, export_spec
+from fl_server.export import encoder_spec, export_spec
 from fl_server.algorithms import build_algorithm
 from fl_server.data import load_dataset
 from fl_server.models import build_model

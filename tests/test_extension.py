@@ -1,5 +1,5 @@
 """A method from outside the package, with a device step of a kind nobody else knows, in three files of its author:
-its class (with its recipe), its step's graph builder (``@export.steps.register_step_graph``) and its device runner
+its class (with its recipe), its step's graph builder (``@fl_server.export.steps.register_step_graph``) and its device runner
 (``@edge_sdk.register_runner``). It trains on real Fashion-MNIST, is exported from its run directory, published
 to a running coordinator that imports the first two files (``FL_SERVE_PLUGINS``) and personalised by a device
 process in which torch cannot be imported; the device's new-client accuracy is the one training reported. No file
@@ -60,7 +60,7 @@ recipe = Recipe(model="mlp", data=DataSpec.builtin("fashion_mnist"), method="Bia
 GRAPH_FILE = '''
 import torch
 
-from export.steps import StepSpec, register_step_graph
+from fl_server.export.steps import StepSpec, register_step_graph
 from fl_server.algorithms.losses import entropy_from_logits
 
 
@@ -125,7 +125,7 @@ print(json.dumps({"accuracy": 100 * float(np.mean(accs)), "clients": len(accs), 
                   "steps": adaptation.steps,
                   "runner": type(device.runner).__name__,
                   "server_modules": sorted(m for m, v in sys.modules.items()
-                                           if v is not None and m.split(".")[0] in ("torch", "fl_server", "export"))}))
+                                           if v is not None and m.split(".")[0] in ("torch", "fl_server"))}))
 '''
 
 
@@ -133,7 +133,7 @@ print(json.dumps({"accuracy": 100 * float(np.mean(accs)), "clients": len(accs), 
 def plugin(tmp_path: Path) -> Iterator[Path]:
     """The author's three files, outside the repository; what they register here is dropped afterwards (the
     runner registers only in the device process)."""
-    from export.steps import STEP_GRAPHS
+    from fl_server.export.steps import STEP_GRAPHS
 
     root = tmp_path / "plugin"
     root.mkdir()
@@ -159,7 +159,7 @@ def _new_clients(recipe, data_root: Path, out: Path) -> None:  # type: ignore[no
 
 def test_a_method_of_a_new_device_step_from_three_outside_files(plugin: Path, data_root: Path,
                                                                  tmp_path: Path) -> None:
-    from export.run import export_run
+    from fl_server.export.run import export_run
     from fl_server.recipes import train
     from fl_server.recipes.loader import import_plugin, load_recipe
     from fl_server.service.publish import PublishError, check_contract, upload
@@ -197,7 +197,7 @@ def test_a_method_of_a_new_device_step_from_three_outside_files(plugin: Path, da
     assert sorted(p.name for p in plugin.glob("*.py")) == ["bias_entropy_graph.py", "bias_entropy_runner.py",
                                                            "bias_tent.py"]
     here = Path(__file__).resolve()
-    mentions = [p for d in ("fl_server", "export", "edge_sdk", "tests") for p in (REPO / d).rglob("*.py")
+    mentions = [p for d in ("fl_server", "edge_sdk", "tests") for p in (REPO / d).rglob("*.py")
                 if p.resolve() != here and (METHOD in (text := p.read_text(errors="replace")) or KIND in text)]
     assert not mentions, mentions
     # a coordinator without the plugin refuses the bundle and says where the method is registered

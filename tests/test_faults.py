@@ -167,7 +167,7 @@ def test_bundle_writer_killed_at_every_step(tmp_path: Path) -> None:
     """A bundle write (over an existing bundle) is SIGKILLed at each of its file-system steps in turn: the
     loader sees the old bundle, the new one, or (only between the two renames) none, never a partial one;
     recover_bundle (run by the next write) always leaves a complete, verified bundle and no debris."""
-    from export.bundle import recover_bundle, write_bundle
+    from fl_server.export.bundle import recover_bundle, write_bundle
     from fl_server.signing import ManifestSigner
 
     signer = ManifestSigner.generate()

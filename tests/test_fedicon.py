@@ -184,8 +184,8 @@ def test_tta_step_exports_to_onnx_with_parity(tmp_path, trained) -> None:  # typ
     another batch size than the traced one."""
     import onnxruntime as ort
 
-    from export.fedicon import fedicon_tta_step_spec
-    from export.graphs import export_function
+    from fl_server.export.fedicon import fedicon_tta_step_spec
+    from fl_server.export.graphs import export_function
 
     algo, sim, _ = trained
     spec = fedicon_tta_step_spec(algo, sim.server_state["params"], sim.server_state["proj"], batch=4)

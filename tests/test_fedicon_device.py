@@ -35,7 +35,7 @@ def _server_personalised(run: Path, recipe, data_root: Path, x: np.ndarray) -> t
 @pytest.mark.parametrize("projection", ["mlp", "none"])
 def test_device_fedicon_is_the_servers(projection: str, data_root: Path, tmp_path: Path) -> None:
     from edge_sdk import open_bundle
-    from export.run import export_run
+    from fl_server.export.run import export_run
     from fl_server.recipes import federate, train
     from fl_server.service.publish import verify_bundle_dir
 
@@ -85,7 +85,7 @@ def test_fedicon_bundles_the_device_cannot_run_are_refused(data_root: Path, tmp_
 
     from edge_sdk import open_bundle
     from edge_sdk._errors import BundleError
-    from export.run import export_run
+    from fl_server.export.run import export_run
     from fl_server.recipes import train
     from fl_server.service.publish import PublishError, verify_bundle_dir
 
@@ -147,9 +147,9 @@ def test_a_batch_normalised_model_steps_with_its_views_statistics_as_on_the_serv
     import dataclasses
 
     from edge_sdk import open_bundle
-    from export.bundle import export_specs, write_bundle
+    from fl_server.export.bundle import export_specs, write_bundle
     from fl_server.models.norm import BATCH_NORM_RULE
-    from export.steps import device_specs
+    from fl_server.export.steps import device_specs
     from fl_server.algorithms import build_algorithm
     from fl_server.data import load_dataset
     from fl_server.functional import make_forward

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from edge_sdk import open_bundle
-from export import graphs
-from export.bundle import portable
+from fl_server.export import graphs
+from fl_server.export.bundle import portable
 from fl_server.cli import main
 from test_recipes import RECIPE_FILE  # TinyNet, an MLP
 
@@ -49,7 +49,7 @@ btfl = Recipe(model=MLP, data=MNIST, federation=FED, method="BTFL", rounds=1, lo
 def bundles(data_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
     """Bundles of the three recipes (the MLP's with its int8 graph), exported from a working directory in a temporary
     folder; ``bn_kept``: the BN run exported again with the exporter's debug records kept."""
-    from export.run import export_run
+    from fl_server.export.run import export_run
     from fl_server.recipes import load_recipe, train
 
     work = tmp_path_factory.mktemp("exporter")

@@ -14,9 +14,9 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from edge_sdk._steps import StepRunner, load_session
-from export import export_spec, fedtta_step_spec, tent_step_spec
-from export.rewrites import pow_to_mul
-from export.steps import device_specs
+from fl_server.export import export_spec, fedtta_step_spec, tent_step_spec
+from fl_server.export.rewrites import pow_to_mul
+from fl_server.export.steps import device_specs
 from fl_server.algorithms import build_algorithm
 from fl_server.algorithms.tent import norm_affine_names
 from fl_server.functional import make_forward

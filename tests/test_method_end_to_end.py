@@ -51,7 +51,7 @@ def registered() -> Iterator[type[FedProxTent]]:
 def test_a_method_defined_in_one_module_trains_exports_and_personalises_on_the_device(
         registered: type[FedProxTent], data_root: Path, tmp_path: Path) -> None:
     from edge_sdk import open_bundle
-    from export.run import export_run
+    from fl_server.export.run import export_run
     from fl_server.recipes import DataSpec, Federation, Recipe, federate, train
     from fl_server.recipes.run import rebuild
     from fl_server.rundir import load_best, read_run
@@ -101,8 +101,8 @@ def test_a_step_of_a_new_kind_is_traced_by_its_registered_graph_builder(tmp_path
     line that names the decorator; a kind cannot be taken twice."""
     import onnxruntime as ort
 
-    from export.bundle import export_specs
-    from export.steps import STEP_GRAPHS, StepSpec, device_specs, register_step_graph
+    from fl_server.export.bundle import export_specs
+    from fl_server.export.steps import STEP_GRAPHS, StepSpec, device_specs, register_step_graph
     from fl_server.algorithms.fedavg import FedAvg
     from fl_server.models import build_model
 

@@ -22,7 +22,7 @@ ALLOWED = {
         "(tests/test_datasets.py::test_cifar10_malicious_pickle_is_refused)",
     ("tests/test_datasets.py", "import pickle"):
         "the test writes CIFAR-format and malicious pickles (pickle.dumps only) to check the restricted reader",
-    ("export/graphs.py", "exec"):
+    ("fl_server/export/graphs.py", "exec"):
         "a fixed template that defines forward(self, <input names>) for the traced graph; names come from our "
         "own StepSpec, never from a file",
 }

@@ -55,9 +55,9 @@ def test_coordinator_wheel_ships_the_product_only_with_license_and_docs_assets(t
                   "redoc/redoc.standalone.js", "redoc/LICENSE"):
         assert f"fl_server/service/static/{asset}" in names, asset
     packages = {n.split("/")[0] for n in names if not n.startswith("fl_edge-")}
-    assert packages == {"fl_server", "export"}, packages  # no lab/, tests/, benchmarks/, examples/
+    assert packages == {"fl_server"}, packages  # no lab/, tests/, benchmarks/, examples/
     modules = {n for n in names if n.endswith(".py")}
     leaked = {n for n in modules if "/bench/" in n or n.endswith(("sdk_fixture.py", "flower/local.py", "conftest.py"))
               or "/test_" in n}  # the harness, the SDK's test fixture, the loopback test deployment, tests
     assert not leaked, sorted(leaked)
-    assert {"fl_server/cli.py", "fl_server/flower/task.py", "export/run.py"} <= modules
+    assert {"fl_server/cli.py", "fl_server/flower/task.py", "fl_server/export/run.py"} <= modules

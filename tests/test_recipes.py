@@ -90,7 +90,7 @@ def test_arrays_image_folder_and_torch_dataset_train_identically(fashion_raw, tm
 
     # a recipe built in Python: its run.json names no file, so export takes the recipe itself
     from edge_sdk._bundle import load_bundle
-    from export.run import export_run
+    from fl_server.export.run import export_run
 
     with pytest.raises(RecipeError, match=r"^the run of 'arrays' names no recipe file \(its recipe was built in "
                                           r"Python\): pass the recipe"):

@@ -44,7 +44,7 @@ def test_a_python_recipe_over_a_folder_named_digits_round_trips_with_the_recipe(
         mnist_all, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
     from PIL import Image
 
-    from export.run import export_run
+    from fl_server.export.run import export_run
     from fl_server.device_samples import client_samples
 
     folder = tmp_path / "digits"  # the name of a built-in data set: it must never be taken for it

@@ -122,7 +122,7 @@ def test_signed_export_roundtrip(tmp_path: Path) -> None:
     import numpy as np
 
     from edge_sdk._bundle import BundleSignatureError, load_bundle
-    from export.bundle import write_bundle
+    from fl_server.export.bundle import write_bundle
 
     signer = ManifestSigner.generate()
     dest = write_bundle(tmp_path / "b", {}, {"params": {"w": np.ones((2, 2), np.float32)}}, "FedAvg", {},

@@ -1,6 +1,6 @@
 """docs/silent-cases.md cannot drift from the code: every test it names exists (its file defines that function),
 and every line it quotes (``fails: `...```, ``warns: `...```) is one the package can print: it matches a string
-template of fl_server/, export/ or edge_sdk/'s package, whose f-string fields (resolved through the module's and
+template of fl_server/, fl_server/export/ or edge_sdk/'s package, whose f-string fields (resolved through the module's and
 the function's own string constants) stand for any value. Pure parsing: nothing is trained or run."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "silent-cases.md"
-PACKAGES = [ROOT / "fl_server", ROOT / "export", ROOT / "edge_sdk" / "edge_sdk"]
+PACKAGES = [ROOT / "fl_server", ROOT / "edge_sdk" / "edge_sdk"]
 QUOTED = re.compile(r"\b(?:fails|warns)\b[^`]*?: `([^`]+)`")
 TEST_REF = re.compile(r"`((?:tests|edge_sdk/tests)/[\w/]+\.py)::(\w+)`")
 ANY = "(?s:.+?)"  # a field the code fills in

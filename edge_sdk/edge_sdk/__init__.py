@@ -8,8 +8,9 @@ One way in for every method: the bundle's device step decides how the device per
 
 A new device step kind gets its runner with :func:`register_runner` (subclass :class:`Runner`, or
 :class:`ModelRunner` to reuse the forward graph, its weights and batch normalisation). Everything else is private
-(``edge_sdk._*``); the public modules are this one, :mod:`edge_sdk.signing` (keys and signed releases) and
-:mod:`edge_sdk.safeguard` (keep the received model when adaptation moved too far).
+(``edge_sdk._*``); the public modules are this one, :mod:`edge_sdk.signing` (keys and signed releases),
+:mod:`edge_sdk.safeguard` (keep the received model when adaptation moved too far) and :mod:`edge_sdk.shared` (the
+formats and math the coordinator shares with the device).
 
 Names load on first use (PEP 562), so ``import edge_sdk`` stays cheap on a device: httpx is imported by the first
 use of :class:`EdgeClient`, onnxruntime by the first session.
@@ -21,9 +22,9 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_SUBMODULES = {"safeguard", "signing"}
+_SUBMODULES = {"safeguard", "shared", "signing"}
 _NAMES = {
-    "Adaptation": "edge_sdk._device",
+    "Adaptation": "edge_sdk._registry",
     "Device": "edge_sdk._device",
     "open_bundle": "edge_sdk._device",
     "Bundle": "edge_sdk._bundle",

@@ -27,30 +27,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+import edge_sdk._runners  # noqa: F401  (registers the SDK's own runners)
 from edge_sdk._bundle import Bundle, load_bundle
 from edge_sdk._preprocess import Preprocess
-from edge_sdk._registry import resolve
+from edge_sdk._registry import Adaptation, resolve
 from edge_sdk.signing import PublicKey
 
 if TYPE_CHECKING:
     from edge_sdk._client import EdgeClient
 
 __all__ = ["Adaptation", "Device", "open_bundle"]
-
-
-@dataclass
-class Adaptation:
-    """What :meth:`Device.personalize` did: the method, steps taken, samples used, method-specific details."""
-
-    method: str
-    steps: int
-    samples: int
-    details: dict[str, Any] = field(default_factory=dict)
 
 
 class Device:

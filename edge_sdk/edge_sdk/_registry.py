@@ -9,6 +9,7 @@ are found.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 import numpy as np
@@ -18,11 +19,20 @@ from edge_sdk._errors import BundleError
 if TYPE_CHECKING:
     from edge_sdk._bundle import Bundle
     from edge_sdk._client import EdgeClient
-    from edge_sdk._device import Adaptation
 
-__all__ = ["RECEIVED", "RUNNERS", "Runner", "register_runner", "resolve"]
+__all__ = ["Adaptation", "RECEIVED", "RUNNERS", "Runner", "register_runner", "resolve"]
 
 RECEIVED = "none"  # the kind of a bundle without a device step, and the method name of the received model
+
+
+@dataclass
+class Adaptation:
+    """What :meth:`Device.personalize` did: the method, steps taken, samples used, method-specific details."""
+
+    method: str
+    steps: int
+    samples: int
+    details: dict[str, Any] = field(default_factory=dict)
 
 
 class Runner:
@@ -78,14 +88,9 @@ def register_runner(kind: str, *, variant: str | None = None, replace: bool = Fa
     return decorate
 
 
-def _builtins() -> None:
-    import edge_sdk._runners  # noqa: F401  (registers the SDK's own runners)
-
-
 def resolve(bundle: Bundle, method: str | None) -> tuple[RunnerClass, str]:
     """(runner class, method name the device reports) for ``bundle`` opened with ``method``: None or the
     bundle's own method (its kind's runner), ``"none"`` (the received model) or a variant of its kind."""
-    _builtins()
     kind = bundle.device_step or RECEIVED
     if method is None or method == bundle.method:
         key: tuple[str, str | None] = (kind, None)

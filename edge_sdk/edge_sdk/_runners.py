@@ -30,21 +30,18 @@ from edge_sdk._errors import BundleError
 from edge_sdk._fedicon import FedICONStep, TTAPlan, personalize_fedicon
 from edge_sdk._fedthe import feature_history, fedthe_predict
 from edge_sdk._numerics import entropy, log_softmax
-from edge_sdk._registry import RECEIVED, Runner, register_runner
+from edge_sdk._registry import RECEIVED, Adaptation, Runner, register_runner
 from edge_sdk._steps import (StepRunner, Weights, check_batch, check_logits, check_weights, finite,
                             personalize_early_stopping)
 
 if TYPE_CHECKING:
     from edge_sdk._bundle import Bundle
     from edge_sdk._client import EdgeClient
-    from edge_sdk._device import Adaptation
 
 __all__ = ["ModelRunner"]
 
 
 def _adaptation(bundle: Bundle, steps: int, samples: int, details: dict[str, Any] | None = None) -> Adaptation:
-    from edge_sdk._device import Adaptation
-
     return Adaptation(bundle.method, steps, samples, details or {})
 
 

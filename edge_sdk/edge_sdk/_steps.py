@@ -2,7 +2,7 @@
 
 A step graph takes ``x`` and weights named ``psi.<p>`` (and ``phi.<p>`` for FedTTA) and returns the updated
 weights ``new.<p>``, the ``logits`` and the mean prediction ``entropy`` of the updated model (see
-``export/steps.py``). Weights are plain ``dict[str, np.ndarray]`` keyed by parameter name.
+``fl_server/export/steps.py``). Weights are plain ``dict[str, np.ndarray]`` keyed by parameter name.
 
 Bad input never reaches onnxruntime: ``check_batch`` refuses a wrong type, dtype, rank or size, an empty
 batch and NaN/inf with a ValueError naming the problem; ``check_weights`` does the same for weight sets
@@ -125,7 +125,7 @@ class StepRunner:
 
     def __post_init__(self) -> None:
         # the weights the step changes (``new.<p>`` outputs); a graph may hold the ones it never changes as
-        # constants (export.steps.frozen_spec): it then takes neither their inputs nor returns them
+        # constants (fl_server.export.steps.frozen_spec): it then takes neither their inputs nor returns them
         self.param_names = [o.name[len("new."):] for o in self.session.get_outputs() if o.name.startswith("new.")]
         self.output_names = [o.name for o in self.session.get_outputs()]
         inputs = [i.name for i in self.session.get_inputs()]

@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from export.btfl import export_btfl_run
-from export.bundle import export_specs, write_bundle
-from export.fedicon import fedicon_tta_step_spec
-from export.quantize import freeze_weights, quantize_int8
-from export.steps import encoder_spec, fedtta_step_spec, forward_spec, tent_step_spec
+from fl_server.export.btfl import export_btfl_run
+from fl_server.export.bundle import export_specs, write_bundle
+from fl_server.export.fedicon import fedicon_tta_step_spec
+from fl_server.export.quantize import freeze_weights, quantize_int8
+from fl_server.export.steps import encoder_spec, fedtta_step_spec, forward_spec, tent_step_spec
 from fl_server.algorithms import build_algorithm
 from fl_server.recipes.presets import FEDTTA_HP
 from fl_server.data import load_dataset
@@ -92,7 +92,7 @@ def make_sdk_fixture(out: str | Path, data_root: str | None = None, n: int = 256
         ref["odpfl_dp_pooled"] = hn_dp.pooled(dstate["enc"], x).numpy()
         ref["odpfl_dp_private_eps1_rng5"] = hn_dp.privatize(dstate["enc"], x, rng=np.random.default_rng(5)).numpy()
 
-    # BTFL as served (export.btfl.export_btfl_run of the run's finalize weights, BTFL.finalize): the global model
+    # BTFL as served (fl_server.export.btfl.export_btfl_run of the run's finalize weights, BTFL.finalize): the global model
     # and the training clients' average DLE and mean feature; a few body steps of one client stand in for training
     bt = build_algorithm("BTFL", build_model("mlp", shape, 10, seed=5), 3, seed=5, lr=0.1, body_iterations=24)
     bt_train = np.array_split(np.arange(len(x_train)), 3)

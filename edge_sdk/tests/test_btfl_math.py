@@ -676,9 +676,9 @@ def test_import_edge_sdk_is_lazy() -> None:
 
 
 def test_two_level_code_threshold_equals_rounded_tanh() -> None:
-    """predict_one's Eq. 5 for two levels is one comparison with btfl.dle._TANH_HALF: the same codes as
+    """predict_one's Eq. 5 for two levels is one comparison with btfl.dle.TANH_HALF: the same codes as
     round(tanh z) on every float64 within 2^16 ulps of the threshold and on a spread of features."""
-    t = btfl.dle._TANH_HALF
+    t = btfl.dle.TANH_HALF
     bits = np.array(t).view(np.int64) + np.arange(-(1 << 16), 1 << 16)
     near = bits.view(np.float64)
     spread = np.abs(np.random.default_rng(0).standard_cauchy(100_000))

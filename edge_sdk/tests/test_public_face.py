@@ -18,9 +18,9 @@ from edge_sdk._registry import RUNNERS
 
 PUBLIC = {"Adaptation", "Bundle", "BundleError", "BundleExpiredError", "BundleRollbackError", "BundleSignatureError",
           "Device", "EdgeClient", "EdgeClientError", "EntropyEarlyStopping", "ModelRunner", "Preprocess", "Runner",
-          "StepRunner", "TrustOnFirstUseWarning", "UnverifiedSignatureWarning", "__version__", "entropy",
-          "load_bundle", "log_softmax", "open_bundle", "register_runner", "safeguard", "signing", "softmax"}
-PUBLIC_MODULES = ["edge_sdk", "edge_sdk.safeguard", "edge_sdk.signing"]
+          "StaleReleaseWarning", "StepRunner", "TrustOnFirstUseWarning", "UnverifiedSignatureWarning", "__version__", "entropy",
+          "load_bundle", "log_softmax", "open_bundle", "register_runner", "safeguard", "shared", "signing", "softmax"}
+PUBLIC_MODULES = ["edge_sdk", "edge_sdk.safeguard", "edge_sdk.shared", "edge_sdk.signing"]
 REMOVED = ["Personalizer", "personalize", "DeviceModel", "BTFLDevice", "fedthe_predict"]
 # every method a bundle can name (fl_server.algorithms.ALGORITHMS, checked in tests/test_edge_sdk.py) and FedTHE
 METHODS = ["FedAvg", "FedProx", "FedAvg+FT", "Local", "TENT", "FedTTA", "FedTTA-Prox", "FedTTA++", "ODPFL-HN", "BTFL",

@@ -88,7 +88,7 @@ class Algorithm:
     graph_safe: ClassVar[bool] = False
     # ---- the device contract: declared here once; export, publish, the coordinator and the SDK derive from it
     # what the device runs to personalise (the bundle's step graph, built by the kind's
-    # ``@export.steps.register_step_graph(kind)`` builder, and the SDK's ``@edge_sdk.register_runner(kind)`` runner,
+    # ``@fl_server.export.steps.register_step_graph(kind)`` builder, and the SDK's ``@edge_sdk.register_runner(kind)`` runner,
     # recorded in the manifest as ``device_step``): "tent_step", "fedtta_step", "encoder" (ODPFL-HN's set encoder),
     # "fedicon_step", "btfl" (BTFL's two-head stream) or None (plain inference). A step of a new kind needs its
     # graph builder and its runner, each in the method author's own module (tests/test_extension.py)

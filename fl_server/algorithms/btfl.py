@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from edge_sdk import _btfl as btfl_math
+from edge_sdk.shared import average_dles, fit_dle
 from fl_server.algorithms.base import Algorithm, Hyper, StepFn, register
 from fl_server.algorithms.losses import entropy_from_logits
 from fl_server.functional import State, broadcast, tree_map, weighted_mean
@@ -175,7 +175,7 @@ class BTFL(Algorithm):
     def finalize_from_uploads(uploads: list[dict[str, np.ndarray]]) -> dict[str, dict[str, np.ndarray]]:
         """:meth:`finalize`'s weight sets from every training client's upload (:meth:`local_upload`: local DLE and
         mean feature), so an in-process run and the Flower server (which gets the uploads) write the same."""
-        return {"btfl": {"global_dle": btfl_math.average_dles([u["local_dle"] for u in uploads]),
+        return {"btfl": {"global_dle": average_dles([u["local_dle"] for u in uploads]),
                          "dle_clients": np.array([len(uploads)], dtype=np.int64),
                          "mu_global": np.mean([u["mu_local"] for u in uploads], axis=0).astype(np.float64)}}
 
@@ -189,7 +189,7 @@ class BTFL(Algorithm):
         """A client's local DLE [D, L] (Eqs. 5-6) and mean feature [D] on its training samples ``x`` with the
         global features: what a Flower client uploads for :meth:`finalize_from_uploads`."""
         z = self.client_features(params, x).double().cpu().numpy()
-        return {"local_dle": btfl_math.fit_dle(z, self.hp.dle_levels), "mu_local": z.mean(0)}
+        return {"local_dle": fit_dle(z, self.hp.dle_levels), "mu_local": z.mean(0)}
 
     @torch.no_grad()
     def client_artifacts(self, server_state: State, x: torch.Tensor, train: list[np.ndarray],
@@ -207,7 +207,7 @@ class BTFL(Algorithm):
             h_l = entropy_from_logits(z @ heads[k].T + (0 if biases is None else biases[k])).mean()
             h_g = entropy_from_logits(self.global_head(params, z)).mean()
             z_np = z.double().cpu().numpy()
-            local.append((btfl_math.fit_dle(z_np, self.hp.dle_levels), float(h_l), float(h_g), z_np.mean(0)))
+            local.append((fit_dle(z_np, self.hp.dle_levels), float(h_l), float(h_g), z_np.mean(0)))
         dles = np.stack([d for d, *_ in local])
         mus = np.stack([m for *_, m in local])
         k_all = len(local)

@@ -64,7 +64,7 @@ class FedICONConfig(Hyper):
 ENCODER_FRACTION = 0.8  # a recipe's share of rounds for the encoder phase where its hyperparameters leave it open
 
 
-def _split(params: State) -> tuple[State, State]:
+def split_params(params: State) -> tuple[State, State]:
     """(encoder params, head params) of a Classifier's flat parameter dict."""
     enc = {k: v for k, v in params.items() if k.startswith("features.")}
     head = {k: v for k, v in params.items() if k.startswith("head.")}
@@ -79,7 +79,7 @@ def _mix_key(key: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
 class FedICON(Algorithm):
     name = "FedICON"
     Config = FedICONConfig
-    device_step = "fedicon_step"  # batch-mode TTA on the device (export/fedicon.py, edge_sdk._fedicon)
+    device_step = "fedicon_step"  # batch-mode TTA on the device (fl_server/export/fedicon.py, edge_sdk._fedicon)
     device_weights = ("params", "proj")
     servable = True
     adapt_norm = "batch"  # every Eq. 7 step normalises with the statistics of its 2B augmented views
@@ -167,7 +167,7 @@ class FedICON(Algorithm):
         return supcon_loss(z, torch.cat([y, y]), self.hp.tau)
 
     def encoder_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> State:
-        enc, head = _split(client_state["params"])
+        enc, head = split_params(client_state["params"])
         key = _mix_key(client_state["key"], client_state["step"])
         g_enc, g_proj = torch.func.grad(self.supcon_objective, argnums=(0, 1))(enc, client_state["proj"], x, y, key)
         enc = sgd(enc, g_enc, self.hp.lr, self.hp.weight_decay)
@@ -176,7 +176,7 @@ class FedICON(Algorithm):
 
     def head_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> State:
         """Cross-entropy on the frozen encoder's features."""
-        enc, head = _split(client_state["params"])
+        enc, head = split_params(client_state["params"])
         feats = self.features_forward({k[len("features."):]: v for k, v in enc.items()}, x).detach()
 
         def ce(h: State) -> torch.Tensor:
@@ -207,7 +207,7 @@ class FedICON(Algorithm):
 
     def tta_step(self, params: State, proj: State, x: torch.Tensor, u: torch.Tensor) -> tuple[State, State]:
         """One SGD step of Eq. 7: pure (classifier params, projection, batch, uniforms) -> (params, projection)."""
-        enc, head = _split(params)
+        enc, head = split_params(params)
         g_enc, g_proj = torch.func.grad(self.tta_objective, argnums=(0, 1))(enc, proj, x, u)
         return {**sgd(enc, g_enc, self.hp.tta_lr), **head}, sgd(proj, g_proj, self.hp.tta_lr)
 
@@ -240,7 +240,7 @@ class FedICON(Algorithm):
                     u: torch.Tensor) -> tuple[State, State]:
         """Online Eq. 7 for the arriving samples ``x`` [b, ...]: positive = one augmented view (``u`` [b, K]),
         A(x) = that view + the memory samples [M, ...]."""
-        enc, head = _split(params)
+        enc, head = split_params(params)
 
         def objective(e: State, p: State) -> torch.Tensor:
             z = self.represent(e, p, torch.cat([x, augment(x, u, self.aug), memory]))

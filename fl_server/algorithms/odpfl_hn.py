@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from edge_sdk import _dp as edge_dp
+from edge_sdk.shared import privatize_pooled
 from fl_server.algorithms.base import Algorithm, Hyper, LocalTrainer, register
 from fl_server.functional import (State, clip_by_global_norm, get_params, make_forward, sgd, sgd_step,
                                   tree_map)
@@ -358,7 +358,7 @@ class ODPFLHN(Algorithm):
             raise ValueError("privatize needs the DP encoder (dp=True)")
         with torch.no_grad():
             pooled = self.pooled(enc, x)
-        noisy = edge_dp.privatize_pooled(pooled.cpu().double().numpy(), enc["psi.weight"].detach().cpu().numpy(),
+        noisy = privatize_pooled(pooled.cpu().double().numpy(), enc["psi.weight"].detach().cpu().numpy(),
                                          enc["psi.bias"].detach().cpu().numpy(), self.hp.dp_epsilon, self.hp.dp_delta,
                                          len(x), rng if rng is not None else self.dp_rng)
         return torch.as_tensor(noisy, dtype=x.dtype, device=x.device)

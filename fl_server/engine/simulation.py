@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from fl_server.algorithms.base import Algorithm, LocalTrainer, NotApplicable, StepFn
 from fl_server.data.federated import FederatedData
-from fl_server.device import pick_device
+from fl_server.torch_device import pick_device
 from fl_server.engine.gemm_conv import GemmConv
 from fl_server.engine.graphs import GraphedLocalSteps, vmapped_round
 from fl_server.functional import State, make_forward, stack, tree_map, unstack
@@ -35,7 +35,7 @@ from fl_server.rundir import (BEST, BEST_AT_CHECKPOINT, CHECKPOINT, CHECKPOINT_J
                               atomic_link, atomic_write, checkpoint_meta, complete_rows, load_state, save_state,
                               write_device, write_run)
 
-_SAMPLE, _BATCHES, _EVAL = 0, 1, 2  # rng purposes
+RNG_SAMPLE, RNG_BATCHES, RNG_EVAL = 0, 1, 2  # rng purposes
 
 
 @dataclass
@@ -117,12 +117,12 @@ def select_clients(num_clients: int, fraction: float, seed: int, round_: int) ->
     m = max(1, int(round(fraction * num_clients)))
     if m == num_clients:
         return np.arange(num_clients)
-    return np.sort(np.random.default_rng([seed, round_, _SAMPLE]).choice(num_clients, size=m, replace=False))
+    return np.sort(np.random.default_rng([seed, round_, RNG_SAMPLE]).choice(num_clients, size=m, replace=False))
 
 
 def client_rng(seed: int, round_: int, client: int) -> np.random.Generator:
     """Client ``client``'s own batch generator in round ``round_`` (``RunConfig.batch_stream="per_client"``)."""
-    return np.random.default_rng([seed, round_, _BATCHES, client])
+    return np.random.default_rng([seed, round_, RNG_BATCHES, client])
 
 
 def per_client_batches(client_indices: list[np.ndarray], ids: np.ndarray, iterations: int, batch_size: int,
@@ -273,7 +273,7 @@ class Simulation:
                                      self.algorithm.local_step_at, self.graphed, self.cfg.batched_conv)
         elif self.cfg.batch_stream == "shared":
             states = self.local_train(self.algorithm.local_step, states, self.server_state, ids,
-                                      self.cfg.local_iterations, self._rng(round_, _BATCHES),
+                                      self.cfg.local_iterations, self._rng(round_, RNG_BATCHES),
                                       self.algorithm.local_step_at)
         else:
             raise ValueError(f"unknown batch_stream {self.cfg.batch_stream!r}; use 'shared' or 'per_client'")
@@ -353,7 +353,7 @@ class Simulation:
         if self.algorithm.adapts_at_test_time:
             return self._personalized_accuracy(self.fed.val)
         ids = np.arange(self.fed.num_train_clients)
-        rng = self._rng(round_, _EVAL)
+        rng = self._rng(round_, RNG_EVAL)
         params = self.algorithm.val_params(self.server_state, ids, self.trainer(rng))
         if self._is_stacked(params):
             accs = [self._accuracy(p, self.fed.val[k]) for k, p in enumerate(unstack(params))]

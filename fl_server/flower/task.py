@@ -33,7 +33,7 @@ import torch
 from fl_server.algorithms.base import Algorithm, NotApplicable
 from fl_server.algorithms.btfl import BTFL
 from fl_server.data.partitions import train_val_split
-from fl_server.engine.simulation import _EVAL, Simulation, client_batches, client_rng, run_local_steps
+from fl_server.engine.simulation import RNG_EVAL, Simulation, client_batches, client_rng, run_local_steps
 from fl_server.functional import State, make_forward, stack, unstack
 from fl_server.models.norm import (client_sums, federated_statistics, norm_mode, norm_names, set_statistics,
                                    statistics_arrays)
@@ -357,7 +357,7 @@ def client_validation(algorithm: Algorithm, server: State, data: ClientData, rec
 
         def trainer(step, states, server_state, ids, iterations, step_at=None):  # type: ignore[no-untyped-def]
             batches = client_batches([np.arange(len(y_tr))], iterations, recipe.batch_size,
-                                     np.random.default_rng([recipe.seed, round_, _EVAL, data.partition_id]))
+                                     np.random.default_rng([recipe.seed, round_, RNG_EVAL, data.partition_id]))
             return run_local_steps(step, states, server_state, x_tr, y_tr, torch.from_numpy(batches), "loop",
                                    step_at=step_at)
 

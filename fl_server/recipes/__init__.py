@@ -9,7 +9,7 @@
 ...                 federation=Federation(partition="iid", num_clients=10), method="FedTTA", rounds=5)
 >>> record = train(recipe, "runs/example")  # doctest: +SKIP
 """
-from edge_sdk._preprocess import Preprocess
+from edge_sdk import Preprocess
 from fl_server.recipes.data import DataSpec
 from fl_server.recipes.errors import RecipeError
 from fl_server.recipes.loader import load_recipe, recipe_factory

@@ -17,7 +17,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from edge_sdk._preprocess import LAYOUTS, Preprocess, RawInput
+from edge_sdk import Preprocess
+from edge_sdk.shared import LAYOUTS, RawInput
 from fl_server.data import ArrayDataset, load_dataset
 from fl_server.data.federated import FederatedData
 from fl_server.recipes.errors import RecipeError

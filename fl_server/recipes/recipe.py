@@ -15,7 +15,7 @@ from typing import Any, Callable, Union
 
 import torch
 
-from edge_sdk._preprocess import Preprocess
+from edge_sdk import Preprocess
 from fl_server.algorithms import ALGORITHMS, Algorithm, build_algorithm
 from fl_server.data.federated import PARTITIONS
 from fl_server.models import Classifier

@@ -15,12 +15,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from edge_sdk._preprocess import Preprocess
+from edge_sdk import Preprocess
 from fl_server.algorithms import Algorithm, build_algorithm
 from fl_server.data.federated import (FederatedData, hold_out_validation_clients, make_federated,
                                      natural_federated, random_subset)
 from fl_server import rundir
-from fl_server.device import describe
+from fl_server.torch_device import describe
 from fl_server.diagnostics import run_warning
 from fl_server.engine import RunConfig, Simulation
 from fl_server.models import MODELS, Classifier

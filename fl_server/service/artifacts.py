@@ -17,7 +17,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from edge_sdk._bundle import sha256_file
+from edge_sdk.shared import sha256_file
 
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 log = logging.getLogger("fl_server.service")

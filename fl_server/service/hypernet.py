@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from edge_sdk import _tensors as tensors
+from edge_sdk.shared import encode_weights_header
 from fl_server.service.artifacts import ArtifactStore
 from fl_server.service.batching import MicroBatcher
 
@@ -123,7 +123,7 @@ class GenerateBatcher:
         bundle = self._bundles[str(bundle_id)]
         hn = self.cache.get(bundle)
         out = hn(np.stack([e for e, _ in items]).astype(np.float32))
-        head = tensors.encode_header(dict(zip(hn.names, hn.shapes)), {"bundle_id": bundle["id"]})
+        head = encode_weights_header(dict(zip(hn.names, hn.shapes)), {"bundle_id": bundle["id"]})
         little = out.astype("<f4", copy=False)
         return [head + little[i].tobytes() if binary else encode_json(bundle["id"], hn.split(out[i]))
                 for i, (_, binary) in enumerate(items)]

@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from edge_sdk._bundle import MANIFEST, load_bundle
+from edge_sdk import load_bundle
+from edge_sdk.shared import MANIFEST
 from fl_server import rundir
 from fl_server.recipes.loader import resolve_in_dir
 from fl_server.service.artifacts import ArtifactStore

@@ -42,7 +42,8 @@ from typing import IO, Any
 
 import numpy as np
 
-from edge_sdk._bundle import MANIFEST, Bundle, BundleError, UnverifiedSignatureWarning, load_bundle
+from edge_sdk import Bundle, BundleError, UnverifiedSignatureWarning, load_bundle
+from edge_sdk.shared import MANIFEST
 from fl_server.algorithms import ALGORITHMS
 from fl_server.service.artifacts import ArtifactStore
 from fl_server.service.store import Store

@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request, R
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from edge_sdk import _btfl as btfl, _tensors as tensors
+from edge_sdk.shared import WEIGHTS_MEDIA_TYPE, average_dles
 from fl_server.recipes.errors import RecipeError
 from fl_server.recipes.loader import resolve_in_dir
 from fl_server.service import schemas as S
@@ -216,10 +216,10 @@ def _file_chunks(path: Path, first: int, last: int, chunk: int = 1 << 20) -> Ite
              responses={**documented(*AUTH, *BODY, 404, 503, e404="no ODPFL-HN bundle with this bundle_id",
                                      e422="wrong embedding dimension, values outside [-1e6, 1e6] or not finite"),
                         200: {"description": "the weights: JSON (default) or, when the request's Accept names "
-                                             f"{tensors.MEDIA_TYPE}, that binary format (safetensors layout: u64 "
+                                             f"{WEIGHTS_MEDIA_TYPE}, that binary format (safetensors layout: u64 "
                                              "LE header length, JSON header, raw little-endian float32; "
                                              "edge_sdk._tensors)",
-                              "content": {tensors.MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}})
+                              "content": {WEIGHTS_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}}})
 async def generate(body: S.GenerateRequest, request: Request, _: Principal = Depends(require_client),
                    svc: Service = Depends(service)) -> Response:
     """ODPFL-HN: personalised weights w = f_theta(e) from the client's embedding e (nothing else is accepted).
@@ -237,9 +237,9 @@ async def generate(body: S.GenerateRequest, request: Request, _: Principal = Dep
     if len(body.embedding) != dim:
         raise HTTPException(422, f"embedding must have {dim} values (the bundle's encoder output), "
                                  f"got {len(body.embedding)}")
-    binary = tensors.MEDIA_TYPE in request.headers.get("accept", "")
+    binary = WEIGHTS_MEDIA_TYPE in request.headers.get("accept", "")
     body_bytes = await svc.generator.generate(bundle, np.asarray(body.embedding, dtype=np.float32), binary)
-    return Response(body_bytes, media_type=tensors.MEDIA_TYPE if binary else "application/json",
+    return Response(body_bytes, media_type=WEIGHTS_MEDIA_TYPE if binary else "application/json",
                     headers={"Vary": "Accept"})
 
 
@@ -271,7 +271,7 @@ def upload_dle(body: S.DLEUpload, who: Principal = Depends(require_client),
     if len({len(row) for row in body.freqs}) != 1:
         raise HTTPException(422, "invalid DLE: every row of freqs must have the same number of levels")
     try:
-        freqs = btfl.average_dles([np.asarray(body.freqs, dtype=np.float64)])  # validates the rows
+        freqs = average_dles([np.asarray(body.freqs, dtype=np.float64)])  # validates the rows
     except ValueError as exc:
         raise HTTPException(422, f"invalid DLE: {exc}") from None
     if freqs.shape[1] > S.MAX_DLE_LEVELS:

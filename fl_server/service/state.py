@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from edge_sdk import _strictjson as strictjson
+from edge_sdk.shared import json_finite, strict_dumps
 from fl_server.service.artifacts import ArtifactStore, Corrupt
 from fl_server.service.dle import DLEAggregate
 from fl_server.service.config import ServiceConfig, default_methods
@@ -249,7 +249,7 @@ class Service:
         record = self.signature(bundle["id"])
         cached = self._manifest_json.get(bundle["id"])
         if cached is None or cached[0] is not record:
-            view = strictjson.dumps(strictjson.finite(self.manifest_view(bundle))).encode()
+            view = strict_dumps(json_finite(self.manifest_view(bundle))).encode()
             cached = self._manifest_json[bundle["id"]] = (record, view)
         return cached[1]
 

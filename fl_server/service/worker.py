@@ -68,7 +68,7 @@ def job_recipe(spec: dict[str, Any]) -> Recipe:
 def run_job(job_dir: Path) -> None:
     import torch
 
-    from export.run import export_run
+    from fl_server.export.run import export_run
     from fl_server import rundir
     from fl_server.recipes import train
 

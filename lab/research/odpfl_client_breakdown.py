@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fl_server.device import describe
+from fl_server.torch_device import describe
 from fl_server.engine.simulation import load_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: lab/ is not installed

@@ -41,7 +41,7 @@ from onnx import TensorProto, helper  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from btfl_sdk_e2e import seeded_btfl  # noqa: E402
-from export.btfl import export_btfl_client  # noqa: E402
+from fl_server.export.btfl import export_btfl_client  # noqa: E402
 
 CONV2_MFLOP = 2 * 8 * 8 * 64 * 32 * 5 * 5 / 1e6  # 64 outputs of 8x8 from 32 channels, 5x5 kernels
 

@@ -1,11 +1,11 @@
 """Lowerings of the ConvNet's TENT step to ONNX, timed on onnxruntime against torch eager (one core, same run).
 
-Each variant is a decomposition table for the trace (:mod:`export.decompositions`); all four export the same
+Each variant is a decomposition table for the trace (:mod:`fl_server.export.decompositions`); all four export the same
 step (parity against torch is printed) and are timed with the calls interleaved:
 - ``exporter``: only ``convolution_backward`` decomposed (the exporter's lowerings: ReLU's backward a Where,
   max pooling with indices and a scatter backward);
 - ``+ ReLU backward as mask``: a 0/1 mask multiply;
-- ``product``: ``export.decompositions.DECOMPOSITIONS`` (also the max-pool backward without indices);
+- ``product``: ``fl_server.export.decompositions.DECOMPOSITIONS`` (also the max-pool backward without indices);
 - ``+ weight gradient as patch products``: dL/dW of an ungrouped convolution as one MatMul per kernel offset,
   dL/dy [C_out, N*Ho*Wo] @ x_ij [N*Ho*Wo, C_in] (patch extraction by strided slices of the channels-last input).
 
@@ -28,10 +28,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import export.graphs as graphs  # noqa: E402
+import fl_server.export.graphs as graphs  # noqa: E402
 from edge_sdk._steps import load_session  # noqa: E402
-from export import export_spec, tent_step_spec  # noqa: E402
-from export.decompositions import DECOMPOSITIONS, _grad_weight, convolution_backward  # noqa: E402
+from fl_server.export import export_spec, tent_step_spec  # noqa: E402
+from fl_server.export.decompositions import DECOMPOSITIONS, _grad_weight, convolution_backward  # noqa: E402
 from fl_server.algorithms import build_algorithm  # noqa: E402
 from fl_server.data import load_dataset  # noqa: E402
 from fl_server.models import build_model  # noqa: E402

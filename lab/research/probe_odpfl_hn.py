@@ -39,7 +39,7 @@ import torch
 from fl_server.algorithms import build_algorithm
 from fl_server.algorithms.odpfl_hn import ODPFLHN
 from fl_server.data.federated import hold_out_validation_clients
-from fl_server.device import describe
+from fl_server.torch_device import describe
 from fl_server.engine import RunConfig
 from fl_server.engine.simulation import Simulation
 from fl_server.models import build_model

@@ -20,7 +20,7 @@ def fsq_quantize(z: object, levels: int = 2) -> np.ndarray:
         raise ValueError(f"levels must be an integer in [2, 127], got {levels!r}")
     arr = float_array("features", z)
     require_nonnegative_finite("features", arr)
-    return _fsq_codes(arr, int(levels)).astype(np.int8)
+    return fsq_codes(arr, int(levels)).astype(np.int8)
 
 
 
@@ -38,10 +38,10 @@ def _tanh_half_threshold() -> float:
     return float(np.array(hi, dtype=np.int64).view(np.float64))
 
 
-_TANH_HALF = _tanh_half_threshold()
+TANH_HALF = _tanh_half_threshold()
 
 
-def _fsq_codes(z: np.ndarray, levels: int) -> np.ndarray:
+def fsq_codes(z: np.ndarray, levels: int) -> np.ndarray:
     """Unchecked Eq. 5: z [..., D] >= 0 -> integer codes (intp) round((levels - 1) tanh z)."""
     t = np.tanh(z)
     if levels != 2:
@@ -71,14 +71,14 @@ def average_dles(dles: list[np.ndarray], weights: object | None = None) -> np.nd
     """
     if len(dles) == 0:
         raise ValueError("average_dles needs at least one DLE")
-    stack = np.stack([_check_freqs(f) for f in dles])
+    stack = np.stack([check_freqs(f) for f in dles])
     w = np.ones(len(dles)) if weights is None else float_array("weights", weights)
     if w.shape != (len(dles),) or not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
         raise ValueError("weights must be K finite non-negative numbers with a positive sum")
     return np.tensordot(w / w.sum(), stack, axes=1)
 
 
-def _check_freqs(freqs: object) -> np.ndarray:
+def check_freqs(freqs: object) -> np.ndarray:
     f = float_array("freqs", freqs)
     require_2d("freqs", f)
     if f.shape[1] < 2:
@@ -138,7 +138,7 @@ def dle_log_likelihood(codes: object, freqs: object, smoothing: DLESmoothing | N
     codes: [N, D] ints in [0, levels) (from :func:`fsq_quantize`); freqs: [D, levels] -> [N] (Eq. 6 and the
     1/D exponent of Sec. 4.4). ``smoothing`` defaults to ``DLESmoothing.authors(levels)``.
     """
-    f = _check_freqs(freqs)
+    f = check_freqs(freqs)
     c = np.asarray(codes)
     require_2d("codes", c, cols=f.shape[0])
     if not np.issubdtype(c.dtype, np.integer) or (c.size and (c.min() < 0 or c.max() >= f.shape[1])):

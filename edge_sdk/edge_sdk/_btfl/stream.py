@@ -10,10 +10,10 @@ from typing import Literal
 import numpy as np
 
 from edge_sdk._btfl.checks import float_array, positive_scalar, require_2d, require_finite, require_nonnegative_finite
-from edge_sdk._btfl.dle import _TANH_HALF, DLESmoothing, _check_freqs, _fsq_codes
-from edge_sdk._btfl.update import (DEFAULT_LAMBDA, EVENT_EXD, EVENT_IND, EVENT_NONE, Restart, _events, _hbu_run,
-                                   _log_tau_hat, hbu_update, soft_clip_log_tau)
-from edge_sdk._btfl.weight import DEFAULT_CACHE_SIZE, WeightIntegral, _trapezoid_from_log_tau
+from edge_sdk._btfl.dle import TANH_HALF, DLESmoothing, check_freqs, fsq_codes
+from edge_sdk._btfl.update import (DEFAULT_LAMBDA, EVENT_EXD, EVENT_IND, EVENT_NONE, Restart, events_from_log_tau, hbu_run,
+                                   log_tau_hat_stacked, hbu_update, soft_clip_log_tau)
+from edge_sdk._btfl.weight import DEFAULT_CACHE_SIZE, WeightIntegral, trapezoid_from_log_tau
 from edge_sdk._numerics import log_softmax
 
 Mixing = Literal["prob", "logprob"]
@@ -118,8 +118,8 @@ class BTFLStream:
         *,
         cache_size: int = DEFAULT_CACHE_SIZE,
     ) -> None:
-        loc = _check_freqs(local_dle)
-        glo = _check_freqs(global_dle)
+        loc = check_freqs(local_dle)
+        glo = check_freqs(global_dle)
         if loc.shape != glo.shape:
             raise ValueError(f"local_dle {loc.shape} and global_dle {glo.shape} must have the same shape")
         self.dim, self.levels = loc.shape
@@ -209,7 +209,7 @@ class BTFLStream:
         ex_g, s_g, h_g, lz_g = _softmax_entropy(gl_l)
         if not math.isfinite(h_l + h_g + lz_l + lz_g):  # any NaN / inf logit ends up here
             raise ValueError("local_logits and global_logits must be finite (no NaN/inf)")
-        codes = np.greater_equal(ft, _TANH_HALF, out=self._codes, casting="unsafe")  # Eq. 5: round(tanh z)
+        codes = np.greater_equal(ft, TANH_HALF, out=self._codes, casting="unsafe")  # Eq. 5: round(tanh z)
         q_l, q_g = (self._q_delta @ codes).tolist()
         lq_l, lq_g = self._q_base[0] + q_l, self._q_base[1] + q_g
         dh_l, dh_g = h_l - self.h_local_bar, h_g - self.h_global_bar
@@ -230,7 +230,7 @@ class BTFLStream:
         if self.integral == "exact":
             e = self._grids.one(a, b, lt)
         else:
-            e = float(_trapezoid_from_log_tau(np.array([a]), np.array([b]), np.array([lt]))[0])
+            e = float(trapezoid_from_log_tau(np.array([a]), np.array([b]), np.array([lt]))[0])
         if event:
             self.alpha, self.beta = hbu_update(a, b, event, self.lam, self.restart, self.restart_c)
         if self.mixing == "prob":  # Eq. 21: e softmax(g) + (1 - e) softmax(l)
@@ -301,20 +301,20 @@ class BTFLStream:
         prob = np.exp(log_p)
         dh = self._neg_h_bar - np.add.reduce(prob * log_p, axis=-1)  # H - H_bar, H = -sum p log p
         # DLEs: geometric-mean log-likelihoods log q [2, B] (Eq. 6 and Sec. 4.4)
-        codes = _fsq_codes(ft, self.levels)
+        codes = fsq_codes(ft, self.levels)
         log_q = np.add.reduce(self._log_tables[:, self._dim_index, codes], axis=-1) / self.dim
         # HBU events from tau = Q_l / Q_g (Eq. 9, the sign of log q_l - log q_g) and pi (Eq. 10)
-        events = _events(log_q[0] - log_q[1], dh)
+        events = events_from_log_tau(log_q[0] - log_q[1], dh)
         # CBU: tau_hat (Eq. 15), optionally soft-clipped (authors' code)
-        lt_hat = _log_tau_hat(log_q, dh + self._rect_shift, self._h_bar_rect, self._tables_may_be_inf)
+        lt_hat = log_tau_hat_stacked(log_q, dh + self._rect_shift, self._h_bar_rect, self._tables_may_be_inf)
         if self.tau_clip_kb is not None:
             lt_hat = soft_clip_log_tau(lt_hat, self.tau_clip_kb)
         # the prior of each sample (built from the samples before it), then e for the whole batch at once
-        ab, self.alpha, self.beta = _hbu_run(self.alpha, self.beta, events, self.lam, self.restart, self.restart_c)
+        ab, self.alpha, self.beta = hbu_run(self.alpha, self.beta, events, self.lam, self.restart, self.restart_c)
         if self.integral == "exact":
             e = self._grids.batch(ab, np.exp(np.minimum(lt_hat, 709.0)))
         else:
-            e = _trapezoid_from_log_tau(ab[0], ab[1], lt_hat)
+            e = trapezoid_from_log_tau(ab[0], ab[1], lt_hat)
         self.last_weights, self.last_alphas, self.last_betas = e, ab[0], ab[1]
         self.last_events, self.last_log_tau_hat = events, lt_hat
         w = e[:, None]

@@ -46,10 +46,10 @@ def log_tau_hat(
     require_finite("h_local", hl)
     require_finite("h_global", hg)
     h_bar = np.array([[hlb], [hgb]]).reshape((2,) + (1,) * hl.ndim)
-    return _log_tau_hat(np.stack([lql, lqg]), np.stack([hl, hg]) - h_bar, h_bar, True)
+    return log_tau_hat_stacked(np.stack([lql, lqg]), np.stack([hl, hg]) - h_bar, h_bar, True)
 
 
-def _log_tau_hat(log_q: np.ndarray, dh: np.ndarray, h_bar: np.ndarray, may_be_nan: bool) -> np.ndarray:
+def log_tau_hat_stacked(log_q: np.ndarray, dh: np.ndarray, h_bar: np.ndarray, may_be_nan: bool) -> np.ndarray:
     """Unchecked Eq. 15 on stacked (local, global) arrays: log_q [2, B], dh = H - H_bar [2, B], h_bar [2, 1].
 
     The exponents are capped at e^700, so u * log q is never inf * 0; with ``may_be_nan`` (log q = -inf
@@ -104,10 +104,10 @@ def detect_events(
     lt, hl, hg = np.broadcast_arrays(
         float_array("log_tau", log_tau), float_array("h_local", h_local), float_array("h_global", h_global)
     )
-    return _events(lt, np.stack([hl - float(h_local_bar), hg - float(h_global_bar)]))
+    return events_from_log_tau(lt, np.stack([hl - float(h_local_bar), hg - float(h_global_bar)]))
 
 
-def _events(log_tau: np.ndarray, dh: np.ndarray) -> np.ndarray:
+def events_from_log_tau(log_tau: np.ndarray, dh: np.ndarray) -> np.ndarray:
     """Unchecked Eq. 10-11: log_tau [B], dh = H - H_bar stacked (local, global) [2, B] -> int8 [B].
 
     IND needs sign(dh_l) = -1, sign(dh_g) = +1 with tau > 1; EXD the mirror image with tau < 1, i.e. both
@@ -164,11 +164,11 @@ def hbu_sequence(
     ``alphas[t], betas[t]`` is the prior used for sample t (built from samples < t); the returned end state
     includes every sample's update. A tight loop over Python scalars (the recursion is inherently serial).
     """
-    ab, a, b = _hbu_run(float(alpha), float(beta), np.asarray(events), lam, restart, restart_c)
+    ab, a, b = hbu_run(float(alpha), float(beta), np.asarray(events), lam, restart, restart_c)
     return ab[0].copy(), ab[1].copy(), a, b
 
 
-def _hbu_run(
+def hbu_run(
     a: float, b: float, events: np.ndarray, lam: float, restart: Restart, restart_c: float
 ) -> tuple[np.ndarray, float, float]:
     """events [B] -> (prior per sample stacked as [2, B] = (alphas, betas), alpha_end, beta_end)."""

@@ -146,7 +146,7 @@ def _betaln(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (_LGAMMA(a) + _LGAMMA(b) - _LGAMMA(a + b)).astype(np.float64)
 
 
-def _trapezoid_from_log_tau(
+def trapezoid_from_log_tau(
     alpha: np.ndarray, beta: np.ndarray, log_tau: np.ndarray, n: int = 100, lo: float = 0.01, hi: float = 0.99
 ) -> np.ndarray:
     mh = np.linspace(lo, hi, n)  # grid in m_hat
@@ -173,7 +173,7 @@ def trapezoid_global_weight(alpha: object, beta: object, tau_hat: object) -> np.
     _check_weight_inputs(a, b, t)
     with np.errstate(divide="ignore"):
         log_t = np.log(t.ravel())
-    return _trapezoid_from_log_tau(a.ravel(), b.ravel(), log_t).reshape(a.shape)
+    return trapezoid_from_log_tau(a.ravel(), b.ravel(), log_t).reshape(a.shape)
 
 
 

@@ -1,4 +1,4 @@
-"""The graphs a device runs, as pure functions of (x, weights), ready for :func:`export.graphs.export_function`.
+"""The graphs a device runs, as pure functions of (x, weights), ready for :func:`fl_server.export.graphs.export_function`.
 
 Each builder returns a :class:`StepSpec`: the function, example inputs, and ONNX input/output names.
 Weight inputs are named ``psi.<param>`` (base model) and ``phi.<param>`` (FedTTA's adaptation model);
@@ -45,13 +45,13 @@ class StepSpec:
     input_names: list[str]
     output_names: list[str]
     batch_inputs: tuple[str, ...] = ("x",)
-    # inputs baked into the graph as initializers (their example values): frozen graphs (export.embed)
+    # inputs baked into the graph as initializers (their example values): frozen graphs (fl_server.export.embed)
     embedded: tuple[str, ...] = ()
     # weight inputs the step never changes (its new.* outputs return them as they came): what frozen_spec embeds
     frozen: tuple[str, ...] = ()
 
 
-def _example_x(model: Classifier, params: State, batch: int) -> torch.Tensor:
+def example_x(model: Classifier, params: State, batch: int) -> torch.Tensor:
     first = next(iter(params.values()))
     shape = getattr(model, "input_shape", None)
     if shape is None:
@@ -119,7 +119,7 @@ def forward_spec(model: Classifier, params: State, batch: int = 4, stats: Stats 
     def fn(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (forward(dict(zip(names, weights)), x),)
 
-    spec = StepSpec(fn, [_example_x(model, params, batch), *params.values()],
+    spec = StepSpec(fn, [example_x(model, params, batch), *params.values()],
                     ["x", *(f"psi.{n}" for n in names)], ["logits"])
     return with_norm_statistics(spec, model, stats, return_stats=False)
 
@@ -133,7 +133,7 @@ def fedtta_step_spec(algorithm: FedTTA, psi: State, phi: State, batch: int = 4,
         logits = algorithm.forward(new, x)
         return (*(new[n] for n in names), logits, entropy_from_logits(logits).mean())
 
-    spec = StepSpec(fn, [_example_x(algorithm.model, psi, batch), *psi.values(), *phi.values()],
+    spec = StepSpec(fn, [example_x(algorithm.model, psi, batch), *psi.values(), *phi.values()],
                     ["x", *(f"psi.{n}" for n in names), *(f"phi.{n}" for n in phi_names)],
                     [*(f"new.{n}" for n in names), "logits", "entropy"])
     return with_norm_statistics(spec, algorithm.model, stats, momentum=1.0)
@@ -147,7 +147,7 @@ def tent_step_spec(algorithm: Tent, psi: State, batch: int = 4, stats: Stats | N
         logits = algorithm.forward(new, x)
         return (*(new[n] for n in names), logits, entropy_from_logits(logits).mean())
 
-    spec = StepSpec(fn, [_example_x(algorithm.model, psi, batch), *psi.values()],
+    spec = StepSpec(fn, [example_x(algorithm.model, psi, batch), *psi.values()],
                     ["x", *(f"psi.{n}" for n in names)], [*(f"new.{n}" for n in names), "logits", "entropy"])
     return with_norm_statistics(spec, algorithm.model, stats, momentum=1.0)
 
@@ -166,7 +166,7 @@ def encoder_spec(algorithm: ODPFLHN, gamma: State, batch: int = 4) -> StepSpec:
         return torch.nn.functional.linear(pooled, g["psi.weight"], g["psi.bias"]), pooled
 
     outputs = ["embedding", "pooled"] if algorithm.hp.dp else ["embedding"]
-    return StepSpec(fn, [_example_x(algorithm.model, gamma, batch), *gamma.values()],
+    return StepSpec(fn, [example_x(algorithm.model, gamma, batch), *gamma.values()],
                     ["x", *(f"gamma.{n}" for n in names)], outputs)
 
 
@@ -179,8 +179,8 @@ STEP_GRAPHS: dict[str, StepGraph] = {}
 def register_step_graph(kind: str, *, replace: bool = False) -> Callable[[StepGraph], StepGraph]:
     """Decorator: ``builder(algorithm, state) -> StepSpec`` traces the device step ``kind`` of any method whose
     ``device_step`` is ``kind``; ``state`` holds the method's ``device_weights`` (float32 tensors). The built-in
-    kinds register here; a method with a step of a new kind registers its builder in its own module, imported
-    before export (a recipe file imports it; a coordinator imports the files its operator names in
+    kinds register here and in :mod:`fl_server.export.fedicon` (imported by the package); a method with a step of
+    a new kind registers its builder in its own module, imported before export (a recipe file imports it; a coordinator imports the files its operator names in
     ``FL_SERVE_PLUGINS``). A kind already taken raises ``ValueError`` unless ``replace``.
 
     >>> @register_step_graph("scaled")
@@ -222,13 +222,6 @@ def _encoder(algorithm: Algorithm, state: State) -> StepSpec:
     return encoder_spec(algorithm, state["enc"])  # type: ignore[arg-type]
 
 
-@register_step_graph("fedicon_step")
-def _fedicon_step(algorithm: Algorithm, state: State) -> StepSpec:
-    from export.fedicon import fedicon_tta_step_spec  # imports this module
-
-    return fedicon_tta_step_spec(algorithm, state["params"], state.get("proj", {}))  # type: ignore[arg-type]
-
-
 def device_specs(algorithm: Algorithm, state: State, freeze: bool = False) -> dict[str, StepSpec]:
     """The graphs of ``algorithm``'s bundle: ``forward`` and its device step (``algorithm.device_step``), by
     the step kind's registered builder (:func:`register_step_graph`). ``freeze``: the weights the step never
@@ -249,7 +242,7 @@ def device_specs(algorithm: Algorithm, state: State, freeze: bool = False) -> di
         build = STEP_GRAPHS.get(kind)
         if build is None:
             raise ValueError(f"{algorithm.name}'s device step {kind!r} has no graph builder: register one with "
-                             f"@export.steps.register_step_graph({kind!r}) in a module imported before export "
+                             f"@fl_server.export.steps.register_step_graph({kind!r}) in a module imported before export "
                              f"(known: {', '.join(STEP_GRAPHS)})")
         specs[kind] = build(algorithm, state)
         if freeze:

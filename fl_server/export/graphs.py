@@ -1,8 +1,8 @@
 """Trace pure functions of (inputs, weights) into ONNX graphs with a dynamic batch axis.
 
 The gradient steps a device needs are traced with ``make_fx`` (symbolic shapes) over ``torch.func.grad``,
-with :mod:`export.decompositions` so ConvNets lower, then exported by the dynamo ONNX exporter (and rewritten
-where :mod:`export.rewrites` finds a cheaper equal form). Every weight is a graph input, so the device feeds
+with :mod:`fl_server.export.decompositions` so ConvNets lower, then exported by the dynamo ONNX exporter (and rewritten
+where :mod:`fl_server.export.rewrites` finds a cheaper equal form). Every weight is a graph input, so the device feeds
 the weights it holds and receives the updated ones. The exporter's debug records (stack traces with the
 exporting machine's paths, FX node dumps: most of a graph's bytes) are dropped (:func:`strip_debug`).
 """
@@ -21,8 +21,8 @@ import torch
 from google.protobuf.message import Message
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from export.decompositions import DECOMPOSITIONS
-from export.rewrites import pool_plane_offsets, pow_to_mul
+from fl_server.export.decompositions import DECOMPOSITIONS
+from fl_server.export.rewrites import pool_plane_offsets, pow_to_mul
 
 OPSET = 18
 DEBUG_FIELDS = ("doc_string", "metadata_props")  # what a device never reads: free text and key-value notes

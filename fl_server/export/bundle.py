@@ -4,7 +4,7 @@ when a signer is given. Written atomically: files go to a temporary sibling dire
 directory is renamed into place only when complete, so a reader sees either no bundle or a whole one
 (``tests/test_faults.py`` kills a writer at every step to check). A manifest names no path of the exporting
 machine (:func:`portable`: a recipe is ``FILE.py:NAME``) and its graphs carry no debug records
-(:func:`export.graphs.strip_debug`)."""
+(:func:`fl_server.export.graphs.strip_debug`)."""
 from __future__ import annotations
 
 import os
@@ -17,11 +17,10 @@ import numpy as np
 import onnx
 
 import fl_server
-from edge_sdk import _strictjson as strictjson
-from edge_sdk._bundle import MANIFEST, sha256_file
-from export.graphs import OPSET, strip_debug
+from edge_sdk.shared import MANIFEST, json_finite, sha256_file, strict_dumps
+from fl_server.export.graphs import OPSET, strip_debug
 from fl_server.algorithms import ALGORITHMS
-from export.steps import StepSpec
+from fl_server.export.steps import StepSpec
 
 if TYPE_CHECKING:
     from fl_server.signing import ManifestSigner
@@ -134,7 +133,7 @@ def write_bundle(dest: str | os.PathLike, graphs: dict[str, Path], weights: dict
                 "versions": {"fl_server": fl_server.__version__, "onnx_opset": OPSET}, "artifacts": artifacts,
                 **(extra or {})}
     # strict JSON: an unbounded hyperparameter (ODPFL-HN's dp_epsilon = inf) is written as null, never Infinity
-    (staging / MANIFEST).write_text(strictjson.dumps(strictjson.finite(portable(manifest)), indent=1, default=str))
+    (staging / MANIFEST).write_text(strict_dumps(json_finite(portable(manifest)), indent=1, default=str))
     if signer is not None:
         signer.sign_bundle(staging)
     _fsync_tree(staging)
@@ -148,7 +147,7 @@ def write_bundle(dest: str | os.PathLike, graphs: dict[str, Path], weights: dict
 
 def export_specs(specs: dict[str, StepSpec], workdir: Path) -> dict[str, Path]:
     """Export several step specs into ``workdir``; returns name -> path."""
-    from export import export_spec
+    from fl_server.export import export_spec
 
     workdir.mkdir(parents=True, exist_ok=True)
     return {name: export_spec(spec, workdir / f"{name}.onnx") for name, spec in specs.items()}

@@ -1,7 +1,8 @@
 """ONNX export of frozen forward paths and gradient-step graphs (dynamic batch axis, pinned opset)."""
-from export.embed import embed_inputs
-from export.graphs import OPSET, export_function
-from export.steps import StepSpec, encoder_spec, fedtta_step_spec, forward_spec, tent_step_spec
+from fl_server.export import fedicon  # noqa: F401  (registers FedICON's step graph builder)
+from fl_server.export.embed import embed_inputs
+from fl_server.export.graphs import OPSET, export_function
+from fl_server.export.steps import StepSpec, encoder_spec, fedtta_step_spec, forward_spec, tent_step_spec
 
 
 def export_spec(spec: StepSpec, path):  # type: ignore[no-untyped-def]

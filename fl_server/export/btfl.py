@@ -24,9 +24,9 @@ import torch
 
 import numpy as np
 
-from export.bundle import export_specs, write_bundle
+from fl_server.export.bundle import export_specs, write_bundle
 from fl_server.signing import ManifestSigner
-from export.steps import StepSpec, _example_x, forward_spec, with_norm_statistics
+from fl_server.export.steps import StepSpec, example_x, forward_spec, with_norm_statistics
 from fl_server.algorithms.btfl import BTFL, ClientArtifacts
 from fl_server.functional import State
 
@@ -42,7 +42,7 @@ def btfl_features_spec(algorithm: BTFL, params: State, batch: int = 4, frozen: b
         z = algorithm.features(p, x)
         return z, algorithm.global_head(p, z)
 
-    spec = StepSpec(fn, [_example_x(algorithm.model, params, batch), *params.values()],
+    spec = StepSpec(fn, [example_x(algorithm.model, params, batch), *params.values()],
                     ["x", *(f"psi.{n}" for n in names)], ["features", "global_logits"])
     # a batch-normalised model: the population statistics at momentum 0, whatever the batch (no-op otherwise)
     spec = with_norm_statistics(spec, algorithm.model, momentum=0.0, return_stats=False)

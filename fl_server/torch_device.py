@@ -1,4 +1,5 @@
-"""Device selection: CUDA when available, else CPU (every benchmark records which)."""
+"""Torch device selection (the accelerator that trains, not an edge device): CUDA when available, else CPU (every
+benchmark records which)."""
 from __future__ import annotations
 
 import torch

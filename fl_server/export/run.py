@@ -8,10 +8,10 @@ from pathlib import Path
 
 import torch
 
-from export.btfl import export_btfl_run
-from export.bundle import export_specs, write_bundle
-from export.quantize import freeze_weights, quantize_int8
-from export.steps import device_specs
+from fl_server.export.btfl import export_btfl_run
+from fl_server.export.bundle import export_specs, write_bundle
+from fl_server.export.quantize import freeze_weights, quantize_int8
+from fl_server.export.steps import device_specs
 from fl_server import rundir
 from fl_server.algorithms.btfl import BTFL
 from fl_server.diagnostics import NONFINITE_FIX, describe_nonfinite, nonfinite_weights
@@ -24,7 +24,7 @@ from fl_server.signing import ManifestSigner
 def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_root: str | None = None,
                signer: ManifestSigner | None = None, recipe: Recipe | None = None, freeze: bool = False) -> Path:
     """Build the method's device graphs around the best-validation weights of ``run_dir``; write a bundle whose
-    manifest records the method's device step (:func:`export.bundle.write_bundle`). ``int8``: also ship
+    manifest records the method's device step (:func:`fl_server.export.bundle.write_bundle`). ``int8``: also ship
     ``forward_int8``, the received model frozen and dynamically quantized (plain inference). ``data_root``: where a
     built-in data set lives (the recipe names it; nothing is read). ``signer``: sign the manifest
     (``manifest.sig``). ``recipe``: the run's recipe, needed only when it was built in Python (run.json then names
@@ -32,7 +32,7 @@ def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_r
     (``stats``) and the device's rule (``batch_norm``, :data:`fl_server.models.norm.BATCH_NORM_RULE`), by which
     training evaluated its new clients. A best state with NaN or infinite weights (a diverged run) is refused.
     ``freeze``: the weights the device step never changes are constants of its graph (faster steps, a larger
-    bundle: :func:`export.steps.device_specs`).
+    bundle: :func:`fl_server.export.steps.device_specs`).
 
     >>> export_run("runs/mnist-TENT", "runs/bundle")  # doctest: +SKIP
     PosixPath('runs/bundle')
