@@ -3,6 +3,7 @@ Apache-2.0 LICENSE, and the device SDK's wheel passes ``twine check --strict`` (
 coordinator's wheel holds the product only: no results lab, test fixture or test deployment."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -15,9 +16,16 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _wheel(project: Path, out: Path) -> tuple[Path, str]:
-    """Build ``project``'s wheel (no deps, the venv's setuptools: offline) into ``out``; (wheel, build log)."""
+    """Build ``project``'s wheel (no deps, the venv's setuptools: offline) into ``out``; (wheel, build log). It
+    builds from a copy of the source tree: an in-tree build leaves a ``build/`` folder whose stale modules (a
+    package since moved or deleted) would go into the next wheel built from the checkout."""
+    ignore = shutil.ignore_patterns(".git", ".venv", ".peer-venv", "build", "runs", "*.egg-info", "__pycache__",
+                                    ".pytest_cache", ".hypothesis")
+    source = out / "source"
+    shutil.copytree(REPO, source, ignore=ignore, symlinks=True)
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation",
-                           "-w", str(out), str(project)], capture_output=True, text=True, timeout=240)
+                           "-w", str(out), str(source / project.relative_to(REPO))], capture_output=True,
+                          text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     wheels = list(out.glob("*.whl"))
     assert len(wheels) == 1, wheels
