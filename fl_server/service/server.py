@@ -32,8 +32,8 @@ from __future__ import annotations
 import asyncio
 import os
 import resource
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
@@ -197,6 +197,7 @@ class GuardedHttpTools(HttpToolsProtocol):
 
 
 def _sweep_writes(loop: asyncio.AbstractEventLoop, state: Any, interval: float) -> None:
+    """Check every connection's queued reply (:meth:`GuardedHttpTools.check_write`), then again in ``interval``."""
     now = loop.time()
     for conn in list(state.connections):
         if isinstance(conn, GuardedHttpTools):
@@ -205,9 +206,9 @@ def _sweep_writes(loop: asyncio.AbstractEventLoop, state: Any, interval: float) 
 
 
 def loop_factory(handshake_timeout_s: float) -> Callable[[], asyncio.AbstractEventLoop]:
-    """uvicorn's ``loop`` setting (a custom one is the loop's constructor): uvloop where installed, else asyncio, whose TLS servers close a connection
-    whose handshake is not complete within ``handshake_timeout_s`` (asyncio's and uvloop's default is 60 s and
-    uvicorn has no setting for it)."""
+    """uvicorn's ``loop`` setting (a custom one is the loop's constructor): uvloop where installed, else asyncio,
+    whose TLS servers close a connection whose handshake is not complete within ``handshake_timeout_s``
+    (asyncio's and uvloop's default is 60 s, and uvicorn has no setting for it)."""
     try:
         import uvloop
 
