@@ -217,7 +217,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from fl_server.service import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(name)s: %(message)s")
-    import importlib.util
 
     import torch
 
@@ -241,11 +240,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
           f" (from {signer.source})", flush=True)
     from fl_server.service.server import ServerLimits, uvicorn_options
 
-    # HTTP limits (head/body deadlines, head size, connection cap, trusted proxies): FL_SERVE_* (docs/coordinator.md)
+    # HTTP limits (deadlines, head size, connection cap, trusted proxies) and the loop (uvloop where installed):
+    # FL_SERVE_* (docs/coordinator.md)
     options = uvicorn_options(ServerLimits())
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                            backlog=args.backlog, loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
-                            **options, **tls)  # configures uvicorn's loggers
+                            backlog=args.backlog, **options, **tls)  # configures uvicorn's loggers
     from fl_server.service.logging_limits import install
 
     install()  # the same line repeated under attack is collapsed (FL_SERVE_LOG_RATE / _BURST)

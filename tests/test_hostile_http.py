@@ -83,11 +83,77 @@ def test_held_connections_are_capped_and_reaped(bare: Coordinator) -> None:
     closed by the head deadline, after which requests are served again."""
     held = [_connect(bare.url) for _ in range(45)]
     try:
-        r = httpx.get(f"{bare.url}/healthz", timeout=10)
+        r = httpx.get(f"{bare.url}/v1/signing-key", timeout=10)
         assert r.status_code == 503
         for s in held:
             assert _read_all(s).startswith(b"HTTP/1.1 408 ")
-        assert httpx.get(f"{bare.url}/healthz", timeout=10).status_code == 200
+        assert httpx.get(f"{bare.url}/v1/signing-key", timeout=10).status_code == 200
+    finally:
+        for s in held:
+            s.close()
+
+
+def test_half_sent_requests_do_not_starve_health_checks(bare: Coordinator) -> None:
+    """Issue 50, D3/N5: 3,000 half-sent requests made 36 of 37 fresh health checks answer 503. /healthz is
+    answered over the connection cap (it holds no connection of its own beyond the probe's); other routes get
+    503 until the head deadline reaps the half-sent connections."""
+    held = [_connect(bare.url) for _ in range(45)]
+    try:
+        for s in held:
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # ... and the rest never comes
+        codes = [httpx.get(f"{bare.url}/healthz", timeout=10).status_code for _ in range(5)]
+        assert codes == [200] * 5
+        assert httpx.get(f"{bare.url}/v1/signing-key", timeout=10).status_code == 503  # the cap still holds
+    finally:
+        for s in held:
+            s.close()
+
+
+@pytest.fixture(scope="module")
+def small_cap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]:
+    """A coordinator with a cap of 4 connections and a 1 s write timeout."""
+    coord = start(tmp_path_factory.mktemp("write-timeout") / "store", methods="",
+                  env={"FL_SERVE_MAX_CONNECTIONS": "4", "FL_SERVE_WRITE_TIMEOUT_S": "1"})
+    yield coord
+    coord.stop()
+
+
+def _non_reader(url: str, requests: int) -> socket.socket:
+    """A connection that pipelines ``requests`` requests for the API schema and reads nothing,
+    with a small receive buffer, so the server's replies pile up in its send buffer."""
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.settimeout(10)
+    s.connect((host, int(port)))
+    s.sendall(b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n\r\n" * requests)
+    return s
+
+
+def test_a_connection_that_reads_no_reply_is_closed_after_the_write_timeout(small_cap: Coordinator) -> None:
+    """Issue 50, D3/N5: connections that never read their replies were never closed (at a cap of 64, 110 of 110
+    probes got 503). Now a reply that makes no progress for FL_SERVE_WRITE_TIMEOUT_S is dropped with its
+    connection, which stops counting toward the cap."""
+    requests = 200  # 8 MB of replies: more than loopback's socket buffers (~3 MB) hold
+    time.sleep(0.5)  # the fixture's last probe is gone
+    held: list[socket.socket] = []
+    probe = f"{small_cap.url}/v1/signing-key"
+    try:
+        while len(held) < 8 and httpx.get(probe, timeout=10).status_code == 200:  # fill the cap
+            held.append(_non_reader(small_cap.url, requests))
+            time.sleep(0.3)
+        assert httpx.get(probe, timeout=10).status_code == 503
+        codes = []
+        for _ in range(20):  # the write timeout (1 s) and a sweep: a few seconds
+            time.sleep(0.5)
+            codes.append(httpx.get(probe, timeout=10).status_code)
+            if codes[-1] == 200:
+                break
+        assert codes[-1] == 200, codes  # it was 503 for good
+        for s in held:  # reset: the server gave up before sending every reply
+            assert _read_all(s).count(b"HTTP/1.1 200 ") < requests
+        log = small_cap.log.read_text()
+        assert "Traceback" not in log, log[-3000:]  # the request it was writing ends quietly
     finally:
         for s in held:
             s.close()

@@ -7,17 +7,21 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import re
+import socket
+import ssl
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from coordinator_proc import REPO, Coordinator, start_copy
+from coordinator_proc import REPO, Coordinator, start, start_copy
 from edge_sdk import EdgeClient, EdgeClientError
 from fl_server.signing import ManifestSigner
 from reliability_log import record
@@ -111,3 +115,30 @@ def test_tls_flags_go_together(tmp_path: Path) -> None:
                              cwd=REPO, capture_output=True, text=True, timeout=120)
         assert out.returncode == 2
         assert re.search(f"^error: {message}", out.stderr, re.M), out.stderr
+
+
+def test_a_connection_that_sends_no_client_hello_counts_and_is_closed(tmp_path: Path) -> None:
+    """Issue 50, D3/N5: a TLS connection that never sent a ClientHello was held 60 s (asyncio's handshake
+    timeout), outside the connection cap. Now it counts toward FL_SERVE_MAX_CONNECTIONS while open and is closed
+    within the head deadline."""
+    files = make_ca_and_cert(tmp_path / "tls")
+    coord = start(tmp_path / "store", methods="", tls=files,
+                  env={"FL_SERVE_MAX_CONNECTIONS": "4", "FL_SERVE_HEAD_TIMEOUT_S": "1"})
+    verify = ssl.create_default_context(cafile=str(files[2]))
+    try:
+        port = int(coord.url.rsplit(":", 1)[1])
+        held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(4)]
+        time.sleep(0.3)
+        assert httpx.get(f"{coord.url}/v1/signing-key", verify=verify, timeout=10).status_code == 503
+        start_t = time.monotonic()
+        for s in held:  # closed by the server (EOF or reset), not after 60 s
+            try:
+                assert s.recv(1) == b""
+            except ConnectionResetError:
+                pass
+        assert time.monotonic() - start_t < 4
+        assert httpx.get(f"{coord.url}/v1/signing-key", verify=verify, timeout=10).status_code == 200
+        for s in held:
+            s.close()
+    finally:
+        coord.stop()

@@ -9,11 +9,19 @@ uvicorn bounds neither how long a client may take to send a request head or body
   sends nothing at all is closed too, where uvicorn kept it for good);
 - a body deadline: the body must be complete ``body_timeout_s`` after the head, else the connection closes;
 - a head size limit: over ``max_head_bytes`` bytes before the end of the head, 431 and the connection closes
-  (at most one read beyond the limit is ever buffered).
+  (at most one read beyond the limit is ever buffered);
+- a write timeout: a reply that stays queued without a byte going out for ``write_timeout_s`` (the client
+  stopped reading) is dropped and the connection aborted, so it stops counting toward the cap (uvicorn waited
+  for the client for good);
+- TLS: a connection counts toward the cap from the moment it is accepted, before its handshake, and a handshake
+  not complete within ``head_timeout_s`` closes it (asyncio's default: 60 s, outside the cap);
+- ``GET /healthz`` is answered over the connection cap (still within the cap on running requests), so
+  connections held half-sent cannot make a load balancer's health checks fail.
 
 :func:`uvicorn_options` also raises the process's soft file-descriptor limit to its hard limit and caps the open
 connections (``max_connections``, over which uvicorn answers 503), so holding connections open can no longer
-exhaust descriptors and make every new connection reset.
+exhaust descriptors and make every new connection reset, and runs the event loop with the TLS handshake
+deadline.
 
 Example::
 
@@ -24,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import os
 import resource
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,13 +53,14 @@ class ServerLimits:
     max_head_bytes: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_MAX_HEAD_BYTES", str(64 << 10))))
     max_connections: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_MAX_CONNECTIONS", "2048")))
     keep_alive_s: float = field(default_factory=lambda: _env_float("FL_SERVE_KEEP_ALIVE_S", 5.0))
+    write_timeout_s: float = field(default_factory=lambda: _env_float("FL_SERVE_WRITE_TIMEOUT_S", 30.0))
     # addresses (or "*") whose X-Forwarded-For / X-Forwarded-Proto are believed; none by default
     trusted_proxies: tuple[str, ...] = field(default_factory=lambda: tuple(
         p.strip() for p in os.environ.get("FL_SERVE_TRUSTED_PROXIES", "").split(",") if p.strip()))
 
     def __post_init__(self) -> None:
-        if min(self.head_timeout_s, self.body_timeout_s, self.keep_alive_s) <= 0:
-            raise ValueError("FL_SERVE_{HEAD,BODY}_TIMEOUT_S and FL_SERVE_KEEP_ALIVE_S must be > 0")
+        if min(self.head_timeout_s, self.body_timeout_s, self.keep_alive_s, self.write_timeout_s) <= 0:
+            raise ValueError("FL_SERVE_{HEAD,BODY,WRITE}_TIMEOUT_S and FL_SERVE_KEEP_ALIVE_S must be > 0")
         if self.max_head_bytes < 1024 or self.max_connections < 1:
             raise ValueError("FL_SERVE_MAX_HEAD_BYTES must be >= 1024 and FL_SERVE_MAX_CONNECTIONS >= 1")
 
@@ -62,7 +72,8 @@ def _response(status: bytes, msg: str) -> bytes:
 
 
 class GuardedHttpTools(HttpToolsProtocol):
-    """uvicorn's httptools protocol with the head/body deadlines and the head size limit (module docstring)."""
+    """uvicorn's httptools protocol with the deadlines, the head size limit, the write timeout, TLS handshakes
+    within the cap and /healthz over it (module docstring)."""
 
     limits = ServerLimits()  # set by uvicorn_options() in a subclass attribute
 
@@ -71,6 +82,40 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._deadline: asyncio.TimerHandle | None = None
         self._in_head = True  # bytes received now belong to a request head
         self._head_bytes = 0
+        self._connected = False
+        self._stall: tuple[int, float] | None = None  # (bytes queued, since when) while a reply is queued
+        self._handshake: asyncio.TimerHandle | None = None
+        self._running: Any = None  # the request cycle whose ASGI task runs (pipelined ones wait behind it)
+        if self.config.is_ssl:
+            # built when the TCP connection is accepted, before the TLS handshake: it counts toward the cap until
+            # the handshake completes or the loop's handshake deadline (the same head_timeout_s, armed just after
+            # this one) closes it; one that fails its handshake earlier counts until then too
+            self.connections.add(self)
+            self._handshake = self.loop.call_later(self.limits.head_timeout_s, self._handshake_expired)
+
+    def _handshake_expired(self) -> None:
+        self._handshake = None
+        if not self._connected:
+            self.connections.discard(self)
+
+    def shutdown(self) -> None:
+        if self._connected:
+            super().shutdown()
+        else:  # still in its TLS handshake: nothing to close here
+            self._handshake_expired()
+
+    def check_write(self, now: float) -> None:
+        """Abort the connection if its queued reply has not changed for ``write_timeout_s`` (the sweep of
+        :func:`_sweep_writes` calls this a few times per timeout)."""
+        if not self._connected:
+            return
+        queued = self.transport.get_write_buffer_size()
+        if queued == 0:
+            self._stall = None
+        elif self._stall is None or self._stall[0] != queued:
+            self._stall = (queued, now)
+        elif now - self._stall[1] >= self.limits.write_timeout_s:
+            self.transport.abort()  # close() would wait for the client to read it
 
     def _arm(self, seconds: float, in_head: bool) -> None:
         self._disarm()
@@ -92,11 +137,28 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._connected = True
+        if self._handshake is not None:
+            self._handshake.cancel()
+            self._handshake = None
         self._arm(self.limits.head_timeout_s, True)
+        if not hasattr(self.server_state, "write_sweep"):  # one sweep of every connection per server
+            self.server_state.write_sweep = self.loop.call_soon(_sweep_writes, self.loop, self.server_state,
+                                                                self.limits.write_timeout_s / 4)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        running = self._running
+        if running is not None and not running.response_complete:
+            # uvicorn marks only the latest cycle disconnected, which is a queued one when requests were
+            # pipelined: the running one would write to the closed transport (a traceback per connection)
+            running.disconnected = True
+            running.message_event.set()
         super().connection_lost(exc)
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        self._running = cycle
+        super()._start_asgi_task(cycle, app)
 
     def data_received(self, data: bytes) -> None:
         if self._in_head:
@@ -117,12 +179,50 @@ class GuardedHttpTools(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head, self._head_bytes = False, 0
         self._arm(self.limits.body_timeout_s, False)
-        super().on_headers_complete()
+        cap = self.limit_concurrency
+        if (cap is not None and self.url.split(b"?", 1)[0] == b"/healthz" and len(self.tasks) < cap
+                and self.parser.get_method() in (b"GET", b"HEAD")):
+            self.limit_concurrency = None  # over the connection cap: uvicorn checks it in this call
+            try:
+                super().on_headers_complete()
+            finally:
+                self.limit_concurrency = cap
+        else:
+            super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         self._disarm()
         self._in_head = True
         super().on_message_complete()
+
+
+def _sweep_writes(loop: asyncio.AbstractEventLoop, state: Any, interval: float) -> None:
+    """Check every connection's queued reply (:meth:`GuardedHttpTools.check_write`), then again in ``interval``."""
+    now = loop.time()
+    for conn in list(state.connections):
+        if isinstance(conn, GuardedHttpTools):
+            conn.check_write(now)
+    state.write_sweep = loop.call_later(interval, _sweep_writes, loop, state, interval)
+
+
+def loop_factory(handshake_timeout_s: float) -> Callable[[], asyncio.AbstractEventLoop]:
+    """uvicorn's ``loop`` setting (a custom one is the loop's constructor): uvloop where installed, else asyncio,
+    whose TLS servers close a connection whose handshake is not complete within ``handshake_timeout_s``
+    (asyncio's and uvloop's default is 60 s, and uvicorn has no setting for it)."""
+    try:
+        import uvloop
+
+        base: type[asyncio.AbstractEventLoop] = uvloop.Loop
+    except ImportError:
+        base = asyncio.SelectorEventLoop
+
+    class GuardedLoop(base):  # type: ignore[valid-type,misc]
+        async def create_server(self, *args: Any, **kwargs: Any) -> asyncio.AbstractServer:
+            if kwargs.get("ssl") is not None:
+                kwargs.setdefault("ssl_handshake_timeout", handshake_timeout_s)
+            return await super().create_server(*args, **kwargs)
+
+    return GuardedLoop
 
 
 def raise_fd_limit() -> int:
@@ -140,10 +240,11 @@ def raise_fd_limit() -> int:
 
 
 def uvicorn_options(limits: ServerLimits) -> dict[str, Any]:
-    """uvicorn.run keyword arguments for ``limits`` (the protocol class, connection cap, proxy trust)."""
+    """uvicorn.run keyword arguments for ``limits`` (the protocol class, event loop, connection cap, proxy
+    trust)."""
     protocol = type("GuardedHttpToolsConfigured", (GuardedHttpTools,), {"limits": limits})
     soft = raise_fd_limit()
     return {"http": protocol, "limit_concurrency": max(1, min(limits.max_connections, soft - 64)),
-            "timeout_keep_alive": limits.keep_alive_s,
+            "timeout_keep_alive": limits.keep_alive_s, "loop": loop_factory(limits.head_timeout_s),
             "proxy_headers": bool(limits.trusted_proxies),
             "forwarded_allow_ips": list(limits.trusted_proxies) or None}
