@@ -113,7 +113,7 @@ def test_a_step_of_a_new_kind_is_traced_by_its_registered_graph_builder(tmp_path
     algorithm = Sharpen(build_model("mlp", (1, 8, 8), 4, seed=0))
     params = {n: p.detach() for n, p in algorithm.model.named_parameters()}
     with pytest.raises(ValueError, match=r"Sharpen's device step 'sharpen' has no graph builder: register one "
-                                         r"with @export\.steps\.register_step_graph\('sharpen'\)"):
+                                         r"with @fl_server\.export\.steps\.register_step_graph\('sharpen'\)"):
         device_specs(algorithm, {"params": params})
 
     @register_step_graph("sharpen")
