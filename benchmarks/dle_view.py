@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -55,7 +56,7 @@ def main() -> int:
     for n in args.clients:
         with tempfile.TemporaryDirectory() as tmp:
             store = Store(Path(tmp) / "db.sqlite3")
-            agg = DLEAggregate(store)
+            agg = DLEAggregate(store, uploads_share=math.inf)  # no cap on all uploads: direct_view has none
             for i in range(n):
                 freqs = btfl.fit_dle(rng.exponential(size=(int(rng.integers(20, 200)), SHAPE[0])))
                 agg.put(f"c{i}", freqs.tolist(), int(rng.integers(20, 200)), base)

@@ -268,3 +268,35 @@ def test_with_the_defaults_one_token_or_one_address_moves_no_row_by_5_percent(
     assert out == 0 and httpx.get(dle_url, headers=_auth(accepted[0]), timeout=30).status_code == 401
     left = httpx.get(dle_url, headers=_auth(sybils[-1]), timeout=30).json()
     assert left["clients"] == after["clients"] - 1
+
+
+def test_ten_tokens_together_move_no_row_by_5_percent_and_an_honest_upload_still_counts(
+        server: Coordinator, tmp_path: Path) -> None:
+    """Sybil: the bound on one source's weight was per source, so ten enrollment tokens each uploading a poisoned
+    DLE had ten times it (33% of a row). All uploads together now weigh at most FL_SERVE_DLE_UPLOADS_SHARE of
+    the training clients: the ten move no row by 5%, and an honest device's upload still moves the aggregate."""
+    coord = start_copy(server.store, tmp_path / "store", open_enrollment=False)
+    try:
+        url, dle_url = coord.url, f"{coord.url}/v1/btfl/dle"
+
+        def enrolled() -> dict:
+            token = httpx.post(f"{url}/v1/enrollments", json={"uses": 1}, headers=auth(ADMIN), timeout=30).json()
+            return httpx.post(f"{url}/v1/clients", json={"method": "BTFL", "enrollment_token": token["token"]},
+                              timeout=30).json()
+
+        sybils, honest = [enrolled() for _ in range(10)], enrolled()
+        base = _bundle_dle(coord, honest["manifest"])[0].tolist()  # the training federation's DLE
+        before = httpx.get(dle_url, headers=_auth(honest), timeout=30).json()  # (with the module's uploads)
+        poison = {"freqs": _poison(before["dims"], before["levels"]), "num_samples": 10**9}
+        codes = [httpx.post(dle_url, json=poison, headers=_auth(c), timeout=30).status_code for c in sybils]
+        assert codes == [200] * 10
+        after = httpx.get(dle_url, headers=_auth(honest), timeout=30).json()
+        assert after["clients"] == before["clients"] + 10
+        assert _moved(base, after["global_dle"]) < 0.05  # was 0.33 with ten tokens
+        uniform = np.full((before["dims"], before["levels"]), 1.0 / before["levels"])
+        r = httpx.post(dle_url, json={"freqs": uniform.tolist(), "num_samples": 50}, headers=_auth(honest), timeout=30)
+        assert r.status_code == 200 and r.json()["clients"] == before["clients"] + 11
+        assert _moved(after["global_dle"], r.json()["global_dle"]) > 1e-4  # the honest upload has an effect
+        assert _moved(base, r.json()["global_dle"]) < 0.05
+    finally:
+        coord.stop()

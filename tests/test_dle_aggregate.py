@@ -1,6 +1,7 @@
 """The coordinator's running DLE sums (fl_server/service/dle.py) against a direct re-computation with
 edge_sdk._btfl.average_dles over every client's latest row (a served bundle's DLE weighs as many as its training
-clients; one source's clients together at most FL_SERVE_DLE_SOURCE_SHARE of that), on a real SQLite store,
+clients; one source's clients together at most FL_SERVE_DLE_SOURCE_SHARE of that, all uploads together at most
+FL_SERVE_DLE_UPLOADS_SHARE of it), on a real SQLite store,
 through uploads, replacements, removals, a shape change and a restart."""
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ from fl_server.service.store import Store
 
 
 def _direct(latest: dict[str, tuple[np.ndarray, int]], exclude: str | None, base: tuple | None,
-            share: float = 0.02) -> np.ndarray | None:
-    """Clients without a source: each its own, weighing min(1, share * K) with a bundle of K clients, else 1."""
+            share: float = 0.02, uploads: float = 0.02) -> np.ndarray | None:
+    """Clients without a source: each its own, weighing min(1, share * K) with a bundle of K clients, else 1;
+    with a bundle all of them together at most uploads * K (scaled down alike)."""
     w = 1.0 if base is None else min(1.0, share * base[2])
+    if base is not None and latest:
+        w *= min(1.0, uploads * base[2] / (w * len(latest)))
     rows = [(f, w) for cid, (f, _) in latest.items() if cid != exclude]  # the claimed sample count is no weight
     if base is not None:
         rows.insert(0, (base[1], base[2]))
@@ -94,7 +98,7 @@ def test_one_source_weighs_at_most_its_share_and_a_revoked_client_leaves(tmp_pat
     shape, share = (5, 4), 0.05
     base = ("bundle", _random_dle(rng, shape), 10)
     store = Store(tmp_path / "db.sqlite3")
-    agg = DLEAggregate(store, source_share=share)
+    agg = DLEAggregate(store, source_share=share, uploads_share=2 * share)  # the two sources fit the uploads' cap
     sybils = [store.add_client("BTFL", "b", source="enr:sybil")[0] for _ in range(4)]
     honest = store.add_client("BTFL", "b", source="enr:honest")[0]
     poison = np.zeros(shape)
@@ -119,5 +123,36 @@ def test_one_source_weighs_at_most_its_share_and_a_revoked_client_leaves(tmp_pat
     view = agg.view(honest, base, "enr:honest")
     assert view.clients == 1 and store.dle(sybils[1]) is None
     np.testing.assert_allclose(view.global_dle, _weighted([base[1], mine], [10, cap]), atol=1e-12)
-    restarted = DLEAggregate(Store(tmp_path / "db.sqlite3"), source_share=share).view(honest, base, "enr:honest")
+    restarted = DLEAggregate(Store(tmp_path / "db.sqlite3"), source_share=share,
+                             uploads_share=2 * share).view(honest, base, "enr:honest")
     np.testing.assert_allclose(restarted.global_dle, view.global_dle, atol=1e-12)
+
+
+def test_many_sources_together_weigh_at_most_the_uploads_share(tmp_path: Path) -> None:
+    """Sybil: ten sources (tokens or addresses) each uploading a poisoned DLE split FL_SERVE_DLE_UPLOADS_SHARE
+    instead of adding up their per-source caps, so together they move no row by more than one source could,
+    2*u/(1+u) (L1); an honest source that joins them takes its part of that share and still moves the aggregate."""
+    rng = np.random.default_rng(2)
+    shape, share = (5, 4), 0.02
+    base = ("bundle", _random_dle(rng, shape), 10)
+    store = Store(tmp_path / "db.sqlite3")
+    agg = DLEAggregate(store, source_share=share, uploads_share=share)
+    poison = np.zeros(shape)
+    poison[:, 0] = 1.0
+    sybils = [(store.add_client("BTFL", "b", source=f"enr:sybil{i}")[0], f"enr:sybil{i}") for i in range(10)]
+    for cid, source in sybils:
+        agg.put(cid, poison.tolist(), 10**6, base, source, per_source=16)
+    view = agg.view(sybils[0][0], base, sybils[0][1])
+    assert view is not None and view.clients == 10
+    cap = share * base[2]  # 0.2: each of the ten weighs 0.02 (it was 0.2 each, 2.0 together)
+    np.testing.assert_allclose(view.global_dle, _weighted([base[1], poison], [10, cap]), atol=1e-12)
+    np.testing.assert_allclose(view.others_dle, _weighted([base[1], poison], [10, cap * 9 / 10]), atol=1e-12)
+    moved = np.abs(view.global_dle - base[1]).sum(axis=1).max()
+    assert 0.001 < moved <= 2 * share / (1 + share) + 1e-12
+    honest = store.add_client("BTFL", "b", source="enr:honest")[0]
+    mine = np.full(shape, 0.25)
+    agg.put(honest, mine.tolist(), 3, base, "enr:honest", per_source=16)
+    after = agg.view(honest, base, "enr:honest")
+    np.testing.assert_allclose(after.global_dle, _weighted([base[1], poison, mine], [10, cap * 10 / 11, cap / 11]),
+                               atol=1e-12)
+    assert np.abs(after.global_dle - view.global_dle).max() > 1e-4  # the honest upload still counts

@@ -104,6 +104,10 @@ class ServiceConfig:
     # clients (dle_clients): its clients split it, so a source moves any row by <= 2*share/(1+share) (L1)
     dle_source_share: float = field(default_factory=lambda: float(os.environ.get("FL_SERVE_DLE_SOURCE_SHARE",
                                                                                  "0.02")))
+    # BTFL: every uploaded DLE together weighs at most this share of the bundle's training clients (they split
+    # it), so many tokens or addresses together move any row by <= 2*share/(1+share) too (Sybil)
+    dle_uploads_share: float = field(default_factory=lambda: float(os.environ.get("FL_SERVE_DLE_UPLOADS_SHARE",
+                                                                                  "0.02")))
     # authenticated requests per second and burst per client address, and per enrollment, on top of the per-token
     # limit: minted tokens do not multiply it (0 disables)
     address_rate: float = field(default_factory=lambda: float(os.environ.get("FL_SERVE_ADDRESS_RATE", "200")))
@@ -148,6 +152,9 @@ class ServiceConfig:
             raise ValueError("FL_SERVE_ENROLLMENT must be 'open' or 'token'")
         if self.dle_per_source < 1 or min(self.address_rate, self.address_burst) < 0:
             raise ValueError("FL_SERVE_DLE_PER_SOURCE must be >= 1 and FL_SERVE_ADDRESS_{RATE,BURST} >= 0")
+        if not 0 < self.dle_uploads_share <= 1:
+            raise ValueError("FL_SERVE_DLE_UPLOADS_SHARE must be in (0, 1] (all uploaded DLEs' weight in the global "
+                             "DLE, as a share of the served bundle's training clients)")
         if not 0 < self.dle_source_share <= 1:
             raise ValueError("FL_SERVE_DLE_SOURCE_SHARE must be in (0, 1] (one source's weight in the global DLE "
                              "as a share of the bundle's training clients)")

@@ -2,22 +2,29 @@
 average of every client's latest uploaded DLE and, when a BTFL bundle is served, its K training clients' DLE
 counted as K clients.
 
-A client's claimed sample count is recorded but is no weight. Weights bound what one source can do (a source is
+A client's claimed sample count is recorded but is no weight. Weights bound what uploads can do (a source is
 where clients come from: one enrollment token, or one join address in open mode; a client without one is its
-own source). While a BTFL bundle with K training clients is served, one source's clients together weigh at most
-``cap = share * K`` (FL_SERVE_DLE_SOURCE_SHARE, 0.02): a source with n clients gives each min(1, cap / n). So
-however many DLEs a source uploads (at most FL_SERVE_DLE_PER_SOURCE clients of it are in), it moves a row of
-the global DLE by at most ``2 * share / (1 + share)`` of the row (L1; 3.9% at 0.02): a new source cannot
-outweigh the training federation, and many honest sources together can. Without a served bundle every client
-weighs 1.
+own source). While a BTFL bundle with K training clients is served:
+
+- one source's clients together weigh at most ``cap = source_share * K`` (FL_SERVE_DLE_SOURCE_SHARE, 0.02): a
+  source with n clients gives each min(1, cap / n) (at most FL_SERVE_DLE_PER_SOURCE clients of it are in);
+- all uploaded DLEs together weigh at most ``uploads_share * K`` (FL_SERVE_DLE_UPLOADS_SHARE, 0.02): when the
+  sources' weights add up to more, every one is scaled down by the same factor, so they split that share.
+
+So however many tokens or addresses an attacker holds, the uploads move a row of the global DLE by at most
+``2 * u / (1 + u)`` of the row (L1, u = uploads_share; 3.9% at 0.02), the bound one source had before: new
+clients cannot outweigh the training federation, however many there are. Without a served bundle every client
+weighs 1 (there is no federation's DLE to protect).
 
 The aggregate is kept as running sums, one per [D, levels] shape: sum_i w_i f_i, sum_i w_i and the number of
-clients. An upload replaces its source's terms (the source's rows, at most FL_SERVE_DLE_PER_SOURCE, are read
-back: a new client re-weighs its source's others); a view reads the sums and the caller's own row. The sums are
-rebuilt from the store at start and when the served bundle's K changes.
+clients, with the per-source weights (the common scale of the uploads' share is applied when they are read).
+An upload replaces its source's terms (the source's rows, at most FL_SERVE_DLE_PER_SOURCE, are read back: a new
+client re-weighs its source's others); a view reads the sums and the caller's own row. The sums are rebuilt from
+the store at start and when the served bundle's K changes.
 """
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -53,11 +60,12 @@ class DLEView:
 
 
 class DLEAggregate:
-    def __init__(self, store: Store, source_share: float = 0.02) -> None:
+    def __init__(self, store: Store, source_share: float = 0.02, uploads_share: float = 0.02) -> None:
         self._store = store
-        self._share = source_share
+        self._share, self._uploads_share = source_share, uploads_share
         self._lock = threading.Lock()
         self._cap: float | None = None  # a source's weight at most (None: no bundle, every client weighs 1)
+        self._uploads_cap = math.inf  # all uploads' weight together at most
         self._sums: dict[Shape, _Sums] = {}
         self._newest: Shape | None = None  # shape of the newest upload: fixes the view while no bundle does
         self._rebuild(None)
@@ -75,8 +83,13 @@ class DLEAggregate:
     def _weigh(self, base: Base | None) -> None:
         """Fix the per-source cap to ``base``'s (rebuilding the sums when it changed)."""
         cap = None if base is None else self._share * base[2]
+        self._uploads_cap = math.inf if base is None else self._uploads_share * base[2]
         if cap != self._cap:
             self._rebuild(cap)
+
+    def _scale(self, weight: float) -> float:
+        """The factor every upload's weight is scaled by when their sum ``weight`` is over the uploads' cap."""
+        return min(1.0, self._uploads_cap / weight) if weight > 0 else 1.0
 
     def _client_weight(self, n: int) -> float:
         """The weight of each client of a source with ``n`` clients in the aggregate."""
@@ -154,11 +167,12 @@ class DLEAggregate:
             if shape is None:
                 return None
             sums = self._sums.get(shape) or _Sums(np.zeros(shape), 0.0, 0)
-            total, weight, clients = sums.total.copy(), sums.weight, sums.clients
+            scale = self._scale(sums.weight)
+            total, weight, clients = sums.total * scale, sums.weight * scale, sums.clients
             mine = self._source_rows(source, client_id)
             own = mine.get(client_id)
             same = sum(f.shape == shape for f in mine.values())
-            own_weight = self._client_weight(max(1, same))
+            own_weight = self._client_weight(max(1, same)) * scale
         if base is not None:
             total += base[2] * base[1]
             weight += base[2]

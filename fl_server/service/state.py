@@ -58,7 +58,8 @@ class Service:
         self._lock = threading.Lock()
         self._objects: dict[str, set[str]] = {}  # bundle id -> every object it needs (manifest, artifacts, server)
         self._scrubbing = threading.Event()
-        self.dles = DLEAggregate(self.store, cfg.dle_source_share)  # BTFL: running sums of the clients' DLEs
+        # BTFL: running sums of the clients' DLEs
+        self.dles = DLEAggregate(self.store, cfg.dle_source_share, cfg.dle_uploads_share)
         self.admin_token_file = cfg.store_dir / "admin_token"
         self.signer = ManifestSigner.load_or_create(cfg.store_dir)
         # id -> (record, when to re-sign, the version it signs)
