@@ -13,10 +13,12 @@ import httpx
 import pytest
 
 from coordinator_proc import ADMIN, Coordinator, auth, join, start, start_copy
+from fl_server.service.server import address_key, trusted_peers
 
 pytestmark = pytest.mark.timeout(600)
 LIMITS = {"FL_SERVE_HEAD_TIMEOUT_S": "1", "FL_SERVE_BODY_TIMEOUT_S": "1", "FL_SERVE_MAX_CONNECTIONS": "40",
-          "FL_SERVE_MAX_HEAD_BYTES": str(64 << 10), "FL_SERVE_JOIN_RATE": "0.001", "FL_SERVE_JOIN_BURST": "3"}
+          "FL_SERVE_MAX_HEAD_BYTES": str(64 << 10), "FL_SERVE_JOIN_RATE": "0.001", "FL_SERVE_JOIN_BURST": "3",
+          "FL_SERVE_MAX_PENDING_PER_ADDRESS": "1000"}  # these tests fill the cap from one address on purpose
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +119,77 @@ def small_cap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]
                   env={"FL_SERVE_MAX_CONNECTIONS": "4", "FL_SERVE_WRITE_TIMEOUT_S": "4"})
     yield coord
     coord.stop()
+
+
+@pytest.fixture(scope="module")
+def per_address(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Coordinator]:
+    """A cap of 20 connections, at most 8 of one address waiting for a request, a head deadline (5 s) longer
+    than the test takes."""
+    coord = start(tmp_path_factory.mktemp("per-address") / "store", methods="",
+                  env={"FL_SERVE_MAX_CONNECTIONS": "20", "FL_SERVE_MAX_PENDING_PER_ADDRESS": "8",
+                       "FL_SERVE_HEAD_TIMEOUT_S": "5"})
+    yield coord
+    coord.stop()
+
+
+def _connect_from(url: str, source: str) -> socket.socket:
+    """A connection from ``source`` (any 127.x.y.z reaches loopback on Linux: distinct client addresses)."""
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10, source_address=(source, 0))
+
+
+def test_one_address_cannot_fill_the_cap_with_half_sent_requests(per_address: Coordinator) -> None:
+    """One address holding more half-sent requests than the connection cap made every other address's requests
+    get 503 until the head deadline reaped them. Now at most FL_SERVE_MAX_PENDING_PER_ADDRESS connections of one
+    address wait for a request; the others are closed at once, and other addresses are served."""
+    held = []
+    try:
+        for _ in range(30):  # more than the cap (20)
+            s = _connect_from(per_address.url, "127.0.0.2")
+            try:
+                s.sendall(b"GET /v1/signing-key HTTP/1.1\r\nHost: x\r\n")  # ... and the rest never comes
+            except OSError:  # refused already
+                pass
+            held.append(s)
+        with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.3"), timeout=10) as other:
+            assert other.get(f"{per_address.url}/v1/signing-key").status_code == 200  # was 503: the cap was full
+        waiting = 0
+        for s in held:  # the refusals were written when the connections were accepted, before the probe's
+            s.settimeout(0.3)
+            try:
+                reply = _read_all(s)
+            except TimeoutError:
+                waiting += 1
+                continue
+            assert reply == b"" or reply.startswith(b"HTTP/1.1 503 "), reply[:100]  # (a reset loses the reply)
+        assert waiting == 8
+        same = _connect_from(per_address.url, "127.0.0.2")  # sends nothing: reads its refusal whole
+        reply = _read_all(same)
+        same.close()
+        assert reply.startswith(b"HTTP/1.1 503 ") and b"FL_SERVE_MAX_PENDING_PER_ADDRESS: 8" in reply, reply
+    finally:
+        for s in held:
+            s.close()
+    codes = []
+    for _ in range(20):  # the closed ones no longer count: the address is served again
+        with httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=10) as again:
+            codes.append(again.get(f"{per_address.url}/v1/signing-key").status_code)
+        if codes[-1] == 200:
+            break
+        time.sleep(0.2)
+    assert codes[-1] == 200, codes
+
+
+def test_the_per_address_key() -> None:
+    """IPv4 by address, IPv6 by /64 (one host's usual allotment), IPv4-mapped as IPv4, trusted proxies unbounded."""
+    none = trusted_peers(())
+    assert address_key("10.1.2.3", none) == address_key("::ffff:10.1.2.3", none) == "10.1.2.3"
+    assert address_key("2001:db8:1:2:aaaa::1", none) == address_key("2001:db8:1:2:bbbb::9", none) == "2001:db8:1:2::/64"
+    assert address_key("2001:db8:1:3::1", none) == "2001:db8:1:3::/64"
+    proxies = trusted_peers(("10.0.0.0/8", "192.168.1.7"))
+    assert address_key("10.9.9.9", proxies) is None and address_key("192.168.1.7", proxies) is None
+    assert address_key("192.168.1.8", proxies) == "192.168.1.8"
+    assert address_key("10.9.9.9", trusted_peers(("*",))) is None
 
 
 def _non_reader(url: str, requests: int) -> socket.socket:

@@ -16,7 +16,14 @@ uvicorn bounds neither how long a client may take to send a request head or body
 - TLS: a connection counts toward the cap from the moment it is accepted, before its handshake, and a handshake
   not complete within ``head_timeout_s`` closes it (asyncio's default: 60 s, outside the cap);
 - ``GET /healthz`` is answered over the connection cap (still within the cap on running requests), so
-  connections held half-sent cannot make a load balancer's health checks fail.
+  connections held half-sent cannot make a load balancer's health checks fail;
+- a per-address bound on waiting connections: at most ``max_pending_per_address`` connections of one source
+  address may wait for a request, i.e. be open without having sent a complete request (head and body) that is
+  being answered: from the moment they are accepted (after the TLS handshake), and again from the first byte
+  of each later request on a kept-alive connection. One over it is answered 503 and closed at once (holding no
+  slot), so one address holding many half-sent requests cannot fill the connection cap and starve everyone
+  else's requests until the head deadline. IPv6 addresses count by their /64 (one host's usual allotment); a
+  peer in ``trusted_proxies`` is not bounded (a proxy carries many clients; bound them at the proxy).
 
 :func:`uvicorn_options` also raises the process's soft file-descriptor limit to its hard limit and caps the open
 connections (``max_connections``, over which uvicorn answers 503), so holding connections open can no longer
@@ -30,6 +37,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import resource
 from collections.abc import Callable
@@ -54,6 +62,9 @@ class ServerLimits:
     max_connections: int = field(default_factory=lambda: int(os.environ.get("FL_SERVE_MAX_CONNECTIONS", "2048")))
     keep_alive_s: float = field(default_factory=lambda: _env_float("FL_SERVE_KEEP_ALIVE_S", 5.0))
     write_timeout_s: float = field(default_factory=lambda: _env_float("FL_SERVE_WRITE_TIMEOUT_S", 30.0))
+    # connections of one address that may wait for a request at once; 0: an eighth of max_connections (>= 16)
+    max_pending_per_address: int = field(default_factory=lambda: int(os.environ.get(
+        "FL_SERVE_MAX_PENDING_PER_ADDRESS", "0")))
     # addresses (or "*") whose X-Forwarded-For / X-Forwarded-Proto are believed; none by default
     trusted_proxies: tuple[str, ...] = field(default_factory=lambda: tuple(
         p.strip() for p in os.environ.get("FL_SERVE_TRUSTED_PROXIES", "").split(",") if p.strip()))
@@ -63,6 +74,47 @@ class ServerLimits:
             raise ValueError("FL_SERVE_{HEAD,BODY,WRITE}_TIMEOUT_S and FL_SERVE_KEEP_ALIVE_S must be > 0")
         if self.max_head_bytes < 1024 or self.max_connections < 1:
             raise ValueError("FL_SERVE_MAX_HEAD_BYTES must be >= 1024 and FL_SERVE_MAX_CONNECTIONS >= 1")
+        if self.max_pending_per_address < 0:
+            raise ValueError("FL_SERVE_MAX_PENDING_PER_ADDRESS must be >= 0 (0: an eighth of the connection cap)")
+
+    @property
+    def pending_per_address(self) -> int:
+        """The per-address bound in force (``max_pending_per_address``, or its default)."""
+        return self.max_pending_per_address or max(16, self.max_connections // 8)
+
+
+Trusted = tuple[list[ipaddress.IPv4Network | ipaddress.IPv6Network], set[str]] | None
+
+
+def trusted_peers(proxies: tuple[str, ...]) -> Trusted:
+    """FL_SERVE_TRUSTED_PROXIES as (networks, other literal entries) as uvicorn reads them; None: "*", every peer."""
+    if "*" in proxies:
+        return None
+    networks, literals = [], set()
+    for entry in proxies:
+        try:
+            networks.append(ipaddress.ip_network(entry, strict=False))
+        except ValueError:
+            literals.add(entry)
+    return networks, literals
+
+
+def address_key(host: str, trusted: Trusted) -> str | None:
+    """The per-address bound's key for a peer: the IPv4 address, the /64 of an IPv6 one (an IPv4-mapped one as
+    IPv4); None for a trusted proxy (not bounded) or with every peer trusted."""
+    if trusted is None or host in trusted[1]:
+        return None
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host  # not an IP address (e.g. a Unix socket's peer): counted as it is
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if any(ip in net for net in trusted[0]):
+        return None
+    if isinstance(ip, ipaddress.IPv6Address):
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
 
 
 def _response(status: bytes, msg: str) -> bytes:
@@ -76,6 +128,7 @@ class GuardedHttpTools(HttpToolsProtocol):
     within the cap and /healthz over it (module docstring)."""
 
     limits = ServerLimits()  # set by uvicorn_options() in a subclass attribute
+    trusted: Trusted = ([], set())  # FL_SERVE_TRUSTED_PROXIES, set with limits
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -86,6 +139,8 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._stall: tuple[int, float] | None = None  # (bytes queued, since when) while a reply is queued
         self._handshake: asyncio.TimerHandle | None = None
         self._running: Any = None  # the request cycle whose ASGI task runs (pipelined ones wait behind it)
+        self._address: str | None = None  # the per-address bound's key (None: not bounded)
+        self._waiting = False  # counted toward the address's waiting connections
         if self.config.is_ssl:
             # built when the TCP connection is accepted, before the TLS handshake: it counts toward the cap until
             # the handshake completes or the loop's handshake deadline (the same head_timeout_s, armed just after
@@ -135,12 +190,46 @@ class GuardedHttpTools(HttpToolsProtocol):
                                            f"{self.limits.head_timeout_s:g} s"))
         self.transport.close()  # a body cut off: the app's receive() reports the disconnect
 
+    def _wait(self) -> bool:
+        """Count this connection toward its address's waiting connections; False: the address is at its bound."""
+        if self._address is None or self._waiting:
+            return True
+        counts: dict[str, int] = self.server_state.waiting_by_address
+        if counts.get(self._address, 0) >= self.limits.pending_per_address:
+            return False
+        counts[self._address] = counts.get(self._address, 0) + 1
+        self._waiting = True
+        return True
+
+    def _done_waiting(self) -> None:
+        if self._waiting:
+            counts: dict[str, int] = self.server_state.waiting_by_address
+            counts[self._address] -= 1  # type: ignore[index]
+            if not counts[self._address]:  # type: ignore[index]
+                del counts[self._address]  # type: ignore[arg-type]
+            self._waiting = False
+
+    def _refuse(self, answer: bool) -> None:
+        """Close a connection over its address's bound (with a 503 unless a reply is under way on it)."""
+        self._disarm()
+        if answer:
+            self.transport.write(_response(b"503 Service Unavailable", "too many connections from this address "
+                                           "are waiting to send a request (FL_SERVE_MAX_PENDING_PER_ADDRESS: "
+                                           f"{self.limits.pending_per_address}); retry later"))
+        self.transport.close()
+        self.parser = None  # type: ignore[assignment]  # nothing more is parsed
+
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._connected = True
         if self._handshake is not None:
             self._handshake.cancel()
             self._handshake = None
+        if not hasattr(self.server_state, "waiting_by_address"):
+            self.server_state.waiting_by_address = {}
+        self._address = None if self.client is None else address_key(self.client[0], self.trusted)
+        if not self._wait():
+            return self._refuse(answer=True)
         self._arm(self.limits.head_timeout_s, True)
         if not hasattr(self.server_state, "write_sweep"):  # one sweep of every connection per server
             self.server_state.write_sweep = self.loop.call_soon(_sweep_writes, self.loop, self.server_state,
@@ -148,6 +237,7 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._done_waiting()
         running = self._running
         if running is not None and not running.response_complete:
             # uvicorn marks only the latest cycle disconnected, which is a queued one when requests were
@@ -161,6 +251,11 @@ class GuardedHttpTools(HttpToolsProtocol):
         super()._start_asgi_task(cycle, app)
 
     def data_received(self, data: bytes) -> None:
+        if self.parser is None:  # refused or closed for its head size: nothing more is parsed
+            return
+        if data and not self._wait():  # a kept-alive connection starts another request
+            cycle = self.cycle
+            return self._refuse(answer=cycle is None or cycle.response_complete)
         if self._in_head:
             self._head_bytes += len(data)
         super().data_received(data)
@@ -172,6 +267,7 @@ class GuardedHttpTools(HttpToolsProtocol):
             self.parser = None  # type: ignore[assignment]  # drop what httptools buffered
 
     def on_message_begin(self) -> None:
+        self._wait()  # a request pipelined behind one completed in this read: its slot was just given back
         super().on_message_begin()
         if self._deadline is None:
             self._arm(self.limits.head_timeout_s, True)
@@ -192,6 +288,7 @@ class GuardedHttpTools(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._disarm()
+        self._done_waiting()
         self._in_head = True
         super().on_message_complete()
 
@@ -242,7 +339,8 @@ def raise_fd_limit() -> int:
 def uvicorn_options(limits: ServerLimits) -> dict[str, Any]:
     """uvicorn.run keyword arguments for ``limits`` (the protocol class, event loop, connection cap, proxy
     trust)."""
-    protocol = type("GuardedHttpToolsConfigured", (GuardedHttpTools,), {"limits": limits})
+    protocol = type("GuardedHttpToolsConfigured", (GuardedHttpTools,),
+                    {"limits": limits, "trusted": trusted_peers(limits.trusted_proxies)})
     soft = raise_fd_limit()
     return {"http": protocol, "limit_concurrency": max(1, min(limits.max_connections, soft - 64)),
             "timeout_keep_alive": limits.keep_alive_s, "loop": loop_factory(limits.head_timeout_s),
