@@ -381,6 +381,26 @@ def test_misbehaving_server_gives_a_clear_error(tmp_path: Path, kind: str) -> No
     record("server", f"server: {kind}", "clear EdgeClientError within the deadline")
 
 
+def _trickle_head(conn: socket.socket, head: bytes) -> None:
+    """Reply headers one byte every 0.1 s (each read gets a byte well within the read timeout), for 30 s."""
+    for byte in b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Slow: " + b"a" * 250:
+        conn.sendall(bytes([byte]))
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("call", ["join", "fetch"])
+def test_reply_headers_trickled_a_byte_at_a_time_end_at_the_deadline(tmp_path: Path, call: str) -> None:
+    """httpx's sync client times each read, not the reply: headers trickled a byte at a time kept a call blocked
+    far past its deadline (30 s here, for a 1 s deadline). Now the deadline covers connect, headers and body."""
+    with serve(_trickle_head) as bad:
+        with EdgeClient(bad.url, cache_dir=tmp_path, timeout=0.5, retries=0, deadline=1.0) as c:
+            t0 = time.monotonic()
+            with pytest.raises(EdgeClientError, match=r"timed out \(reply not complete after 1s\)"):
+                c.join() if call == "join" else c.fetch("ab" * 32, size=1000)
+            assert time.monotonic() - t0 < 1.0 + 0.5
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("respond, message", [(_endless, "reply larger than 1048576 bytes"),
                                               (_trickle, r"no manifest within 2s \(timed out")],

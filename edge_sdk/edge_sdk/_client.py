@@ -37,7 +37,9 @@ in ``ca_file`` (pinned): ``EdgeClient("https://coordinator:8443", ca_file="ca.pe
 
 Replies are bounded: a JSON reply larger than ``max_response_bytes``, an artifact larger than its manifest
 size, a reply that is not HTTP or not JSON each give a clear :class:`EdgeClientError`; every read has the
-``timeout`` and every attempt a total ``deadline`` (a server that trickles bytes cannot hold the device).
+``timeout`` and every attempt a total ``deadline`` that covers connecting, the TLS handshake, sending, the reply's
+headers and its body (:mod:`edge_sdk._deadline`: a server that trickles bytes, headers included, cannot hold the
+device past it).
 """
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ from typing import Any, Callable
 import httpx
 import numpy as np
 
-from edge_sdk import _strictjson as strictjson, _tensors as tensors
+from edge_sdk import _deadline, _strictjson as strictjson, _tensors as tensors
 from edge_sdk._bundle import MANIFEST, Bundle, load_bundle, sha256_file
 from edge_sdk._errors import BundleSignatureError
 from edge_sdk.signing import PublicKey, key_id, parse_public_key, verify_manifest, write_signature
@@ -108,7 +110,9 @@ class EdgeClient:
                  ca_file: str | os.PathLike | None = None) -> None:
         """``public_key``: the coordinator's Ed25519 key (hex or 32 bytes) to pin, or several during a key
         rotation (a manifest signed by any of them is accepted); None = trust on first use.
-        ``timeout``: per read/connect; ``deadline``: per attempt, in all; ``max_response_bytes``: JSON replies.
+        ``timeout``: per read/connect; ``deadline``: per attempt, in all (connect, headers and body; a custom
+        ``transport`` other than ``httpx.HTTPTransport`` gets it between body chunks only); ``max_response_bytes``:
+        JSON replies.
         ``ca_file``: PEM of the only CA(s) an ``https://`` coordinator's certificate may chain to (a
         self-signed deployment); None: httpx's default CA bundle."""
         self.url = url.rstrip("/")
@@ -133,6 +137,7 @@ class EdgeClient:
         self._offline: set[str] = set()  # bundle ids of cached manifests manifest() fell back to (unreachable)
         self.http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout), transport=transport,
                                  verify=verify, event_hooks=event_hooks or {}, headers={"User-Agent": "edge_sdk/0.1"})
+        _deadline.guard(self.http)  # each attempt's deadline bounds connect, headers and body, not only each read
         (self.cache / "objects").mkdir(parents=True, exist_ok=True)
 
     def __enter__(self) -> EdgeClient:
@@ -167,14 +172,14 @@ class EdgeClient:
 
     def _read(self, method: str, path: str, limit: int, end: float | None = None, **kwargs: Any) -> httpx.Response:
         """A response with its body read under ``limit`` bytes and the per-attempt ``deadline`` (or ``end``, a
-        ``time.monotonic()`` when sooner); no read waits past it."""
+        ``time.monotonic()`` when sooner); nothing (connect, headers, body) waits past it."""
         now = time.monotonic()
         end = min(now + self.deadline, end if end is not None else math.inf)
-        left = max(0.01, end - now)  # no single read or connect may wait past the end either
+        left = max(0.01, end - now)  # the pool wait too (not a network operation: the guard does not see it)
         default = self.http.timeout
         kwargs.setdefault("timeout", httpx.Timeout(**{k: min(left, t if t is not None else math.inf) for k, t in (
             ("connect", default.connect), ("read", default.read), ("write", default.write), ("pool", default.pool))}))
-        with self.http.stream(method, path, **kwargs) as r:
+        with _deadline.attempt(self.deadline, end), self.http.stream(method, path, **kwargs) as r:
             body = bytearray()
             for chunk in r.iter_bytes():  # as received (decoded): the limit bounds what lands in memory
                 body += chunk
@@ -360,9 +365,8 @@ class EdgeClient:
                 part.unlink()
                 have = 0
             headers = {"Range": f"bytes={have}-", "If-Range": f'"{sha256}"'} if have else {}
-            end = time.monotonic() + self.deadline
             try:
-                with self.http.stream("GET", url, headers=headers) as r:
+                with _deadline.attempt(self.deadline) as end, self.http.stream("GET", url, headers=headers) as r:
                     if r.status_code == 416:  # the partial file is already complete (or bogus)
                         return
                     if r.status_code not in (200, 206):
@@ -477,7 +481,7 @@ def _transport_problem(exc: Exception) -> str:
     if isinstance(exc, _Deadline):
         return f"timed out ({exc})"
     if isinstance(exc, httpx.TimeoutException):
-        return f"timed out ({type(exc).__name__})"
+        return f"timed out ({exc})" if _deadline.caused(exc) else f"timed out ({type(exc).__name__})"
     if isinstance(exc, (httpx.ProtocolError, httpx.DecodingError)):
         return f"sent an invalid HTTP response ({type(exc).__name__}: {exc})"
     return f"unreachable ({type(exc).__name__}: {exc})"
