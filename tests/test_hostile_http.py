@@ -70,6 +70,21 @@ def test_slow_head_gets_408_and_an_idle_connection_is_closed(bare: Coordinator) 
     slow.close(), idle.close()
 
 
+def test_bytes_between_requests_do_not_hold_a_connection(bare: Coordinator) -> None:
+    """A stray CRLF after a reply begins no request but cancelled uvicorn's keep-alive timer: the connection was
+    held for good. Now it has the head deadline."""
+    s = _connect(bare.url)
+    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    reply = b""
+    while not reply.endswith(b"}"):  # the whole JSON reply
+        reply += s.recv(65536)
+    s.sendall(b"\r\n")
+    start = time.monotonic()
+    assert _read_all(s).startswith(b"HTTP/1.1 408 ")  # timed out after 10 s before
+    assert time.monotonic() - start < 5
+    s.close()
+
+
 def test_slow_body_is_cut_off(bare: Coordinator) -> None:
     s = _connect(bare.url)
     s.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

@@ -5,8 +5,9 @@ uvicorn bounds neither how long a client may take to send a request head or body
 :class:`GuardedHttpTools` adds, per connection:
 
 - a head deadline: a request's head (request line and headers) must be complete ``head_timeout_s`` after the
-  connection opened or the request began, else 408 and the connection closes (slowloris; a connection that
-  sends nothing at all is closed too, where uvicorn kept it for good);
+  connection opened or the request (or any byte after the last reply) began, else 408 and the connection
+  closes (slowloris; a connection that sends nothing at all, or only a stray CRLF after a reply, is closed too,
+  where uvicorn kept it for good);
 - a body deadline: the body must be complete ``body_timeout_s`` after the head, else the connection closes;
 - a head size limit: over ``max_head_bytes`` bytes before the end of the head, 431 and the connection closes
   (at most one read beyond the limit is ever buffered);
@@ -256,6 +257,10 @@ class GuardedHttpTools(HttpToolsProtocol):
         if data and not self._wait():  # a kept-alive connection starts another request
             cycle = self.cycle
             return self._refuse(answer=cycle is None or cycle.response_complete)
+        if data and self._in_head and self._deadline is None:
+            # bytes before a request begins (a stray CRLF after a reply starts none) cancel uvicorn's keep-alive
+            # timer: without this deadline such a connection was held for good
+            self._arm(self.limits.head_timeout_s, True)
         if self._in_head:
             self._head_bytes += len(data)
         super().data_received(data)
