@@ -199,8 +199,8 @@ def test_stream_example_runs(server: Coordinator, tmp_path: Path) -> None:
     kept = json.loads((tmp_path / "s.json").read_text())
     assert strict.returncode == 0, strict.stderr
     assert kept["safeguard"]["rule"] == "disagreement<=0"
-    assert kept["safeguard"]["kept_received"] == (kept["safeguard"]["evidence"]["disagreement"] > 0)
-    if kept["safeguard"]["kept_received"]:  # the received model predicts: nothing lowered, and the screen says why
+    assert (kept["safeguard"]["action"] == "received") == (kept["safeguard"]["evidence"]["disagreement"] > 0)
+    if kept["safeguard"]["action"] == "received":  # the received model predicts: nothing lowered, and the screen says why
         assert kept["accuracy"] == kept["accuracy_received_model"] and not kept["lowered_accuracy"]
         assert "safeguard: kept the received model" in strict.stdout
     btfl = subprocess.run([*cmd, "--method", "btfl"], env=env, capture_output=True, text=True, timeout=300)
