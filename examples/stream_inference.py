@@ -31,7 +31,7 @@ import numpy as np
 
 import edge_sdk
 from edge_sdk import EdgeClient, EdgeClientError
-from edge_sdk.safeguard import DEFAULT_THRESHOLD, guard
+from edge_sdk.safeguard import SafeguardRule
 
 METHODS = {"btfl": "BTFL", "fedtta++": "FedTTA++", "odpfl-hn": "ODPFL-HN", "tent": "TENT", "none": "none"}
 PHASES = ("in-distribution", "corrupted", "external classes")
@@ -96,6 +96,18 @@ def save_plot(path: Path, acc: np.ndarray, phase: np.ndarray, title: str, e: np.
     return True
 
 
+def _safeguard(spec: str) -> SafeguardRule | bool:
+    """--safeguard: 'bundle' -> the bundle's declared rule, 'off' -> none, a number -> the disagreement rule."""
+    if spec == "bundle":
+        return True
+    if spec == "off":
+        return False
+    try:
+        return SafeguardRule("disagreement", threshold=float(spec))
+    except ValueError:
+        raise SystemExit(f"--safeguard must be 'bundle', 'off' or a share in [0, 1], got {spec!r}") from None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--server", required=True, help="coordinator URL, e.g. http://127.0.0.1:8000")
@@ -106,9 +118,10 @@ def main() -> int:
     ap.add_argument("--print-every", type=int, default=20)
     ap.add_argument("--epsilon", type=float, default=float("inf"),
                     help="odpfl-hn: the device's privacy budget for its embedding (needs a bundle of the DP encoder)")
-    ap.add_argument("--safeguard", type=float, default=DEFAULT_THRESHOLD,
-                    help="keep the received model when personalisation changes more than this share of the warm-up "
-                         "predictions (edge_sdk.safeguard; 1 = off)")
+    ap.add_argument("--safeguard", default="bundle",
+                    help="after personalising, keep the received model when label-free evidence says adaptation "
+                         "hurt (edge_sdk.safeguard): 'bundle' (the rule the method declared, in the manifest), "
+                         "'off', or a number t (keep it when more than t of the warm-up predictions changed)")
     ap.add_argument("--wait", type=float, default=600, help="seconds to wait for the coordinator's bundle")
     ap.add_argument("--cache", default="runs/device-cache", help="the device's artifact cache")
     ap.add_argument("--png", default=None, help="plot path (default runs/stream-<method>.png)")
@@ -152,7 +165,8 @@ def main() -> int:
               f"{len(bundle.manifest['artifacts'])} artifacts, {1e3 * t_download:.0f} ms")
         data = load_samples(args.data)
         warm, warm_y, xs, ys, phase = (data[k] for k in ("warm_x", "warm_y", "stream_x", "stream_y", "stream_phase"))
-        device = edge_sdk.open_bundle(bundle, method="none" if method == "none" else None, client=client)
+        device = edge_sdk.open_bundle(bundle, method="none" if method == "none" else None, client=client,
+                                      safeguard=_safeguard(args.safeguard))
         baseline = edge_sdk.open_bundle(bundle, method="none")  # the received model, for comparison
         t0 = time.perf_counter()
         result = device.personalize(warm, warm_y if device.needs_labels else None, epsilon=args.epsilon)
@@ -167,14 +181,10 @@ def main() -> int:
     else:
         what = f"personalised with {device.method} on {len(warm)} unlabeled samples"
     safeguard: dict | None = None
-    predictor = device
-    if device.method not in ("none", "BTFL", "FedTHE"):  # label-free: on the warm-up window only
-        decision = guard(baseline.predict(warm), device.predict(warm), args.safeguard)
-        print(decision.message)
-        safeguard = {"kept_received": decision.keep_received, "disagreement": round(decision.disagreement, 4),
-                     "threshold": decision.threshold}
-        if decision.keep_received:
-            predictor = baseline
+    predictor = device  # after a rollback the device predicts with the received model itself
+    if result.safeguard is not None:  # label-free: decided on the warm-up window only
+        print(result.safeguard.message)
+        safeguard = result.safeguard.as_dict()
     print(f"{what} in {1e3 * t_personalize:.1f} ms ({result.steps} step(s)); streaming {len(xs)} samples: "
           f"{' -> '.join(PHASES)}")
 

@@ -172,6 +172,27 @@ def vmap_engine(what: str, device: str, min_speedup: float) -> Callable[[Results
     return check
 
 
+def safeguard_promise(part: str) -> Callable[[Results], Verdict]:
+    """The unseen-domain table at each method's declared safeguard rule (lab.unseen_report.headline): ``"harm"``,
+    no test cell more than a point below the received model; ``"gain"``, at least 80% of personalisation's total
+    positive gain kept."""
+    def check(results: Results) -> Verdict:
+        from lab.unseen_report import headline
+
+        rows = results.get("unseen-domain", [])
+        h = headline(rows)
+        if not h:
+            return Verdict("missing", "no unseen-domain rows with a declared rule")
+        if part == "harm":
+            ok, measured = h["worse_on"] == 0, (f"{h['worse_on']} of {h['cells']} cells below -1 "
+                                                f"(worst {h['worst_on'][0]:+.2f}, {h['worst_on'][1]})")
+        else:
+            ok, measured = h["gain_kept"] >= 0.8, f"{100 * h['gain_kept']:.0f}% of the positive gain kept"
+        fewest = min(r["seeds"] for r in rows)
+        return Verdict(("met" if ok else "not met") if fewest >= SEEDS else "partial", measured)
+    return check
+
+
 _COVARIATE = tuple({"shift": f"covariate-s{s}"} for s in (1, 3, 5))
 
 CRITERIA: tuple[Criterion, ...] = (
@@ -237,6 +258,10 @@ CRITERIA: tuple[Criterion, ...] = (
                          ("new-client parity SDK vs torch, TENT mnist", "TENT MNIST"),
                          ("new-client parity SDK vs torch, TENT fashion_mnist", "TENT Fashion-MNIST"),
                          ("BTFL parity SDK vs torch, btgfl fashion_mnist", "BTFL Fashion-MNIST (btgfl)"))),
+    Criterion(52, "unseen-domain, declared safeguard rules: no test cell more than 1 point below the received model",
+              safeguard_promise("harm"), "research/results-detail.md#unseen-domain"),
+    Criterion(52, "unseen-domain, declared safeguard rules: at least 80% of personalisation's positive gain kept",
+              safeguard_promise("gain")),
 )
 
 

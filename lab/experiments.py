@@ -493,21 +493,16 @@ EXPERIMENTS["unseen-domain"] = Experiment(
                 "corrupted (gaussian noise, motion blur, fog, contrast at severities 3 and 5; covariate-s<k> = "
                 "their mean) and, for MNIST, scikit-learn's 8x8 digits upsampled to 28x28. Measures per method: "
                 "received = the model the device receives, personalised = after the method's test-time step, "
-                "safeguard = edge_sdk.safeguard (keep the received model when the adapted one changes more "
-                "than the threshold share of predictions), worse / safeguard_worse = share of clients below "
-                "their received model. The threshold is chosen on validation shifts only (impulse noise, zoom "
-                "blur, snow, pixelate on the training clients' validation samples). BTFL is not included: its "
-                "new-client path is a stream with a local head fit from labels (btgfl), not a personalisation "
-                "of a received model on an unlabeled set. Reading the rows (3 seeds, CPU protocol): "
-                "personalisation makes a large share of clients worse for every adaptive method on every unseen "
-                "condition, FedTTA++'s early-stopped adaptation most (far below its received model); "
-                "validation picks threshold 0.5, which is ahead of the safeguard off on the validation "
-                "mean, and on the test domains it brings FedTTA++ and FedTTA-Prox back to about their received "
-                "model and cuts their share of clients made worse, but it does not catch TENT's losses on the "
-                "8x8 digits (for almost every client TENT's adapted model changes at most half of the predictions "
-                "there). ODPFL-HN's generated model hardly depends on the client's data at this budget "
-                "(personalised = received within half a point). FedICON trains poorly on this 10-round "
-                "pathological protocol (its rows are far below FedAvg's).",
+                "safeguarded = after the device's safeguard with the method's declared rule (edge_sdk.safeguard: "
+                "label-free evidence from the two models on the client's unlabeled set decides to use the "
+                "personalised model, roll back to the received one, or keep both partially), worse off / on = "
+                "share of clients below their received model without / with it. Each rule is chosen on "
+                "validation shifts only (impulse noise, zoom blur, snow, pixelate on the training clients' "
+                "validation samples; python -m lab.safeguard_choice). BTFL is not included: its new-client path "
+                "is a stream with a local head fit from labels (btgfl), not a personalisation of a received model "
+                "on an unlabeled set. ODPFL-HN's generated model hardly depends on the client's data at this "
+                "budget, and FedICON trains poorly on this 10-round pathological protocol (its rows are far below "
+                "FedAvg's).",
 )
 
 

@@ -52,6 +52,7 @@ def build_simulation(protocol: Protocol, method: str, seed: int, run_dir: Path |
     ``engine``: further :class:`~fl_server.engine.RunConfig` fields (``dtype``, ``batch_stream``)."""
     fed = fed if fed is not None else build_federated(protocol, seed, data_root)
     recipe = protocol_recipe(protocol, method, data_root)
+    engine.setdefault("safeguard", False)  # the papers' methods, without the device's safeguard
     return simulation(recipe, seed, run_dir, device, mode, progress, data_root, fed, test_at_best_only,
                       checkpoint_every, description=protocol_description(protocol), **engine)
 
@@ -74,7 +75,8 @@ def own_simulation(protocol: Protocol, method: str, seed: int, run_dir: Path | N
     recipe = protocol_recipe(protocol, method, data_root, **{"rounds": protocol.rounds,
                                                              "eval_every": protocol.eval_every, **changes})
     return simulation(recipe, seed, run_dir, device, mode, progress, data_root, fed, test_at_best_only=False,
-                      checkpoint_every=checkpoint_every, description=protocol_description(protocol))
+                      checkpoint_every=checkpoint_every, description=protocol_description(protocol),
+                      safeguard=False)  # the papers' methods, without the device's safeguard
 
 
 def protocol_description(protocol: Protocol) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from edge_sdk.safeguard import disagreement
+from edge_sdk.safeguard import SafeguardRule, evidence, shifted
 from fl_server.algorithms import build_algorithm
 from fl_server.data import load_dataset
 from fl_server.data.corruptions import corrupt
@@ -41,7 +41,7 @@ UNSEEN_METHODS: dict[str, str] = {"FedAvg": "FedAvg", "TENT": "FedAvg", "FedTTA"
 # the methods whose device step changes the received model (the safeguard's candidates)
 PERSONALISING: tuple[str, ...] = tuple(m for m in UNSEEN_METHODS if m != "FedAvg")
 # safeguard thresholds scored on the validation conditions (1.0: never keeps the received model = off)
-THRESHOLDS: tuple[float, ...] = (0.05, 0.1, 0.2, 0.3, 0.5, 1.0)
+THRESHOLDS: tuple[float, ...] = (0.05, 0.1, 0.2, 0.3, 0.5, 0.7)
 Condition = tuple[str, str, list[np.ndarray], list[np.ndarray]]  # split, shift, per-client x, per-client y
 
 
@@ -78,25 +78,53 @@ def conditions(protocol: "Protocol", fed: FederatedData, seed: int, data_root: s
 
 def client_outcomes(algo: Any, state: dict, x: np.ndarray, y: np.ndarray, device: torch.device,
                     dtype: torch.dtype) -> dict[str, Any]:
-    """One new client: received and personalised accuracy and the two models' predictions' disagreement."""
-    xt = torch.from_numpy(x).to(device, dtype)
-    with torch.no_grad():
-        received = algo.predict(state["params"], xt).cpu().numpy()
-    adapted_params = algo.personalize(state, xt)
-    with torch.no_grad():
-        adapted = algo.predict(adapted_params, xt).cpu().numpy()
+    """One new client: received, personalised and ensemble (mean of the two models' probabilities) accuracy, and
+    the label-free evidence a safeguard can decide on (:func:`edge_sdk.safeguard.evidence`, with the one-pixel
+    shift): on the whole set, and ``holdout_*`` with the model adapted on every other sample judged on the rest."""
+    def logits(params: Any, inputs: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            return algo.predict(params, torch.from_numpy(inputs).to(device, dtype)).cpu().double().numpy()
+
+    xs = shifted(x)
+    received, received_s = logits(state["params"], x), logits(state["params"], xs)
+    adapted_params = algo.personalize(state, torch.from_numpy(x).to(device, dtype))
+    adapted, adapted_s = logits(adapted_params, x), logits(adapted_params, xs)
+    ev = evidence(received, adapted, received_s, adapted_s)
+    half_params = algo.personalize(state, torch.from_numpy(x[0::2]).to(device, dtype))  # adapt on one half ...
+    held = evidence(received[1::2], logits(half_params, x[1::2]))  # ... judge on the other
+    ev.update({f"holdout_{k}": v for k, v in held.items()})
+    ensemble = np.exp(received - received.max(-1, keepdims=True))
+    ensemble = ensemble / ensemble.sum(-1, keepdims=True)
+    mix = np.exp(adapted - adapted.max(-1, keepdims=True))
+    ensemble = ensemble + mix / mix.sum(-1, keepdims=True)
     return {"received": float((received.argmax(-1) == y).mean()),
             "personalised": float((adapted.argmax(-1) == y).mean()),
-            "disagreement": disagreement(received, adapted)}
+            "ensemble": float((ensemble.argmax(-1) == y).mean()), "evidence": ev}
 
 
-def summarise(clients: list[dict[str, Any]], threshold: float) -> dict[str, float]:
-    """Percentages over a condition's clients: received, personalised and safeguarded accuracy, and the share of
-    clients each of the last two leaves below the received model."""
+def candidate_rules() -> dict[str, SafeguardRule]:
+    """The rules of fixed form every condition is scored with (name -> rule): off, rollback (alone and partial:
+    always the mix of both models) and the disagreement rule at each of ``THRESHOLDS``; the methods' declared
+    rules are scored beside them (:func:`score`)."""
+    rules = [SafeguardRule("off"), SafeguardRule("rollback"), SafeguardRule("rollback", partial=True),
+             *(SafeguardRule("disagreement", threshold=t) for t in THRESHOLDS)]
+    return {r.name: r for r in rules}
+
+
+def client_accuracy(client: dict[str, Any], action: str) -> float:
+    """A client's accuracy after the safeguard's ``action``: the received, personalised or mixed model's."""
+    return client["ensemble" if action == "partial" else action]
+
+
+def summarise(clients: list[dict[str, Any]], rule: SafeguardRule) -> dict[str, float]:
+    """Percentages over a condition's clients: received, personalised and safeguarded accuracy (``rule``), the
+    share of clients each of the last two leaves below the received model, and the share the rule did not leave
+    on the personalised model (``kept``: rolled back or partially kept)."""
     rec = np.array([c["received"] for c in clients])
     per = np.array([c["personalised"] for c in clients])
-    kept = np.array([c["disagreement"] > threshold for c in clients])
-    safe = np.where(kept, rec, per)
+    actions = [rule.action(c["evidence"]) for c in clients]
+    kept = np.array([a != "personalised" for a in actions])
+    safe = np.array([client_accuracy(c, a) for c, a in zip(clients, actions)])
     tol = 1e-9
     return {"received": 100 * rec.mean(), "personalised": 100 * per.mean(), "safeguard": 100 * safe.mean(),
             "worse": 100 * np.mean(per < rec - tol), "safeguard_worse": 100 * np.mean(safe < rec - tol),
@@ -123,25 +151,42 @@ def run_unseen_seed(protocol: "Protocol", method: str, seed: int, run_dir: Path 
     per_condition = {f"{split}/{shift}": [client_outcomes(algo, state, xi, yi, sim.device, sim.dtype)
                                           for xi, yi in zip(xs, ys)]
                      for split, shift, xs, ys in conditions(protocol, fed, seed, data_root)}
-    results = score(per_condition, protocol.options.get("severities", (3, 5)))
+    results = score(per_condition, protocol.options.get("severities", (3, 5)), declared_rule(method))
     return {**record, "method": method, "trained_as": train_name, "results": results,
             "clients": per_condition,
             "wall_s": round(record["wall_s"] + time.perf_counter() - t0, 2)}
 
 
-def score(per_condition: dict[str, list[dict[str, Any]]], severities: tuple[int, ...]) -> list[dict[str, Any]]:
-    """Result entries from each condition's per-client outcomes (keys "split/shift"): the threshold-free
-    measures (received, personalised, worse; ``threshold`` None) and, at every threshold of ``THRESHOLDS``,
-    the safeguarded ones (safeguard, safeguard_worse, kept), then the condition means (:func:`_add_means`)."""
+def declared_rule(method: str) -> SafeguardRule | None:
+    """The safeguard rule the method's class declares (``Algorithm.safeguard``, what its bundles carry), if any."""
+    from fl_server.algorithms import ALGORITHMS
+
+    spec = ALGORITHMS[method].safeguard
+    return None if spec is None else SafeguardRule.from_manifest(spec)
+
+
+def rescore(record: dict[str, Any], severities: tuple[int, ...] = (3, 5)) -> dict[str, Any]:
+    """A raw seed record with its ``results`` scored again from its stored per-client outcomes (after a method's
+    declared rule changed; no training or adaptation runs again)."""
+    return {**record, "results": score(record["clients"], severities, declared_rule(record["method"]))}
+
+
+def score(per_condition: dict[str, list[dict[str, Any]]], severities: tuple[int, ...],
+          declared: SafeguardRule | None = None) -> list[dict[str, Any]]:
+    """Result entries from each condition's per-client outcomes (keys "split/shift"): the rule-free measures
+    (received, personalised, worse; ``rule`` None) and, for every rule of :func:`candidate_rules` and the
+    method's ``declared`` rule (``rule`` "declared"), the safeguarded ones (safeguard, safeguard_worse, kept),
+    then the condition means (:func:`_add_means`)."""
+    rules = {**candidate_rules(), **({} if declared is None else {"declared": declared})}
     results: list[dict[str, Any]] = []
     for key, clients in per_condition.items():
         split, shift = key.split("/", 1)
-        free = summarise(clients, 1.0)
-        results += [{"split": split, "shift": shift, "measure": m, "threshold": None, "value": free[m]}
+        free = summarise(clients, SafeguardRule("off"))
+        results += [{"split": split, "shift": shift, "measure": m, "rule": None, "value": free[m]}
                     for m in ("received", "personalised", "worse")]
-        for threshold in THRESHOLDS:
-            guarded = summarise(clients, threshold)
-            results += [{"split": split, "shift": shift, "measure": m, "threshold": threshold, "value": guarded[m]}
+        for name, rule in rules.items():
+            guarded = summarise(clients, rule)
+            results += [{"split": split, "shift": shift, "measure": m, "rule": name, "value": guarded[m]}
                         for m in ("safeguard", "safeguard_worse", "kept")]
     _add_means(results, severities)
     return results
@@ -150,27 +195,13 @@ def score(per_condition: dict[str, list[dict[str, Any]]], severities: tuple[int,
 def _add_means(results: list[dict[str, Any]], severities: tuple[int, ...]) -> None:
     """``covariate-s<k>`` test rows (mean over the corruptions at severity k) and ``val-mean`` rows (mean over
     every validation condition), per measure and threshold."""
-    groups: dict[tuple[str, str, str, float | None], list[float]] = {}
+    groups: dict[tuple[str, str, str, str | None], list[float]] = {}
     for r in results:
         if r["split"] == "val":
-            groups.setdefault(("val", "val-mean", r["measure"], r["threshold"]), []).append(r["value"])
+            groups.setdefault(("val", "val-mean", r["measure"], r["rule"]), []).append(r["value"])
         elif r["shift"] not in ("clean", "digits"):
             sev = r["shift"].rsplit("-", 1)[1]
             if int(sev) in severities:
-                groups.setdefault(("test", f"covariate-s{sev}", r["measure"], r["threshold"]), []).append(r["value"])
-    results += [{"split": k[0], "shift": k[1], "measure": k[2], "threshold": k[3], "value": float(np.mean(v))}
+                groups.setdefault(("test", f"covariate-s{sev}", r["measure"], r["rule"]), []).append(r["value"])
+    results += [{"split": k[0], "shift": k[1], "measure": k[2], "rule": k[3], "value": float(np.mean(v))}
                 for k, v in groups.items()]
-
-
-def chosen_threshold(rows: list[dict[str, Any]], adaptive: tuple[str, ...]) -> float:
-    """The safeguard threshold of best mean ``val-mean`` safeguarded accuracy over the ``adaptive`` methods and
-    data sets in an aggregated ``unseen-domain`` table (ties: the larger threshold, the one that intervenes
-    less)."""
-    scores: dict[float, list[float]] = {}
-    for r in rows:
-        if r.get("shift") == "val-mean" and r.get("measure") == "safeguard" and r["method"] in adaptive:
-            scores.setdefault(r["threshold"], []).append(r["mean"])
-    if not scores:
-        raise ValueError("the table has no val-mean safeguard rows of the adaptive methods")
-    best = max(np.mean(v) for v in scores.values())
-    return max(t for t, v in scores.items() if np.mean(v) >= best - 1e-9)

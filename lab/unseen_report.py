@@ -1,25 +1,92 @@
-"""The ``unseen-domain`` section of docs/RESULTS.md: one compact table per data set (conditions x methods, the
-safeguard off and on at the device SDK's default threshold) and the validation rows the threshold is chosen on.
+"""The ``unseen-domain`` section of docs/RESULTS.md and its research page: per data set, received ->
+personalised (safeguard off) -> safeguarded (each method's declared rule), the headline promise (no cell more
+than a point below the received model) and the validation candidates each rule was chosen among.
 
     from lab.unseen_report import unseen_section
     text = unseen_section("unseen-domain", json.loads(Path("docs/results/unseen-domain.json").read_text()))
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
-from edge_sdk.safeguard import DEFAULT_THRESHOLD
+import numpy as np
 
+CHOICE = Path("docs/results/safeguard-choice.json")
 # the columns of the test table: (heading, measure)
 _COLUMNS = (("received", "received"), ("personalised (safeguard off)", "personalised"),
-            ("worse off %", "worse"), ("safeguard on", "safeguard"), ("worse on %", "safeguard_worse"),
+            ("worse off %", "worse"), ("safeguarded", "safeguard"), ("worse on %", "safeguard_worse"),
             ("kept received %", "kept"))
 _TEST_ORDER = ("clean", "digits", "covariate-s3", "covariate-s5")
+_GUARDED = ("safeguard", "safeguard_worse", "kept")
 
 
-def _threshold(measure: str, threshold: float) -> float | None:
-    """The rows of the safeguarded measures carry their threshold; the others have none."""
-    return threshold if measure in ("safeguard", "safeguard_worse", "kept") else None
+def _key(r: dict[str, Any]) -> tuple:
+    return r["dataset"], r["method"], r["split"], r["shift"], r["measure"], r.get("rule")
+
+
+def _rule(measure: str) -> str | None:
+    """The safeguarded measures are read at each method's declared rule; the others have no rule."""
+    return "declared" if measure in _GUARDED else None
+
+
+def headline(rows: list[dict[str, Any]], loss: float = 1.0) -> dict[str, Any]:
+    """The promise on the test conditions (each single shift, not the covariate means), mean over seeds, at each
+    method's declared rule: cells more than ``loss`` points below the received model without and with the
+    safeguard, the worst cell of each, and the share of the unguarded total positive gain the safeguard keeps."""
+    by = {_key(r): r["mean"] for r in rows}
+    off, on = [], []
+    for (dataset, method, split, shift, measure, rule), rec in by.items():
+        if split != "test" or measure != "received" or shift.startswith("covariate-"):
+            continue
+        per, safe = by.get((dataset, method, split, shift, "personalised", None)), \
+            by.get((dataset, method, split, shift, "safeguard", "declared"))
+        if per is None or safe is None:
+            continue
+        off.append((per - rec, f"{dataset}/{method}/{shift}"))
+        on.append((safe - rec, f"{dataset}/{method}/{shift}"))
+    if not on:
+        return {}
+    positive = sum(max(0.0, g) for g, _ in off)
+    return {"cells": len(on), "worse_off": sum(g < -loss for g, _ in off), "worse_on": sum(g < -loss for g, _ in on),
+            "worst_off": min(off), "worst_on": min(on),
+            "gain_kept": (sum(max(0.0, g) for g, _ in on) / positive) if positive > 0 else 1.0,
+            "mean_gain_off": float(np.mean([g for g, _ in off])), "mean_gain_on": float(np.mean([g for g, _ in on]))}
+
+
+def _headline_lines(rows: list[dict[str, Any]]) -> list[str]:
+    h = headline(rows)
+    if not h:
+        return []
+    return [f"Over the {h['cells']} test cells (method x data set x condition, mean over seeds): personalisation "
+            f"alone leaves {h['worse_off']} more than a point below the received model (worst "
+            f"{h['worst_off'][0]:+.1f}, {h['worst_off'][1]}); with each method's declared safeguard rule "
+            f"{h['worse_on']} (worst {h['worst_on'][0]:+.1f}, {h['worst_on'][1]}), keeping "
+            f"{100 * h['gain_kept']:.0f}% of personalisation's total positive gain (mean gain per cell "
+            f"{h['mean_gain_off']:+.2f} -> {h['mean_gain_on']:+.2f} points).", ""]
+
+
+def _choice_lines(methods: list[str]) -> list[str]:
+    if not CHOICE.is_file():
+        return []
+    choice = json.loads(CHOICE.read_text())["methods"]
+    lines = ["### Rules chosen on the validation shifts", "",
+             "Each method's candidates, scored on the validation conditions only (fitted rules leave the scored "
+             "condition out); admissible = no validation cell more than "
+             f"{json.loads(CHOICE.read_text())['max_val_loss']:g} points below the received model; the admissible "
+             "one of best mean gain is declared (`python -m lab.safeguard_choice`).", "",
+             "| method | candidate | val mean gain | val worst cell | admissible |", "|---|---|---|---|---|"]
+    for m in methods:
+        if m not in choice:
+            continue
+        chosen = choice[m]["rule"]
+        for c in choice[m]["candidates"]:
+            mark = " (declared)" if c.get("chosen") else ""
+            lines.append(f"| {m} | {c['candidate']}{mark} | {c['val_mean_gain']:+.2f} | {c['val_worst_cell']:+.2f} | "
+                         f"{'yes' if c['admissible'] else 'no'} |")
+        lines.append(f"| {m} | declared: `{json.dumps(chosen)}` | | | |")
+    return [*lines, ""]
 
 
 def _cell(rows: dict[tuple, dict[str, Any]], key: tuple) -> str:
@@ -28,25 +95,18 @@ def _cell(rows: dict[tuple, dict[str, Any]], key: tuple) -> str:
 
 
 def unseen_section(name: str, rows: list[dict[str, Any]]) -> str:
-    """Markdown for the aggregated rows of ``docs/results/<name>.json`` (the unseen-domain table)."""
+    """Markdown for the aggregated rows of ``docs/results/<name>.json`` (the research page's full tables)."""
     from lab.experiments import EXPERIMENTS  # heavy import, only when rendering
 
     exp = EXPERIMENTS[name]
-    by = {(r["dataset"], r["method"], r["split"], r["shift"], r["measure"], r["threshold"]): r for r in rows}
+    by = {_key(r): r for r in rows}
     methods = [m for m in exp.methods if any(r["method"] == m for r in rows)]
     lines = [f"## {name}", "", exp.description, ""]
     if rows:
         first = rows[0]
         lines += [f"Protocol: {first.get('note', '')}. Seeds: {max(r['seeds'] for r in rows)}; device: "
                   f"{first['device']}; command: `{first.get('command', '')}`. Mean +- sample std over seeds; "
-                  f"safeguard at threshold {DEFAULT_THRESHOLD} (edge_sdk.safeguard.DEFAULT_THRESHOLD).", ""]
-    t = DEFAULT_THRESHOLD
-    if any(r["shift"] == "val-mean" for r in rows):
-        from lab.unseen import PERSONALISING, chosen_threshold
-
-        lines += [f"Validation shifts pick threshold {chosen_threshold(rows, PERSONALISING):g} (best mean safeguarded "
-                  f"val-mean accuracy over the personalising methods and data sets; ties to the larger); the device "
-                  f"SDK's default is {t:g}.", ""]
+                  "safeguarded = each method's declared rule.", "", *_headline_lines(rows)]
     for dataset in sorted({r["dataset"] for r in rows}):
         lines += [f"### {dataset}: new clients (test)", "",
                   "| condition | method | " + " | ".join(h for h, _ in _COLUMNS) + " | seeds |",
@@ -56,41 +116,36 @@ def unseen_section(name: str, rows: list[dict[str, Any]]) -> str:
             for m in methods:
                 if (dataset, m, "test", shift, "received", None) not in by:
                     continue
-                cells = [_cell(by, (dataset, m, "test", shift, meas, _threshold(meas, t))) for _, meas in _COLUMNS]
+                cells = [_cell(by, (dataset, m, "test", shift, meas, _rule(meas))) for _, meas in _COLUMNS]
                 seeds = by[(dataset, m, "test", shift, "received", None)]["seeds"]
                 lines.append(f"| {shift} | {m} | " + " | ".join(cells) + f" | {seeds} |")
-        thresholds = sorted({k[5] for k in by if k[0] == dataset and k[3] == "val-mean" and k[5] is not None})
-        lines += ["", f"### {dataset}: validation shifts (val-mean), safeguarded accuracy by threshold", "",
-                  "| method | received | personalised | " + " | ".join(f"t={x:g}" for x in thresholds) + " |",
-                  "|---|---|---|" + "---|" * len(thresholds)]
+        lines += ["", f"### {dataset}: validation shifts (val-mean)", "",
+                  "| method | " + " | ".join(h for h, _ in _COLUMNS) + " |", "|---|" + "---|" * len(_COLUMNS)]
         for m in methods:
-            if (dataset, m, "val", "val-mean", "personalised", None) not in by:
-                continue
-            cells = [_cell(by, (dataset, m, "val", "val-mean", "safeguard", x)) for x in thresholds]
-            lines.append(f"| {m} | {_cell(by, (dataset, m, 'val', 'val-mean', 'received', None))} | "
-                         f"{_cell(by, (dataset, m, 'val', 'val-mean', 'personalised', None))} | "
-                         + " | ".join(cells) + " |")
+            if (dataset, m, "val", "val-mean", "personalised", None) in by:
+                cells = [_cell(by, (dataset, m, "val", "val-mean", meas, _rule(meas))) for _, meas in _COLUMNS]
+                lines.append(f"| {m} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += _choice_lines(methods)
     return "\n".join(lines) + "\n"
 
 
 def unseen_summary(name: str, rows: list[dict[str, Any]]) -> str:
     """The compact unseen-domain section of docs/RESULTS.md: per data set one method x condition table whose
-    cells read "received -> personalised (safeguard on)", seed means; every measure with its spread, the
-    share of clients made worse and the validation tables are on the research page (:func:`unseen_section`)."""
+    cells read "received -> personalised (safeguarded)", seed means, and the headline promise; every measure
+    with its spread and the validation choice of the rules are on the research page (:func:`unseen_section`)."""
     from lab.experiments import EXPERIMENTS  # heavy import, only when rendering
 
     exp = EXPERIMENTS[name]
-    by = {(r["dataset"], r["method"], r["split"], r["shift"], r["measure"], r["threshold"]): r for r in rows}
+    by = {_key(r): r for r in rows}
     methods = [m for m in exp.methods if any(r["method"] == m for r in rows)]
-    t = DEFAULT_THRESHOLD
     lines = [f"## {name}", "", exp.description.split(". ")[0].rstrip(".") + ".", ""]
     if rows:
         lines += [f"Protocol: {rows[0].get('note', '')}. {max(r['seeds'] for r in rows)} seeds; "
-                  f"`{rows[0].get('command', '')}`. Cells: received -> personalised (safeguard on, threshold {t:g}), "
-                  f"mean over seeds (FedAvg's model is TENT's received one). Spreads, the share of clients made "
-                  f"worse and the validation shifts that chose "
-                  f"the threshold: [research page](research/results-detail.md#{name}).", ""]
+                  f"`{rows[0].get('command', '')}`. Cells: received -> personalised (safeguarded with the method's "
+                  f"declared rule), mean over seeds (FedAvg's model is TENT's received one). Spreads, the share of "
+                  f"clients made worse and the validation shifts that chose each rule: "
+                  f"[research page](research/results-detail.md#{name}).", "", *_headline_lines(rows)]
 
     def mean(key: tuple) -> str:
         r = by.get(key)
@@ -106,7 +161,7 @@ def unseen_summary(name: str, rows: list[dict[str, Any]]) -> str:
             for s in shifts:
                 base = (dataset, m, "test", s)
                 cells.append(f"{mean((*base, 'received', None))} -> {mean((*base, 'personalised', None))} "
-                             f"({mean((*base, 'safeguard', t))})")
+                             f"({mean((*base, 'safeguard', 'declared'))})")
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines) + "\n"

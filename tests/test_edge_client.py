@@ -19,7 +19,6 @@ from coordinator_proc import Coordinator, free_port, start
 from edge_sdk import EdgeClient, EdgeClientError
 from edge_sdk._bundle import BundleError, BundleSignatureError, load_bundle
 from edge_sdk._client import TrustOnFirstUseWarning
-from edge_sdk.safeguard import DEFAULT_THRESHOLD
 from faultnet import Cut, CuttingProxy, http_reply, serve
 from reliability_log import record
 
@@ -178,7 +177,7 @@ def test_stream_example_runs(server: Coordinator, tmp_path: Path) -> None:
 
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "edge_sdk")])}
-    from edge_sdk.safeguard import DEFAULT_THRESHOLD
+    from fl_server.algorithms import ALGORITHMS
     from fl_server.cli import main as fl_server
 
     data = tmp_path / "device.npz"  # the coordinator's side prepares the device's samples
@@ -192,14 +191,16 @@ def test_stream_example_runs(server: Coordinator, tmp_path: Path) -> None:
     assert summary["torch_imported"] is False and summary["fl_server_imported"] is False
     assert (tmp_path / "s.png").stat().st_size > 1000
     # never a silent loss: the safeguard's decision is on screen, and a lower accuracy than the received model's
-    assert "safeguard: " in run.stdout and summary["safeguard"]["threshold"] == DEFAULT_THRESHOLD
+    declared = ALGORITHMS["TENT"].safeguard
+    assert "safeguard: " in run.stdout and summary["safeguard"]["rule"] == declared["rule"]
     assert ("personalisation LOWERED accuracy" in run.stdout) == summary["lowered_accuracy"]
     strict = subprocess.run([*cmd, "--method", "tent", "--safeguard", "0"], env=env, capture_output=True, text=True,
                             timeout=300)
     kept = json.loads((tmp_path / "s.json").read_text())
     assert strict.returncode == 0, strict.stderr
-    assert kept["safeguard"]["kept_received"] == (kept["safeguard"]["disagreement"] > 0)
-    if kept["safeguard"]["kept_received"]:  # the received model predicts: nothing lowered, and the screen says why
+    assert kept["safeguard"]["rule"] == "disagreement<=0"
+    assert (kept["safeguard"]["action"] == "received") == (kept["safeguard"]["evidence"]["disagreement"] > 0)
+    if kept["safeguard"]["action"] == "received":  # the received model predicts: nothing lowered, and the screen says why
         assert kept["accuracy"] == kept["accuracy_received_model"] and not kept["lowered_accuracy"]
         assert "safeguard: kept the received model" in strict.stdout
     btfl = subprocess.run([*cmd, "--method", "btfl"], env=env, capture_output=True, text=True, timeout=300)

@@ -282,6 +282,9 @@ MANIFEST_BAD: list[tuple[str, Callable[[dict[str, Any]], None], str]] = [
     ("method none", lambda m: m.update(method="none"), "not a method this coordinator knows"),
     ("unknown method", lambda m: m.update(method="NoSuchMethod"), "not a method this coordinator knows"),
     ("nested 40 deep", lambda m: m.update(notes=_nest(40)), "nested"),
+    ("unknown safeguard rule", lambda m: m.update(safeguard={"rule": "trust-me"}), "unknown safeguard rule"),
+    ("safeguard weight 1e300", lambda m: m.update(safeguard={"rule": "linear", "weights": {"disagreement": 1e300}}),
+     "finite numbers below 1e6"),
 ]
 
 

@@ -29,6 +29,7 @@ import numpy as np
 from edge_sdk import _strictjson as strictjson
 from edge_sdk._errors import BundleError, BundleSignatureError
 from edge_sdk._preprocess import Preprocess
+from edge_sdk.safeguard import SafeguardRule
 from edge_sdk.signing import SIGNATURE_FILE, PublicKey, Release, parse_public_key, verify_manifest
 
 __all__ = ["MANIFEST", "Bundle", "BundleError", "BundleSignatureError", "UnverifiedSignatureWarning",
@@ -139,6 +140,13 @@ class Bundle:
         return dict(self.manifest.get("hyperparameters", {}))
 
     @property
+    def safeguard(self) -> SafeguardRule | None:
+        """The label-free safeguard rule the method declared (``manifest["safeguard"]``, validated at load), which
+        :meth:`edge_sdk.Device.personalize` applies; None for a bundle that declares none."""
+        spec = self.manifest.get("safeguard")
+        return None if spec is None else SafeguardRule.from_manifest(spec)
+
+    @property
     def preprocess(self) -> Preprocess:
         """How raw images become the model's input (``manifest["preprocess"]``); identity for bundles
         written before the manifest held one (their devices pass float32 NCHW, as the model reads)."""
@@ -202,6 +210,8 @@ def load_bundle(root: str | os.PathLike, public_key: PublicKey | None = None) ->
             raise TypeError("'artifacts' must be a list of objects")
         if manifest.get("preprocess") is not None:
             Preprocess.from_dict(manifest["preprocess"])  # a bad one fails here, not at the first image
+        if manifest.get("safeguard") is not None:
+            SafeguardRule.from_manifest(manifest["safeguard"])  # a bad rule fails here, not after adaptation
         if "device_step" not in manifest:
             raise TypeError("it names no 'device_step' (written before bundle format 3): export it again")
         step = manifest["device_step"]

@@ -35,7 +35,8 @@ import numpy as np
 import edge_sdk._runners  # noqa: F401  (registers the SDK's own runners)
 from edge_sdk._bundle import Bundle, load_bundle
 from edge_sdk._preprocess import Preprocess
-from edge_sdk._registry import Adaptation, resolve
+from edge_sdk._registry import RECEIVED, Adaptation, resolve
+from edge_sdk.safeguard import SafeguardRule, evidence, shifted
 from edge_sdk.signing import PublicKey
 
 if TYPE_CHECKING:
@@ -49,10 +50,16 @@ class Device:
     of the bundle's device step (``self.runner``) after the manifest's preprocessing."""
 
     def __init__(self, bundle: Bundle, method: str | None = None, client: EdgeClient | None = None,
-                 threads: int | None = 1, int8: bool = False) -> None:
+                 threads: int | None = 1, int8: bool = False, safeguard: SafeguardRule | bool = True) -> None:
         self.bundle, self.client, self.preprocess = bundle, client, _preprocess(bundle)
         runner, self.method = resolve(bundle, method)
         self.runner = runner(bundle, threads=threads, int8=int8, client=client)
+        rule = bundle.safeguard if safeguard is True else (safeguard or None)
+        if rule is not None and not isinstance(rule, SafeguardRule):
+            raise TypeError(f"safeguard is True (the bundle's rule), False (none) or a SafeguardRule, got {rule!r}")
+        # the rule applies to runners that personalise a weight set they can roll back (ModelRunner's kind)
+        guarded = hasattr(self.runner, "roll_back") and self.method != RECEIVED
+        self.safeguard: SafeguardRule | None = rule if guarded else None
 
     @property
     def needs_labels(self) -> bool:
@@ -77,9 +84,29 @@ class Device:
         """Adapt the received model to this device's data ``x`` (labels ``y`` where :attr:`needs_labels`); each
         call starts again from the received model (a stream runner: a new local head and a new stream).
         ``options`` go to the runner (the ``"encoder"`` runner: ``epsilon``, ``delta``, ``rng`` privatise the
-        embedding sent to the coordinator)."""
-        result = self.runner.personalize(self.prepare(x), y, **options)
-        return replace(result, method=self.method)
+        embedding sent to the coordinator).
+
+        The safeguard (:attr:`safeguard`, the bundle's declared rule unless ``open_bundle(..., safeguard=...)``
+        says otherwise) then compares the received and the personalised model on ``x`` without labels and keeps
+        the received one when its rule says adaptation looks harmful; ``Adaptation.safeguard`` holds the decision
+        and its evidence (``.message`` is one line for a person)."""
+        x = self.prepare(x)
+        rule = self.safeguard
+        if rule is None or rule.kind == "off":
+            return replace(self.runner.personalize(x, y, **options), method=self.method)
+        runner = self.runner
+        received = runner.logits(x, runner.base)
+        received_shifted = runner.logits(xs, runner.base) if rule.needs_shift and (xs := shifted(x)) is not None \
+            else None
+        result = runner.personalize(x, y, **options)
+        adapted = runner.predict(x)
+        adapted_shifted = runner.predict(xs) if received_shifted is not None else None
+        decision = rule.decide(evidence(received, adapted, received_shifted, adapted_shifted))
+        if decision.action == "received":
+            runner.roll_back()
+        elif decision.action == "partial":
+            runner.keep_partially()
+        return replace(result, method=self.method, safeguard=decision)
 
     def predict(self, x: np.ndarray) -> np.ndarray:
         """Logits [N, C] (stream runners: log-probabilities) for the batch ``x``. Before :meth:`personalize`
@@ -98,11 +125,13 @@ class Device:
 
 def open_bundle(bundle: Bundle | str | os.PathLike, *, public_key: PublicKey | None = None,
                 method: str | None = None, client: EdgeClient | None = None, threads: int | None = 1,
-                int8: bool = False) -> Device:
+                int8: bool = False, safeguard: SafeguardRule | bool = True) -> Device:
     """A :class:`Device` for a verified bundle, or for a bundle directory (verified here: signature against
     ``public_key``, every sha256). ``method``: None (the bundle's own), ``"none"`` (the received model as it
     is) or a variant registered for the bundle's device step (on a BTFL bundle, ``"FedTHE"``). ``client``: the coordinator, for ODPFL-HN's weights and BTFL's
     DLE exchange. ``int8``: the received model's predictions use ``forward_int8`` when the bundle has one.
+    ``safeguard``: True (the rule the bundle's method declared, :attr:`Bundle.safeguard`), False (never roll
+    back) or a :class:`edge_sdk.safeguard.SafeguardRule` of your own.
 
     >>> device = open_bundle("runs/bundle", public_key="9f1c...")   # doctest: +SKIP
     >>> device.personalize(x_unlabeled).steps                       # doctest: +SKIP
@@ -110,7 +139,7 @@ def open_bundle(bundle: Bundle | str | os.PathLike, *, public_key: PublicKey | N
     """
     if not isinstance(bundle, Bundle):
         bundle = load_bundle(bundle, public_key=public_key)
-    return Device(bundle, method, client, threads, int8)
+    return Device(bundle, method, client, threads, int8, safeguard)
 
 
 def _preprocess(bundle: Bundle) -> Preprocess | None:

@@ -19,6 +19,7 @@ from edge_sdk._errors import BundleError
 if TYPE_CHECKING:
     from edge_sdk._bundle import Bundle
     from edge_sdk._client import EdgeClient
+    from edge_sdk.safeguard import SafeguardDecision
 
 __all__ = ["Adaptation", "RECEIVED", "RUNNERS", "Runner", "register_runner", "resolve"]
 
@@ -27,12 +28,15 @@ RECEIVED = "none"  # the kind of a bundle without a device step, and the method 
 
 @dataclass
 class Adaptation:
-    """What :meth:`Device.personalize` did: the method, steps taken, samples used, method-specific details."""
+    """What :meth:`Device.personalize` did: the method, steps taken, samples used, method-specific details, and
+    the safeguard's decision (``safeguard.action``: "personalised", "partial" or "received"; None where no rule
+    ran)."""
 
     method: str
     steps: int
     samples: int
     details: dict[str, Any] = field(default_factory=dict)
+    safeguard: SafeguardDecision | None = None
 
 
 class Runner:

@@ -33,6 +33,7 @@ from edge_sdk._numerics import entropy, log_softmax
 from edge_sdk._registry import RECEIVED, Adaptation, Runner, register_runner
 from edge_sdk._steps import (StepRunner, Weights, check_batch, check_logits, check_weights, finite,
                             personalize_early_stopping)
+from edge_sdk.safeguard import mix
 
 if TYPE_CHECKING:
     from edge_sdk._bundle import Bundle
@@ -72,6 +73,7 @@ class ModelRunner(Runner):
             self.stats = check_weights(bundle.weights("stats"), self.forward, prefix="stats.")
         self.step: StepRunner | None = None  # a step graph whose "ema" rule may move the statistics
         self.weights: Weights | None = None  # the personalised weights (None: the received model's)
+        self.partial = False  # the safeguard kept both models partially (predict mixes them)
         self._psi_inputs = [i.name for i in self.forward.get_inputs() if i.name.startswith("psi.")]
         self._checked: Weights | None = None  # the last weight set that passed check_weights ...
         self._checked_copy: Weights = {}  # ... and the copy of it that was checked and is what runs
@@ -82,9 +84,10 @@ class ModelRunner(Runner):
         (``batch_norm.small_batch="ema"``) once adaptation steps have run."""
         return self.step.stats if self.step is not None else self.stats
 
-    def logits(self, x: np.ndarray, weights: Weights | None = None) -> np.ndarray:
-        """Logits [N, C] of the model with ``weights`` (default: the received model). A weight set is validated
-        and copied on its first use here; pass a new dict to predict with changed weights."""
+    def logits(self, x: np.ndarray, weights: Weights | None = None, stats: Weights | None = None) -> np.ndarray:
+        """Logits [N, C] of the model with ``weights`` (default: the received model) and population statistics
+        ``stats`` (default: :attr:`current_stats`). A weight set is validated and copied on its first use here;
+        pass a new dict to predict with changed weights."""
         if weights is None and self.frozen_int8 is not None:
             x = check_batch(x, self.frozen_int8)
             return check_logits(self.frozen_int8.run(["logits"], {"x": x})[0], x)
@@ -99,10 +102,12 @@ class ModelRunner(Runner):
                 self._checked_copy, self._checked = check_weights(copy, self.forward), w
             w = self._checked_copy
         feeds = {"x": x, **{n: w[n[len("psi."):]] for n in self._psi_inputs},
-                 **statistics_feeds(self.forward, self.current_stats, 0.0)}  # population statistics at any batch
+                 **statistics_feeds(self.forward, self.current_stats if stats is None else stats, 0.0)}
         return check_logits(self.forward.run(["logits"], feeds)[0], x)
 
     def predict(self, x: np.ndarray) -> np.ndarray:
+        if self.partial:  # the safeguard kept both models: the mean of their probabilities
+            return mix(self.logits(x, self.base, self.stats), self.logits(x, self.weights))
         return self.logits(x, self.weights)
 
     def personalize(self, x: np.ndarray, y: np.ndarray | None = None, *, epsilon: float = math.inf,
@@ -110,8 +115,21 @@ class ModelRunner(Runner):
         """Adapt on the unlabeled set ``x`` (``y`` is not used); ``epsilon``, ``delta``, ``rng``: the privacy
         budget of a runner that sends something to the coordinator (``"encoder"``)."""
         x = check_batch(x, self.forward)
+        self.partial = False
         self.weights, steps, details = self.adapt(x, epsilon=epsilon, delta=delta, rng=rng)
         return _adaptation(self.bundle, steps, len(x), details)
+
+    def roll_back(self) -> None:
+        """Predict with the received model again (the safeguard's rollback): its weights, and the bundle's
+        population statistics where adaptation steps moved them."""
+        self.weights, self.partial = self.base, False
+        if self.step is not None:
+            self.step.stats = self.stats
+
+    def keep_partially(self) -> None:
+        """Predict with the mean of the received and the personalised model's probabilities (the safeguard's
+        partial decision; :func:`edge_sdk.safeguard.mix`)."""
+        self.partial = True
 
     def adapt(self, x: np.ndarray, **options: Any) -> tuple[Weights, int, dict[str, Any]]:
         """(weights, steps, details) for the checked batch ``x``: here the received weights, unchanged."""

@@ -12,6 +12,7 @@ from edge_sdk._btfl import BTFLParticipant
 from edge_sdk._bundle import BundleError, load_bundle
 from edge_sdk._fedthe import fedthe_predict
 from edge_sdk._numerics import log_softmax
+from edge_sdk.safeguard import SafeguardRule, mix
 
 TOL = 1e-4  # float32 logits after several exported gradient steps
 
@@ -32,7 +33,7 @@ def key(sdk_fixture: Path) -> str:
                                                    ("fedicon", "FedICON", "fedicon_logits")])
 def test_one_interface_personalises_like_torch(sdk_fixture: Path, key: str, ref: dict[str, np.ndarray], name: str,
                                                method: str, adapted: str) -> None:
-    device = edge_sdk.open_bundle(sdk_fixture / name, public_key=key)
+    device = edge_sdk.open_bundle(sdk_fixture / name, public_key=key, safeguard=False)  # the adaptation itself
     assert device.method == method and not device.needs_labels and device.preprocess is None
     before = device.predict(ref["x"])
     result = device.personalize(ref["x"])
@@ -41,6 +42,32 @@ def test_one_interface_personalises_like_torch(sdk_fixture: Path, key: str, ref:
     assert np.abs(device.predict(ref["x"]) - before).max() > 1e-3  # personalising changed the model
     streamed = np.stack(list(device.stream(ref["x"][:5])))
     np.testing.assert_allclose(streamed, ref[adapted][:5], atol=TOL)
+
+
+@pytest.mark.parametrize("name", ["fedtta_pp", "tent", "fedicon"])
+def test_the_bundles_safeguard_decides_after_personalising(sdk_fixture: Path, key: str, ref: dict[str, np.ndarray],
+                                                           name: str) -> None:
+    """Every personalising bundle carries its method's rule; personalize reports the decision and its evidence,
+    and the device then predicts with what it decided: the received model exactly after a rollback, the
+    personalised one, or the mean of both models' probabilities (partial)."""
+    device = edge_sdk.open_bundle(sdk_fixture / name, public_key=key)
+    rule = device.bundle.safeguard
+    assert rule is not None and device.safeguard == rule
+    received = device.predict(ref["x"])
+    decision = device.personalize(ref["x"]).safeguard
+    assert decision is not None and decision.rule == rule.name
+    assert decision.action == rule.action(decision.evidence)
+    assert 0.0 <= decision.evidence["disagreement"] <= 1.0 and decision.message.startswith("safeguard: ")
+    unguarded = edge_sdk.open_bundle(sdk_fixture / name, public_key=key, safeguard=False)
+    unguarded.personalize(ref["x"])
+    adapted = unguarded.predict(ref["x"])
+    expected = {"received": received, "personalised": adapted, "partial": mix(received, adapted)}[decision.action]
+    np.testing.assert_allclose(device.predict(ref["x"]), expected, atol=TOL)
+    for action, spec in (("received", SafeguardRule("rollback")), ("partial", SafeguardRule("rollback", partial=True))):
+        forced = edge_sdk.open_bundle(sdk_fixture / name, public_key=key, safeguard=spec)
+        assert forced.personalize(ref["x"]).safeguard.action == action  # type: ignore[union-attr]
+        want = received if action == "received" else mix(received, adapted)
+        np.testing.assert_allclose(forced.predict(ref["x"]), want, atol=TOL)
 
 
 def test_method_none_is_the_received_model(sdk_fixture: Path, key: str, ref: dict[str, np.ndarray]) -> None:
@@ -122,12 +149,12 @@ def test_raw_images_go_through_the_manifests_preprocessing(sdk_fixture: Path, re
     (root / "manifest.json").write_text(json.dumps(manifest))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnverifiedSignatureWarning)
-        device = edge_sdk.open_bundle(root)
+        device = edge_sdk.open_bundle(root, safeguard=False)
     assert device.preprocess == pre
     raw = np.round(ref["x"].transpose(0, 2, 3, 1) * 255).astype(np.uint8)  # real images as a camera gives them
     model_input = raw.transpose(0, 3, 1, 2).astype(np.float32) / np.float32(255)
     plain = edge_sdk.open_bundle(load_bundle(sdk_fixture / "tent", public_key=(sdk_fixture / "signing_key.pub")
-                                             .read_text().strip()))
+                                             .read_text().strip()), safeguard=False)
     np.testing.assert_allclose(device.predict(raw), plain.predict(model_input), atol=1e-6)
     device.personalize(raw)
     plain.personalize(model_input)

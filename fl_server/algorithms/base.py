@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from edge_sdk.safeguard import SafeguardRule
 from fl_server.functional import (State, broadcast, clip_by_global_norm, get_params, make_forward, sgd_step,
                                   weighted_mean)
 from fl_server.models import Classifier
@@ -104,6 +105,10 @@ class Algorithm:
     # first registered one is a device's default method). Not inherited: a subclass is a default only where it
     # says so itself (:meth:`__init_subclass__`)
     default_job: ClassVar[bool] = False
+    # the label-free safeguard a device applies after this method's personalisation (edge_sdk.safeguard's
+    # SafeguardRule in manifest form, written into the bundle's manifest as ``safeguard``); chosen per method on
+    # the lab's validation shifts only (lab/safeguard_choice.py). None: the device step changes nothing to guard.
+    safeguard: ClassVar[dict[str, Any] | None] = None
     # why a bundle of this method cannot be published to another coordinator ("" when it can)
     publish_refusal: ClassVar[str] = ""
     # how batch-normalised layers normalise during the device's adaptation steps: "rule" (the bundle's
@@ -219,3 +224,12 @@ class Algorithm:
 
     def predict(self, params: State, x: torch.Tensor) -> torch.Tensor:
         return self.forward(params, x)
+
+
+def declared_safeguard(algorithm: Algorithm) -> SafeguardRule | None:
+    """The safeguard rule a device applies after ``algorithm``'s personalisation (:attr:`Algorithm.safeguard`,
+    written into its bundles' manifests), or None where it declares none or its rule is "off"."""
+    if algorithm.safeguard is None:
+        return None
+    rule = SafeguardRule.from_manifest(algorithm.safeguard)
+    return None if rule.kind == "off" else rule

@@ -77,6 +77,9 @@ def _mix_key(key: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
 
 @register
 class FedICON(Algorithm):
+    # the label-free safeguard rule chosen on validation shifts only (lab/safeguard_choice.py;
+    # docs/results/safeguard-choice.json), applied by the device after personalising
+    safeguard = {"rule": "rollback"}
     name = "FedICON"
     Config = FedICONConfig
     device_step = "fedicon_step"  # batch-mode TTA on the device (fl_server/export/fedicon.py, edge_sdk._fedicon)

@@ -21,7 +21,9 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from fl_server.algorithms.base import Algorithm, LocalTrainer, NotApplicable, StepFn
+from edge_sdk.safeguard import SafeguardRule, evidence, mix, shifted
+
+from fl_server.algorithms.base import Algorithm, LocalTrainer, NotApplicable, StepFn, declared_safeguard
 from fl_server.data.federated import FederatedData
 from fl_server.torch_device import pick_device
 from fl_server.engine.gemm_conv import GemmConv
@@ -76,6 +78,10 @@ class RunConfig:
     # not part of the run's identity either. The default comes from $FL_BATCHED_CONV (else "native"): how the
     # harness's commands (`fl-server bench`, `train`) are switched to the faster path on a given GPU.
     batched_conv: str = field(default_factory=lambda: os.environ.get("FL_BATCHED_CONV", "native"))
+    # evaluate new (and validation) clients as a device does: after personalisation, the method's declared
+    # safeguard rule (``Algorithm.safeguard``) may keep the received model. False: the method as its paper
+    # defines it (the lab's reproductions). Evaluation only, so not part of the run's identity.
+    safeguard: bool = True
 
     def identity(self) -> dict[str, Any]:
         """The fields that change results (a resumed run must match them). ``batch_stream`` only when it is not
@@ -316,13 +322,35 @@ class Simulation:
         (default: the current server state) on the client's own unlabeled data, with the device's semantics
         (:meth:`device_semantics`): what a device gets from the bundle of ``state``."""
         state = self.server_state if state is None else state
+        rule = declared_safeguard(self.algorithm) if self.cfg.safeguard else None
         out = []
         with self.device_semantics(state):
             for idx in clients:
                 with norm_mode(self.algorithm.model, self.algorithm.adapt_norm):
                     params = self.algorithm.personalize(state, self.x[torch.from_numpy(idx)])
-                out.append(self._logits(params, idx).argmax(-1))
+                adapted = self._logits(params, idx)
+                if rule is not None:
+                    adapted = self._safeguarded(rule, state, params, idx, adapted)
+                out.append(adapted.argmax(-1))
         return out
+
+    def _safeguarded(self, rule: SafeguardRule, state: State, params: State, idx: np.ndarray,
+                     adapted: torch.Tensor) -> torch.Tensor:
+        """One client's predictions after the device's safeguard (edge_sdk.safeguard, as ``Device.personalize``
+        decides): the received and the personalised model compared on the client's unlabeled data; the adapted
+        logits, the received model's, or the mix of both (the "partial" decision)."""
+        received = self._logits(state["params"], idx)
+        shifted_pair: tuple[np.ndarray, np.ndarray] | tuple[None, None] = (None, None)
+        if rule.needs_shift and (xs := shifted(self.x[torch.from_numpy(idx)].cpu().numpy())) is not None:
+            xt = torch.from_numpy(xs).to(self.x.device, self.x.dtype)
+            with torch.no_grad():
+                shifted_pair = (self.algorithm.predict(state["params"], xt).cpu().double().numpy(),
+                                self.algorithm.predict(params, xt).cpu().double().numpy())
+        r, a = received.cpu().double().numpy(), adapted.cpu().double().numpy()
+        action = rule.action(evidence(r, a, *shifted_pair))
+        if action == "received":
+            return received
+        return adapted if action == "personalised" else torch.from_numpy(mix(r, a)).to(adapted.device)
 
     def personalized_accuracies(self, clients: list[np.ndarray], state: State | None = None) -> list[float]:
         """Per client: the accuracy of :meth:`personalized_predictions`."""

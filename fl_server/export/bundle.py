@@ -131,7 +131,7 @@ def write_bundle(dest: str | os.PathLike, graphs: dict[str, Path], weights: dict
                 "hyperparameters": hyperparameters,
                 "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "versions": {"fl_server": fl_server.__version__, "onnx_opset": OPSET}, "artifacts": artifacts,
-                **(extra or {})}
+                **({"safeguard": cls.safeguard} if cls.safeguard is not None else {}), **(extra or {})}
     # strict JSON: an unbounded hyperparameter (ODPFL-HN's dp_epsilon = inf) is written as null, never Infinity
     (staging / MANIFEST).write_text(strict_dumps(json_finite(portable(manifest)), indent=1, default=str))
     if signer is not None:
