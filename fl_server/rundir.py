@@ -24,35 +24,19 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from fl_server.atomic import atomic_write_json, atomic_write_npz
 from fl_server.functional import State, from_numpy_flat, to_numpy_flat
 
 RUN, METRICS, BEST, DEVICE = "run.json", "metrics.jsonl", "best.npz", "device.npz"
 FINAL = "final.npz"  # a Flower run's last server state
 CHECKPOINT, CHECKPOINT_JSON, BEST_AT_CHECKPOINT = "checkpoint.npz", "checkpoint.json", "best.ckpt.npz"
 META_KEY = "__checkpoint__"  # a checkpoint's metadata (JSON bytes) inside its own .npz
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def atomic_link(src: Path, dst: Path) -> None:
-    """``dst`` becomes a hard link to ``src`` (the same file, no copy), replacing any old ``dst`` atomically."""
-    if dst.exists() and os.path.samefile(src, dst):
-        return  # (renaming a link onto another link of the same file would do nothing and leave tmp behind)
-    tmp = dst.with_name(dst.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    os.link(src, tmp)
-    os.replace(tmp, dst)
 
 
 def complete_rows(text: str) -> list[dict[str, Any]]:
@@ -75,9 +59,7 @@ def _save_arrays(path: Path, arrays: dict[str, np.ndarray], meta: dict[str, Any]
     """Flat ``arrays`` and an optional JSON ``meta`` (under :data:`META_KEY`) as one .npz, replaced atomically."""
     if meta is not None:
         arrays = {**arrays, META_KEY: np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)}
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
+    atomic_write_npz(path, arrays)
 
 
 def load_state(path: Path, device: torch.device | None = None) -> State:
@@ -94,7 +76,7 @@ def checkpoint_meta(path: Path) -> dict[str, Any] | None:
 # ---------------------------------------------------------------------- what consumers read
 def write_run(run_dir: Path, description: dict[str, Any]) -> None:
     """``run.json`` (atomic)."""
-    atomic_write(Path(run_dir) / RUN, json.dumps(description, indent=1, default=str).encode())
+    atomic_write_json(Path(run_dir) / RUN, description, indent=1, default=str)
 
 
 def read_run(run_dir: str | Path) -> dict[str, Any]:

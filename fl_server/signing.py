@@ -25,6 +25,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from edge_sdk.shared import strict_loads
 from edge_sdk.signing import make_release, signature_record, write_signature
+from fl_server.atomic import atomic_write_bytes
 
 log = logging.getLogger("fl_server.service")
 KEY_FILE = "signing_key.pem"
@@ -133,12 +134,6 @@ class ManifestSigner:
         pem = signer._key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                         serialization.NoEncryption())
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{KEY_FILE}.tmp-{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(pem)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        atomic_write_bytes(path, pem, mode=0o600, fsync=True)
         signer.source = str(path)
         return signer

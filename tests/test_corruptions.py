@@ -12,8 +12,6 @@ from scipy import ndimage
 
 from fl_server.data.corruptions import CORRUPTIONS, corrupt, corrupt_dataset
 
-MNIST_DIR = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "mnist"
-MNIST_IMAGES = MNIST_DIR / "t10k-images-idx3-ubyte.gz"
 SEVERITIES = (1, 2, 3, 4, 5)
 CIFAR_C_NAMES = {
     "gaussian_noise", "shot_noise", "impulse_noise", "defocus_blur", "glass_blur",
@@ -38,10 +36,8 @@ def _read_idx_images(path: Path, count: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def mnist() -> np.ndarray:
-    if not MNIST_IMAGES.is_file():
-        pytest.skip(f"MNIST test images not found at {MNIST_IMAGES}")
-    images = _read_idx_images(MNIST_IMAGES, 64)
+def mnist(data_root: Path) -> np.ndarray:
+    images = _read_idx_images(data_root / "mnist" / "t10k-images-idx3-ubyte.gz", 64)  # $FL_DATA_DIR (conftest)
     return (images.astype(np.float32) / 255.0)[:, None]
 
 

@@ -60,6 +60,7 @@ import httpx
 import numpy as np
 
 from edge_sdk import _deadline, _strictjson as strictjson, _tensors as tensors
+from edge_sdk._atomic import atomic_link, atomic_write_text, move
 from edge_sdk._bundle import MANIFEST, Bundle, load_bundle, sha256_file
 from edge_sdk._errors import BundleSignatureError
 from edge_sdk.signing import PublicKey, key_id, parse_public_key, verify_manifest, write_signature
@@ -271,7 +272,7 @@ class EdgeClient:
         except (KeyError, TypeError, BundleSignatureError) as exc:
             raise EdgeClientError(f"GET {self.url}/v1/signing-key: no usable public key ({exc})") from None
         known[self.url] = key.hex()
-        _write_private(store, json.dumps(known, indent=1))
+        atomic_write_text(store, json.dumps(known, indent=1), mode=0o600)  # only this user may read it
         warnings.warn(TrustOnFirstUseWarning(
             f"no public key pinned: trusting {self.url}'s signing key {key.hex()} on first use (stored in {store}); "
             f"pin it with EdgeClient(url, public_key='{key.hex()}')"), stacklevel=3)
@@ -322,9 +323,9 @@ class EdgeClient:
         for a in listed["artifacts"]:
             if not _SAFE.fullmatch(str(a.get("file", ""))) or a.get("file") in _RESERVED:
                 raise EdgeClientError(f"bundle {bundle_id}: invalid artifact file name {a.get('file')!r}")
-            _link(self.fetch(a["sha256"], a.get("size")), root / a["file"])
+            atomic_link(self.fetch(a["sha256"], a.get("size")), root / a["file"])
         write_signature(root, m["signature"])
-        _link(manifest_file, root / MANIFEST)
+        atomic_link(manifest_file, root / MANIFEST)
         bundle = load_bundle(root, public_key=key)
         if stale:
             warnings.warn(StaleReleaseWarning(
@@ -349,7 +350,7 @@ class EdgeClient:
         for _ in range(2):  # a second, clean attempt if a resumed file fails its hash
             self._download_to(sha256, part, limit)
             if sha256_file(part) == sha256:
-                os.replace(part, path)
+                move(part, path)
                 return path
             part.unlink()
         raise EdgeClientError(f"artifact {sha256}: downloaded bytes do not match their sha256; refusing them")
@@ -471,9 +472,7 @@ class EdgeClient:
     def _save_manifest(self, m: dict[str, Any], method: str | None) -> None:
         path = self._manifest_path(method)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(strictjson.dumps(m))
-        os.replace(tmp, path)
+        atomic_write_text(path, strictjson.dumps(m))
 
 
 def _transport_problem(exc: Exception) -> str:
@@ -485,15 +484,6 @@ def _transport_problem(exc: Exception) -> str:
     if isinstance(exc, (httpx.ProtocolError, httpx.DecodingError)):
         return f"sent an invalid HTTP response ({type(exc).__name__}: {exc})"
     return f"unreachable ({type(exc).__name__}: {exc})"
-
-
-def _write_private(path: Path, text: str) -> None:
-    """Write ``text`` atomically to a file only this user can read (0600)."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
 
 
 def _retry_after(r: httpx.Response, default: float) -> float:
@@ -517,16 +507,3 @@ def _detail(r: httpx.Response) -> str:
 
 def _safe_key(name: str) -> str:
     return hashlib.sha256(name.encode()).hexdigest()[:16] + "-" + re.sub(r"[^A-Za-z0-9]+", "_", name)[:32]
-
-
-def _link(src: Path, dst: Path) -> None:
-    """``dst`` becomes the verified cache object ``src`` (hard link, else copy), replacing what was there."""
-    if dst.exists() and os.path.samefile(src, dst):
-        return  # already the same file (renaming a hard link onto its twin would do nothing and leave tmp)
-    tmp = dst.with_name(dst.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(src, tmp)
-    except OSError:
-        tmp.write_bytes(src.read_bytes())
-    os.replace(tmp, dst)

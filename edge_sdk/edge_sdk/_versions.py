@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Iterable
 
 from edge_sdk import _strictjson as strictjson
+from edge_sdk._atomic import atomic_write_text
 from edge_sdk._errors import BundleExpiredError, BundleRollbackError, BundleSignatureError
 from edge_sdk.signing import Release
 
@@ -104,10 +105,4 @@ class VersionLedger:
             "version": release.version, "bundle_id": release.bundle_id,
             "accepted": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(strictjson.dumps(data, indent=1))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.path)
+        atomic_write_text(self.path, strictjson.dumps(data, indent=1), mode=0o600, fsync=True)

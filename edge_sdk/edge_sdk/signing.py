@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import calendar
 import hashlib
-import os
 import re
 import time
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from edge_sdk import _strictjson as strictjson
+from edge_sdk._atomic import atomic_write_text
 from edge_sdk._ed25519 import SignatureError, public_key, verify
 from edge_sdk._errors import BundleSignatureError
 
@@ -195,7 +195,5 @@ def verify_manifest(manifest: bytes, record: Any, trusted: bytes, where: str, ca
 def write_signature(root: Path, record: dict[str, str]) -> Path:
     """``root/manifest.sig``, written atomically."""
     target = root / SIGNATURE_FILE
-    tmp = target.with_name(f".{SIGNATURE_FILE}.tmp-{os.getpid()}")
-    tmp.write_text(strictjson.dumps(record))
-    os.replace(tmp, target)
+    atomic_write_text(target, strictjson.dumps(record))
     return target

@@ -17,7 +17,7 @@ Ways tried, in order (the first that yields four files passing
 Files land in ``dest/mnist/`` or ``dest/fashion-mnist/`` -- the first place
 :func:`load_dataset` looks with ``root=dest``. They are downloaded into a
 staging directory under ``dest``, validated, then moved into place one by one
-with :func:`os.replace` (atomic on one filesystem), so a failed fetch never
+with one rename each (atomic on one filesystem), so a failed fetch never
 leaves a half-written file under a final name.
 
 Every fetched file must have the canonical content: the sha256 of its uncompressed bytes is pinned in
@@ -39,6 +39,8 @@ import urllib.request
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from fl_server.atomic import move
 
 from .datasets import load_dataset
 from .errors import DataFileError, FetchError
@@ -222,7 +224,7 @@ def _check_content(key: str, staging: Path) -> None:
 def _install(staging: Path, target: Path) -> None:
     """Move each staged file into ``target`` atomically; drop a stale other-format twin."""
     for f in sorted(staging.iterdir()):
-        os.replace(f, target / f.name)
+        move(f, target / f.name)
         twin = target / (f.name[:-3] if f.name.endswith(".gz") else f"{f.name}.gz")
         if twin.exists():
             twin.unlink()

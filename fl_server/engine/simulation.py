@@ -22,8 +22,8 @@ import torch
 from tqdm.auto import tqdm
 
 from edge_sdk.safeguard import SafeguardRule, evidence, mix, shifted
-
 from fl_server.algorithms.base import Algorithm, LocalTrainer, NotApplicable, StepFn, declared_safeguard
+from fl_server.atomic import atomic_link, atomic_write_json, atomic_write_text
 from fl_server.data.federated import FederatedData
 from fl_server.torch_device import pick_device
 from fl_server.engine.gemm_conv import GemmConv
@@ -34,8 +34,7 @@ from fl_server.models.norm import (StatBatchNorm2d, client_sums, federated_stati
 # the run directory's files belong to fl_server.rundir; checkpoint_meta, complete_rows and load_state are
 # imported from here by research scripts
 from fl_server.rundir import (BEST, BEST_AT_CHECKPOINT, CHECKPOINT, CHECKPOINT_JSON, METRICS,  # noqa: F401
-                              atomic_link, atomic_write, checkpoint_meta, complete_rows, load_state, save_state,
-                              write_device, write_run)
+                              checkpoint_meta, complete_rows, load_state, save_state, write_device, write_run)
 
 RNG_SAMPLE, RNG_BATCHES, RNG_EVAL = 0, 1, 2  # rng purposes
 
@@ -415,7 +414,7 @@ class Simulation:
         # the state and the round it belongs to land in one rename (the .npz): a kill between this and the
         # json below cannot make a resumed run apply a round twice; checkpoint.json is a readable mirror
         save_state(self.out_dir / CHECKPOINT, self.server_state, meta)
-        atomic_write(self.out_dir / CHECKPOINT_JSON, json.dumps(meta).encode())
+        atomic_write_json(self.out_dir / CHECKPOINT_JSON, meta)
 
     def _resume(self, result: RunResult) -> int:
         if self.out_dir is None:
@@ -440,7 +439,7 @@ class Simulation:
         result.best_round, result.best_val = meta["best_round"], meta["best_val"]
         result.test_at_best, result.wall_s = meta["test_at_best"], meta["wall_s"]
         if metrics.exists():
-            atomic_write(metrics, "".join(json.dumps(r) + "\n" for r in rows).encode())
+            atomic_write_text(metrics, "".join(json.dumps(r) + "\n" for r in rows))
             result.history = rows
         return int(meta["rounds_done"])
 
@@ -492,8 +491,7 @@ class Simulation:
             self._validate(start_round - 1, result.last, result)
             result.wall_s += time.perf_counter() - t0
             if self.out_dir is not None:
-                atomic_write(self.out_dir / METRICS,
-                              "".join(json.dumps(r) + "\n" for r in result.history).encode())
+                atomic_write_text(self.out_dir / METRICS, "".join(json.dumps(r) + "\n" for r in result.history))
                 self._checkpoint(start_round - 1, result)
         end = self.cfg.rounds if self.cfg.stop_after is None else min(self.cfg.rounds, self.cfg.stop_after)
         bar = tqdm(range(start_round, end), initial=start_round, total=self.cfg.rounds,

@@ -18,6 +18,7 @@ import onnx
 
 import fl_server
 from edge_sdk.shared import MANIFEST, json_finite, sha256_file, strict_dumps
+from fl_server.atomic import move
 from fl_server.export.graphs import OPSET, strip_debug
 from fl_server.algorithms import ALGORITHMS
 from fl_server.export.steps import StepSpec
@@ -89,7 +90,7 @@ def recover_bundle(dest: str | os.PathLike) -> None:
         if kind not in ("staging", "old") or not pid.isdigit() or (int(pid) != os.getpid() and _alive(int(pid))):
             continue
         if kind == "old" and not dest.exists():
-            os.replace(leftover, dest)
+            move(leftover, dest)
         else:
             shutil.rmtree(leftover, ignore_errors=True)
 
@@ -139,8 +140,8 @@ def write_bundle(dest: str | os.PathLike, graphs: dict[str, Path], weights: dict
     _fsync_tree(staging)
     old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
     if dest.exists():
-        os.replace(dest, old)
-    os.replace(staging, dest)
+        move(dest, old)
+    move(staging, dest)
     shutil.rmtree(old, ignore_errors=True)
     return dest
 

@@ -21,6 +21,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from fl_server.atomic import atomic_path
+
 _NP_DTYPES = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.DOUBLE: np.float64,
               onnx.TensorProto.INT64: np.int64, onnx.TensorProto.INT32: np.int32}
 
@@ -44,7 +46,6 @@ def embed_inputs(path: str | os.PathLike, values: Mapping[str, np.ndarray]) -> P
         model.graph.initializer.append(numpy_helper.from_array(arr, name))
     del model.graph.input[:]
     model.graph.input.extend(kept)
-    tmp = path.with_name(path.name + ".tmp")
-    onnx.save(model, str(tmp))
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        onnx.save(model, str(tmp))
     return path

@@ -21,6 +21,7 @@ import torch
 from google.protobuf.message import Message
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from fl_server.atomic import atomic_path
 from fl_server.export.decompositions import DECOMPOSITIONS
 from fl_server.export.rewrites import pool_plane_offsets, pow_to_mul
 
@@ -125,13 +126,12 @@ def _export(fn: Callable[..., tuple[torch.Tensor, ...]], example: Sequence[torch
     arg_names = [f"in{i}" for i in range(len(example))]
     batch = torch.export.Dim("batch", min=1)
     dynamic = {a: ({0: batch} if n in batch_inputs else None) for a, n in zip(arg_names, input_names)}
-    tmp = path.with_name(path.name + ".tmp")
     onnx_program = torch.onnx.export(_positional_module(graph, arg_names), tuple(example), dynamo=True,
                                      input_names=list(input_names), output_names=list(output_names),
                                      dynamic_shapes=dynamic, opset_version=OPSET, verbose=False)
-    onnx_program.save(str(tmp))
-    model = onnx.load(str(tmp))
-    if strip_debug(model) | bool(pool_plane_offsets(model)) | bool(pow_to_mul(model)):
-        onnx.save(model, str(tmp))
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        onnx_program.save(str(tmp))
+        model = onnx.load(str(tmp))
+        if strip_debug(model) | bool(pool_plane_offsets(model)) | bool(pow_to_mul(model)):
+            onnx.save(model, str(tmp))
     return path

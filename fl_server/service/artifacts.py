@@ -13,11 +13,12 @@ import logging
 import os
 import re
 import shutil
-import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from edge_sdk.shared import sha256_file
+from fl_server.atomic import atomic_path, move
 
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 log = logging.getLogger("fl_server.service")
@@ -48,7 +49,7 @@ class ArtifactStore:
         path = self.path(sha256)
         if path.is_file():
             (self.root / "quarantine").mkdir(exist_ok=True)
-            os.replace(path, self.root / "quarantine" / sha256)
+            move(path, self.root / "quarantine" / sha256)
         with self._lock:
             self._verified.pop(sha256, None)
             self.quarantined.add(sha256)
@@ -118,29 +119,20 @@ class ArtifactStore:
         digest = sha256_file(src)
         if expected is not None and digest != expected:
             raise ValueError(f"{src}: sha256 {digest} does not match the manifest's {expected}")
+        return self._put(digest, lambda tmp: shutil.copyfile(src, tmp))
+
+    def put_bytes(self, data: bytes) -> str:
+        return self._put(hashlib.sha256(data).hexdigest(), lambda tmp: tmp.write_bytes(data))
+
+    def _put(self, digest: str, write: Callable[[Path], object]) -> str:
+        """The object ``digest``, which ``write`` puts into a temporary file, written (fsynced) unless its good
+        bytes are already at its address; returns ``digest``."""
         target = self.path(digest)
         if target.is_file() and sha256_file(target) == digest:
             return digest
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".incoming-")
-        try:
-            with os.fdopen(fd, "wb") as out, open(src, "rb") as inp:
-                shutil.copyfileobj(inp, out, 1 << 20)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(tmp, target)
-            with self._lock:
-                self.quarantined.discard(digest)  # good bytes are back at the address
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        with atomic_path(target, mode=0o600, fsync=True) as tmp:
+            write(tmp)
+        with self._lock:
+            self.quarantined.discard(digest)  # good bytes are back at the address
         return digest
-
-    def put_bytes(self, data: bytes) -> str:
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".bytes-")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(data)
-            return self.put_file(Path(tmp))
-        finally:
-            Path(tmp).unlink(missing_ok=True)

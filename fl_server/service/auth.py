@@ -29,7 +29,7 @@ def _principal(request: Request, creds: HTTPAuthorizationCredentials | None, sco
         raise HTTPException(401, f"unknown bearer token (over {MAX_TOKEN_CHARS} characters)",
                             headers={"WWW-Authenticate": "Bearer"})
     svc = request.app.state.service
-    found = svc.store.lookup_principal(creds.credentials, record_use=True)  # a client in use is never reclaimed
+    found = svc.principal(creds.credentials)
     if found is None:
         raise HTTPException(401, "unknown bearer token", headers={"WWW-Authenticate": "Bearer"})
     if found[0] != scope:

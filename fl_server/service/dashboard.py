@@ -42,10 +42,10 @@ def _ago(t: float | None) -> str:
 @router.get("/", response_class=HTMLResponse, include_in_schema=False)
 def dashboard(svc: Service = Depends(service)) -> HTMLResponse:
     e = html.escape
-    jobs = svc.store.jobs()
+    jobs = svc.jobs()
     rows = []
     for j in jobs:
-        rounds = svc.store.rounds(j["id"])
+        rounds = svc.job_rounds(j["id"])
         spec = j["spec"]  # a recipe job holds only the fields it set: the rest is its recipe's
         data = "a recipe" if spec.get("recipe") else spec["dataset"]  # public page: no recipe file names
         rows.append(f'<tr><td><code>{e(j["id"])}</code>{" (default)" if j["is_default"] else ""}</td>'
@@ -57,17 +57,18 @@ def dashboard(svc: Service = Depends(service)) -> HTMLResponse:
                     f'<td>{"see GET /v1/jobs/" + e(j["id"]) + " (admin)" if j["error"] else ""}</td></tr>')
     bundles = [f'<tr><td><code>{e(b["id"][:16])}</code></td><td>{e(b["method"])}</td><td>{e(b["dataset"])}</td>'
                f'<td>{len(b["manifest"]["artifacts"])}</td><td>{sum(a["size"] for a in b["manifest"]["artifacts"]):,}'
-               f'</td><td>{_ago(b["created"])}</td></tr>' for b in svc.store.bundles()]
+               f'</td><td>{_ago(b["created"])}</td></tr>' for b in svc.recorded_bundles()]
     # the page is public: no client id (nor a prefix of one) is shown, only what clients joined for and when
     clients = [f'<tr><td>{e(c["method"] or "")}</td><td>{_ago(c["created"])}</td><td>{_ago(c["first_used"])}</td>'
-               '</tr>' for c in svc.store.clients(50)]
+               '</tr>' for c in svc.latest_clients(50)]
     degraded = "".join(f'<tr><td>{e(m)}</td><td class="failed">{e(why)}</td></tr>'
                        for m, why in svc.degraded().items())
     live = any(j["status"] in ("queued", "running") for j in jobs)
+    totals = svc.totals()
     body = f"""<!doctype html><html><head><meta charset="utf-8"><title>fl-edge coordinator</title>
 {'<meta http-equiv="refresh" content="3">' if live else ''}<style>{CSS}</style></head><body>
-<h1>fl-edge coordinator</h1><p>{len(jobs)} jobs, {len(bundles)} bundles, {svc.store.count("clients")} clients,
-{svc.store.count("dles")} BTFL DLEs &middot; <a href="/docs">API docs</a> &middot; <a href="/metrics">metrics</a></p>
+<h1>fl-edge coordinator</h1><p>{len(jobs)} jobs, {len(bundles)} bundles, {totals["clients"]} clients,
+{totals["dles"]} BTFL DLEs &middot; <a href="/docs">API docs</a> &middot; <a href="/metrics">metrics</a></p>
 {'<h2>Degraded</h2><table><tr><th>method</th><th>why</th></tr>' + degraded + '</table>' if degraded else ''}
 <h2>Jobs</h2><table><tr><th>id</th><th>method</th><th>data / partition</th><th>status</th><th>rounds</th>
 <th>validation accuracy per round</th><th>error</th></tr>{''.join(rows)}</table>

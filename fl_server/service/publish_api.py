@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from fl_server.service.auth import Principal, require_admin
 from fl_server.service.errors import AUTH, documented
-from fl_server.service.publish import PublishError, publish_archive
+from fl_server.service.publish import PublishError
 
 router = APIRouter()
 PATH = "/v1/bundles"
@@ -47,7 +47,7 @@ async def publish(request: Request, _: Principal = Depends(require_admin)) -> di
             raise HTTPException(400, "empty body: send the bundle directory as a tar archive")
         body.seek(0)
         try:
-            out = await run_in_threadpool(publish_archive, svc.store, svc.artifacts, body, svc.cfg.max_bundle_bytes)
+            out = await run_in_threadpool(svc.publish, body)
         except PublishError as exc:
             status = 400 if str(exc).startswith("the body is not a tar") else 422
             raise HTTPException(status, str(exc)) from None

@@ -24,7 +24,7 @@ from fl_server.service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from fl_server.service.ratelimit import client_address, limit_join
 from fl_server.service.ranges import Unsatisfiable, parse_range
 from fl_server.service.state import NONE_METHOD, Service
-from fl_server.service.store import JOB_STATES, EnrollmentRefused, RegistryFull
+from fl_server.service.store import EnrollmentRefused, RegistryFull
 
 router = APIRouter()
 
@@ -49,7 +49,7 @@ def _bundle_or_503(svc: Service, method: str | None) -> dict[str, Any]:
             raise HTTPException(503, f"method {bundle['method']} is degraded: {reason}",
                                 headers={"Retry-After": str(svc.cfg.retry_after_s)})
         return bundle
-    training = sorted({j["spec"]["method"] for j in svc.store.jobs() if j["status"] in ("queued", "running")})
+    training = sorted({j["spec"]["method"] for j in svc.active_jobs()})
     if (method in (None, NONE_METHOD) and not training) or method not in (None, NONE_METHOD, *training):
         served = ", ".join(svc.methods()) or "none"
         raise HTTPException(404, f"no bundle and no job for method {method or 'default'!r}, so none will come; "
@@ -60,11 +60,8 @@ def _bundle_or_503(svc: Service, method: str | None) -> dict[str, Any]:
 # ----------------------------------------------------------------- public
 @router.get("/healthz", response_model=S.Health, tags=["ops"])
 async def healthz(svc: Service = Depends(service)) -> dict[str, Any]:
-    counts = {s: 0 for s in JOB_STATES}
-    for j in svc.store.jobs():
-        counts[j["status"]] += 1
     degraded = svc.degraded()
-    return {"status": "degraded" if degraded else "ok", "bundles": svc.store.count("bundles"), "jobs": counts,
+    return {"status": "degraded" if degraded else "ok", "bundles": svc.totals()["bundles"], "jobs": svc.job_counts(),
             "signing_key": svc.signer.public_hex, "degraded": degraded,
             "quarantined": sorted(svc.artifacts.quarantined)}
 
@@ -85,11 +82,9 @@ async def join(body: S.JoinRequest, request: Request, svc: Service = Depends(ser
     """Join as a new client: a client id, a bearer token, the methods served now and the bundle's manifest."""
     bundle = _bundle_or_503(svc, body.method)
     try:
-        client_id, token = svc.store.add_client(body.method or bundle["method"], bundle["id"],
-                                                request.headers.get("user-agent", ""), svc.cfg.max_clients,
-                                                svc.cfg.unused_client_ttl_s, source=f"ip:{client_address(request)}",
-                                                enrollment=svc.cfg.enrollment == "token",
-                                                enrollment_token=body.enrollment_token)
+        client_id, token = svc.add_client(body.method or bundle["method"], bundle["id"],
+                                          request.headers.get("user-agent", ""), f"ip:{client_address(request)}",
+                                          body.enrollment_token)
     except RegistryFull as exc:
         raise HTTPException(503, str(exc)) from None
     except EnrollmentRefused as exc:
@@ -111,19 +106,8 @@ def create_enrollment(body: S.EnrollmentRequest, _: Principal = Depends(require_
                       svc: Service = Depends(service)) -> dict[str, Any]:
     """An enrollment token (admin): what a device presents to join (``enrollment_token``) when the coordinator
     runs with ``FL_SERVE_ENROLLMENT=token``; good for ``uses`` joins, until ``ttl_s`` seconds from now."""
-    enrollment_id, token, expires = svc.store.add_enrollment(body.uses, body.ttl_s)
+    enrollment_id, token, expires = svc.add_enrollment(body.uses, body.ttl_s)
     return {"id": enrollment_id, "token": token, "uses": body.uses, "expires": expires}
-
-
-def _revoke_clients(svc: Service, client_ids: list[str]) -> tuple[int, int]:
-    """Revoke each client's token and take its DLE out of the global DLE: (clients revoked, DLEs removed)."""
-    revoked = removed = 0
-    for client_id in client_ids:
-        exists, source = svc.store.client_source(client_id)
-        if exists and svc.store.revoke_client(client_id):
-            revoked += 1
-            removed += svc.dles.remove(client_id, source)
-    return revoked, removed
 
 
 @router.delete("/v1/enrollments/{enrollment_id}", response_model=S.Revoked, tags=["admin"],
@@ -133,10 +117,10 @@ def revoke_enrollment(enrollment_id: str, clients: bool = Query(True, descriptio
                       _: Principal = Depends(require_admin), svc: Service = Depends(service)) -> dict[str, Any]:
     """Revoke an enrollment token (admin): no further join spends it; by default the clients that joined with
     it are revoked too (their bearer tokens stop working) and their DLEs leave the global DLE."""
-    ids = svc.store.revoke_enrollment(enrollment_id[:64])
+    ids = svc.revoke_enrollment(enrollment_id[:64])
     if ids is None:
         raise HTTPException(404, f"no enrollment {enrollment_id[:64]!r}")
-    revoked, removed = _revoke_clients(svc, ids if clients else [])
+    revoked, removed = svc.revoke_clients(ids if clients else [])
     return {"id": enrollment_id, "clients_revoked": revoked, "dles_removed": removed}
 
 
@@ -145,7 +129,7 @@ def revoke_enrollment(enrollment_id: str, clients: bool = Query(True, descriptio
 def revoke_client(client_id: str, _: Principal = Depends(require_admin),
                   svc: Service = Depends(service)) -> dict[str, Any]:
     """Revoke a client (admin): its bearer token stops working and its uploaded DLE leaves the global DLE."""
-    revoked, removed = _revoke_clients(svc, [client_id[:64]])
+    revoked, removed = svc.revoke_clients([client_id[:64]])
     if not revoked:
         raise HTTPException(404, f"no client {client_id[:64]!r}")
     return {"id": client_id, "clients_revoked": revoked, "dles_removed": removed}
@@ -295,7 +279,7 @@ def global_dle(who: Principal = Depends(require_client), svc: Service = Depends(
 
 # -------------------------------------------------------------------- jobs
 def _job_view(svc: Service, job: dict[str, Any], with_rounds: bool) -> dict[str, Any]:
-    rounds = svc.store.rounds(job["id"])
+    rounds = svc.job_rounds(job["id"])
     return {**job, "rounds_done": len(rounds), "rounds": rounds if with_rounds else None,
             "warning": svc.runner.warning(job)}
 
@@ -320,21 +304,21 @@ def create_job(body: S.JobRequest, _: Principal = Depends(require_admin), svc: S
         job_id = svc.runner.submit(spec)
     except QueueFull as exc:
         raise HTTPException(503, str(exc), headers={"Retry-After": str(svc.cfg.retry_after_s)}) from None
-    job = svc.store.job(job_id)
+    job = svc.job(job_id)
     assert job is not None
     return _job_view(svc, job, True)
 
 
 @router.get("/v1/jobs", response_model=list[S.Job], tags=["jobs"], responses=documented(*AUTH))
 def list_jobs(_: Principal = Depends(require_admin), svc: Service = Depends(service)) -> list[dict]:
-    return [_job_view(svc, j, False) for j in svc.store.jobs()]
+    return [_job_view(svc, j, False) for j in svc.jobs()]
 
 
 @router.get("/v1/jobs/{job_id}", response_model=S.Job, tags=["jobs"],
             responses=documented(*AUTH, 404, 422, e404="no such job"))
 def get_job(job_id: str, _: Principal = Depends(require_admin), svc: Service = Depends(service)) -> dict:
     """One job with its round curve (validation / new-client accuracy per round)."""
-    job = svc.store.job(job_id[:64])
+    job = svc.job(job_id[:64])
     if job is None:
         raise HTTPException(404, f"no job {job_id[:64]!r}")
     return _job_view(svc, job, True)
@@ -344,13 +328,13 @@ def get_job(job_id: str, _: Principal = Depends(require_admin), svc: Service = D
                responses=documented(*AUTH, 404, 409, e404="no such job", e409="the job has finished already"))
 def cancel_job(job_id: str, _: Principal = Depends(require_admin), svc: Service = Depends(service)) -> dict:
     """Cancel a queued or running job (a running job's training process is killed); it is never served."""
-    job = svc.store.job(job_id[:64])
+    job = svc.job(job_id[:64])
     if job is None:
         raise HTTPException(404, f"no job {job_id[:64]!r}")
     if not svc.runner.cancel(job["id"]):
-        raise HTTPException(409, f"job {job['id']} is {svc.store.job(job['id'])['status']}; only a queued or "
+        raise HTTPException(409, f"job {job['id']} is {svc.job(job['id'])['status']}; only a queued or "
                                  "running job can be cancelled")
-    return _job_view(svc, svc.store.job(job["id"]), True)
+    return _job_view(svc, svc.job(job["id"]), True)
 
 
 # ------------------------------------------------------------------ metrics
@@ -358,13 +342,11 @@ def cancel_job(job_id: str, _: Principal = Depends(require_admin), svc: Service 
 def metrics(svc: Service = Depends(service)) -> PlainTextResponse:
     """Prometheus text format: request counters and latencies, clients, jobs by status, bundles, DLEs, and the
     process (CPU, memory, open files, GC)."""
-    counts = {s: 0 for s in JOB_STATES}
-    for j in svc.store.jobs():
-        counts[j["status"]] += 1
+    totals = svc.totals()
     gauges = {
-        "fl_clients": ("Joined clients.", {(): float(svc.store.count("clients"))}),
-        "fl_bundles": ("Bundles served.", {(): float(svc.store.count("bundles"))}),
-        "fl_btfl_dles": ("Clients with an uploaded DLE.", {(): float(svc.store.count("dles"))}),
-        "fl_jobs": ("Training jobs by status.", {(("status", s),): float(n) for s, n in counts.items()}),
+        "fl_clients": ("Joined clients.", {(): float(totals["clients"])}),
+        "fl_bundles": ("Bundles served.", {(): float(totals["bundles"])}),
+        "fl_btfl_dles": ("Clients with an uploaded DLE.", {(): float(totals["dles"])}),
+        "fl_jobs": ("Training jobs by status.", {(("status", s),): float(n) for s, n in svc.job_counts().items()}),
     }
     return PlainTextResponse(svc.metrics.render(gauges), media_type=METRICS_CONTENT_TYPE)

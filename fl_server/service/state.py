@@ -8,19 +8,21 @@ import os
 import shutil
 import threading
 import time
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
 from edge_sdk.shared import json_finite, strict_dumps
+from fl_server.atomic import atomic_write_text
 from fl_server.service.artifacts import ArtifactStore, Corrupt
 from fl_server.service.dle import DLEAggregate
 from fl_server.service.config import ServiceConfig, default_methods
 from fl_server.service.hypernet import GenerateBatcher, HypernetCache
 from fl_server.service.jobs import JobRunner
 from fl_server.service.metrics import Metrics
+from fl_server.service.publish import publish_archive
 from fl_server.service.ratelimit import Buckets, Limit
-from fl_server.service.store import Store
+from fl_server.service.store import JOB_STATES, Store
 from fl_server.signing import ManifestSigner
 
 log = logging.getLogger("fl_server.service")
@@ -96,9 +98,7 @@ class Service:
             return
         if not self.admin_token_file.is_file():
             token = self.store.add_token("admin")
-            fd = os.open(self.admin_token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(token + "\n")
+            atomic_write_text(self.admin_token_file, token + "\n", mode=0o600)
         # the file's token is the only admin token: an earlier FL_ADMIN_TOKEN or a deleted file's token is revoked
         self.store.set_admin_token(self.admin_token_file.read_text().strip())
         log.info("admin token: %s", self.admin_token_file)
@@ -298,10 +298,80 @@ class Service:
 
     def pending_default(self) -> dict[str, Any]:
         """Progress of the training that will produce the first bundle (for 503 bodies)."""
-        jobs = [j for j in self.store.jobs() if j["status"] in ("queued", "running")]
         return {"jobs": [{"id": j["id"], "method": j["spec"].get("method"), "status": j["status"],  # a recipe's own
                           "rounds_done": len(self.store.rounds(j["id"])), "rounds": j["spec"].get("rounds")}
-                         for j in jobs]}
+                         for j in self.active_jobs()]}
+
+    # ------------------------------------------- what the routers ask of the store (they never reach into it)
+    def active_jobs(self) -> list[dict[str, Any]]:
+        """The queued and running jobs, oldest first."""
+        return [j for j in self.store.jobs() if j["status"] in ("queued", "running")]
+
+    def jobs(self) -> list[dict[str, Any]]:
+        """Every job, oldest first."""
+        return self.store.jobs()
+
+    def job(self, job_id: str) -> dict[str, Any] | None:
+        return self.store.job(job_id)
+
+    def job_rounds(self, job_id: str) -> list[dict[str, Any]]:
+        """A job's rounds so far (round, val, test, wall_s), in order."""
+        return self.store.rounds(job_id)
+
+    def job_counts(self) -> dict[str, int]:
+        """How many jobs are in each state (every state of :data:`JOB_STATES`, 0 included)."""
+        counts = dict.fromkeys(JOB_STATES, 0)
+        for j in self.store.jobs():
+            counts[j["status"]] += 1
+        return counts
+
+    def totals(self) -> dict[str, int]:
+        """How many clients, bundles and uploaded BTFL DLEs the store holds."""
+        return {table: self.store.count(table) for table in ("clients", "bundles", "dles")}
+
+    def recorded_bundles(self) -> list[dict[str, Any]]:
+        """Every bundle the store recorded, oldest first (served or superseded)."""
+        return self.store.bundles()
+
+    def latest_clients(self, limit: int) -> list[dict[str, Any]]:
+        """The ``limit`` clients that joined last, newest first."""
+        return self.store.clients(limit)
+
+    def principal(self, token: str) -> tuple[str, str | None, str | None] | None:
+        """(scope, client id, source) of a presented bearer token, or None; a client's use is recorded (a client
+        in use is never reclaimed)."""
+        return self.store.lookup_principal(token, record_use=True)
+
+    def add_client(self, method: str, bundle_id: str, user_agent: str, source: str,
+                   enrollment_token: str | None) -> tuple[str, str]:
+        """Register a client under this coordinator's limits and enrollment mode: (client id, bearer token);
+        raises :class:`RegistryFull` or :class:`EnrollmentRefused`."""
+        return self.store.add_client(method, bundle_id, user_agent, self.cfg.max_clients,
+                                     self.cfg.unused_client_ttl_s, source=source,
+                                     enrollment=self.cfg.enrollment == "token", enrollment_token=enrollment_token)
+
+    def add_enrollment(self, uses: int, ttl_s: float | None) -> tuple[str, str, float | None]:
+        """(enrollment id, token, expiry) of a new enrollment token good for ``uses`` joins."""
+        return self.store.add_enrollment(uses, ttl_s)
+
+    def revoke_clients(self, client_ids: list[str]) -> tuple[int, int]:
+        """Revoke each client's token and take its DLE out of the global DLE: (clients revoked, DLEs removed)."""
+        revoked = removed = 0
+        for client_id in client_ids:
+            exists, source = self.store.client_source(client_id)
+            if exists and self.store.revoke_client(client_id):
+                revoked += 1
+                removed += self.dles.remove(client_id, source)
+        return revoked, removed
+
+    def revoke_enrollment(self, enrollment_id: str) -> list[str] | None:
+        """No further join spends the enrollment token; the ids of the clients that joined with it (None: no such
+        enrollment)."""
+        return self.store.revoke_enrollment(enrollment_id)
+
+    def publish(self, archive: IO[bytes]) -> dict[str, Any]:
+        """Publish a bundle sent as a tar archive (:func:`publish_archive`); raises :class:`PublishError`."""
+        return publish_archive(self.store, self.artifacts, archive, self.cfg.max_bundle_bytes)
 
 
 def _objects(bundle: dict[str, Any]) -> set[str]:

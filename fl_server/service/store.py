@@ -38,7 +38,6 @@ CREATE TABLE IF NOT EXISTS bundles (id TEXT PRIMARY KEY, job_id TEXT NOT NULL, m
                                     created REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS dles (client_id TEXT PRIMARY KEY, dims INTEGER NOT NULL, levels INTEGER NOT NULL,
                                  num_samples INTEGER NOT NULL, freqs TEXT NOT NULL, updated REAL NOT NULL);
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS bundle_versions (bundle_id TEXT PRIMARY KEY, method TEXT NOT NULL,
                                             version INTEGER NOT NULL, UNIQUE (method, version));
 CREATE TABLE IF NOT EXISTS enrollments (id TEXT PRIMARY KEY, hash TEXT UNIQUE NOT NULL, uses_left INTEGER NOT NULL,
@@ -409,11 +408,3 @@ class Store:
             ids = [r["id"] for r in self._db.execute("SELECT id FROM clients WHERE source = ?",
                                                      ("enr:" + enrollment_id,))]
         return ids if found else None
-
-    # ------------------------------------------------------------------ meta
-    def get_meta(self, key: str) -> str | None:
-        rows = self._run("SELECT value FROM meta WHERE key = ?", (key,))
-        return rows[0]["value"] if rows else None
-
-    def set_meta(self, key: str, value: str) -> None:
-        self._run("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))

@@ -22,8 +22,6 @@ import dataclasses
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-import numpy as np
-
 if TYPE_CHECKING:  # the recipes (torch) load after guard() has armed the death signal
     from fl_server.recipes import Recipe
 
@@ -68,8 +66,9 @@ def job_recipe(spec: dict[str, Any]) -> Recipe:
 def run_job(job_dir: Path) -> None:
     import torch
 
-    from fl_server.export.run import export_run
     from fl_server import rundir
+    from fl_server.atomic import atomic_write_npz
+    from fl_server.export.run import export_run
     from fl_server.recipes import train
 
     spec = json.loads((job_dir / "spec.json").read_text())
@@ -83,9 +82,7 @@ def run_job(job_dir: Path) -> None:
     hn = rundir.best_arrays(run_dir, "hn")
     if hn:
         (job_dir / "server").mkdir(exist_ok=True)
-        tmp = job_dir / "server" / "hn.tmp.npz"
-        np.savez(tmp, **hn)
-        os.replace(tmp, job_dir / "server" / "hn.npz")
+        atomic_write_npz(job_dir / "server" / "hn.npz", hn)
 
 
 def main(argv: list[str]) -> int:
