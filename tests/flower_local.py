@@ -174,9 +174,14 @@ class LocalDeployment:
             try:
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=5)
+                pass
+            try:  # the group's other members too (a SuperExec or ClientApp outliving its SuperNode), even where
+                os.killpg(proc.pid, signal.SIGKILL)  # the leader itself exited on SIGTERM
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=5)
         self.procs.clear()
+        self.nodes.clear()
 
     def __enter__(self) -> LocalDeployment:
         try:

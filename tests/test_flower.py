@@ -172,10 +172,11 @@ def local_ask(recipe: FlowerRecipe, parts: list, states: list) -> Any:
     return ask
 
 
-def flower_rounds_without_transport(config: dict) -> tuple[Any, list, list, Any]:
+def flower_rounds_without_transport(config: dict, rounds: int | None = None) -> tuple[Any, list, list, Any]:
     """The Flower app's two sides (FederatedRun on the server, the ClientApp's answers on each client's own
-    partition, the states through the wire format) without the processes: what each method computes over Flower.
-    Returns the run, the clients' data, their context states and the exchange."""
+    partition, the states through the wire format) without the processes: what each method computes over Flower
+    in ``rounds`` (default: the recipe's) rounds. Returns the run, the clients' data, their context states and the
+    exchange."""
     from flwr.app import RecordDict
 
     from fl_server.flower.server_app import FederatedRun
@@ -189,7 +190,7 @@ def flower_rounds_without_transport(config: dict) -> tuple[Any, list, list, Any]
     run = FederatedRun(recipe, infos)
     states = [RecordDict() for _ in parts]  # each client's context state (BTFL's local head), never sent
     ask = local_ask(recipe, parts, states)
-    for r in range(recipe.rounds):
+    for r in range(recipe.rounds if rounds is None else rounds):
         result = run.train_round(ask, np.arange(len(parts)), r)
         assert result.aggregated and result.replied == list(range(len(parts))) and result.loss > 0
     return run, parts, states, ask
@@ -575,3 +576,29 @@ def test_tls_and_supernode_authentication(tmp_path: Path, fashion_all) -> None: 
     assert len(json.loads(listed[listed.index("{"):])["nodes"]) == 2, listed
     rows = [json.loads(line) for line in (tmp_path / "run-tls" / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [0] and 0.0 <= rows[0]["val"] <= 1.0
+
+
+@pytest.mark.parametrize("method, lost_at", [("FedAvg", "train"), ("ODPFL-HN", "train"),
+                                             ("ODPFL-HN", "query.embed")])
+def test_a_round_aggregates_the_replies_that_came(method: str, lost_at: str, data_root: Path) -> None:
+    """A client whose reply never comes (its node died): the round equals the round of the clients that replied,
+    weighted by their sizes only; with fewer replies than the minimum the server state stays as it was."""
+    config = {**RECIPE, "method": method, "rounds": 1, "local-iterations": 4, "max-samples": 3000}
+    run, _, _, ask = flower_rounds_without_transport(config, rounds=0)
+    both, _, _, _ = flower_rounds_without_transport(config, rounds=0)
+
+    def lossy(kind: str, payloads: dict) -> dict:
+        replies = ask(kind, payloads)
+        return {c: r for c, r in replies.items() if not (kind == lost_at and c == 1)}
+
+    before = run.server_state
+    skipped = run.train_round(lossy, np.arange(3), 0, min_replies=3)
+    assert not skipped.aggregated and skipped.replied == ([0, 2] if lost_at == "train" else [])
+    assert run.server_state is before
+    result = run.train_round(lossy, np.arange(3), 0)
+    assert result.aggregated and result.replied == [0, 2] and result.asked == 3
+    assert both.train_round(ask, np.array([0, 2]), 0).replied == [0, 2]
+    trained, start = to_numpy_flat(run.server_state), to_numpy_flat(before)
+    for key, value in to_numpy_flat(both.server_state).items():
+        np.testing.assert_allclose(trained[key], value, atol=1e-12, err_msg=key)
+    assert any(not np.array_equal(trained[k], start[k]) for k in start)

@@ -35,12 +35,13 @@ ODPFL = smoke("ODPFL-HN", hn_width=8, hn_head_init="target", hn_head_scale=0.1)
 RUNS = {"FedTTA": "FEDTTA", "BTFL": "BTFL", "ODPFL-HN": "ODPFL"}
 
 
-def superexec_of(workdir: Path) -> list[str]:
-    """The flower-superexec processes of the deployment under ``workdir`` (their environment names its FLWR_HOME;
-    other people's deployments on this machine are left out)."""
-    out = subprocess.run(["pgrep", "-f", "flower-superexec"], capture_output=True, text=True).stdout.split()
+def processes_of(workdir: Path) -> list[str]:
+    """The Flower processes (SuperExec, ServerApp, ClientApp) of the deployment under ``workdir`` (their environment
+    names its FLWR_HOME; other deployments on this machine are left out)."""
+    found = subprocess.run(["pgrep", "-f", "flower-superexec|flwr-serverapp|flwr-clientapp"], capture_output=True,
+                           text=True).stdout.split()
     mine = []
-    for pid in out:
+    for pid in found:
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes()
         except OSError:  # gone meanwhile, or not ours to read
@@ -78,13 +79,13 @@ def test_runs_survive_a_supernode_killed_mid_run_and_export(tmp_path: Path,
                               "round-timeout": 45}, name=method)
             # the first round trained on all three nodes: then one node dies with its whole process group
             wait_for(lambda: rows(tmp_path / f"run-{method}") or run.poll() is not None, 300, "the first round")
-            assert superexec_of(tmp_path)
+            assert processes_of(tmp_path)
             dep.kill(dep.nodes[k])
             outputs[method] = dep.finish(run, timeout=400)
             dep.start_node(["--insecure"], dep.node_configs[k], f"supernode-{k}-again")  # the device is back
     finally:
         dep.stop()
-    assert superexec_of(tmp_path) == []  # nothing of the deployment outlives it
+    assert processes_of(tmp_path) == []  # nothing of the deployment outlives it
 
     held_out = np.setdiff1d(np.arange(len(fashion_all.y)), idx.ravel())[:200]
     x, y = fashion_all.x[held_out].astype(np.float32), fashion_all.y[held_out]

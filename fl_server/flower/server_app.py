@@ -2,10 +2,13 @@
 
 It waits for the SuperNodes, asks each for its partition id and sizes (``query``; nodes that hold their own
 data are numbered as clients 0 .. N-1 by node id, and each message tells a node its number), builds the method
-from the recipe (no data on this side), then per round selects clients like the engine (``select_clients``), sends each
-its row of the method's ``client_start`` with the server state (``train``), and folds the replies in with the
-method's ``aggregate``. Validation (``evaluate``) is the mean over training clients of their own accuracy, as
-the engine's. At the end, the finalize step (:func:`finalize`) asks the clients for what a bundle needs from their
+from the recipe (no data on this side), then per round selects clients like the engine (``select_clients``) among
+those still taking part, sends each its row of the method's ``client_start`` with the server state (``train``),
+and folds the replies that came in with the method's ``aggregate`` (ODPFL-HN: :meth:`FederatedRun.train_round`'s
+embedding / generated model / encoder-gradient exchange). A node that fails or misses a reply is dropped for the
+rest of the run; a round with fewer than ``min-train-nodes`` replies is skipped; one progress line per round goes
+to the log (``flwr run --stream``). Validation (``evaluate``) is the mean over the replying training clients of
+their own accuracy, as the engine's. At the end, the finalize step (:func:`finalize`) asks the clients for what a bundle needs from their
 data. The run directory it writes (``run.json``, ``best.npz``, ``metrics.jsonl``, ``device.npz``) is what
 ``fl-server export`` and the coordinator take from an in-process run.
 
