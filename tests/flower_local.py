@@ -18,6 +18,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import numpy as np
 import tomli_w
 
 APP_DIR = Path(__file__).resolve().parents[1] / "examples" / "flower"  # the app folder `flwr run` takes
@@ -43,6 +44,28 @@ def _wait_port(port: int, proc: subprocess.Popen, timeout: float, log: Path) -> 
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
 
+def write_node_data(fashion, root: Path, nodes: int = 3, per_node: int = 120,  # type: ignore[no-untyped-def]
+                    folders: int = 1) -> tuple[list[str], np.ndarray]:
+    """Each node's own Fashion-MNIST samples (disjoint): the first ``folders`` nodes an image folder of PNGs (class
+    folders named by label), the others arrays files (float32 NCHW in [0, 1], as the built-in recipe takes them).
+    Returns the node-config ``data`` values (relative to ``root``) and each node's sample indices."""
+    from PIL import Image
+
+    idx = np.random.default_rng(1).permutation(len(fashion.y))[:nodes * per_node].reshape(nodes, per_node)
+    sources = []
+    for node, rows in enumerate(idx):
+        if node < folders:
+            for i in rows:
+                folder = root / f"node{node}" / str(int(fashion.y[i]))
+                folder.mkdir(parents=True, exist_ok=True)
+                Image.fromarray(np.round(fashion.x[i, 0] * 255).astype(np.uint8)).save(folder / f"{i}.png")
+            sources.append(f"node{node}")
+        else:
+            np.savez(root / f"node{node}.npz", x=fashion.x[rows], y=fashion.y[rows])
+            sources.append(f"node{node}.npz")
+    return sources, idx
+
+
 class LocalDeployment:
     """SuperLink + ``num_nodes`` SuperNodes under ``workdir``; stopped on exit. Node i's ``--node-config`` is
     ``node_configs[i]`` (default ``partition-id=i``). ``link_args`` / ``node_args`` replace ``--insecure`` (TLS
@@ -57,6 +80,8 @@ class LocalDeployment:
         self.link_args, self.connection = link_args or ["--insecure"], connection or {"insecure": True}
         self.node_args = node_args or [["--insecure"]] * num_nodes
         self.procs: list[subprocess.Popen] = []
+        self.nodes: list[subprocess.Popen] = []
+        self.outputs: dict[int, Path] = {}  # a launched run's pid -> its output file
         bin_dir = str(Path(sys.executable).parent)  # flower-superexec and flwr-clientapp must be on PATH
         self.env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
                     "FLWR_HOME": str(self.workdir / "flwr-home"), "OMP_NUM_THREADS": "1",
@@ -96,21 +121,46 @@ class LocalDeployment:
         node = self._spawn([str(Path(sys.executable).parent / "flower-supernode"), *args, "--superlink",
                             f"127.0.0.1:{self.port}", "--port", str(node_port), "--node-config", node_config], log)
         _wait_port(node_port, node, self.startup_timeout, log)
+        self.nodes.append(node)
         return node
 
     def run(self, run_config: dict[str, Any], app_dir: Path = APP_DIR, timeout: float = 600.0) -> str:
         """``flwr run`` the app with ``run_config`` overrides and wait for it; returns its output. Fails when the
         run fails (the ServerApp's traceback is in the output)."""
-        overrides = self.workdir / "run-config.toml"
+        return self.finish(self.launch(run_config, app_dir), timeout)
+
+    def launch(self, run_config: dict[str, Any], app_dir: Path = APP_DIR, name: str = "run") -> subprocess.Popen:
+        """``flwr run --stream`` the app with ``run_config`` overrides in the background (output in
+        ``workdir/name.out``); :meth:`finish` waits for it."""
+        overrides = self.workdir / f"{name}-config.toml"
         overrides.write_text(tomli_w.dumps({"min-nodes": self.num_nodes, **run_config}))
         flwr = str(Path(sys.executable).parent / "flwr")
-        out = subprocess.run([flwr, "run", str(app_dir), "local-deployment", "--run-config", str(overrides),
-                              "--stream"], env=self.env, cwd=self.workdir, capture_output=True, text=True,
-                             timeout=timeout)
-        text = out.stdout + out.stderr
-        if out.returncode != 0 or "ServerApp raised an exception" in text:
-            raise RuntimeError(f"flwr run failed ({out.returncode}):\n{text[-5000:]}")
+        output = self.workdir / f"{name}.out"
+        with open(output, "w") as out:
+            proc = subprocess.Popen([flwr, "run", str(app_dir), "local-deployment", "--run-config", str(overrides),
+                                     "--stream"], env=self.env, cwd=self.workdir, stdout=out,
+                                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.procs.append(proc)
+        self.outputs[proc.pid] = output
+        return proc
+
+    def finish(self, proc: subprocess.Popen, timeout: float = 600.0) -> str:
+        """Wait for a run :meth:`launch` started; returns its output, fails when the run fails."""
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        text = self.outputs[proc.pid].read_text()
+        if proc.returncode != 0 or "ServerApp raised an exception" in text:
+            raise RuntimeError(f"flwr run failed ({proc.returncode}):\n{text[-5000:]}")
         return text
+
+    def kill(self, proc: subprocess.Popen) -> None:
+        """SIGKILL a process this deployment started and everything in its process group (a SuperNode dying with
+        its SuperExec and ClientApp processes, as a device that loses power)."""
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
 
     def stop(self) -> None:
         """End every process this deployment started (its process groups: the SuperExec workers too)."""
@@ -124,9 +174,14 @@ class LocalDeployment:
             try:
                 proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=5)
+                pass
+            try:  # the group's other members too (a SuperExec or ClientApp outliving its SuperNode), even where
+                os.killpg(proc.pid, signal.SIGKILL)  # the leader itself exited on SIGTERM
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=5)
         self.procs.clear()
+        self.nodes.clear()
 
     def __enter__(self) -> LocalDeployment:
         try:

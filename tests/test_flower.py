@@ -21,7 +21,7 @@ from fl_server.engine.simulation import load_state  # noqa: E402
 from fl_server.flower.task import FlowerRecipe  # noqa: E402
 from fl_server.flower.wire import state_to_record  # noqa: E402
 from fl_server.functional import to_numpy_flat  # noqa: E402
-from flower_local import LocalDeployment  # noqa: E402  (beside this file)
+from flower_local import LocalDeployment, write_node_data  # noqa: E402  (beside this file)
 
 # 10 clients, 70% new: 3 training clients (one per SuperNode); 6000 random MNIST samples keep the rounds short
 RECIPE = {"dataset": "mnist", "num-clients": 10, "new-fraction": 0.7, "max-samples": 6000, "rounds": 3,
@@ -134,23 +134,53 @@ def test_a_built_in_run_is_the_data_sets_preset_recipe_with_the_overrides() -> N
 @pytest.mark.parametrize("method, reason", [
     ("MAP", "its server state is built from every client's class set"),
     ("FedPHP", "its server state is built from every client's class set"),
-    ("ODPFL-HN", "the server embeds each client's data"), ("Local", "its per-client models live in the server")])
+    ("ODPFL-HN", "two-phase training and standardize_init build the server's state from every client's data"),
+    ("Local", "its per-client models live in the server")])
 def test_a_method_whose_server_needs_client_data_is_refused_with_its_reason(method: str, reason: str) -> None:
     from fl_server.algorithms import NotApplicable
     from fl_server.flower.task import check_supported
 
     recipe = FlowerRecipe.from_config({**RECIPE, "method": method})
+    algorithm = recipe.build_algorithm(3)
+    if method == "ODPFL-HN":  # its one-phase training runs on Flower; two-phase is refused
+        check_supported(algorithm)
+        algorithm = recipe.recipe.replace(hyper={**recipe.recipe.hyper, "two_phase": True, "phase1_rounds": 1}) \
+            .build_algorithm(recipe.recipe.build_model(0), 3, 0)
     with pytest.raises(NotApplicable, match=f"^{method} cannot run on Flower yet: {reason}"):
-        check_supported(recipe.build_algorithm(3))
+        check_supported(algorithm)
     check_supported(FlowerRecipe.from_config({**RECIPE, "method": "FedAvg"}).build_algorithm(3))  # no refusal
 
 
-def flower_rounds_without_transport(config: dict) -> tuple[Any, list, list]:
-    """The Flower app's two sides (FederatedRun on the server, client_round on each client's own partition, the
-    states through the wire format) without the processes: what each method computes over Flower."""
+def local_ask(recipe: FlowerRecipe, parts: list, states: list) -> Any:
+    """The server's exchange without the transport: each client's reply is the ClientApp's own answer
+    (``fl_server.flower.client_app.answer``) on its data, with its context state ``states[client]``; no message
+    carries another client's rows of the server state."""
+    from flwr.app import RecordDict
+
+    from fl_server.flower.client_app import answer
+
+    def ask(kind: str, payloads: dict) -> dict:
+        replies = {}
+        for client, msg in payloads.items():
+            for record in ("state", "server"):
+                if record in msg and kind == "train":
+                    keys = {key.split("/")[0] for key in msg[record]}
+                    assert not keys & set(recipe.build_algorithm(len(parts)).per_client_keys), (record, keys)
+            replies[client] = answer(kind, msg, recipe, parts[client], states[client])
+            assert isinstance(replies[client], RecordDict)
+        return replies
+    return ask
+
+
+def flower_rounds_without_transport(config: dict, rounds: int | None = None) -> tuple[Any, list, list, Any]:
+    """The Flower app's two sides (FederatedRun on the server, the ClientApp's answers on each client's own
+    partition, the states through the wire format) without the processes: what each method computes over Flower
+    in ``rounds`` (default: the recipe's) rounds. Returns the run, the clients' data, their context states and the
+    exchange."""
+    from flwr.app import RecordDict
+
     from fl_server.flower.server_app import FederatedRun
-    from fl_server.flower.task import client_round, load_partition
-    from fl_server.flower.wire import record_to_state
+    from fl_server.flower.task import load_partition
 
     recipe = FlowerRecipe.from_config(config)
     parts = [load_partition(recipe, 0)]
@@ -158,36 +188,30 @@ def flower_rounds_without_transport(config: dict) -> tuple[Any, list, list]:
     infos = [{"input-shape": list(d.input_shape), "num-classes": d.num_classes, "num-train": len(d.y_train)}
              for d in parts]
     run = FederatedRun(recipe, infos)
-    client = recipe.build_algorithm(len(parts))
-    kept: list = [None] * len(parts)  # each client's own entries (BTFL's local head), never sent
-    for r in range(recipe.rounds):
-        ids = np.arange(len(parts))
-        states = []
-        for k, msg in zip(ids, run.train_payloads(ids, r)):
-            assert not set(run.algorithm.per_client_keys) & {key.split("/")[0] for key in msg["state"]}
-            assert not set(run.algorithm.per_client_keys) & {key.split("/")[0] for key in msg["server"]}
-            sent, kept[k] = client_round(client, record_to_state(msg["state"]), record_to_state(msg["server"]),
-                                         parts[k], recipe, r, kept[k])
-            assert not set(client.client_private) & set(sent)
-            states.append(record_to_state(state_to_record(sent)))
-        run.aggregate(ids, states)
-    return run, parts, kept
+    states = [RecordDict() for _ in parts]  # each client's context state (BTFL's local head), never sent
+    ask = local_ask(recipe, parts, states)
+    for r in range(recipe.rounds if rounds is None else rounds):
+        result = run.train_round(ask, np.arange(len(parts)), r)
+        assert result.aggregated and result.replied == list(range(len(parts))) and result.loss > 0
+    return run, parts, states, ask
 
 
-METHODS = ["FedProx", "TENT", "FedTTA-Prox", "FedTTA++", "FedICON", "BTFL"]
+METHODS = ["FedProx", "TENT", "FedTTA-Prox", "FedTTA++", "FedICON", "BTFL", "ODPFL-HN"]
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_each_methods_flower_sides_match_the_engine(method: str, data_root: Path) -> None:
     """FedICON: 2 rounds are 1 encoder round and 1 classifier round (``FedICON.fit_hyper``), both phases compared."""
     config = {**RECIPE, "method": method, "rounds": 2, "local-iterations": 6, "max-samples": 3000}
-    run, _, _ = flower_rounds_without_transport(config)
+    run, _, _, ask = flower_rounds_without_transport(config)
     flower = to_numpy_flat(run.server_state)
-    engine, _ = in_process(config)
+    engine, engine_val = in_process(config)
     private = set(run.algorithm.client_private.values())  # BTFL's heads: the server's copy is never trained
     assert sorted(flower) == sorted(engine)
     diff = max(float(np.abs(flower[k] - engine[k]).max()) for k in engine if k.split("/")[0] not in private)
     assert diff <= 1e-6, f"{method}: {diff}"
+    if method == "ODPFL-HN":  # validated on the models generated from the clients' own embeddings
+        assert run.validate(ask, np.arange(run.k), run.recipe.rounds - 1) == pytest.approx(engine_val, abs=1e-9)
 
 
 def test_btfl_on_flower_keeps_heads_on_clients_and_its_global_dle_equals_the_engines(data_root: Path) -> None:
@@ -200,7 +224,10 @@ def test_btfl_on_flower_keeps_heads_on_clients_and_its_global_dle_equals_the_eng
     from fl_server.flower.task import client_btfl_upload
 
     config = {**RECIPE, "method": "BTFL", "rounds": 2, "local-iterations": 6, "max-samples": 3000}
-    run, parts, kept = flower_rounds_without_transport(config)
+    from fl_server.flower.wire import record_to_state
+
+    run, parts, states, _ = flower_rounds_without_transport(config)
+    kept = [record_to_state(s["fl-edge-private"]) for s in states]
     recipe = FlowerRecipe.from_config(config)
     sim = recipe.in_process()
     initial_heads = sim.server_state["local_heads"].clone()
@@ -324,7 +351,7 @@ def test_a_users_recipe_file_trains_on_flower_like_in_process(tmp_path: Path, da
     config = {"recipe": f"{source}:RECIPE", "dtype": "float64", "seed": 0}
     recipe = FlowerRecipe.from_config(config)
     assert recipe.recipe.source == f"{source}:RECIPE" and recipe.method == "FedTTA" and recipe.rounds == 2
-    run, parts, _ = flower_rounds_without_transport(config)
+    run, parts, _, _ = flower_rounds_without_transport(config)
     assert len(parts) == 3 and parts[0].x_train.dtype == np.float32  # preprocessed by the recipe on the client
     flower = to_numpy_flat(run.server_state)
     engine, _ = in_process(config)
@@ -359,28 +386,6 @@ def test_run_config_overrides_apply_over_a_recipe_file_and_clashing_keys_are_ref
 
 # ---------------------------------------------------------------------- node-local data
 FASHION = {"dataset": "fashion_mnist", "model": "mlp", "method": "FedAvg", "seed": 0}
-
-
-def write_node_data(fashion, root: Path, nodes: int = 3,  # type: ignore[no-untyped-def]
-                    per_node: int = 120) -> tuple[list[str], np.ndarray]:
-    """Each node's own Fashion-MNIST samples (disjoint): node 0 an image folder of PNGs (class folders named by
-    label), the others arrays files (float32 NCHW in [0, 1], as the built-in recipe takes them). Returns the
-    node-config ``data`` values (relative to ``root``) and each node's sample indices."""
-    from PIL import Image
-
-    idx = np.random.default_rng(1).permutation(len(fashion.y))[:nodes * per_node].reshape(nodes, per_node)
-    sources = []
-    for node, rows in enumerate(idx):
-        if node == 0:
-            for i in rows:
-                folder = root / f"node{node}" / str(int(fashion.y[i]))
-                folder.mkdir(parents=True, exist_ok=True)
-                Image.fromarray(np.round(fashion.x[i, 0] * 255).astype(np.uint8)).save(folder / f"{i}.png")
-            sources.append(f"node{node}")
-        else:
-            np.savez(root / f"node{node}.npz", x=fashion.x[rows], y=fashion.y[rows])
-            sources.append(f"node{node}.npz")
-    return sources, idx
 
 
 def test_node_data_is_checked_at_load_and_split_on_the_node(tmp_path: Path,
@@ -571,3 +576,29 @@ def test_tls_and_supernode_authentication(tmp_path: Path, fashion_all) -> None: 
     assert len(json.loads(listed[listed.index("{"):])["nodes"]) == 2, listed
     rows = [json.loads(line) for line in (tmp_path / "run-tls" / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [0] and 0.0 <= rows[0]["val"] <= 1.0
+
+
+@pytest.mark.parametrize("method, lost_at", [("FedAvg", "train"), ("ODPFL-HN", "train"),
+                                             ("ODPFL-HN", "query.embed")])
+def test_a_round_aggregates_the_replies_that_came(method: str, lost_at: str, data_root: Path) -> None:
+    """A client whose reply never comes (its node died): the round equals the round of the clients that replied,
+    weighted by their sizes only; with fewer replies than the minimum the server state stays as it was."""
+    config = {**RECIPE, "method": method, "rounds": 1, "local-iterations": 4, "max-samples": 3000}
+    run, _, _, ask = flower_rounds_without_transport(config, rounds=0)
+    both, _, _, _ = flower_rounds_without_transport(config, rounds=0)
+
+    def lossy(kind: str, payloads: dict) -> dict:
+        replies = ask(kind, payloads)
+        return {c: r for c, r in replies.items() if not (kind == lost_at and c == 1)}
+
+    before = run.server_state
+    skipped = run.train_round(lossy, np.arange(3), 0, min_replies=3)
+    assert not skipped.aggregated and skipped.replied == ([0, 2] if lost_at == "train" else [])
+    assert run.server_state is before
+    result = run.train_round(lossy, np.arange(3), 0)
+    assert result.aggregated and result.replied == [0, 2] and result.asked == 3
+    assert both.train_round(ask, np.array([0, 2]), 0).replied == [0, 2]
+    trained, start = to_numpy_flat(run.server_state), to_numpy_flat(before)
+    for key, value in to_numpy_flat(both.server_state).items():
+        np.testing.assert_allclose(trained[key], value, atol=1e-12, err_msg=key)
+    assert any(not np.array_equal(trained[k], start[k]) for k in start)

@@ -119,6 +119,10 @@ class Algorithm:
     # with its clients on their own machines (the Flower app refuses it with this reason)
     needs_client_data: ClassVar[str] = ""
 
+    def client_data_need(self) -> str:
+        """:attr:`needs_client_data` for this method's hyperparameters ("" when its server step needs none)."""
+        return self.needs_client_data
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.default_job = bool(vars(cls).get("default_job", False))

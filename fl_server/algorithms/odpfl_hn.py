@@ -205,8 +205,8 @@ class ODPFLHN(Algorithm):
     name = "ODPFL-HN"
     default_job = True  # trained by a coordinator with an empty store
     Config = ODPFLHNConfig
-    needs_client_data = ("the server embeds each client's data in client_start / aggregate; the client-side "
-                         "embedding message is not built yet")
+    needs_client_data = ("two-phase training and standardize_init build the server's state from every client's "
+                         "data at init (no message carries it); train the one-phase method (the default)")
     device_step = "encoder"  # the device encodes its set; theta (hn) stays on the server
     device_weights = ("params", "enc")
     servable = True
@@ -268,6 +268,11 @@ class ODPFLHN(Algorithm):
         # (encoder state, round, client ids, embeddings incl. noise) last computed by round_embeddings:
         # aggregate reuses client_start's instead of a second encoder pass (bit-identical, a pure cache)
         self._round_embeddings: tuple[State, float, np.ndarray, torch.Tensor] | None = None
+
+    def client_data_need(self) -> str:
+        """One-phase training needs no client data on the server: each round's messages carry the clients'
+        embeddings and encoder gradients (the Flower app, ``fl_server.flower``)."""
+        return self.needs_client_data if self.hp.two_phase or self.hp.standardize_init else ""
 
     # ------------------------------------------------------------------ state
     def attach(self, x: torch.Tensor, y: torch.Tensor, train: list[np.ndarray]) -> None:
@@ -455,10 +460,14 @@ class ODPFLHN(Algorithm):
         cached = self._round_embeddings
         if cached is not None and cached[0] is enc and cached[1] == round_ and np.array_equal(cached[2], ids):
             return cached[3]
-        emb = self.embed_clients(enc, ids)
+        emb = self.with_noise(server_state, ids, self.embed_clients(enc, ids))
+        self._round_embeddings = (enc, round_, ids.copy(), emb)
+        return emb
+
+    def with_noise(self, server_state: State, ids: np.ndarray, emb: torch.Tensor) -> torch.Tensor:
+        """The clients' embeddings ``emb`` [K, E] plus the round's ``embedding_noise`` (training only)."""
         if self.hp.embedding_noise:
             emb = emb + self.hp.embedding_noise * self.noise_draw(server_state, ids).to(emb)
-        self._round_embeddings = (enc, round_, ids.copy(), emb)
         return emb
 
     def noise_draw(self, server_state: State, ids: np.ndarray) -> torch.Tensor:
@@ -481,6 +490,10 @@ class ODPFLHN(Algorithm):
         emb = self.round_embeddings(server_state, ids)
         grad_theta, grad_e = self.hypernet_backprop(server_state["hn"], emb, delta, coef)
         grad_gamma = self.clients_encoder_backprop(enc, ids, grad_e)  # summed; coef is already in grad_e
+        return self.end_round(server_state, grad_theta, grad_gamma)
+
+    def end_round(self, server_state: State, grad_theta: State, grad_gamma: State) -> State:
+        """The round's server update from theta's and gamma's gradients (the round counter moves on where kept)."""
         if "round" in server_state:
             server_state = {**server_state, "round": server_state["round"] + 1}
         return self.server_update(server_state, grad_theta, grad_gamma)
@@ -491,6 +504,11 @@ class ODPFLHN(Algorithm):
         else:
             self._round_embeddings = None
             w = self.generate(server_state["hn"], self.round_embeddings(server_state, ids))
+        return self.start_states(w)
+
+    def start_states(self, w: State) -> State:
+        """The selected clients' start states from their generated models ``w`` (stacked): w and a copy w0 (the
+        client's Delta w is against it), a zero momentum buffer with ``local_momentum``."""
         state = {"params": w, "w0": tree_map(torch.clone, w)}
         if self.hp.local_momentum:
             state["mom"] = tree_map(torch.zeros_like, w)

@@ -3,11 +3,13 @@
 The SuperNode's ``--node-config`` names the data it trains on: ``data``, the node's own arrays file or image
 folder (:func:`~fl_server.flower.task.load_node_data`; relative to the SuperNode's working directory), or, for
 tests and simulations, ``partition-id``, one partition of the recipe's data set (optional ``data-dir``, where
-the data set's files are). Three message kinds: ``query`` (the client's sizes and input shape, so the server can build
-the method without data), ``train`` (the engine's local steps from the state the server sent) and ``evaluate``
-(validation accuracy of the sent state on the client's own validation split); and the finalize step's uploads
-at the end of a run: ``query.bn_sums`` (a batch-normalised model's sums for the population statistics) and
-``query.dle`` (BTFL's local DLE and mean feature).
+the data set's files are). Message kinds (:data:`HANDLERS`): ``query`` (the client's sizes and input shape, so the
+server can build the method without data), ``train`` (the engine's local steps from the state the server sent, and
+the trained model's loss) and ``evaluate`` (validation accuracy of the sent state, or of the model the server
+generated for this client, on the client's own validation split); ODPFL-HN's ``query.embed`` (the client's
+embedding of its own data) and ``query.encoder_grad`` (its encoder's gradient for the server's dL/de); and the
+finalize step's uploads at the end of a run: ``query.bn_sums`` (a batch-normalised model's sums for the
+population statistics) and ``query.dle`` (BTFL's local DLE and mean feature).
 
 Example (a SuperNode on the same machine as the SuperLink, insecure, for a try-out)::
 
@@ -15,16 +17,20 @@ Example (a SuperNode on the same machine as the SuperLink, insecure, for a try-o
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
+from fl_server.algorithms.base import Algorithm
 from fl_server.algorithms.btfl import BTFL
-from fl_server.flower.task import (ClientData, FlowerRecipe, client_bn_sums, client_btfl_upload, client_round,
+from fl_server.algorithms.odpfl_hn import ODPFLHN
+from fl_server.flower.task import (ClientData, FlowerRecipe, client_accuracy, client_bn_sums, client_btfl_upload,
+                                    client_embedding, client_encoder_grad, client_round, client_train_loss,
                                     client_validation, load_node_data, load_partition)
 from fl_server.flower.wire import record_to_state, state_to_record
+from fl_server.functional import State
 
 _PRIVATE = "fl-edge-private"  # the client's own entries between rounds (BTFL's local head), never sent
 _STATE_LIMIT = 8 << 20  # bytes of partition kept in the context state (tens of MB there miss Flower's heartbeat)
@@ -60,74 +66,111 @@ def _setup(context: Context, overrides: Mapping[str, Any]) -> tuple[FlowerRecipe
     return recipe, data
 
 
+def _algorithm(content: RecordDict, recipe: FlowerRecipe) -> Algorithm:
+    return recipe.build_algorithm(int(content["config"]["num-clients"]))
+
+
+def on_query(content: RecordDict, recipe: FlowerRecipe, data: ClientData, state: RecordDict) -> RecordDict:
+    """The client's partition id (-1: the node's own data), sample counts, input shape and class count (no
+    samples)."""
+    return RecordDict({"info": ConfigRecord({"partition-id": data.partition_id, "num-partitions": data.num_partitions,
+                                             "num-train": len(data.y_train), "num-val": len(data.y_val),
+                                             "input-shape": list(data.input_shape),
+                                             "num-classes": data.num_classes})})
+
+
+def on_train(content: RecordDict, recipe: FlowerRecipe, data: ClientData, state: RecordDict) -> RecordDict:
+    """One round of local training: ``state`` (this client's start state) and ``server`` (the server state the
+    method's step reads) in; the trained state and its train loss out (the client's own entries kept in
+    ``state``, the run's context state)."""
+    cfg, algorithm = content["config"], _algorithm(content, recipe)
+    private = record_to_state(state[_PRIVATE]) if _PRIVATE in state else None
+    trained, kept = client_round(algorithm, record_to_state(content["state"]), record_to_state(content["server"]),
+                                 data, recipe, int(cfg["round"]), private)
+    if kept:
+        state[_PRIVATE] = state_to_record(kept)
+    loss = client_train_loss(algorithm, trained, data, recipe)
+    return RecordDict({"state": state_to_record(trained),
+                       "metrics": MetricRecord({"num-examples": len(data.y_train), "train-loss": loss})})
+
+
+def on_evaluate(content: RecordDict, recipe: FlowerRecipe, data: ClientData, state: RecordDict) -> RecordDict:
+    """Validation accuracy on this client's validation split of the sent server state (``server``), or of the
+    model the server generated for this client (``params``, ODPFL-HN)."""
+    algorithm = _algorithm(content, recipe)
+    if "params" in content:
+        acc = client_accuracy(algorithm, record_to_state(content["params"]), data, recipe)
+    else:
+        acc = client_validation(algorithm, record_to_state(content["server"]), data, recipe,
+                                int(content["config"]["round"]))
+    return RecordDict({"metrics": MetricRecord({"accuracy": acc, "num-examples": len(data.y_val)})})
+
+
+def _hypernetwork(content: RecordDict, recipe: FlowerRecipe, kind: str) -> tuple[ODPFLHN, State]:
+    algorithm = _algorithm(content, recipe)
+    if not isinstance(algorithm, ODPFLHN):
+        raise ValueError(f"query.{kind} is ODPFL-HN's message; this run trains {algorithm.name}")
+    return algorithm, record_to_state(content["server"])["enc"]
+
+
+def on_embed(content: RecordDict, recipe: FlowerRecipe, data: ClientData, state: RecordDict) -> RecordDict:
+    """ODPFL-HN: this client's embedding e = g_gamma(D) of its training data with the sent encoder (the only
+    thing about its data the server receives)."""
+    algorithm, enc = _hypernetwork(content, recipe, "embed")
+    return RecordDict({"embedding": ArrayRecord({"e": Array(client_embedding(algorithm, enc, data, recipe))})})
+
+
+def on_encoder_grad(content: RecordDict, recipe: FlowerRecipe, data: ClientData, state: RecordDict) -> RecordDict:
+    """ODPFL-HN: gamma's gradient for the sent dL/de of this client's embedding (its ClientBackprop)."""
+    algorithm, enc = _hypernetwork(content, recipe, "encoder_grad")
+    grad = client_encoder_grad(algorithm, enc, content["grad"]["e"].numpy(), data, recipe)
+    return RecordDict({"grad": state_to_record({"enc": grad})})
+
+
+def on_bn_sums(content: RecordDict, recipe: FlowerRecipe, data: ClientData, state: RecordDict) -> RecordDict:
+    """The finalize step, a batch-normalised model: this client's sums of every layer's input with the sent
+    weights (its upload for the population statistics)."""
+    sums = client_bn_sums(_algorithm(content, recipe), record_to_state(content["server"]), data, recipe)
+    return RecordDict({"sums": ArrayRecord({k: Array(v) for k, v in sums.items()})})
+
+
+def on_dle(content: RecordDict, recipe: FlowerRecipe, data: ClientData, state: RecordDict) -> RecordDict:
+    """The finalize step, BTFL: this client's local DLE and mean feature with the sent global features (and
+    population statistics, ``stats``, for a batch-normalised model): its upload for the global DLE."""
+    algorithm = _algorithm(content, recipe)
+    if not isinstance(algorithm, BTFL):
+        raise ValueError(f"query.dle is BTFL's message; this run trains {algorithm.name}")
+    stats = {k: v.numpy() for k, v in content["stats"].items()} if "stats" in content else None
+    upload = client_btfl_upload(algorithm, record_to_state(content["server"]), data, recipe, stats)
+    return RecordDict({"dle": ArrayRecord({k: Array(v) for k, v in upload.items()})})
+
+
+Handler = Callable[[RecordDict, FlowerRecipe, ClientData, RecordDict], RecordDict]
+# message type -> the client's answer: what the ClientApp runs, and what a test runs without the transport
+HANDLERS: dict[str, Handler] = {"query": on_query, "train": on_train, "evaluate": on_evaluate,
+                                "query.embed": on_embed, "query.encoder_grad": on_encoder_grad,
+                                "query.bn_sums": on_bn_sums, "query.dle": on_dle}
+
+
+def answer(kind: str, content: RecordDict, recipe: FlowerRecipe, data: ClientData, state: RecordDict) -> RecordDict:
+    """The reply content to a message of type ``kind`` (``state``: the run's context state on this node); node-local
+    data is placed as the client the message's config numbers it."""
+    cfg = content["config"] if "config" in content else {}
+    return HANDLERS[kind](content, recipe, data.placed(cfg) if "client-id" in cfg else data, state)
+
+
 def make_client_app(overrides: Mapping[str, Any] | None = None) -> ClientApp:
     """The ClientApp; ``overrides`` win over the run config (``flwr.simulation.run_simulation`` passes none)."""
     overrides = dict(overrides or {})
     capp = ClientApp()
 
-    @capp.query()
-    def query(msg: Message, context: Context) -> Message:
-        """The client's partition id (-1: the node's own data), sample counts, input shape and class count (no
-        samples)."""
-        _, data = _setup(context, overrides)
-        info = ConfigRecord({"partition-id": data.partition_id, "num-partitions": data.num_partitions,
-                             "num-train": len(data.y_train), "num-val": len(data.y_val),
-                             "input-shape": list(data.input_shape), "num-classes": data.num_classes})
-        return Message(RecordDict({"info": info}), reply_to=msg)
-
-    @capp.train()
-    def train(msg: Message, context: Context) -> Message:
-        """One round of local training: ``state`` (this client's start state) and ``server`` (the server state
-        the method's step reads) in, the trained state out."""
+    def handle(msg: Message, context: Context) -> Message:
         recipe, data = _setup(context, overrides)
-        cfg = msg.content["config"]
-        data = data.placed(cfg)
-        algorithm = recipe.build_algorithm(int(cfg["num-clients"]))
-        start = record_to_state(msg.content["state"])
-        server = record_to_state(msg.content["server"])
-        private = record_to_state(context.state[_PRIVATE]) if _PRIVATE in context.state else None
-        trained, kept = client_round(algorithm, start, server, data, recipe, int(cfg["round"]), private)
-        if kept:
-            context.state[_PRIVATE] = state_to_record(kept)
-        return Message(RecordDict({"state": state_to_record(trained),
-                                   "metrics": MetricRecord({"num-examples": len(data.y_train)})}), reply_to=msg)
+        return Message(answer(msg.metadata.message_type, msg.content, recipe, data, context.state), reply_to=msg)
 
-    @capp.evaluate()
-    def evaluate(msg: Message, context: Context) -> Message:
-        """Validation accuracy of the sent server state on this client's validation split."""
-        recipe, data = _setup(context, overrides)
-        cfg = msg.content["config"]
-        data = data.placed(cfg)
-        algorithm = recipe.build_algorithm(int(cfg["num-clients"]))
-        acc = client_validation(algorithm, record_to_state(msg.content["server"]), data, recipe,
-                                int(cfg["round"]))
-        return Message(RecordDict({"metrics": MetricRecord({"accuracy": acc, "num-examples": len(data.y_val)})}),
-                       reply_to=msg)
-
-    @capp.query("bn_sums")
-    def bn_sums(msg: Message, context: Context) -> Message:
-        """The finalize step, a batch-normalised model: this client's sums of every layer's input with the sent
-        weights (its upload for the population statistics)."""
-        recipe, data = _setup(context, overrides)
-        data = data.placed(msg.content["config"])
-        algorithm = recipe.build_algorithm(int(msg.content["config"]["num-clients"]))
-        sums = client_bn_sums(algorithm, record_to_state(msg.content["server"]), data, recipe)
-        return Message(RecordDict({"sums": ArrayRecord({k: Array(v) for k, v in sums.items()})}), reply_to=msg)
-
-    @capp.query("dle")
-    def dle(msg: Message, context: Context) -> Message:
-        """The finalize step, BTFL: this client's local DLE and mean feature with the sent global features (and
-        population statistics, ``stats``, for a batch-normalised model): its upload for the global DLE."""
-        recipe, data = _setup(context, overrides)
-        cfg = msg.content["config"]
-        data = data.placed(cfg)
-        algorithm = recipe.build_algorithm(int(cfg["num-clients"]))
-        if not isinstance(algorithm, BTFL):
-            raise ValueError(f"query.dle is BTFL's message; this run trains {algorithm.name}")
-        stats = {k: v.numpy() for k, v in msg.content["stats"].items()} if "stats" in msg.content else None
-        upload = client_btfl_upload(algorithm, record_to_state(msg.content["server"]), data, recipe, stats)
-        return Message(RecordDict({"dle": ArrayRecord({k: Array(v) for k, v in upload.items()})}), reply_to=msg)
-
+    for kind in HANDLERS:
+        category, _, action = kind.partition(".")
+        getattr(capp, category)(*([action] if action else []))(handle)
     return capp
 
 

@@ -2,10 +2,13 @@
 
 It waits for the SuperNodes, asks each for its partition id and sizes (``query``; nodes that hold their own
 data are numbered as clients 0 .. N-1 by node id, and each message tells a node its number), builds the method
-from the recipe (no data on this side), then per round selects clients like the engine (``select_clients``), sends each
-its row of the method's ``client_start`` with the server state (``train``), and folds the replies in with the
-method's ``aggregate``. Validation (``evaluate``) is the mean over training clients of their own accuracy, as
-the engine's. At the end, the finalize step (:func:`finalize`) asks the clients for what a bundle needs from their
+from the recipe (no data on this side), then per round selects clients like the engine (``select_clients``) among
+those still taking part, sends each its row of the method's ``client_start`` with the server state (``train``),
+and folds the replies that came in with the method's ``aggregate`` (ODPFL-HN: :meth:`FederatedRun.train_round`'s
+embedding / generated model / encoder-gradient exchange). A node that fails or misses a reply is dropped for the
+rest of the run; a round with fewer than ``min-train-nodes`` replies is skipped; one progress line per round goes
+to the log (``flwr run --stream``). Validation (``evaluate``) is the mean over the replying training clients of
+their own accuracy, as the engine's. At the end, the finalize step (:func:`finalize`) asks the clients for what a bundle needs from their
 data. The run directory it writes (``run.json``, ``best.npz``, ``metrics.jsonl``, ``device.npz``) is what
 ``fl-server export`` and the coordinator take from an in-process run.
 
@@ -17,21 +20,25 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
+from logging import INFO, WARNING
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from fl_server import rundir
 from fl_server.algorithms.base import Algorithm
 from fl_server.algorithms.btfl import BTFL
+from fl_server.algorithms.odpfl_hn import ODPFLHN
 from fl_server.engine.simulation import select_clients
 from fl_server.flower.task import FlowerRecipe, check_supported, statistics_from_uploads
 from fl_server.flower.wire import record_to_state, state_to_record
-from fl_server.functional import State, stack, unstack
+from fl_server.functional import State, stack, tree_map, unstack
 from fl_server.models.norm import stat_norms
 from fl_server.recipes.run import describe_run
 
@@ -54,28 +61,77 @@ def wait_for_nodes(grid: Grid, count: int, timeout: float) -> list[int]:
         time.sleep(0.5)
 
 
-def _exchange(grid: Grid, kind: str, payloads: dict[int, RecordDict], timeout: float, round_: int) -> dict[int, Any]:
-    """Send one message per node, return each node's reply content; any error or missing reply fails the run."""
+Ask = Callable[[str, Mapping[int, RecordDict]], dict[int, Any]]  # kind, client -> message => client -> reply
+
+
+def _exchange(grid: Grid, kind: str, payloads: Mapping[int, RecordDict], timeout: float,
+              round_: int) -> tuple[dict[int, Any], dict[int, str]]:
+    """Send one message per node and wait up to ``timeout`` seconds: (node -> reply content for the replies that
+    came, node -> why there is none: an error reply, e.g. the SuperLink's "node unavailable", or no reply)."""
     msgs = {node: Message(content, dst_node_id=node, message_type=kind, group_id=str(round_))
             for node, content in payloads.items()}
-    replies = {m.metadata.src_node_id: m for m in grid.send_and_receive(list(msgs.values()), timeout=timeout)}
-    for node in payloads:
-        reply = replies.get(node)
+    # the SuperLink answers for a node it knows is gone, so a reply is matched by the message it answers
+    replies = {m.metadata.reply_to_message_id: m for m in grid.send_and_receive(list(msgs.values()), timeout=timeout)}
+    got, lost = {}, {}
+    for node, msg in msgs.items():
+        reply = replies.get(msg.metadata.message_id)
         if reply is None:
-            raise FlowerError(f"{kind}: no reply from node {node} within {timeout:.0f} s (round {round_})")
-        if reply.has_error():
-            raise FlowerError(f"{kind}: node {node} failed: {reply.error.reason}")
-    return {node: replies[node].content for node in payloads}
+            lost[node] = f"no reply within {timeout:.0f} s"
+        elif reply.has_error():
+            lost[node] = f"failed: {reply.error.reason}"
+        else:
+            got[node] = reply.content
+    return got, lost
+
+
+class Participants:
+    """The run's clients (client number -> node id, fixed when the run starts) and which of them still take part:
+    a client whose node fails or misses a reply is dropped for the rest of the run (logged); a node that connects
+    later is not one of the run's clients."""
+
+    def __init__(self, grid: Grid, node_of: dict[int, int], timeout: float) -> None:
+        self.grid, self.node_of, self.timeout = grid, node_of, timeout
+        self.dropped: dict[int, str] = {}  # client -> why
+
+    def available(self) -> np.ndarray:
+        """The clients not dropped whose SuperNode the SuperLink still lists, sorted."""
+        connected = set(self.grid.get_node_ids())
+        return np.array(sorted(c for c, n in self.node_of.items() if c not in self.dropped and n in connected),
+                        dtype=np.int64)
+
+    def ask(self, round_: int) -> Ask:
+        """Round ``round_``'s exchange: the replies that came, by client; the clients without one are dropped."""
+        def exchange(kind: str, payloads: Mapping[int, RecordDict]) -> dict[int, Any]:
+            got, lost = _exchange(self.grid, kind, {self.node_of[c]: m for c, m in payloads.items()}, self.timeout,
+                                  round_)
+            client_of = {n: c for c, n in self.node_of.items()}
+            for node, why in lost.items():
+                self.dropped[client_of[node]] = f"{kind}: {why}"
+                log(WARNING, "round %d: %s: node %d (client %d) dropped, %s", round_, kind, node, client_of[node], why)
+            return {client_of[n]: content for n, content in got.items()}
+        return exchange
+
+
+@dataclass
+class RoundResult:
+    """What a round did: the clients that asked to train, those whose update was aggregated, and their train loss
+    (the mean over them, weighted by training samples, of the trained models' loss on their own training data)."""
+
+    asked: int
+    replied: list[int]
+    loss: float | None
+    aggregated: bool
 
 
 class FederatedRun:
     """Server state and bookkeeping of one run (the engine's ``Simulation`` without data)."""
 
-    def __init__(self, recipe: FlowerRecipe, infos: list[dict[str, Any]]) -> None:
-        """``infos``: the clients' query replies, ordered by partition id."""
+    def __init__(self, recipe: FlowerRecipe, infos: list[dict[str, Any] | None]) -> None:
+        """``infos``: the clients' query replies in client order (None: a partition no SuperNode holds)."""
         self.recipe = recipe
         self.k = len(infos)
-        self.input_shape = tuple(int(v) for v in infos[0]["input-shape"])
+        known = [i for i in infos if i is not None]
+        self.input_shape = tuple(int(v) for v in known[0]["input-shape"])
         self.algorithm: Algorithm = recipe.build_algorithm(self.k)
         check_supported(self.algorithm)
         dtype = recipe.torch_dtype
@@ -83,7 +139,7 @@ class FederatedRun:
         self.algorithm.attach(torch.empty(0, *self.input_shape, dtype=dtype), torch.empty(0, dtype=torch.long),
                               [np.empty(0, np.int64)] * self.k)
         self.server_state: State = self.algorithm.init_state(dtype, torch.device("cpu"))
-        self.sizes = torch.tensor([int(i["num-train"]) for i in infos], dtype=dtype)
+        self.sizes = torch.tensor([int(i["num-train"]) if i is not None else 0 for i in infos], dtype=dtype)
 
     def config(self, round_: int, client: int) -> ConfigRecord:
         """A message's config: the round, the number of training clients and the receiver's client number."""
@@ -110,28 +166,109 @@ class FederatedRun:
             states = [{**s, key: self.server_state[rows][int(i)]} for s, i in zip(states, ids)]
         self.server_state = self.algorithm.aggregate(self.server_state, ids, stack(states), self.sizes[ids])
 
+    def train_round(self, ask: Ask, ids: np.ndarray, round_: int, min_replies: int = 1) -> RoundResult:
+        """Round ``round_`` with clients ``ids``: their updates aggregated over the replies that came (weighted by
+        those clients' sizes only); fewer than ``min_replies`` leave the server state as it was."""
+        if isinstance(self.algorithm, ODPFLHN):
+            return self._hypernetwork_round(ask, ids, round_, min_replies)
+        replies = ask("train", dict(zip(ids.tolist(), self.train_payloads(ids, round_))))
+        got = sorted(replies)
+        if len(got) >= min_replies:
+            self.aggregate(np.array(got), [record_to_state(replies[i]["state"]) for i in got])
+        return RoundResult(len(ids), got, _train_loss(replies), len(got) >= min_replies)
 
-def finalize(grid: Grid, run: FederatedRun, state: State, node_of: dict[int, int],
-             timeout: float) -> dict[str, dict[str, np.ndarray]]:
+    def embeddings(self, ask: Ask, ids: np.ndarray, round_: int) -> tuple[np.ndarray, torch.Tensor]:
+        """ODPFL-HN: each client encodes its own training data with the current encoder and sends only its
+        embedding e = g_gamma(D) (``query.embed``): (the clients that replied, their embeddings [K, E])."""
+        enc = state_to_record({"enc": self.server_state["enc"]})
+        replies = ask("query.embed", {int(i): RecordDict({"server": enc, "config": self.config(round_, int(i))})
+                                      for i in ids})
+        got = np.array(sorted(replies), dtype=np.int64)
+        emb = [torch.from_numpy(replies[int(i)]["embedding"]["e"].numpy()) for i in got]
+        return got, (torch.stack(emb).to(self.recipe.torch_dtype) if emb else torch.empty(0))
+
+    def _hypernetwork_round(self, ask: Ask, ids: np.ndarray, round_: int, min_replies: int) -> RoundResult:
+        """ODPFL-HN's round (Algorithm 1) over messages, as its in-process ``client_start`` + ``aggregate``: the
+        clients' embeddings in; each client's generated model w_i = f_theta(e_i) out and its trained model back;
+        the hypernetwork's chain rule on the server; each client's encoder gradient for its dL/de_i back
+        (``query.encoder_grad``, the client's data never leaves it); theta and gamma stepped. A client that drops
+        out after sending its model only misses from gamma's gradient (logged by the exchange)."""
+        alg, state = self.algorithm, self.server_state
+        assert isinstance(alg, ODPFLHN)
+        asked = len(ids)
+        ids, clean = self.embeddings(ask, ids, round_)
+        if len(ids) < min_replies:
+            return RoundResult(asked, [], None, False)
+        emb = alg.with_noise(state, ids, clean)
+        starts = unstack(alg.start_states(alg.generate(state["hn"], emb)))
+        replies = ask("train", {int(i): RecordDict({"state": state_to_record(s), "server": ArrayRecord(),
+                                                    "config": self.config(round_, int(i))})
+                                for i, s in zip(ids, starts)})
+        got = [int(i) for i in ids if int(i) in replies]
+        if len(got) < min_replies:
+            return RoundResult(asked, got, _train_loss(replies), False)
+        rows = torch.tensor([ids.tolist().index(i) for i in got])
+        trained = stack([record_to_state(replies[i]["state"]) for i in got])
+        weights = self.sizes[got]
+        grad_theta, grad_e = alg.hypernet_backprop(state["hn"], emb[rows], alg.client_delta(trained),
+                                                   weights / weights.sum())
+        enc = state_to_record({"enc": state["enc"]})
+        back = ask("query.encoder_grad", {i: RecordDict({"server": enc, "config": self.config(round_, i),
+                                                         "grad": ArrayRecord({"e": Array(grad_e[k].numpy())})})
+                                          for k, i in enumerate(got)})
+        grad_gamma = tree_map(torch.zeros_like, state["enc"])
+        for i in got:  # summed in client order, as the engine sums them
+            if i in back:
+                grad_gamma = tree_map(torch.add, grad_gamma, record_to_state(back[i]["grad"])["enc"])
+        self.server_state = alg.end_round(state, grad_theta, grad_gamma)
+        return RoundResult(asked, got, _train_loss(replies), True)
+
+    def validate(self, ask: Ask, clients: np.ndarray, round_: int) -> float | None:
+        """The mean over ``clients`` that reply of their validation accuracy (None: no reply). ODPFL-HN's clients
+        are sent the model the hypernetwork generates from their embedding (its own validation path)."""
+        if isinstance(self.algorithm, ODPFLHN):
+            clients, emb = self.embeddings(ask, clients, round_)
+            models = unstack(self.algorithm.generate(self.server_state["hn"], emb)) if len(clients) else []
+            payloads = {int(c): RecordDict({"params": state_to_record(w), "config": self.config(round_, int(c))})
+                        for c, w in zip(clients, models)}
+        else:
+            server = self.shared_record()
+            payloads = {int(c): RecordDict({"server": server, "config": self.config(round_, int(c))})
+                        for c in clients}
+        evals = ask("evaluate", payloads)
+        return float(np.mean([evals[c]["metrics"]["accuracy"] for c in sorted(evals)])) if evals else None
+
+
+def _train_loss(replies: Mapping[int, Any]) -> float | None:
+    """The clients' train losses weighted by their training samples (None without replies)."""
+    if not replies:
+        return None
+    metrics = [replies[c]["metrics"] for c in sorted(replies)]
+    return float(np.average([m["train-loss"] for m in metrics], weights=[m["num-examples"] for m in metrics]))
+
+
+def finalize(ask: Ask, run: FederatedRun, state: State, clients: np.ndarray) -> dict[str, dict[str, np.ndarray]]:
     """The run's finalize step on the clients' data, as the engine's ``Simulation.finalize`` for ``state`` (the best
-    state): a batch-normalised model's population statistics from every training client's sums (``stats``), then
-    BTFL's global DLE and mean feature from every client's upload, normalised by those statistics (``btfl``)."""
+    state), over the ``clients`` that reply: a batch-normalised model's population statistics from their sums
+    (``stats``), then BTFL's global DLE and mean feature from their uploads, normalised by those statistics
+    (``btfl``)."""
     params = state_to_record({"params": state["params"]})
 
-    def ask(kind: str, extra: dict[str, ArrayRecord]) -> list[Any]:
-        payloads = {node_of[p]: RecordDict({"server": params, "config": run.config(-1, p), **extra})
-                    for p in range(run.k)}
-        replies = _exchange(grid, kind, payloads, timeout, run.recipe.rounds)
-        return [replies[node_of[p]] for p in range(run.k)]
+    def upload(kind: str, extra: dict[str, ArrayRecord]) -> list[Any]:
+        replies = ask(kind, {int(c): RecordDict({"server": params, "config": run.config(-1, int(c)), **extra})
+                             for c in clients})
+        if not replies:
+            raise FlowerError(f"{kind}: no client replied; the run's device weights need at least one upload")
+        return [replies[c] for c in sorted(replies)]
 
     device: dict[str, dict[str, np.ndarray]] = {}
     extra: dict[str, ArrayRecord] = {}
     if stat_norms(run.algorithm.model):
-        sums = ask("query.bn_sums", {})
+        sums = upload("query.bn_sums", {})
         device["stats"] = statistics_from_uploads(run.algorithm, [_arrays(r["sums"]) for r in sums])
         extra["stats"] = ArrayRecord({k: Array(v) for k, v in device["stats"].items()})
     if isinstance(run.algorithm, BTFL):
-        device.update(run.algorithm.finalize_from_uploads([_arrays(r["dle"]) for r in ask("query.dle", extra)]))
+        device.update(run.algorithm.finalize_from_uploads([_arrays(r["dle"]) for r in upload("query.dle", extra)]))
     return device
 
 
@@ -155,11 +292,12 @@ def make_server_app(run_config: Mapping[str, Any]) -> ServerApp:
 _PARTITIONING = ("num-clients", "new-fraction", "partition", "max-samples")  # how a shared data set is split
 
 
-def clients_of(cfg: Mapping[str, Any], infos: dict[int, dict[str, Any]]) -> tuple[dict[int, int], list[dict]]:
+def clients_of(cfg: Mapping[str, Any],
+               infos: dict[int, dict[str, Any]]) -> tuple[dict[int, int], list[dict[str, Any] | None]]:
     """(client number -> node id, the clients' query replies in client order). Nodes holding their own data
     (partition-id -1) are the clients, numbered by node id; nodes holding partitions of the recipe's data set
-    are numbered by partition id, one per partition. A mix, or partitioning keys beside node-local data, is
-    refused with one line."""
+    are numbered by partition id, one node per partition (any of them: a partition no node holds is a client that
+    never takes part, None). A mix, or partitioning keys beside node-local data, is refused with one line."""
     local = sorted(n for n, i in infos.items() if int(i["partition-id"]) < 0)
     if local and len(local) < len(infos):
         raise FlowerError(f"{len(local)} SuperNodes hold their own data (data=...), {len(infos) - len(local)} a "
@@ -170,48 +308,83 @@ def clients_of(cfg: Mapping[str, Any], infos: dict[int, dict[str, Any]]) -> tupl
             raise FlowerError(f"run config {', '.join(set_)}: these split a shared data set; the SuperNodes hold "
                               f"their own data (each one client), so drop them")
         return dict(enumerate(local)), [infos[n] for n in local]
-    by_pid = {int(i["partition-id"]): n for n, i in infos.items()}
     k = int(next(iter(infos.values()))["num-partitions"])
-    if sorted(by_pid) != list(range(k)):
-        raise FlowerError(f"the recipe has {k} training clients; connected SuperNodes hold partitions "
-                          f"{sorted(by_pid)} (one SuperNode per partition id 0 .. {k - 1})")
-    return by_pid, [infos[by_pid[p]] for p in range(k)]
+    by_pid: dict[int, int] = {}
+    for n in sorted(infos):
+        pid = int(infos[n]["partition-id"])
+        if not 0 <= pid < k or pid in by_pid:
+            raise FlowerError(f"the recipe has {k} training clients; node {n} holds partition {pid}, "
+                              + ("held by another node" if pid in by_pid else f"outside 0 .. {k - 1}")
+                              + " (one SuperNode per partition id)")
+        by_pid[pid] = n
+    return by_pid, [infos[by_pid[p]] if p in by_pid else None for p in range(k)]
 
 
 def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
-    """The run: query the nodes, train ``rounds`` rounds, validate, write ``cfg["run-dir"]``."""
+    """The run: query the nodes, train ``rounds`` rounds over the clients that take part, validate, log one
+    progress line per round, write ``cfg["run-dir"]``."""
     recipe = FlowerRecipe.from_config(cfg)
     run_dir = Path(str(cfg.get("run-dir", "runs/flower")))
     run_dir.mkdir(parents=True, exist_ok=True)
     timeout = float(cfg.get("round-timeout", 600))
+    min_replies = int(cfg.get("min-train-nodes", 1) or 1)
     nodes = wait_for_nodes(grid, int(cfg.get("min-nodes", 1)), timeout)
-    query = _exchange(grid, "query", {n: RecordDict({"config": ConfigRecord({})}) for n in nodes}, timeout, -1)
+    query, lost = _exchange(grid, "query", {n: RecordDict({"config": ConfigRecord({})}) for n in nodes}, timeout, -1)
+    failed = {n: why for n, why in lost.items() if why.startswith("failed")}
+    if failed:  # a node's data or setup is wrong: say so rather than train without it
+        node, why = next(iter(failed.items()))
+        raise FlowerError(f"query: node {node} {why}")
+    for node, why in lost.items():
+        log(WARNING, "query: node %d is not a client of this run, %s", node, why)
+    if not query:
+        raise FlowerError(f"query: none of the {len(nodes)} SuperNodes replied within {timeout:.0f} s")
     node_of, infos = clients_of(cfg, {n: dict(c["info"]) for n, c in query.items()})
-    k = len(node_of)
     run = FederatedRun(recipe, infos)
+    clients = Participants(grid, node_of, timeout)
     (run_dir / rundir.METRICS).unlink(missing_ok=True)
-    best_val, best, best_round, t_start = float("-inf"), run.server_state, 0, time.perf_counter()
+    best_val, best, best_round, trained, t_start = float("-inf"), run.server_state, -1, 0, time.perf_counter()
     for r in range(recipe.rounds):
-        ids = select_clients(k, recipe.client_fraction, recipe.seed, r)
-        payloads = dict(zip((node_of[int(i)] for i in ids), run.train_payloads(ids, r)))
-        replies = _exchange(grid, "train", payloads, timeout, r)
-        run.aggregate(ids, [record_to_state(replies[node_of[int(i)]]["state"]) for i in ids])
-        row: dict[str, Any] = {"round": r}
+        ask = clients.ask(r)
+        available = clients.available()
+        ids = available[select_clients(len(available), recipe.client_fraction, recipe.seed, r)] \
+            if len(available) >= min_replies else available
+        result = run.train_round(ask, ids, r, min_replies) if len(ids) >= min_replies else \
+            RoundResult(len(ids), [], None, False)
+        trained += result.aggregated
+        row: dict[str, Any] = {"round": r, "train_loss": result.loss, "clients": len(result.replied),
+                               "asked": result.asked}
+        if not result.aggregated:
+            row["skipped"] = True
         if (recipe.eval_every and (r + 1) % recipe.eval_every == 0) or r == recipe.rounds - 1:
-            server = run.shared_record()
-            evals = _exchange(grid, "evaluate", {node_of[p]: RecordDict({"server": server, "config": run.config(r, p)})
-                                                 for p in range(k)}, timeout, r)
-            row["val"] = float(np.mean([evals[node_of[p]]["metrics"]["accuracy"] for p in range(k)]))
-            row["test"] = None
-            if row["val"] > best_val:
+            row["val"], row["test"] = run.validate(ask, clients.available(), r), None
+            if row["val"] is not None and row["val"] > best_val:
                 best_val, best, best_round = row["val"], run.server_state, r
                 rundir.save_state(run_dir / rundir.BEST, run.server_state, {"round": r, "val": row["val"]})
         row["wall_s"] = round(time.perf_counter() - t_start, 3)
         with open(run_dir / rundir.METRICS, "a") as fh:
             fh.write(json.dumps(row) + "\n")
+        log(INFO, "%s", progress_line(row, recipe.rounds, min_replies))
+    if not trained:
+        raise FlowerError(f"no round had {min_replies} client(s) replying; dropped: "
+                          + "; ".join(f"client {c} ({why})" for c, why in clients.dropped.items()))
     rundir.save_state(run_dir / rundir.FINAL, run.server_state, {"round": recipe.rounds - 1})
-    rundir.write_device(run_dir, finalize(grid, run, best, node_of, timeout), best_round)
+    if best_round < 0:  # no validation reply: the final state is the run's model
+        best, best_round = run.server_state, recipe.rounds - 1
+        rundir.save_state(run_dir / rundir.BEST, best, {"round": best_round, "val": None})
+    rundir.write_device(run_dir, finalize(clients.ask(recipe.rounds), run, best, clients.available()), best_round)
     # what `fl-server export` rebuilds the model from (fl_server.recipes.run.rebuild), as for an engine run
     description = describe_run(recipe.recipe, run.algorithm, None, recipe.seed)
     description["engine"] = "flower"
     rundir.write_run(run_dir, description)
+
+
+def progress_line(row: Mapping[str, Any], rounds: int, min_replies: int) -> str:
+    """The round's line in the ServerApp's log (``flwr run --stream`` shows it):
+    ``round 2/5: train loss 0.4123, val accuracy 0.8120, 3/3 nodes replied``."""
+    head = f"round {row['round'] + 1}/{rounds}: "
+    nodes = f"{row['clients']}/{row['asked']} nodes replied"
+    val = f", val accuracy {row['val']:.4f}" if row.get("val") is not None else ""
+    if row.get("skipped"):
+        return head + f"skipped, {nodes} (fewer than min-train-nodes={min_replies})" + val
+    loss = f"train loss {row['train_loss']:.4f}" if row["train_loss"] is not None else "train loss n/a"
+    return head + f"{loss}{val}, {nodes}"

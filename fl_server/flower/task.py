@@ -32,6 +32,7 @@ import torch
 
 from fl_server.algorithms.base import Algorithm, NotApplicable
 from fl_server.algorithms.btfl import BTFL
+from fl_server.algorithms.odpfl_hn import ODPFLHN
 from fl_server.data.partitions import train_val_split
 from fl_server.engine.simulation import RNG_EVAL, Simulation, client_batches, client_rng, run_local_steps
 from fl_server.functional import State, make_forward, stack, unstack
@@ -47,7 +48,7 @@ _RECIPE_KEYS = {"num-clients": "num_clients", "new-fraction": "new_fraction", "v
                 "client-fraction": "client_fraction", "partition": "partition", "model": "model",
                 "max-samples": "max_samples"}
 _KNOWN = {"dataset", "method", "seed", "dtype", "eval-every", "run-dir", "data-dir", "round-timeout", "min-nodes",
-          "recipe", *_RECIPE_KEYS}
+          "min-train-nodes", "recipe", *_RECIPE_KEYS}
 
 
 _FILE_OWNS = ("dataset", "method", "model")  # what a recipe file sets itself: refused beside one
@@ -296,6 +297,25 @@ def client_round(algorithm: Algorithm, start: State, server: State, data: Client
     return {k: v for k, v in trained.items() if k not in kept}, kept
 
 
+def client_train_loss(algorithm: Algorithm, trained: State, data: ClientData, recipe: FlowerRecipe) -> float:
+    """The round's train loss a client reports: the cross-entropy of its trained model on its own training data."""
+    with torch.no_grad():
+        logits = algorithm.predict(trained["params"], torch.from_numpy(data.x_train).to(recipe.torch_dtype))
+        return float(torch.nn.functional.cross_entropy(logits, torch.from_numpy(data.y_train)))
+
+
+def client_embedding(algorithm: ODPFLHN, enc: State, data: ClientData, recipe: FlowerRecipe) -> np.ndarray:
+    """ODPFL-HN's ClientEncoding: e = g_gamma(D) [E] of the client's training data, all it sends the server."""
+    return algorithm.encode(enc, torch.from_numpy(data.x_train).to(recipe.torch_dtype)).numpy()
+
+
+def client_encoder_grad(algorithm: ODPFLHN, enc: State, grad_e: np.ndarray, data: ClientData,
+                        recipe: FlowerRecipe) -> State:
+    """ODPFL-HN's ClientBackprop: gamma's gradient (d g_gamma(D) / d gamma)^T grad_e for the server's dL/de."""
+    x = torch.from_numpy(data.x_train).to(recipe.torch_dtype)
+    return algorithm.encoder_backprop(enc, x, torch.from_numpy(grad_e))
+
+
 _SUM_PARTS = ("sum", "sumsq", "count")  # a layer's entries of a client's upload (fl_server.models.norm.Sums)
 
 
@@ -348,10 +368,8 @@ def client_validation(algorithm: Algorithm, server: State, data: ClientData, rec
     after ``personalize`` on the (unlabeled) validation data for test-time methods, else with the method's
     ``val_params`` (the shared model, or one fine-tuned on the client's own training data, e.g. FedICON's head,
     its batches from the client's own generator)."""
-    x = torch.from_numpy(data.x_val).to(recipe.torch_dtype)
-    y = torch.from_numpy(data.y_val)
     if algorithm.adapts_at_test_time:
-        params = algorithm.personalize(server, x)
+        params = algorithm.personalize(server, torch.from_numpy(data.x_val).to(recipe.torch_dtype))
     else:
         x_tr, y_tr = torch.from_numpy(data.x_train).to(recipe.torch_dtype), torch.from_numpy(data.y_train)
 
@@ -365,13 +383,20 @@ def client_validation(algorithm: Algorithm, server: State, data: ClientData, rec
         name, p = next(iter(algorithm.model.named_parameters()))
         if params[name].ndim == p.ndim + 1:  # stacked: this client's own model
             params = unstack(params)[0]
+    return client_accuracy(algorithm, params, data, recipe)
+
+
+def client_accuracy(algorithm: Algorithm, params: State, data: ClientData, recipe: FlowerRecipe) -> float:
+    """Accuracy of the model ``params`` on the client's validation split (ODPFL-HN: the model the server's
+    hypernetwork generated from the client's embedding)."""
     with torch.no_grad():
-        pred = algorithm.predict(params, x).argmax(-1)
-    return float((pred == y).double().mean())
+        pred = algorithm.predict(params, torch.from_numpy(data.x_val).to(recipe.torch_dtype)).argmax(-1)
+    return float((pred == torch.from_numpy(data.y_val)).double().mean())
 
 
 def check_supported(algorithm: Algorithm) -> None:
     """Refuse, with the reason, a method whose server step needs what only the clients hold
-    (``Algorithm.needs_client_data``): it cannot run on Flower yet."""
-    if algorithm.needs_client_data:
-        raise NotApplicable(f"{algorithm.name} cannot run on Flower yet: {algorithm.needs_client_data}")
+    (``Algorithm.client_data_need``): it cannot run on Flower yet."""
+    need = algorithm.client_data_need()
+    if need:
+        raise NotApplicable(f"{algorithm.name} cannot run on Flower yet: {need}")
