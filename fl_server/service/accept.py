@@ -3,8 +3,8 @@
 libuv 1.45+ (so uvloop, which ``fl-server serve`` runs on) accepts one connection per event-loop iteration
 (libuv commit 6c692ad, "unix: don't accept() connections in a loop"). Under a burst each iteration also runs
 the requests of every connection already open, so the rest of the burst waits in the kernel's accept queue
-after its TCP handshake has completed: with 200 devices connecting at once, 10-20% of the joins were accepted
-0.4-1.1 s after the first (``benchmarks/coordinator_load.py``; docs/coordinator.md, "Load test").
+after its TCP handshake has completed: with 200 devices connecting at once, 10-35% of the connections were
+accepted 0.4-1.2 s after the first (``benchmarks/coordinator_load.py``; docs/coordinator.md, "Load test").
 
 :func:`batch_accept` wraps a loop class: its ``create_server`` binds as before, then serves each listening
 socket itself, accepting up to ``backlog`` connections per readiness (what asyncio's own loop does) and
