@@ -271,7 +271,8 @@ def main() -> int:
     cores = ("server pinned to CPU 0, load generator pinned to CPU 1 (one core each)" if args.pin == "split"
              else "server and load generator share both cores (no pinning)")
     common = {"experiment": "coordinator-load", "devices": args.devices, "device": "cpu", "machine": machine(),
-              "server": "one uvicorn process (fl-server serve: uvloop, httptools, no access log); load generator "
+              "server": "one uvicorn process (fl-server serve: uvloop, batched accepts, httptools, no access log); "
+                        "load generator "
                         f"in a separate process (asyncio + {'httpx transports' if args.client == 'httpx' else 'raw_http.py'}"
                         ", one connection per device)",
               "cores": cores, "pin": args.pin, "client": args.client, "preconnect": args.preconnect,

@@ -238,11 +238,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     signer = app.state.service.signer
     print(f"manifest signing key (Ed25519; pin it on devices: EdgeClient(url, public_key=...)): {signer.public_hex}"
           f" (from {signer.source})", flush=True)
+    from fl_server.service.accept import batch_accept
     from fl_server.service.server import ServerLimits, uvicorn_options
 
     # HTTP limits (deadlines, head size, connection cap, trusted proxies) and the loop (uvloop where installed):
-    # FL_SERVE_* (docs/coordinator.md)
-    options = uvicorn_options(ServerLimits())
+    # FL_SERVE_* (docs/coordinator.md); a burst of connections is accepted in one pass (fl_server/service/accept.py)
+    limits = ServerLimits()
+    options = uvicorn_options(limits)
+    options["loop"] = batch_accept(options["loop"], handshake_timeout_s=limits.head_timeout_s)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                             backlog=args.backlog, **options, **tls)  # configures uvicorn's loggers
     from fl_server.service.logging_limits import install
