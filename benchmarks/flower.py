@@ -171,7 +171,8 @@ def main() -> int:
         "imported again; the node's data read back from its disk cache), an idle SuperNode polls the SuperLink "
         "every 3 s (fixed in flwr), its SuperExec every 0.1 s here (FLWR_SUPEREXEC_TASK_POLL_INTERVAL), the "
         "ServerApp every 0.1 s; states cross HTTP serialized; the local steps themselves are the engine's "
-        "per-client loop (flower_deployment.phases). Simulation: ClientApps run in long-lived Ray actors (no process start, no polling), "
+        "per-client loop (flower_deployment.phases). Simulation: ClientApps run in long-lived Ray actors (no "
+        "process start, no polling), "
         "messages pass through Ray's object store; one actor per CPU. In-process: no messages at all, and vmap "
         "steps all clients in one call.")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -155,7 +155,8 @@ def device(argv: list[str]) -> int:
             result = dev.personalize(x[own], y[own] if method == "BTFL" else None)
             after = float((dev.predict(x[held]).argmax(1) == y[held]).mean())
             results.append({"method": method, "bundle_id": info.manifest["bundle_id"], "steps": result.steps,
-                            "accuracy_received": round(100 * before, 2), "accuracy_personalized": round(100 * after, 2)})
+                            "accuracy_received": round(100 * before, 2),
+                            "accuracy_personalized": round(100 * after, 2)})
             print(f"device (node3), {method}: personalised on {len(own)} of its images "
                   f"({'with' if method == 'BTFL' else 'without'} labels, {result.steps} step(s)); accuracy on its "
                   f"other {len(held)}: {100 * before:.1f}% (received) -> {100 * after:.1f}% (personalised)", flush=True)

@@ -33,11 +33,12 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import torch
 
-from fl_server.algorithms.base import Algorithm, NotApplicable
+from fl_server.algorithms.base import Algorithm, NotApplicable, declared_safeguard
 from fl_server.algorithms.btfl import BTFL
 from fl_server.algorithms.odpfl_hn import ODPFLHN
 from fl_server.data.partitions import train_val_split
-from fl_server.engine.simulation import RNG_EVAL, Simulation, client_batches, client_rng, run_local_steps
+from fl_server.engine.simulation import (RNG_EVAL, Simulation, client_batches, client_rng, run_local_steps,
+                                        safeguarded_logits)
 from fl_server.functional import State, make_forward, stack, unstack
 from fl_server.models.norm import (client_sums, federated_statistics, norm_mode, norm_names, set_statistics,
                                    statistics_arrays)
@@ -426,11 +427,19 @@ def client_btfl_upload(algorithm: BTFL, server: State, data: ClientData, recipe:
 def client_validation(algorithm: Algorithm, server: State, data: ClientData, recipe: FlowerRecipe,
                       round_: int = 0) -> float:
     """Accuracy on the client's validation split, as the engine's ``evaluate_val`` scores one training client:
-    after ``personalize`` on the (unlabeled) validation data for test-time methods, else with the method's
+    after ``personalize`` on the (unlabeled) validation data and the method's declared safeguard (the device's
+    rule, :func:`~fl_server.engine.simulation.safeguarded_logits`) for test-time methods, else with the method's
     ``val_params`` (the shared model, or one fine-tuned on the client's own training data, e.g. FedICON's head,
     its batches from the client's own generator)."""
     if algorithm.adapts_at_test_time:
-        params = algorithm.personalize(server, torch.from_numpy(data.x_val).to(recipe.torch_dtype))
+        x = torch.from_numpy(data.x_val).to(recipe.torch_dtype)
+        params = algorithm.personalize(server, x)
+        rule = declared_safeguard(algorithm)
+        if rule is not None:  # the device's safeguard, as the engine's evaluate_val applies it
+            with torch.no_grad():
+                received, adapted = algorithm.predict(server["params"], x), algorithm.predict(params, x)
+            pred = safeguarded_logits(algorithm, rule, server, params, x, received, adapted).argmax(-1)
+            return float((pred == torch.from_numpy(data.y_val)).double().mean())
     else:
         x_tr, y_tr = torch.from_numpy(data.x_train).to(recipe.torch_dtype), torch.from_numpy(data.y_train)
 
