@@ -63,14 +63,34 @@ def in_process(config: dict[str, Any], mode: str) -> dict[str, Any]:
 
 def deployment(config: dict[str, Any], workdir: Path, data_dir: str, timeout: float) -> dict[str, Any]:
     clients = FlowerRecipe.from_config(config).recipe.federation.num_clients
+    phases = workdir / "phases.jsonl"  # one line per message from each ClientApp (fl_server.flower.client_app)
     t0 = time.perf_counter()
-    with LocalDeployment(clients, workdir, env={"FL_DATA_DIR": data_dir}) as dep:
+    with LocalDeployment(clients, workdir, env={"FL_DATA_DIR": data_dir, "FL_FLOWER_PHASES": str(phases)}) as dep:
         startup = time.perf_counter() - t0
         t1 = time.perf_counter()
         dep.run({**config, "run-dir": str(workdir / "run")}, timeout=timeout)
         total = time.perf_counter() - t1
-    return {**summary(round_seconds(workdir / "run")), "startup_s": round(startup, 2),
-            "flwr_run_wall_s": round(total, 2)}
+    rounds = round_seconds(workdir / "run")
+    return {**summary(rounds), "startup_s": round(startup, 2), "flwr_run_wall_s": round(total, 2),
+            "phases": phase_summary(phases, statistics.median(rounds))}
+
+
+def phase_summary(path: Path, round_s: float) -> dict[str, Any]:
+    """Where a deployment round's seconds go, from the ClientApps' own records of their train messages (medians
+    over the messages after each node's first): the ClientApp process's start to the handler (Flower's start-up
+    and the imports), the node's data read back from its cache, the answer (local steps, loss, encoding); the
+    rest of the round is Flower's polls, the process starts and exits and the messages' transport."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    later = train[len({r.get("node") for r in train}) or 1:] or train  # the first messages also prepare the data
+    med = {k: round(statistics.median(r[k] for r in later if r[k] is not None), 3)
+           for k in ("start_to_handler_s", "data_s", "answer_s") if any(r[k] is not None for r in later)}
+    in_app = sum(med.values())
+    return {"train_messages": len(train), "median_per_message_s": med,
+            "first_message_data_s": max(r["data_s"] for r in train) if train else None,
+            "outside_the_clientapp_s": round(round_s - in_app, 3),
+            "messages_importing_torch_dynamo": sum(r["dynamo"] for r in rows),
+            "messages_importing_scipy": sum(r["scipy"] for r in rows)}
 
 
 def simulation(config: dict[str, Any], run_dir: Path, cpus: int) -> dict[str, Any]:
@@ -147,10 +167,12 @@ def main() -> int:
         k: round(result[k]["median_s_per_round"] / base_s, 2)
         for k in ("in_process_vmap", "flower_deployment", "flower_simulation") if "error" not in result[k]}
     result["overhead"] = (
-        "Deployment: Flower starts a fresh ClientApp process per message (Python, torch and the app imported "
-        "again, the node's partition read back from the run's context state), an idle SuperNode polls the "
-        "SuperLink every 3 s, and states cross HTTP serialized; the local steps themselves are the engine's "
-        "per-client loop. Simulation: ClientApps run in long-lived Ray actors (no process start, no polling), "
+        "Deployment: Flower starts a fresh ClientApp process per message (Flower's start-up, Python and torch "
+        "imported again; the node's data read back from its disk cache), an idle SuperNode polls the SuperLink "
+        "every 3 s (fixed in flwr), its SuperExec every 0.1 s here (FLWR_SUPEREXEC_TASK_POLL_INTERVAL), the "
+        "ServerApp every 0.1 s; states cross HTTP serialized; the local steps themselves are the engine's "
+        "per-client loop (flower_deployment.phases). Simulation: ClientApps run in long-lived Ray actors (no "
+        "process start, no polling), "
         "messages pass through Ray's object store; one actor per CPU. In-process: no messages at all, and vmap "
         "steps all clients in one call.")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

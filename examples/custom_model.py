@@ -168,6 +168,19 @@ def start_coordinator(work: Path, token: str) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("the coordinator did not come up")
 
 
+def coordinator(args: argparse.Namespace, work: Path) -> subprocess.Popen | None:
+    """``args.server`` with ``args.admin_token`` to publish to, or, without ``--server``, a coordinator of its own
+    (returned, to stop; ``args`` updated with its URL and token)."""
+    if args.server is None:
+        args.admin_token = args.admin_token or "example-admin-token-" + os.urandom(8).hex()
+        proc, args.server = start_coordinator(work, args.admin_token)
+        print(f"coordinator at {args.server} (store {work / 'store'})", flush=True)
+        return proc
+    if not args.admin_token:
+        raise SystemExit("error: --server needs --admin-token (or $FL_ADMIN_TOKEN) to publish")
+    return None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--server", default=None, help="a running coordinator (default: start one for this example)")
@@ -184,13 +197,7 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     os.environ[IMAGES_ENV] = str(write_image_folder(work / "images", args.data_dir, args.per_class))
     print(f"image folder: {os.environ[IMAGES_ENV]} ({NUM_CLASSES} classes x {args.per_class} PNGs)", flush=True)
-    proc = None
-    if args.server is None:
-        args.admin_token = args.admin_token or "example-admin-token-" + os.urandom(8).hex()
-        proc, args.server = start_coordinator(work, args.admin_token)
-        print(f"coordinator at {args.server} (store {work / 'store'})", flush=True)
-    elif not args.admin_token:
-        raise SystemExit("error: --server needs --admin-token (or $FL_ADMIN_TOKEN) to publish")
+    proc = coordinator(args, work)
     try:
         import httpx
 

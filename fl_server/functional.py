@@ -33,6 +33,36 @@ def make_forward(module: nn.Module) -> Callable[[Params, torch.Tensor], torch.Te
     return forward
 
 
+def grad(fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0, has_aux: bool = False) -> Callable[..., Any]:
+    """``torch.func.grad(fn, argnums, has_aux)``, computed with ``torch.autograd.grad`` where no functorch transform
+    (vmap) or compilation is active and no argument is tracked by an outer autograd graph: the same backward
+    kernels and numbers, without the ``torch._dynamo`` import (1-2 s of CPU) the first ``torch.func.grad`` call of a
+    process pays (a Flower ClientApp is a fresh process per message). Under vmap it is ``torch.func.grad``."""
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+    def wrapper(*args: Any) -> Any:
+        tensors = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
+        if (torch._C._functorch.peek_interpreter_stack() is not None or torch.compiler.is_compiling()
+                or any(t.requires_grad for t in tensors)):
+            return torch.func.grad(fn, argnums, has_aux)(*args)
+        inputs = list(args)
+        for i in nums:
+            inputs[i] = pytree.tree_map(lambda t: t.detach().requires_grad_(True)
+                                        if isinstance(t, torch.Tensor) else t, inputs[i])
+        leaves, spec = pytree.tree_flatten([inputs[i] for i in nums])
+        with torch.enable_grad():
+            out = fn(*inputs)
+            loss, aux = out if has_aux else (out, None)
+            found = torch.autograd.grad(loss, leaves, allow_unused=True)
+        grads = pytree.tree_unflatten([torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found)], spec)
+        result = grads[0] if isinstance(argnums, int) else tuple(grads)
+        if not has_aux:
+            return result
+        return result, pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, aux)
+
+    return wrapper
+
+
 def tree_map(fn: Callable[..., torch.Tensor], tree: Any, *rest: Any) -> Any:
     return pytree.tree_map(fn, tree, *rest)
 

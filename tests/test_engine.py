@@ -212,3 +212,42 @@ def test_resolve_mode() -> None:
     assert resolve_mode("auto", torch.device("cuda"), cnn) == "vmap" and resolve_mode("loop", cpu, mlp) == "loop"
     with pytest.raises(ValueError, match="unknown mode 'fast'"):
         resolve_mode("fast", cpu, mlp)
+
+
+def test_eager_grad_equals_torch_func_grad_without_importing_dynamo() -> None:
+    """fl_server.functional.grad outside vmap (the reference loop, a Flower ClientApp) is torch.autograd.grad: the
+    same gradients as torch.func.grad (argnums, has_aux), under vmap it is torch.func.grad, and a fresh process
+    stepping BTFL and FedAvg never imports torch._dynamo (1-2 s per Flower message)."""
+    import subprocess
+    import sys
+
+    import torch
+
+    from fl_server.functional import grad
+
+    torch.manual_seed(0)
+    params = {"w": torch.randn(5, 3, dtype=torch.float64), "b": torch.randn(3, dtype=torch.float64)}
+    head, x = torch.randn(3, 3, dtype=torch.float64), torch.randn(7, 5, dtype=torch.float64)
+
+    def loss(p, h, x):  # type: ignore[no-untyped-def]
+        z = torch.tanh(x @ p["w"] + p["b"])
+        return (z @ h).logsumexp(-1).mean(), z.sum()
+
+    got, aux = grad(loss, argnums=(0, 1), has_aux=True)(params, head, x)
+    want, want_aux = torch.func.grad(loss, argnums=(0, 1), has_aux=True)(params, head, x)
+    assert all(torch.equal(got[0][k], want[0][k]) for k in params) and torch.equal(got[1], want[1])
+    assert torch.equal(aux, want_aux) and not aux.requires_grad and not params["w"].requires_grad
+    batched = torch.func.vmap(lambda xs: grad(lambda p: loss(p, head, xs)[0])(params)["w"])(x[None].repeat(2, 1, 1))
+    assert torch.allclose(batched[1], want[0]["w"])
+    code = ("import sys, numpy as np, torch; from fl_server.recipes.presets import builtin_recipe\n"
+            "from fl_server.functional import unstack\n"
+            "for m in ('FedAvg', 'BTFL'):\n"
+            "    r = builtin_recipe('mnist', m, model='mlp'); a = r.build_algorithm(r.build_model(0), 2, 0)\n"
+            "    a.attach(torch.zeros(4, 1, 28, 28), torch.zeros(4, dtype=torch.long),\n"
+            "             [np.arange(2), np.arange(2, 4)])\n"
+            "    s = a.init_state(torch.float32, torch.device('cpu'))\n"
+            "    c = unstack(a.client_start(s, np.array([0])))[0]\n"
+            "    a.local_step_at(0)(c, s, torch.rand(4, 1, 28, 28), torch.tensor([0, 1, 2, 3]))\n"
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stdout + out.stderr[-2000:]

@@ -602,3 +602,36 @@ def test_a_round_aggregates_the_replies_that_came(method: str, lost_at: str, dat
     for key, value in to_numpy_flat(both.server_state).items():
         np.testing.assert_allclose(trained[key], value, atol=1e-12, err_msg=key)
     assert any(not np.array_equal(trained[k], start[k]) for k in start)
+
+
+def test_a_nodes_data_is_prepared_once_and_read_back_from_its_disk_cache(tmp_path: Path,
+                                                                        fashion_all) -> None:  # type: ignore[no-untyped-def]
+    """A SuperNode's data is checked, preprocessed and split on the run's first message and kept on its disk
+    (Flower starts a fresh ClientApp process per message): later messages read the same arrays back; changed data
+    or a changed recipe prepares it anew; a damaged cache file is rebuilt."""
+    import os
+
+    from fl_server.flower.task import cached_node_data, data_key, load_node_data
+
+    cache = tmp_path / "cache"
+    np.savez(tmp_path / "node.npz", x=fashion_all.x[:60], y=fashion_all.y[:60])
+    recipe = FlowerRecipe.from_config({"dataset": "fashion_mnist", "method": "FedAvg"})
+    first = cached_node_data(recipe, str(tmp_path / "node.npz"), None, cache=cache)
+    (path,) = cache.glob("*.npz")
+    again = cached_node_data(recipe, str(tmp_path / "node.npz"), None, cache=cache)
+    direct = load_node_data(recipe, tmp_path / "node.npz")
+    for k in ("x_train", "y_train", "x_val", "y_val"):
+        assert np.array_equal(getattr(again, k), getattr(direct, k)) and np.array_equal(getattr(first, k),
+                                                                                       getattr(direct, k))
+    assert again.local and again.partition_id == -1 and again.num_classes == 10
+    os.utime(path, (0, 0))  # read back, not written again
+    cached_node_data(recipe, str(tmp_path / "node.npz"), None, cache=cache)
+    assert path.stat().st_mtime == 0
+    np.savez(tmp_path / "node.npz", x=fashion_all.x[60:100], y=fashion_all.y[60:100])  # the node's data changed
+    assert len(cached_node_data(recipe, str(tmp_path / "node.npz"), None, cache=cache).y_train) < len(first.y_train)
+    other = FlowerRecipe.from_config({"dataset": "fashion_mnist", "method": "FedAvg", "val-fraction": 0.5})
+    assert len(cached_node_data(other, str(tmp_path / "node.npz"), None, cache=cache).y_val) == 20
+    assert len(list(cache.glob("*.npz"))) == 3
+    (cache / f"{data_key(recipe, str(tmp_path / 'node.npz'), None, None)}.npz").write_bytes(b"not an npz")
+    assert np.array_equal(cached_node_data(recipe, str(tmp_path / "node.npz"), None, cache=cache).y_val,
+                          load_node_data(recipe, tmp_path / "node.npz").y_val)

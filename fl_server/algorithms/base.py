@@ -13,16 +13,18 @@ Evaluation:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol, TypeVar
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from edge_sdk.safeguard import SafeguardRule
-from fl_server.functional import (State, broadcast, clip_by_global_norm, get_params, make_forward, sgd_step,
+from fl_server.functional import (State, broadcast, clip_by_global_norm, get_params, grad, make_forward, sgd_step,
                                   weighted_mean)
 from fl_server.models import Classifier
+
+if TYPE_CHECKING:  # imported where used: a training process (a Flower ClientApp) never needs the SDK
+    from edge_sdk.safeguard import SafeguardRule
 
 StepFn = Callable[[State, State, torch.Tensor, torch.Tensor], State]
 
@@ -199,7 +201,7 @@ class Algorithm:
         return F.cross_entropy(self.forward(params, x), y)
 
     def local_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> State:
-        grads = torch.func.grad(self.loss)(client_state["params"], server_state, x, y)
+        grads = grad(self.loss)(client_state["params"], server_state, x, y)
         if self.hp.clip_norm is not None:
             (grads,) = clip_by_global_norm((grads,), self.hp.clip_norm)
         # local SGD momentum where the method's config offers it (FedAvg's ``local_momentum``; its client_start
@@ -235,5 +237,7 @@ def declared_safeguard(algorithm: Algorithm) -> SafeguardRule | None:
     written into its bundles' manifests), or None where it declares none or its rule is "off"."""
     if algorithm.safeguard is None:
         return None
+    from edge_sdk.safeguard import SafeguardRule
+
     rule = SafeguardRule.from_manifest(algorithm.safeguard)
     return None if rule.kind == "off" else rule

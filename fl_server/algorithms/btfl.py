@@ -31,7 +31,7 @@ from torch.func import functional_call
 from edge_sdk.shared import average_dles, fit_dle
 from fl_server.algorithms.base import Algorithm, Hyper, StepFn, register
 from fl_server.algorithms.losses import entropy_from_logits
-from fl_server.functional import State, broadcast, tree_map, weighted_mean
+from fl_server.functional import State, broadcast, grad, tree_map, weighted_mean
 
 
 @dataclass
@@ -139,7 +139,7 @@ class BTFL(Algorithm):
             ce_l = (1 - body) * F.cross_entropy(z.detach() @ head.T, y) if phase != "body" else 0.0  # frozen z
             return ce_g + ce_l
 
-        g_params, g_head = torch.func.grad(loss, argnums=(0, 1))(client_state["params"], client_state["local_head"])
+        g_params, g_head = grad(loss, argnums=(0, 1))(client_state["params"], client_state["local_head"])
         lr, wd = self.hp.lr, self.hp.weight_decay
         head_lr = self.hp.head_lr if self.hp.head_lr is not None else lr
         params, head = client_state["params"], client_state["local_head"]

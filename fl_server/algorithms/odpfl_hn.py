@@ -50,7 +50,7 @@ from torch.func import functional_call
 
 from edge_sdk.shared import privatize_pooled
 from fl_server.algorithms.base import Algorithm, Hyper, LocalTrainer, register
-from fl_server.functional import (State, clip_by_global_norm, get_params, make_forward, sgd, sgd_step,
+from fl_server.functional import (State, clip_by_global_norm, get_params, grad, make_forward, sgd, sgd_step,
                                   tree_map)
 from fl_server.models import Classifier, build_model
 
@@ -376,7 +376,7 @@ class ODPFLHN(Algorithm):
     def local_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> State:
         """ClientUpdate, one SGD step (with ``local_momentum``) of CE on h(.; w) at ``local_lr`` (pure,
         vmappable)."""
-        grads = torch.func.grad(lambda p: F.cross_entropy(self.forward(p, x), y))(client_state["params"])
+        grads = grad(lambda p: F.cross_entropy(self.forward(p, x), y))(client_state["params"])
         if self.hp.clip_norm is not None:
             (grads,) = clip_by_global_norm((grads,), self.hp.clip_norm)
         return sgd_step(client_state, grads, self.hp.local_lr, self.hp.local_momentum, self.hp.weight_decay)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import numpy as np
-from scipy import ndimage
 
 
 def rotate(x: np.ndarray, angle: float) -> np.ndarray:
@@ -11,6 +10,8 @@ def rotate(x: np.ndarray, angle: float) -> np.ndarray:
         raise ValueError(f"expected images [N, C, H, W], got shape {x.shape}")
     if angle == 0:
         return x.copy()
+    from scipy import ndimage  # here: scipy costs ~0.2-0.4 s to import, and most processes never shift
+
     out = ndimage.rotate(x, angle, axes=(3, 2), reshape=False, order=1, mode="constant", cval=0.0)
     return np.clip(out, 0.0, 1.0).astype(np.float32)
 
@@ -20,5 +21,7 @@ def resize(x: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     if x.ndim != 4:
         raise ValueError(f"expected images [N, C, H, W], got shape {x.shape}")
     zoom = (1.0, 1.0, size[0] / x.shape[2], size[1] / x.shape[3])
+    from scipy import ndimage
+
     out = ndimage.zoom(x, zoom, order=1, mode="nearest", grid_mode=True)
     return np.clip(out, 0.0, 1.0).astype(np.float32)

@@ -182,6 +182,24 @@ def graphable(model: torch.nn.Module) -> bool:
     return not any(isinstance(m, StatBatchNorm2d) for m in model.modules())
 
 
+def safeguarded_logits(algorithm: Algorithm, rule: SafeguardRule, state: State, params: State, x: torch.Tensor,
+                       received: torch.Tensor, adapted: torch.Tensor) -> torch.Tensor:
+    """A client's logits on its unlabeled ``x`` after the device's safeguard (edge_sdk.safeguard, as
+    ``Device.personalize`` decides): ``received`` (the logits of ``state``'s model) and ``adapted`` (of the
+    personalised ``params``) compared; the adapted logits, the received model's, or the mix of both ("partial")."""
+    shifted_pair: tuple[np.ndarray, np.ndarray] | tuple[None, None] = (None, None)
+    if rule.needs_shift and (xs := shifted(x.cpu().numpy())) is not None:
+        xt = torch.from_numpy(xs).to(x.device, x.dtype)
+        with torch.no_grad():
+            shifted_pair = (algorithm.predict(state["params"], xt).cpu().double().numpy(),
+                            algorithm.predict(params, xt).cpu().double().numpy())
+    r, a = received.cpu().double().numpy(), adapted.cpu().double().numpy()
+    action = rule.action(evidence(r, a, *shifted_pair))
+    if action == "received":
+        return received
+    return adapted if action == "personalised" else torch.from_numpy(mix(r, a)).to(adapted.device)
+
+
 def fingerprint_hp(hp: Any) -> dict[str, Any]:
     """The hyperparameters that identify a run. A field added later with ``metadata={"fingerprint":
     "omit_default"}`` is left out while it has its default (which reproduces the older behaviour), so runs
@@ -338,18 +356,8 @@ class Simulation:
         """One client's predictions after the device's safeguard (edge_sdk.safeguard, as ``Device.personalize``
         decides): the received and the personalised model compared on the client's unlabeled data; the adapted
         logits, the received model's, or the mix of both (the "partial" decision)."""
-        received = self._logits(state["params"], idx)
-        shifted_pair: tuple[np.ndarray, np.ndarray] | tuple[None, None] = (None, None)
-        if rule.needs_shift and (xs := shifted(self.x[torch.from_numpy(idx)].cpu().numpy())) is not None:
-            xt = torch.from_numpy(xs).to(self.x.device, self.x.dtype)
-            with torch.no_grad():
-                shifted_pair = (self.algorithm.predict(state["params"], xt).cpu().double().numpy(),
-                                self.algorithm.predict(params, xt).cpu().double().numpy())
-        r, a = received.cpu().double().numpy(), adapted.cpu().double().numpy()
-        action = rule.action(evidence(r, a, *shifted_pair))
-        if action == "received":
-            return received
-        return adapted if action == "personalised" else torch.from_numpy(mix(r, a)).to(adapted.device)
+        return safeguarded_logits(self.algorithm, rule, state, params, self.x[torch.from_numpy(idx)],
+                                  self._logits(state["params"], idx), adapted)
 
     def personalized_accuracies(self, clients: list[np.ndarray], state: State | None = None) -> list[float]:
         """Per client: the accuracy of :meth:`personalized_predictions`."""

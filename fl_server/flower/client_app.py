@@ -17,53 +17,40 @@ Example (a SuperNode on the same machine as the SuperLink, insecure, for a try-o
 """
 from __future__ import annotations
 
+import json
+import os
+import sys
+import time
 from typing import Any, Callable, Mapping
 
-import numpy as np
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from fl_server.algorithms.base import Algorithm
 from fl_server.algorithms.btfl import BTFL
 from fl_server.algorithms.odpfl_hn import ODPFLHN
-from fl_server.flower.task import (ClientData, FlowerRecipe, client_accuracy, client_bn_sums, client_btfl_upload,
-                                    client_embedding, client_encoder_grad, client_round, client_train_loss,
-                                    client_validation, load_node_data, load_partition)
+from fl_server.flower.task import (ClientData, FlowerRecipe, cached_node_data, client_accuracy, client_bn_sums,
+                                    client_btfl_upload, client_embedding, client_encoder_grad, client_round,
+                                    client_train_loss, client_validation)
 from fl_server.flower.wire import record_to_state, state_to_record
 from fl_server.functional import State
 
 _PRIVATE = "fl-edge-private"  # the client's own entries between rounds (BTFL's local head), never sent
-_STATE_LIMIT = 8 << 20  # bytes of partition kept in the context state (tens of MB there miss Flower's heartbeat)
-_PARTITION = "fl-edge-partition"  # the node's partition, kept in the run's context state between messages
 
 
 def _setup(context: Context, overrides: Mapping[str, Any]) -> tuple[FlowerRecipe, ClientData]:
-    """The recipe and this node's data (its own, ``data``, or its partition, ``partition-id``): loaded on the
-    run's first message, then read back from the context state (Flower starts a fresh ClientApp process per
-    message)."""
+    """The recipe and this node's data (its own, ``data``, or its partition, ``partition-id``): prepared on the
+    node's first message and read back from the node's disk cache after (:func:`~fl_server.flower.task.
+    cached_node_data`; Flower starts a fresh ClientApp process per message)."""
     recipe = FlowerRecipe.from_config({**context.run_config, **overrides})
     node = context.node_config
     if ("data" in node) == ("partition-id" in node):
         raise ValueError("the SuperNode's --node-config names " + ("both data and partition-id; keep one" if
                          "data" in node else "no data; add data='PATH' (its arrays file or image folder)"))
-    if _PARTITION in context.state:
-        meta, kept = context.state[_PARTITION + "-meta"], context.state[_PARTITION]
-        arrays = {k: kept[k].numpy() for k in ("x_train", "y_train", "x_val", "y_val")}
-        return recipe, ClientData(int(meta["partition-id"]), int(meta["num-partitions"]), int(meta["num-classes"]),
-                                  **arrays, local=bool(meta["local"]))
     if "data" in node:
-        data = load_node_data(recipe, str(node["data"]))
-    else:
-        data_dir = node.get("data-dir") or context.run_config.get("data-dir") or None
-        data = load_partition(recipe, int(node["partition-id"]), str(data_dir) if data_dir else None)
-    if sum(getattr(data, k).nbytes for k in ("x_train", "y_train", "x_val", "y_val")) > _STATE_LIMIT:
-        return recipe, data  # a large partition is rebuilt per message (the context state crosses processes)
-    context.state[_PARTITION + "-meta"] = ConfigRecord({"partition-id": data.partition_id,
-                                                        "num-partitions": data.num_partitions,
-                                                        "num-classes": data.num_classes, "local": data.local})
-    context.state[_PARTITION] = ArrayRecord({k: Array(np.array(getattr(data, k), order="C"))
-                                             for k in ("x_train", "y_train", "x_val", "y_val")})
-    return recipe, data
+        return recipe, cached_node_data(recipe, str(node["data"]), None)
+    data_dir = node.get("data-dir") or context.run_config.get("data-dir") or None
+    return recipe, cached_node_data(recipe, None, int(node["partition-id"]), str(data_dir) if data_dir else None)
 
 
 def _algorithm(content: RecordDict, recipe: FlowerRecipe) -> Algorithm:
@@ -159,14 +146,41 @@ def answer(kind: str, content: RecordDict, recipe: FlowerRecipe, data: ClientDat
     return HANDLERS[kind](content, recipe, data.placed(cfg) if "client-id" in cfg else data, state)
 
 
+def _process_start() -> float | None:
+    """This process's start (epoch seconds, Linux's /proc; None elsewhere)."""
+    try:
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        boot = next(float(ln.split()[1]) for ln in open("/proc/stat") if ln.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration):
+        return None
+
+
+def _log_phases(path: str, node: int, kind: str, t0: float, t1: float, t2: float) -> None:
+    """Append one message's phases to ``path`` (``FL_FLOWER_PHASES``, set by benchmarks/flower.py): seconds from
+    the ClientApp process's start to the handler (Flower's start-up and the imports), preparing the node's data,
+    answering, and whether ``torch._dynamo`` got imported."""
+    start = _process_start()
+    row = {"node": node, "kind": kind, "start_to_handler_s": round(t0 - start, 3) if start else None,
+           "data_s": round(t1 - t0, 3), "answer_s": round(t2 - t1, 3), "end": round(t2, 3),
+           "dynamo": "torch._dynamo" in sys.modules, "scipy": "scipy" in sys.modules}
+    with open(path, "a") as fh:
+        fh.write(json.dumps(row) + "\n")
+
+
 def make_client_app(overrides: Mapping[str, Any] | None = None) -> ClientApp:
     """The ClientApp; ``overrides`` win over the run config (``flwr.simulation.run_simulation`` passes none)."""
     overrides = dict(overrides or {})
     capp = ClientApp()
 
     def handle(msg: Message, context: Context) -> Message:
+        t0 = time.time()
         recipe, data = _setup(context, overrides)
-        return Message(answer(msg.metadata.message_type, msg.content, recipe, data, context.state), reply_to=msg)
+        t1 = time.time()
+        reply = Message(answer(msg.metadata.message_type, msg.content, recipe, data, context.state), reply_to=msg)
+        if os.environ.get("FL_FLOWER_PHASES"):
+            _log_phases(os.environ["FL_FLOWER_PHASES"], context.node_id, msg.metadata.message_type, t0, t1, time.time())
+        return reply
 
     for kind in HANDLERS:
         category, _, action = kind.partition(".")

@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping
@@ -30,11 +33,12 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import torch
 
-from fl_server.algorithms.base import Algorithm, NotApplicable
+from fl_server.algorithms.base import Algorithm, NotApplicable, declared_safeguard
 from fl_server.algorithms.btfl import BTFL
 from fl_server.algorithms.odpfl_hn import ODPFLHN
 from fl_server.data.partitions import train_val_split
-from fl_server.engine.simulation import RNG_EVAL, Simulation, client_batches, client_rng, run_local_steps
+from fl_server.engine.simulation import (RNG_EVAL, Simulation, client_batches, client_rng, run_local_steps,
+                                        safeguarded_logits)
 from fl_server.functional import State, make_forward, stack, unstack
 from fl_server.models.norm import (client_sums, federated_statistics, norm_mode, norm_names, set_statistics,
                                    statistics_arrays)
@@ -261,6 +265,64 @@ def load_node_data(recipe: FlowerRecipe, source: str | Path) -> ClientData:
     return ClientData(-1, 0, r.num_classes, inputs[tr], y[tr], inputs[va], y[va], local=True)
 
 
+_ARRAYS = ("x_train", "y_train", "x_val", "y_val")
+
+
+def _files_signature(path: Path) -> list[tuple[str, int, int]]:
+    """(relative name, size, mtime_ns) of a file, or of every file under a folder: changes when the data does."""
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else []
+    return [(str(p.relative_to(path)) if p != path else p.name, p.stat().st_size, p.stat().st_mtime_ns)
+            for p in files]
+
+
+def data_key(recipe: FlowerRecipe, source: str | None, partition_id: int | None, data_root: str | None) -> str:
+    """What a node's prepared data depends on, hashed: its source (the node's own file or folder, or a partition
+    of the data set under ``data_root``) with its files' sizes and times, and the recipe's data fingerprint (data
+    set, preprocessing, federation, seed, and the recipe file's own signature where there is one)."""
+    r = recipe.recipe
+    root = data_root or os.environ.get("FL_DATA_DIR")
+    where = Path(source).expanduser().resolve() if source is not None else Path(root).resolve() if root else None
+    ident = {"source": str(where), "partition": partition_id, "files": _files_signature(where) if where else [],
+             "data": repr(r.data), "preprocess": repr(r.preprocess), "federation": repr(r.federation),
+             "seed": recipe.seed, "recipe-file": _files_signature(Path(r.source.split(":")[0])) if r.source else []}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def node_cache_dir() -> Path:
+    """Where a SuperNode keeps its prepared data between messages: ``$FL_FLOWER_CACHE``, else
+    ``$XDG_CACHE_HOME/fl-edge/flower`` (default ``~/.cache/fl-edge/flower``)."""
+    if os.environ.get("FL_FLOWER_CACHE"):
+        return Path(os.environ["FL_FLOWER_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fl-edge" / "flower"
+
+
+def cached_node_data(recipe: FlowerRecipe, source: str | None, partition_id: int | None,
+                     data_root: str | None = None, cache: Path | None = None) -> ClientData:
+    """The node's data (:func:`load_node_data` of ``source``, or :func:`load_partition` of ``partition_id``),
+    prepared once and kept in ``cache`` (:func:`node_cache_dir`) under :func:`data_key`: Flower starts a fresh
+    ClientApp process per message, and later messages read the prepared arrays back instead of loading,
+    checking and splitting (or federating the whole data set) again. An unreadable cache file is rebuilt."""
+    from fl_server.atomic import atomic_write_npz
+
+    path = (cache or node_cache_dir()) / f"{data_key(recipe, source, partition_id, data_root)}.npz"
+    if path.is_file():
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                meta = f["meta"]
+                return ClientData(int(meta[0]), int(meta[1]), int(meta[2]), *(f[k] for k in _ARRAYS),
+                                  local=bool(meta[3]))
+        except (OSError, ValueError, KeyError):
+            pass  # a partial or foreign file: prepared again below
+    if source is not None:
+        data = load_node_data(recipe, source)
+    else:
+        data = load_partition(recipe, int(partition_id or 0), data_root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = np.array([data.partition_id, data.num_partitions, data.num_classes, int(data.local)], np.int64)
+    atomic_write_npz(path, {"meta": meta, **{k: np.ascontiguousarray(getattr(data, k)) for k in _ARRAYS}})
+    return data
+
+
 def client_train(algorithm: Algorithm, start: State, server: State, data: ClientData, recipe: FlowerRecipe,
                  round_: int) -> State:
     """The client's part of a round: the engine's local steps (reference loop) from ``start`` (this client's row
@@ -365,11 +427,19 @@ def client_btfl_upload(algorithm: BTFL, server: State, data: ClientData, recipe:
 def client_validation(algorithm: Algorithm, server: State, data: ClientData, recipe: FlowerRecipe,
                       round_: int = 0) -> float:
     """Accuracy on the client's validation split, as the engine's ``evaluate_val`` scores one training client:
-    after ``personalize`` on the (unlabeled) validation data for test-time methods, else with the method's
+    after ``personalize`` on the (unlabeled) validation data and the method's declared safeguard (the device's
+    rule, :func:`~fl_server.engine.simulation.safeguarded_logits`) for test-time methods, else with the method's
     ``val_params`` (the shared model, or one fine-tuned on the client's own training data, e.g. FedICON's head,
     its batches from the client's own generator)."""
     if algorithm.adapts_at_test_time:
-        params = algorithm.personalize(server, torch.from_numpy(data.x_val).to(recipe.torch_dtype))
+        x = torch.from_numpy(data.x_val).to(recipe.torch_dtype)
+        params = algorithm.personalize(server, x)
+        rule = declared_safeguard(algorithm)
+        if rule is not None:  # the device's safeguard, as the engine's evaluate_val applies it
+            with torch.no_grad():
+                received, adapted = algorithm.predict(server["params"], x), algorithm.predict(params, x)
+            pred = safeguarded_logits(algorithm, rule, server, params, x, received, adapted).argmax(-1)
+            return float((pred == torch.from_numpy(data.y_val)).double().mean())
     else:
         x_tr, y_tr = torch.from_numpy(data.x_train).to(recipe.torch_dtype), torch.from_numpy(data.y_train)
 
