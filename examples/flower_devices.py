@@ -6,7 +6,7 @@
 
 1. four nodes' own image folders (one subfolder per class, PNG) are written from real Fashion-MNIST training
    images, disjoint: ``node0`` .. ``node2`` train, ``node3`` is a new client that never trains;
-2. a SuperLink and three SuperNodes start on loopback (:class:`fl_server.flower.local.LocalDeployment`: the
+2. a SuperLink and three SuperNodes start on loopback (:class:`loopback_flower.LocalDeployment`, beside this file: the
    commands of docs/flower.md, ``--insecure``, so loopback only), SuperNode k with ``--node-config
    "data='nodeK'"``: each one reads its own folder, nothing else;
 3. ``flwr run examples/flower`` trains FedTTA, then BTFL (Fashion-MNIST's preset recipe on the zoo MLP); BTFL's
@@ -57,7 +57,7 @@ def write_nodes(work: Path, data_dir: str | None, per_node: int, nodes: int = 4)
 def train_on_flower(work: Path, data_dir: str | None, rounds: int, local_iterations: int) -> dict[str, Path]:
     """The three training nodes on a loopback Flower deployment; one ``flwr run`` per method. Returns the run
     directories."""
-    from fl_server.flower.local import LocalDeployment
+    from loopback_flower import LocalDeployment  # beside this file
 
     runs = {}
     env = {"FL_DATA_DIR": data_dir} if data_dir else {}

@@ -1,4 +1,4 @@
-"""The loopback Flower deployment of the tests and benchmarks (:mod:`fl_server.flower.local`) with the repository's
+"""The loopback Flower deployment of the tests and benchmarks (``examples/loopback_flower.py``) with the repository's
 app folder, and each node's own Fashion-MNIST data.
 
 Example:
@@ -8,15 +8,18 @@ Example:
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fl_server.flower import local
-from fl_server.flower.local import free_port  # noqa: F401  (the tests' import)
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))  # the loopback deployment lives beside the example that uses it
+import loopback_flower as local  # noqa: E402
+from loopback_flower import free_port  # noqa: E402,F401  (the tests' import)
 
-APP_DIR = Path(__file__).resolve().parents[1] / "examples" / "flower"  # the app folder `flwr run` takes
+APP_DIR = EXAMPLES / "flower"  # the app folder `flwr run` takes
 
 
 def write_node_data(fashion, root: Path, nodes: int = 3, per_node: int = 120,  # type: ignore[no-untyped-def]
@@ -42,7 +45,7 @@ def write_node_data(fashion, root: Path, nodes: int = 3, per_node: int = 120,  #
 
 
 class LocalDeployment(local.LocalDeployment):
-    """:class:`fl_server.flower.local.LocalDeployment` running the repository's app folder by default."""
+    """:class:`loopback_flower.LocalDeployment` running the repository's app folder by default."""
 
     def run(self, run_config: dict[str, Any], app_dir: Path = APP_DIR, timeout: float = 600.0) -> str:
         return super().run(run_config, app_dir, timeout)

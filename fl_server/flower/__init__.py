@@ -1,7 +1,8 @@
 """Federated training on Flower (needs the ``flower`` extra: ``pip install 'fl-edge[flower]'``).
 
 ``server_app.app`` (ServerApp) and ``client_app.app`` (ClientApp) run a recipe with the in-process engine's own
-per-client step and aggregation; ``examples/flower`` is the app folder ``flwr run`` takes; ``local.LocalDeployment``
-starts a SuperLink and SuperNodes on loopback (tests, benchmarks, ``examples/flower_devices.py``). Nothing here is
+per-client step and aggregation; ``examples/flower`` is the app folder ``flwr run`` takes;
+``examples/loopback_flower.py`` starts a SuperLink and SuperNodes on loopback (tests, benchmarks,
+``examples/flower_devices.py``). Nothing here is
 imported by the rest of the package, so fl-edge works without Flower installed.
 """
