@@ -109,7 +109,8 @@ class Algorithm:
     default_job: ClassVar[bool] = False
     # the label-free safeguard a device applies after this method's personalisation (edge_sdk.safeguard's
     # SafeguardRule in manifest form, written into the bundle's manifest as ``safeguard``); chosen per method on
-    # the lab's validation shifts only (lab/safeguard_choice.py). None: the device step changes nothing to guard.
+    # the lab's validation shifts only (lab/safeguard_choice.py). None: none declared (not inherited: a subclass
+    # declares its own).
     safeguard: ClassVar[dict[str, Any] | None] = None
     # why a bundle of this method cannot be published to another coordinator ("" when it can)
     publish_refusal: ClassVar[str] = ""
@@ -128,6 +129,8 @@ class Algorithm:
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.default_job = bool(vars(cls).get("default_job", False))
+        # a rule is chosen for one method's device step: a subclass declares its own, or has none
+        cls.safeguard = vars(cls).get("safeguard")
 
     def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0, **overrides: Any) -> None:
         """``seed`` fixes the initial weights of any module the method adds to ``model`` (e.g. FedTTA's g)."""

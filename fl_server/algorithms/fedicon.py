@@ -311,7 +311,6 @@ class FedICONNoTTA(FedICON):
 
     name = "FedICON w/o TTA"
     device_step = None  # the received model as it is
-    safeguard = None  # nothing adapts, nothing to guard
 
     def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0, **overrides: Any) -> None:
         super().__init__(model, config, seed, **{"tta": False, **overrides})
