@@ -173,9 +173,12 @@ def memory_rows(model_name: str, x: torch.Tensor, tmp: Path) -> Iterator[tuple[s
 
 
 def merge_memory_rows(path: str, rows: list[dict]) -> None:
-    """Update the memory fields of the rows of ``path`` with the same (what, device), their timings kept."""
-    old = {(r["what"], r["device"]): r for r in json.loads(Path(path).read_text())} if Path(path).exists() else {}
-    merge_rows(path, [{**old.get((r["what"], r["device"]), {"benchmark": "edge-sdk"}), **r} for r in rows])
+    """Update the memory fields of the rows of ``path`` with the same (what, device) in place, their timings and
+    the file's order kept; rows it lacks are appended."""
+    old = json.loads(Path(path).read_text()) if Path(path).exists() else []
+    new = {(r["what"], r["device"]): r for r in rows}
+    kept = [{**r, **new.pop((r.get("what"), r.get("device")), {})} for r in old]
+    merge_rows(path, kept + [{"benchmark": "edge-sdk", **r} for r in new.values()])  # every row: the order stays
 
 
 def ort_vs_torch(path: Path, spec: Any, x: torch.Tensor, eager: Callable[[], object], repeats: int) -> tuple[float, float]:
