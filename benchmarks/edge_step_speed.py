@@ -10,7 +10,9 @@ batch-normalised models in torch's batch-statistics BatchNorm, as the engine tra
 updated model's logits and entropy included. Median over repeats after warm-up, the ORT and torch calls
 alternating. ``peak_rss_mb``: the peak resident memory (``ru_maxrss``) of a fresh torch-free process that opens
 the method's bundle with the SDK and personalises on the batch (one subprocess per model and method). Rows merged
-into docs/benchmarks/edge-sdk.json by (what, device).
+into docs/benchmarks/edge-sdk.json by (what, device). ``--memory-only``: export the step bundles and measure only
+their peak memory (no timing); it updates the ``nodes``, ``bundle_bytes`` and ``peak_rss_mb`` of the step rows in
+place (with ``memory_command`` and ``memory_load_average_1min``), their timings left as they were.
 
 The ConvNet's steps are convolution-bound: its second convolution (32 -> 64 channels, 5x5, on 14x14) runs four
 times in a step (forward with the received weights, input gradient, weight gradient, forward with the updated
@@ -20,6 +22,7 @@ torch's own kernels (``aten.convolution`` / ``aten.convolution_backward``), with
 (``gflops_*``: 2 * multiply-adds / time).
 
     python benchmarks/edge_step_speed.py [--batch 64] [--repeats 50] [--models mlp,convnet,...] [--data-dir DIR]
+                                         [--memory-only]
 """
 from __future__ import annotations
 
@@ -81,6 +84,7 @@ def main() -> int:
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated zoo models")
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--out", default="docs/benchmarks/edge-sdk.json")
+    ap.add_argument("--memory-only", action="store_true", help="only the step bundles' peak memory (no timing)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     ds = load_dataset("mnist", root=args.data_dir, split="test")
@@ -90,6 +94,15 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         np.save(Path(tmp) / "x.npy", x.numpy())
+        if args.memory_only:
+            for model_name in args.models.split(","):
+                for label, extra in memory_rows(model_name, x, Path(tmp)):
+                    row = {"what": f"{label}, {model_name}, batch {args.batch}", "device": common["device"], **extra,
+                           "memory_command": command, "memory_load_average_1min": round(os.getloadavg()[0], 2)}
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+            merge_memory_rows(args.out, rows)
+            return 0
         for model_name in args.models.split(","):
             for label, ort_ms, torch_ms, extra in model_rows(model_name, x, args.repeats, Path(tmp)):
                 row = {"benchmark": "edge-sdk", "what": f"{label}, {model_name}, batch {args.batch}",
@@ -109,7 +122,7 @@ def main() -> int:
 
 def model_rows(model_name: str, x: torch.Tensor, repeats: int, tmp: Path) -> Iterator[tuple[str, float, float, dict]]:
     """(label, ORT ms, torch ms, extra fields) of the forward, FedTTA's and TENT's steps (FedICON's on models
-    without normalisation layers) of ``model_name``."""
+    without normalisation layers) of ``model_name``; ``repeats=0``: the steps' extra fields only, not timed."""
     normalised = bool(norm_affine_names(build_model(model_name, (1, 28, 28), 10, seed=0)))
     fedtta_hp, tent_hp = dict(FEDTTA_HP["mnist"]["FedTTA"]), {"lr": 0.1, "adapt": "norm_affine" if normalised else "all"}
     state = build_algorithm("FedTTA", build_model(model_name, (1, 28, 28), 10, seed=0), 1,
@@ -129,7 +142,8 @@ def model_rows(model_name: str, x: torch.Tensor, repeats: int, tmp: Path) -> Ite
     specs = device_specs(fedtta, state, freeze=True)
     graphs = {"forward": export_spec(specs["forward"], tmp / f"{model_name}-forward.onnx")}
     forward = specs["forward"]
-    yield ("forward", *ort_vs_torch(graphs["forward"], forward, x, lambda: forward.fn(x, *forward.example[1:]), repeats), {})
+    if repeats:
+        yield ("forward", *ort_vs_torch(graphs["forward"], forward, x, lambda: forward.fn(x, *forward.example[1:]), repeats), {})
     for label, (algorithm, kind, hp, torch_step) in steps.items():
         spec = device_specs(algorithm, state, freeze=True)[kind]
         graphs[kind] = export_spec(spec, tmp / f"{model_name}-{kind}.onnx")
@@ -143,8 +157,8 @@ def model_rows(model_name: str, x: torch.Tensor, repeats: int, tmp: Path) -> Ite
                               algorithm.name, hp, extra={"batch_norm": dict(BATCH_NORM_RULE)} if stat_norms(algorithm.model) else None)
         extra = {"nodes": len(onnx.load(str(graphs[kind])).graph.node), "bundle_bytes": tree_bytes(bundle),
                  "peak_rss_mb": peak_rss_mb(bundle, tmp / "x.npy")}
-        yield (label, *ort_vs_torch(graphs[kind], spec, x, eager, repeats), extra)
-    if not normalised:
+        yield (label, *(ort_vs_torch(graphs[kind], spec, x, eager, repeats) if repeats else (0.0, 0.0)), extra)
+    if repeats and not normalised:
         icon = build("FedICON")
         proj = icon.init_state(torch.float32, torch.device("cpu"))["proj"]
         spec = fedicon_tta_step_spec(icon, state["params"], proj, batch=len(x))  # its uniforms u: for this batch
@@ -152,10 +166,25 @@ def model_rows(model_name: str, x: torch.Tensor, repeats: int, tmp: Path) -> Ite
         yield ("FedICON step", *ort_vs_torch(path, spec, x, lambda: spec.fn(x, *spec.example[1:]), repeats), {})
 
 
+def memory_rows(model_name: str, x: torch.Tensor, tmp: Path) -> Iterator[tuple[str, dict]]:
+    """(label, {nodes, bundle_bytes, peak_rss_mb}) of FedTTA's and TENT's step bundles of ``model_name``."""
+    for label, _, _, extra in model_rows(model_name, x, 0, tmp):
+        yield label, extra
+
+
+def merge_memory_rows(path: str, rows: list[dict]) -> None:
+    """Update the memory fields of the rows of ``path`` with the same (what, device) in place, their timings and
+    the file's order kept; rows it lacks are appended."""
+    old = json.loads(Path(path).read_text()) if Path(path).exists() else []
+    new = {(r["what"], r["device"]): r for r in rows}
+    kept = [{**r, **new.pop((r.get("what"), r.get("device")), {})} for r in old]
+    merge_rows(path, kept + [{"benchmark": "edge-sdk", **r} for r in new.values()])  # every row: the order stays
+
+
 def ort_vs_torch(path: Path, spec: Any, x: torch.Tensor, eager: Callable[[], object], repeats: int) -> tuple[float, float]:
     """Median ms of the graph at ``path`` on onnxruntime (one thread) and of ``eager()``, calls alternating (load on
     a shared machine hits both alike)."""
-    session = load_session(path, threads=1)
+    session = load_session(path, threads=1, in_graph_order=path.stem.endswith("_step"))  # as a bundle's session
     values = dict(zip(spec.input_names, [x.numpy(), *(w.detach().numpy() for w in spec.example[1:])]))
     feeds = {i.name: values[i.name] for i in session.get_inputs()}
     ms = interleaved_median_ms({"ort": lambda: session.run(None, feeds), "torch": eager}, repeats)
@@ -198,7 +227,7 @@ def conv_kernel_rows(batch: int, repeats: int, tmp: Path, command: str) -> list[
     for label, (fn, eager) in kernels.items():
         path = export_function(fn, [x, w, gy], ["x", "w", "gy"], ["out"], ["x", "gy"],
                                tmp / f"conv-{label.replace(' ', '_')}.onnx")
-        session = load_session(path, threads=1)
+        session = load_session(path, threads=1, in_graph_order=path.stem.endswith("_step"))  # as a bundle's session
         feeds = {i.name: {"x": x, "w": w, "gy": gy}[i.name].numpy() for i in session.get_inputs()}
         ms = interleaved_median_ms({"ort": lambda: session.run(None, feeds), "torch": eager}, repeats)
         row = {"benchmark": "edge-sdk", "what": f"convnet conv2 {label} kernel, batch {batch}",

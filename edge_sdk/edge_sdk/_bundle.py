@@ -20,6 +20,7 @@ import hashlib
 import io
 import os
 import warnings
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,15 +170,59 @@ class Bundle:
         return self.verified[name]
 
     def weights(self, name: str) -> dict[str, np.ndarray]:
-        with np.load(io.BytesIO(self.data(name)), allow_pickle=False) as arrays:
+        """An ``.npz`` artifact's arrays (no pickles). Those stored uncompressed (``np.savez``, as bundles are
+        written) are read-only views of the verified bytes, not copies: a device holds its weights once (the
+        ConvNet's 6.6 MB); copy one to change it."""
+        data = self.data(name)
+        views = _stored_arrays(data)
+        if views is not None:
+            return views
+        with np.load(io.BytesIO(data), allow_pickle=False) as arrays:
             return {k: arrays[k] for k in arrays.files}
 
     def session(self, name: str, threads: int | None = None):  # type: ignore[no-untyped-def]
+        """An onnxruntime session of the ONNX artifact ``name``; a step graph (``*_step``) runs in its own node
+        order (:func:`edge_sdk._steps.load_session`)."""
         from edge_sdk._steps import load_session
 
         if self.artifact(name)["kind"] != "onnx":
             raise BundleError(f"artifact {name!r} is not an ONNX graph")
-        return load_session(self.data(name), threads)
+        return load_session(self.data(name), threads, in_graph_order=name.endswith("_step"))
+
+
+def _stored_arrays(data: bytes) -> dict[str, np.ndarray] | None:
+    """The arrays of an ``.npz`` whose members are all stored uncompressed, as read-only views of ``data``; None
+    for any other archive (np.load reads it). Object arrays are refused as np.load(allow_pickle=False) does."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            members = archive.infolist()
+    except (zipfile.BadZipFile, ValueError):
+        return None
+    out: dict[str, np.ndarray] = {}
+    for m in members:
+        if m.compress_type != zipfile.ZIP_STORED or not m.filename.endswith(".npy"):
+            return None
+        header = data[m.header_offset:m.header_offset + 30]
+        if len(header) < 30 or header[:4] != b"PK\x03\x04":
+            return None
+        start = m.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+        member = io.BytesIO(data[start:start + min(m.file_size, 1 << 16)])  # the .npy header is within this
+        try:
+            read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                           (2, 0): np.lib.format.read_array_header_2_0}.get(np.lib.format.read_magic(member))
+            if read_header is None:
+                return None
+            shape, fortran, dtype = read_header(member)
+        except ValueError:
+            return None
+        if dtype.hasobject:
+            raise ValueError(f"{m.filename}: object arrays need pickle, which the SDK never loads")
+        count = int(np.prod(shape))
+        if member.tell() + count * dtype.itemsize != m.file_size:
+            return None
+        flat = np.frombuffer(data, dtype, count, start + member.tell())
+        out[m.filename[:-len(".npy")]] = flat.reshape(shape, order="F" if fortran else "C")
+    return out
 
 
 def load_bundle(root: str | os.PathLike, public_key: PublicKey | None = None) -> Bundle:

@@ -153,8 +153,21 @@ def _library_backends() -> dict[str, Callable[[bytes, bytes, bytes], bool]]:
     return found
 
 
-BACKENDS: dict[str, Callable[[bytes, bytes, bytes], bool]] = {**_library_backends(), "pure": _pure_equation}
-BACKEND = next(iter(BACKENDS))  # the first available of cryptography, pynacl, pure
+@functools.cache
+def _backends() -> dict[str, Callable[[bytes, bytes, bytes], bool]]:
+    # found on the first verification, not at import: loading OpenSSL's bindings costs a device ~6 MB of memory
+    # that a device which never checks a signature need not hold
+    return {**_library_backends(), "pure": _pure_equation}
+
+
+def __getattr__(name: str) -> object:
+    """``BACKENDS`` (name -> check, in order of preference) and ``BACKEND`` (the first available of
+    cryptography, pynacl, pure), looked up on first use (PEP 562)."""
+    if name == "BACKENDS":
+        return _backends()
+    if name == "BACKEND":
+        return next(iter(_backends()))
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def verify(key: bytes, message: bytes, signature: bytes, backend: str | None = None) -> None:
@@ -174,9 +187,10 @@ def verify(key: bytes, message: bytes, signature: bytes, backend: str | None = N
     key, signature = bytes(key), bytes(signature)
     if int.from_bytes(signature[32:], "little") >= L:
         raise SignatureError("signature S is not reduced mod L (S >= L, RFC 8032 5.1.7): non-canonical")
-    check = BACKENDS.get(backend or BACKEND)
+    backends = _backends()
+    check = backends.get(backend or next(iter(backends)))
     if check is None:
-        raise ValueError(f"unknown Ed25519 backend {backend!r}; available: {', '.join(BACKENDS)}")
+        raise ValueError(f"unknown Ed25519 backend {backend!r}; available: {', '.join(backends)}")
     if not check(key, bytes(message), signature):
         # step 1 only on failure (a library never accepts a non-canonical R), to name that cause
         _decode(signature[:32], "signature R")

@@ -116,6 +116,7 @@ class ModelRunner(Runner):
         budget of a runner that sends something to the coordinator (``"encoder"``)."""
         x = check_batch(x, self.forward)
         self.partial = False
+        self._checked, self._checked_copy = None, {}  # the last personalised weights' checked copy: not held twice
         self.weights, steps, details = self.adapt(x, epsilon=epsilon, delta=delta, rng=rng)
         return _adaptation(self.bundle, steps, len(x), details)
 

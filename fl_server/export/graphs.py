@@ -23,7 +23,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from fl_server.atomic import atomic_path
 from fl_server.export.decompositions import DECOMPOSITIONS
-from fl_server.export.rewrites import pool_plane_offsets, pow_to_mul
+from fl_server.export.rewrites import cancel_transpose_pairs, pool_plane_offsets, pow_to_mul, recompute_late_reads
 
 OPSET = 18
 DEBUG_FIELDS = ("doc_string", "metadata_props")  # what a device never reads: free text and key-value notes
@@ -132,6 +132,7 @@ def _export(fn: Callable[..., tuple[torch.Tensor, ...]], example: Sequence[torch
     with atomic_path(path) as tmp:
         onnx_program.save(str(tmp))
         model = onnx.load(str(tmp))
-        if strip_debug(model) | bool(pool_plane_offsets(model)) | bool(pow_to_mul(model)):
+        if (strip_debug(model) | bool(pool_plane_offsets(model)) | bool(pow_to_mul(model))
+                | bool(cancel_transpose_pairs(model)) | bool(recompute_late_reads(model))):
             onnx.save(model, str(tmp))
     return path

@@ -12,12 +12,23 @@ from the input's shape at run time).
 and of powers, wherever autograd writes them) become ``x * x`` and ``x * x * x`` (bit for bit what the Pow kernel computes); ``Pow(x, 1)`` becomes ``x``.
 onnxruntime's Pow kernel runs its generic path (a call per element); in batch-normalised step graphs the Pow
 nodes took 16-32% of the step.
+
+``cancel_transpose_pairs``. A Transpose of a Transpose whose permutations compose to the identity (the exporter
+writes them around per-channel gradients and transposed weights: 25 pairs in resnet8_bn's TENT step) is its
+input: its readers read that, and Transposes nobody reads any more go.
+
+``recompute_late_reads``. A step graph keeps an activation-sized tensor alive from the forward, where it is made, to
+the backward, where it is read again; when it is a cheap elementwise function of tensors that stay alive that long
+anyway, recomputing it just before the late read frees it in between. The case it finds is batch normalisation's
+centred input ``x - mean``: the forward reads it for the variance, the backward again, while ``x`` (the convolution's
+output) is held for the scale's gradient; recomputed, resnet8_bn's FedTTA step (batch 64), run in the graph's order,
+holds 36 MB at once instead of 50. The copy computes the same operation on the same inputs: the same bits.
 """
 from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper, numpy_helper, shape_inference
 
 
 def _ints(node: onnx.NodeProto, name: str) -> list[int] | None:
@@ -133,3 +144,99 @@ def pow_to_mul(model: onnx.ModelProto) -> int:
         for node in [n for n in g.node if n.op_type == "Constant" and n.output[0] not in used]:
             g.node.remove(node)
     return rewritten
+
+
+def _perm(node: onnx.NodeProto) -> list[int] | None:
+    return next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+
+
+def cancel_transpose_pairs(model: onnx.ModelProto) -> int:
+    """Rewrite, in place, the readers of every Transpose(Transpose(x, p), q) with p[q[i]] == i to read ``x`` (see the
+    module's docstring) and drop the Transposes no node or output reads then. Returns how many pairs it cancelled.
+    Graphs with subgraphs (which may read outer names) are left alone."""
+    g = model.graph
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in g.node for a in n.attribute):
+        return 0
+    producer = {y: n for n in g.node for y in n.output}
+    outputs = {o.name for o in g.output}
+    alias: dict[str, str] = {}
+    for node in g.node:
+        node.input[:] = [alias.get(x, x) for x in node.input]
+        first = producer.get(node.input[0]) if node.op_type == "Transpose" else None
+        p, q = (_perm(first), _perm(node)) if first is not None and first.op_type == "Transpose" else (None, None)
+        if p is None or q is None or node.output[0] in outputs or [p[i] for i in q] != list(range(len(p))):
+            continue
+        alias[node.output[0]] = first.input[0]
+    while True:  # the Transposes nobody reads any more
+        read = {x for n in g.node for x in n.input} | outputs
+        dead = [n for n in g.node if n.op_type == "Transpose" and n.output[0] not in read]
+        if not dead:
+            return len(alias)
+        for n in dead:
+            g.node.remove(n)
+
+
+NOMINAL_BATCH = 64  # the size a symbolic (batch) dimension counts as when recompute_late_reads weighs tensors
+RECOMPUTED_OPS = ("Sub",)
+MIN_GAP = 20  # nodes between two reads of a tensor before recomputing it for the later one is worth a node
+
+
+def _elements(model: onnx.ModelProto) -> dict[str, int]:
+    """Elements of every tensor whose shape inference knows the rank (symbolic dimensions count NOMINAL_BATCH)."""
+    g = shape_inference.infer_shapes(model).graph
+    out = {t.name: int(np.prod(t.dims)) for t in g.initializer}
+    for vi in [*g.input, *g.value_info, *g.output]:
+        if vi.type.tensor_type.HasField("shape"):
+            out[vi.name] = int(np.prod([d.dim_value or NOMINAL_BATCH for d in vi.type.tensor_type.shape.dim]))
+    return out
+
+
+def recompute_late_reads(model: onnx.ModelProto, ops: tuple[str, ...] = RECOMPUTED_OPS) -> int:
+    """Rewrite, in place, the late reads of cheap elementwise results (see the module's docstring): a node of
+    ``ops`` whose output is read again more than MIN_GAP nodes after its previous read gets a copy just before that
+    read, which it and all later reads then use, when keeping the copy's inputs alive up to there costs less than a
+    quarter of what freeing the output earlier saves. Returns how many copies were made."""
+    g = model.graph
+    size = _elements(model)
+    nodes, outputs = list(g.node), {o.name for o in g.output}
+    reads: dict[str, list[int]] = {}
+    for i, node in enumerate(nodes):
+        for name in node.input:
+            reads.setdefault(name, []).append(i)
+    copies: dict[int, list[onnx.NodeProto]] = {}
+    for node in nodes:
+        y = node.output[0] if node.op_type in ops and len(node.output) == 1 else ""
+        at = sorted(set(reads.get(y, [])))
+        if not y or y in outputs or y not in size or len(at) < 2:
+            continue
+        for prev, late in zip(at, at[1:]):
+            held = sum(size.get(x, 0) * max(0, late - max(reads[x])) for x in node.input)
+            if late - prev <= MIN_GAP or 4 * held >= size[y] * (late - prev) or any(x not in size for x in node.input):
+                continue
+            copy = helper.make_node(node.op_type, list(node.input), [f"{y}_late{len(copies)}"], name=f"{y}_late{len(copies)}")
+            copy.attribute.extend(node.attribute)
+            copies.setdefault(late, []).append(copy)
+            for reader in {i for i in at if i >= late}:
+                nodes[reader].input[:] = [copy.output[0] if x == y else x for x in nodes[reader].input]
+            break  # the later reads read the copy
+    if copies:
+        order = [n for i, node in enumerate(nodes) for n in [*copies.get(i, []), node]]
+        del g.node[:]
+        g.node.extend(order)
+    return sum(len(c) for c in copies.values())
+
+
+def held_at_once(model: onnx.ModelProto) -> int:
+    """The most tensor elements the graph's nodes hold at once when they run in the graph's order, each result freed
+    after its last read (graph outputs kept; inputs and initializers not counted; symbolic dimensions count
+    NOMINAL_BATCH): what onnxruntime's intermediates peak at in that order, in elements."""
+    g = model.graph
+    size, outputs = _elements(model), {o.name for o in g.output}
+    made = {y for node in g.node for y in node.output}
+    last = {name: i for i, node in enumerate(g.node) for name in node.input}
+    held = peak = 0
+    for i, node in enumerate(g.node):
+        held += sum(size.get(y, 0) for y in node.output)
+        peak = max(peak, held)
+        held -= sum(size.get(x, 0) for x in set(node.input) if x in made and last[x] == i and x not in outputs)
+    return peak
