@@ -3,6 +3,8 @@ idle connections, oversized request heads, forged X-Forwarded-For, strings and b
 belong, conditional and HEAD requests, deeply nested bodies."""
 from __future__ import annotations
 
+import json
+
 import socket
 import threading
 import time
@@ -83,6 +85,18 @@ def test_bytes_between_requests_do_not_hold_a_connection(bare: Coordinator) -> N
     assert _read_all(s).startswith(b"HTTP/1.1 408 ")  # timed out after 10 s before
     assert time.monotonic() - start < 5
     s.close()
+
+
+def test_a_request_the_parser_cannot_read_gets_a_json_400(bare: Coordinator) -> None:
+    """A malformed request line (a raw space or control byte in the path) gets the API's error shape, not
+    uvicorn's plain text."""
+    for line in (b"GET /v1/jobs/a b HTTP/1.1", b"DELETE /v1/jobs/\x7f HTTP/1.1", b"\x00\x17 not http at all"):
+        s = _connect(bare.url)
+        s.sendall(line + b"\r\nHost: x\r\n\r\n")
+        head, _, body = _read_all(s).partition(b"\r\n\r\n")
+        s.close()
+        assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head, head
+        assert json.loads(body)["detail"] == "Invalid HTTP request received."
 
 
 def test_slow_body_is_cut_off(bare: Coordinator) -> None:

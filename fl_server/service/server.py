@@ -131,6 +131,12 @@ class GuardedHttpTools(HttpToolsProtocol):
     limits = ServerLimits()  # set by uvicorn_options() in a subclass attribute
     trusted: Trusted = ([], set())  # FL_SERVE_TRUSTED_PROXIES, set with limits
 
+    def send_400_response(self, msg: str) -> None:
+        """A request the HTTP parser cannot read gets the API's error shape (JSON ``{"detail": ...}``), not
+        uvicorn's plain text."""
+        self.transport.write(_response(b"400 Bad Request", msg.replace("\\", "/").replace('"', "'")))
+        self.transport.close()
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._deadline: asyncio.TimerHandle | None = None
