@@ -1,9 +1,10 @@
 """An elastic Flower federation: three SuperNodes, each holding only its own Fashion-MNIST image folder, train FedTTA,
-BTFL and ODPFL-HN on the real SuperLink, one run after the other; in each run one SuperNode is SIGKILLed with its
-process group after the first round (then started again on its folder: a new node, not a client of that run).
-Every run still finishes: the second round aggregates over the two nodes that reply, the ServerApp's per-round
-progress lines (``flwr run --stream``) say so, and each run exports to a bundle a device serves. No process of the
-deployment outlives it."""
+BTFL and ODPFL-HN on the real SuperLink, one run after the other. In the first run one SuperNode is SIGKILLed with
+its process group after the first round (then started again on its folder: a new node, not a client of that run):
+the run still finishes, its second round aggregating over the two nodes that reply, and the ServerApp's per-round
+progress lines (``flwr run --stream``) say so. Every run exports to a bundle a device serves (the dropped replies
+of BTFL's and ODPFL-HN's own messages: tests/test_flower.py, without the transport; one kill here, since each
+costs a ``round-timeout`` of waiting). No process of the deployment outlives it."""
 from __future__ import annotations
 
 import json
@@ -77,28 +78,30 @@ def test_runs_survive_a_supernode_killed_mid_run_and_export(tmp_path: Path,
         for k, (method, name) in enumerate(RUNS.items()):
             run = dep.launch({"recipe": f"{tmp_path / 'recipes.py'}:{name}", "run-dir": f"run-{method}",
                               "round-timeout": 45}, name=method)
-            # the first round trained on all three nodes: then one node dies with its whole process group
-            wait_for(lambda: rows(tmp_path / f"run-{method}") or run.poll() is not None, 300, "the first round")
-            assert processes_of(tmp_path)
-            dep.kill(dep.nodes[k])
+            if k == 0:  # the first round trained on all three nodes: then one node dies with its process group
+                wait_for(lambda: rows(tmp_path / f"run-{method}") or run.poll() is not None, 300, "the first round")
+                assert processes_of(tmp_path)
+                dep.kill(dep.nodes[k])
             outputs[method] = dep.finish(run, timeout=400)
-            dep.start_node(["--insecure"], dep.node_configs[k], f"supernode-{k}-again")  # the device is back
+            if k == 0:
+                dep.start_node(["--insecure"], dep.node_configs[k], f"supernode-{k}-again")  # the device is back
     finally:
         dep.stop()
     assert processes_of(tmp_path) == []  # nothing of the deployment outlives it
 
     held_out = np.setdiff1d(np.arange(len(fashion_all.y)), idx.ravel())[:200]
     x, y = fashion_all.x[held_out].astype(np.float32), fashion_all.y[held_out]
-    for method, out in outputs.items():
+    for k, (method, out) in enumerate(outputs.items()):
         run_dir = tmp_path / f"run-{method}"
         first, second = rows(run_dir)
+        replied = 2 if k == 0 else 3  # the killed node's run: two replies in its second round
         assert (first["clients"], first["asked"]) == (3, 3), (method, first)
-        assert (second["clients"], second["asked"]) in ((2, 3), (2, 2)), (method, second)
+        assert second["clients"] == replied and second["asked"] in ((2, 3) if k == 0 else (3,)), (method, second)
         assert not second.get("skipped") and second["train_loss"] > 0 and 0.0 <= second["val"] <= 1.0
         # the ServerApp's progress, one line per round, streamed by `flwr run --stream`
         assert f"round 1/2: train loss {first['train_loss']:.4f}, 3/3 nodes replied" in out, (method, out[-3000:])
         assert (f"round 2/2: train loss {second['train_loss']:.4f}, val accuracy {second['val']:.4f}, "
-                f"2/{second['asked']} nodes replied") in out, (method, out[-3000:])
+                f"{replied}/{second['asked']} nodes replied") in out, (method, out[-3000:])
         assert json.loads((run_dir / "run.json").read_text())["method"] == method
         accuracy = served_accuracy(tmp_path, run_dir, method, x, y)
         assert accuracy > 0.25, (method, accuracy)  # chance: 0.1
