@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from edge_sdk.safeguard import SafeguardRule, evidence, shifted
+from edge_sdk.safeguard import SafeguardRule, evidence, mix, shifted
 from fl_server.algorithms import build_algorithm
 from fl_server.data import load_dataset
 from fl_server.data.corruptions import corrupt
@@ -93,13 +93,9 @@ def client_outcomes(algo: Any, state: dict, x: np.ndarray, y: np.ndarray, device
     half_params = algo.personalize(state, torch.from_numpy(x[0::2]).to(device, dtype))  # adapt on one half ...
     held = evidence(received[1::2], logits(half_params, x[1::2]))  # ... judge on the other
     ev.update({f"holdout_{k}": v for k, v in held.items()})
-    ensemble = np.exp(received - received.max(-1, keepdims=True))
-    ensemble = ensemble / ensemble.sum(-1, keepdims=True)
-    mix = np.exp(adapted - adapted.max(-1, keepdims=True))
-    ensemble = ensemble + mix / mix.sum(-1, keepdims=True)
     return {"received": float((received.argmax(-1) == y).mean()),
             "personalised": float((adapted.argmax(-1) == y).mean()),
-            "ensemble": float((ensemble.argmax(-1) == y).mean()), "evidence": ev}
+            "ensemble": float((mix(received, adapted).argmax(-1) == y).mean()), "evidence": ev}
 
 
 def candidate_rules() -> dict[str, SafeguardRule]:

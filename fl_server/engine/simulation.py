@@ -346,18 +346,11 @@ class Simulation:
                 with norm_mode(self.algorithm.model, self.algorithm.adapt_norm):
                     params = self.algorithm.personalize(state, self.x[torch.from_numpy(idx)])
                 adapted = self._logits(params, idx)
-                if rule is not None:
-                    adapted = self._safeguarded(rule, state, params, idx, adapted)
+                if rule is not None:  # the device's safeguard decision on the client's unlabeled data
+                    adapted = safeguarded_logits(self.algorithm, rule, state, params, self.x[torch.from_numpy(idx)],
+                                                 self._logits(state["params"], idx), adapted)
                 out.append(adapted.argmax(-1))
         return out
-
-    def _safeguarded(self, rule: SafeguardRule, state: State, params: State, idx: np.ndarray,
-                     adapted: torch.Tensor) -> torch.Tensor:
-        """One client's predictions after the device's safeguard (edge_sdk.safeguard, as ``Device.personalize``
-        decides): the received and the personalised model compared on the client's unlabeled data; the adapted
-        logits, the received model's, or the mix of both (the "partial" decision)."""
-        return safeguarded_logits(self.algorithm, rule, state, params, self.x[torch.from_numpy(idx)],
-                                  self._logits(state["params"], idx), adapted)
 
     def personalized_accuracies(self, clients: list[np.ndarray], state: State | None = None) -> list[float]:
         """Per client: the accuracy of :meth:`personalized_predictions`."""
