@@ -28,6 +28,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
@@ -86,7 +87,8 @@ def send_and_receive(grid: Grid, messages: list[Message], timeout: float) -> lis
 def _exchange(grid: Grid, kind: str, payloads: Mapping[int, RecordDict], timeout: float,
               round_: int) -> tuple[dict[int, Any], dict[int, str]]:
     """Send one message per node and wait up to ``timeout`` seconds: (node -> reply content for the replies that
-    came, node -> why there is none: an error reply, e.g. the SuperLink's "node unavailable", or no reply)."""
+    came, node -> why there is none: "gone" (the SuperLink's "node unavailable"), "failed" (the ClientApp's error
+    reply) or no reply)."""
     msgs = {node: Message(content, dst_node_id=node, message_type=kind, group_id=str(round_))
             for node, content in payloads.items()}
     # the SuperLink answers for a node it knows is gone, so a reply is matched by the message it answers
@@ -96,6 +98,8 @@ def _exchange(grid: Grid, kind: str, payloads: Mapping[int, RecordDict], timeout
         reply = replies.get(msg.metadata.message_id)
         if reply is None:
             lost[node] = f"no reply within {timeout:.0f} s"
+        elif reply.has_error() and reply.error.code == ErrorCode.NODE_UNAVAILABLE:
+            lost[node] = f"gone: {reply.error.reason}"  # the SuperLink answers for a node whose heartbeats stopped
         elif reply.has_error():
             lost[node] = f"failed: {reply.error.reason}"
         else:
@@ -350,7 +354,7 @@ def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
     nodes = wait_for_nodes(grid, int(cfg.get("min-nodes", 1)), timeout)
     query, lost = _exchange(grid, "query", {n: RecordDict({"config": ConfigRecord({})}) for n in nodes}, timeout, -1)
     failed = {n: why for n, why in lost.items() if why.startswith("failed")}
-    if failed:  # a node's data or setup is wrong: say so rather than train without it
+    if failed:  # a node's data or setup is wrong: say so rather than train without it (a node gone is no client)
         node, why = next(iter(failed.items()))
         raise FlowerError(f"query: node {node} {why}")
     for node, why in lost.items():
