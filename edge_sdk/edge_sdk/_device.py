@@ -34,6 +34,7 @@ import numpy as np
 
 import edge_sdk._runners  # noqa: F401  (registers the SDK's own runners)
 from edge_sdk._bundle import Bundle, load_bundle
+from edge_sdk._memory import release_free_heap
 from edge_sdk._preprocess import Preprocess
 from edge_sdk._registry import RECEIVED, Adaptation, resolve
 from edge_sdk.safeguard import SafeguardRule, evidence, shifted
@@ -90,7 +91,12 @@ class Device:
         says otherwise) then compares the received and the personalised model on ``x`` without labels and keeps
         the received one when its rule says adaptation looks harmful; ``Adaptation.safeguard`` holds the decision
         and its evidence (``.message`` is one line for a person)."""
-        x = self.prepare(x)
+        try:
+            return self._personalize(self.prepare(x), y, **options)
+        finally:
+            release_free_heap()  # what the steps freed goes back to the system (edge_sdk._memory)
+
+    def _personalize(self, x: np.ndarray, y: np.ndarray | None, **options: Any) -> Adaptation:
         rule = self.safeguard
         if rule is None or rule.kind == "off":
             return replace(self.runner.personalize(x, y, **options), method=self.method)

@@ -116,7 +116,9 @@ class ModelRunner(Runner):
         budget of a runner that sends something to the coordinator (``"encoder"``)."""
         x = check_batch(x, self.forward)
         self.partial = False
-        self._checked, self._checked_copy = None, {}  # the last personalised weights' checked copy: not held twice
+        # the last personalisation is dropped before this one runs (each call starts from the received model):
+        # its weights and their checked copy would otherwise stay alive through the new steps (peak memory)
+        self.weights, self._checked, self._checked_copy = self.base, None, {}
         self.weights, steps, details = self.adapt(x, epsilon=epsilon, delta=delta, rng=rng)
         return _adaptation(self.bundle, steps, len(x), details)
 
