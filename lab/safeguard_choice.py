@@ -25,8 +25,8 @@ the choice on the rest, score its rule on what was held out) showed the earlier 
 out, 0.5-point margin, best mean gain) leaving held-out cells more than a point below the received model, all
 through fitted linear rules whose evidence weights do not carry over to another data set, while fixed-form
 rules chosen with no validation loss did not. Requiring each seed's cell (not just the mean) above -0.5 was
-scored too and rejected: ten clients per seed make those cells so noisy that it keeps under 60% of the gain
-and still did not protect the held-out data set.
+tried in the same exploratory nested check and rejected: ten clients per seed make those cells so noisy that it
+kept under 60% of the gain and still left cells of a held-out data set below -1.
 
 The choice is what each method declares (``Algorithm.safeguard``): ``python -m lab.safeguard_choice`` prints
 it and writes ``docs/results/safeguard-choice.json`` (with the nested check of this criterion and of the
