@@ -80,6 +80,8 @@ RESEARCH_ONLY = {"coordinator-load-series", "phase-steps", "update-kernels"}
 OWN_LAYOUT: dict[str, tuple[Callable[[str, Any], str], Callable[[str, Any], str]]] = {
     "unseen-domain": (unseen_summary, unseen_section),
     "bn-tent-shift": (partial(bn_tent_shift_section, per_seed=False), bn_tent_shift_section),  # seeds: research
+    # the safeguard's validation choice: rendered inside the unseen-domain research section (lab.unseen_report)
+    "safeguard-choice": (lambda _name, _data: "", lambda _name, _data: ""),
 }
 
 

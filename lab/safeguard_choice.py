@@ -6,21 +6,34 @@ for every new client of every condition, the received and personalised accuracy 
 training clients' validation samples under corruptions no test condition uses) and, per method:
 
 1. scores every candidate rule: off, rollback, the disagreement rule at each threshold, and logistic rules of
-   "adaptation helped" over the device's evidence (fitted on the other validation conditions: leave one
-   condition out, so a fitted rule is never scored on the clients it was fitted on), each both rolling back
-   and keeping the two models partially (the mean of their probabilities) where it judges adaptation harmful;
-   rules over held-out evidence (adapt on half the set, judge on the other half) are scored for comparison
-   but not declarable (the device would adapt twice);
-2. keeps the declarable candidates whose worst validation cell (data set x condition, mean over seeds and clients) loses at
-   most ``MAX_VAL_LOSS`` points against the received model (a margin under the one-point promise);
-3. chooses the one of best mean validation gain (ties: the earlier, simpler candidate), refitting a linear
-   rule on every validation client.
+   "adaptation helped" over the device's evidence, each both rolling back and keeping the two models partially
+   (the mean of their probabilities) where it judges adaptation harmful. A fitted rule is scored three times,
+   each time on clients it was not fitted on: leave one condition out, leave one corruption type out (both
+   severities), leave one data set out (fitted on the other data set's clients only); its mean gain and worst
+   cell are the lowest of the three. Rules over held-out evidence (adapt on half the set, judge on the other
+   half) are scored for comparison but not declarable (the device would adapt twice);
+2. keeps the declarable candidates whose worst validation cell (data set x condition, mean over seeds and
+   clients) loses at most ``MAX_VAL_LOSS`` points against the received model;
+3. declares the admissible fixed-form rule (off, rollback, disagreement, each alone or partial) of best mean
+   validation gain, unless an admissible fitted linear rule beats it by more than ``SIMPLE_MARGIN`` points (ties:
+   the earlier, simpler candidate); a declared linear rule is refitted on every validation client.
+
+Why this criterion (fixed before the test table was read; issue #52): the test conditions include a shift of
+another kind (scikit-learn's digits, a different data set) than the corruptions validation holds. A nested
+check on validation alone (:func:`procedure_check`: hold out a whole corruption type, or a whole data set, run
+the choice on the rest, score its rule on what was held out) showed the earlier criterion (leave one condition
+out, 0.5-point margin, best mean gain) leaving held-out cells more than a point below the received model, all
+through fitted linear rules whose evidence weights do not carry over to another data set, while fixed-form
+rules chosen with no validation loss did not. Requiring each seed's cell (not just the mean) above -0.5 was
+tried in the same exploratory nested check and rejected: ten clients per seed make those cells so noisy that it
+kept under 60% of the gain and still left cells of a held-out data set below -1.
 
 The choice is what each method declares (``Algorithm.safeguard``): ``python -m lab.safeguard_choice`` prints
-it and writes ``docs/results/safeguard-choice.json``; after the declarations follow it, ``python -m
-lab.safeguard_choice --rescore`` scores every raw seed file again with the declared rules (from the clients
-stored there, nothing trains again) and rewrites the table and docs/RESULTS.md. The lab's tests check the
-declarations against the file. The test conditions are never read by the choice.
+it and writes ``docs/results/safeguard-choice.json`` (with the nested check of this criterion and of the
+earlier one); after the declarations follow it, ``python -m lab.safeguard_choice --rescore`` scores every raw
+seed file again with the declared rules (from the clients stored there, nothing trains again) and rewrites
+the table and docs/RESULTS.md. The lab's tests check the declarations against the file. The test conditions
+are never read by the choice.
 """
 from __future__ import annotations
 
@@ -38,7 +51,11 @@ from edge_sdk.safeguard import EVIDENCE, SafeguardRule
 from lab.unseen import THRESHOLDS  # the disagreement rule's thresholds, as the table scores them
 
 RAW = Path("docs/results/raw/unseen-domain")
-MAX_VAL_LOSS = 0.5  # points: the worst validation cell a chosen rule may leave below the received model
+MAX_VAL_LOSS = 0.0  # points: the worst validation cell a chosen rule may leave below the received model
+# points of mean validation gain a fitted linear rule must add over the best admissible fixed-form rule
+SIMPLE_MARGIN = 1.0
+# the earlier criterion (issue #52's first choice), kept for the nested comparison (:func:`procedure_check`)
+PREVIOUS = {"max_loss": 0.5, "splits": ("condition",), "simple_margin": 0.0}
 LINEAR_MARGINS = (0.0, 1.0, 2.0)  # a fitted rule's score must exceed this margin (standardised units) to adapt
 DEVICE_FEATURES = tuple(EVIDENCE)
 HOLDOUT_FEATURES = tuple(f"holdout_{n}" for n in EVIDENCE if n != "shift_consistency_change")
@@ -152,34 +169,92 @@ def candidates() -> list[Candidate]:
     return out
 
 
-def cross_validated(clients: list[Client], build: Callable[[list[Client]], Any]) -> list[str]:
-    """The action per client, each condition's clients decided by a rule built without that condition."""
+def family(c: Client) -> str:
+    """The corruption type of a client's condition (``snow-5`` -> ``snow``): both severities held out together."""
+    return c.condition.rsplit("-", 1)[0]
+
+
+# how a fitted rule is kept off the clients it is scored on: the group held out per fold
+SPLITS: dict[str, Callable[[Client], str]] = {"condition": lambda c: c.condition, "family": family,
+                                              "dataset": lambda c: c.dataset}
+
+
+def cross_validated(clients: list[Client], build: Callable[[list[Client]], Any],
+                    split: str = "condition") -> list[str] | None:
+    """The action per client, each group of ``split`` (:data:`SPLITS`) decided by a rule built without it;
+    None where the clients form a single group (nothing to fit on)."""
+    key = SPLITS[split]
+    groups = sorted({key(c) for c in clients})
+    if len(groups) < 2:
+        return None
     actions = [""] * len(clients)
-    for held in sorted({c.condition for c in clients}):
-        rule = build([c for c in clients if c.condition != held])
+    for held in groups:
+        rule = build([c for c in clients if key(c) != held])
         for i, c in enumerate(clients):
-            if c.condition == held:
+            if key(c) == held:
                 actions[i] = rule.action(c.evidence)
     return actions
 
 
-def choose(clients: list[Client], cands: Iterable[Candidate] | None = None) -> tuple[SafeguardRule, list[dict]]:
-    """The chosen rule for one method's validation clients, and every candidate's validation scores."""
+def _fitted(name: str) -> bool:
+    return name.startswith(("linear", HOLDOUT))
+
+
+def choose(clients: list[Client], cands: Iterable[Candidate] | None = None, max_loss: float = MAX_VAL_LOSS,
+           splits: tuple[str, ...] = tuple(SPLITS), simple_margin: float = SIMPLE_MARGIN
+           ) -> tuple[SafeguardRule, list[dict]]:
+    """The chosen rule for one method's validation clients, and every candidate's validation scores (see the
+    module docstring; the defaults are the declared criterion, :data:`PREVIOUS` the earlier one)."""
     table: list[dict[str, Any]] = []
-    best: tuple[float, int, str] | None = None
     builders = dict(cands or candidates())
-    for order, (name, build) in enumerate(builders.items()):
-        gains = cell_gains(clients, cross_validated(clients, build))
-        worst, mean = min(gains.values()), float(np.mean(list(gains.values())))
-        ok = worst >= -MAX_VAL_LOSS
+    best: dict[bool, tuple[float, str]] = {}  # fitted? -> (mean gain, name) of the best admissible declarable
+    for name, build in builders.items():
+        scored = []
+        for split in (splits if _fitted(name) else splits[:1]):  # a fixed rule scores the same on every split
+            actions = cross_validated(clients, build, split) if _fitted(name) else \
+                [build(clients).action(c.evidence) for c in clients]
+            if actions is not None:
+                gains = cell_gains(clients, actions)
+                scored.append((float(np.mean(list(gains.values()))), min(gains.values())))
+        mean, worst = min(m for m, _ in scored), min(w for _, w in scored)
+        ok = worst >= -max_loss
+        declarable = not name.startswith(HOLDOUT)
         table.append({"candidate": name, "val_mean_gain": round(mean, 3), "val_worst_cell": round(worst, 3),
-                      "admissible": ok, "declarable": not name.startswith(HOLDOUT)})
-        if ok and not name.startswith(HOLDOUT) and (best is None or mean > best[0] + 1e-9):
-            best = (mean, order, name)
-    name = "rollback" if best is None else best[2]
+                      "admissible": ok, "declarable": declarable})
+        kind = _fitted(name)
+        if ok and declarable and (kind not in best or mean > best[kind][0] + 1e-9):
+            best[kind] = (mean, name)
+    fixed = best.get(False, (0.0, "rollback"))
+    name = best[True][1] if True in best and best[True][0] > fixed[0] + simple_margin else fixed[1]
     for row in table:
         row["chosen"] = row["candidate"] == name
     return _rounded(builders[name](clients)), table
+
+
+def procedure_check(by_method: dict[str, list[Client]], loss: float = 1.0, **criterion: Any) -> dict[str, Any]:
+    """The choice itself scored on validation shifts it did not see: per method, hold out one corruption type
+    (both severities, both data sets) or one data set, :func:`choose` on the rest (``criterion``: its keyword
+    arguments), and score the chosen rule, fitted on the rest, on the held-out cells. Per way of holding out: the
+    cells, those more than ``loss`` points below the received model, the worst one, and the share of
+    personalisation's positive gain over those cells that the chosen rules keep."""
+    out: dict[str, Any] = {}
+    for split in ("family", "dataset"):
+        key, cells = SPLITS[split], []
+        for method, clients in sorted(by_method.items()):
+            for held in sorted({key(c) for c in clients}):
+                rest = [c for c in clients if key(c) != held]
+                test = [c for c in clients if key(c) == held]
+                rule, _ = choose(rest, **criterion)
+                on = cell_gains(test, [rule.action(c.evidence) for c in test])
+                off = cell_gains(test, ["personalised"] * len(test))
+                cells += [(on[k], off[k], f"{method}/{k[0]}/{k[1]}") for k in on]
+        positive = sum(max(0.0, o) for _, o, _ in cells)
+        worst = min(cells)
+        out[f"hold out one {split}"] = {
+            "cells": len(cells), "below": sum(g < -loss for g, _, _ in cells),
+            "worst": [round(worst[0], 3), worst[2]],
+            "gain_kept": round(sum(max(0.0, g) for g, _, _ in cells) / positive, 3) if positive > 0 else 1.0}
+    return out
 
 
 def _rounded(rule: SafeguardRule) -> SafeguardRule:
@@ -202,14 +277,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.rescore:
         return rescore_all(Path(args.raw))
     by_method = load_val_clients(Path(args.raw))
-    result: dict[str, Any] = {"max_val_loss": MAX_VAL_LOSS, "methods": {}}
+    by_method.pop("FedAvg", None)  # FedAvg's device step changes nothing
+    result: dict[str, Any] = {"max_val_loss": MAX_VAL_LOSS, "simple_margin": SIMPLE_MARGIN,
+                              "splits": list(SPLITS), "methods": {},
+                              "procedure_check": {"declared": procedure_check(by_method),
+                                                  "previous": procedure_check(by_method, **PREVIOUS)}}
     for method, clients in sorted(by_method.items()):
-        if all(c.personalised == c.received for c in clients) and method == "FedAvg":
-            continue  # FedAvg's device step changes nothing
         rule, table = choose(clients)
         result["methods"][method] = {"rule": rule.to_manifest(), "candidates": table,
                                      "val_clients": len(clients)}
         print(f"{method:12s} -> {rule.name:22s} {json.dumps(rule.to_manifest())}")
+    for name, check in result["procedure_check"].items():
+        print(f"nested check, {name} criterion: {json.dumps(check)}")
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 

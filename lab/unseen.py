@@ -10,9 +10,10 @@ the one a new client receives). New clients: two classes each, ``per_client`` sa
 - ``split="val"``: the training clients' validation samples (never trained on) under ``val_corruptions``
   (types no test condition uses) -- the only numbers the safeguard's threshold is chosen on.
 For every client: the received model's accuracy, the personalised accuracy (the method's test-time step on the
-client's unlabeled set, then prediction on it), the safeguarded accuracy (edge_sdk.safeguard: the received
-model is kept when the adapted one changes more than a threshold share of the predictions), and whether
-personalisation (or the safeguarded choice) made the client worse than the received model.
+client's unlabeled set, then prediction on it), the safeguarded accuracy (edge_sdk.safeguard: each method's
+declared rule, and every rule of :func:`candidate_rules`, decides from label-free evidence to keep the
+personalised model, roll back to the received one or mix the two), and whether personalisation (or the
+safeguarded choice) made the client worse than the received model.
 Methods share trainings: TENT evaluates the FedAvg run (the run folder of the training method is reused).
 """
 from __future__ import annotations

@@ -177,6 +177,7 @@ def test_stream_example_runs(server: Coordinator, tmp_path: Path) -> None:
 
     repo = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "edge_sdk")])}
+    from edge_sdk.safeguard import SafeguardRule
     from fl_server.algorithms import ALGORITHMS
     from fl_server.cli import main as fl_server
 
@@ -191,8 +192,8 @@ def test_stream_example_runs(server: Coordinator, tmp_path: Path) -> None:
     assert summary["torch_imported"] is False and summary["fl_server_imported"] is False
     assert (tmp_path / "s.png").stat().st_size > 1000
     # never a silent loss: the safeguard's decision is on screen, and a lower accuracy than the received model's
-    declared = ALGORITHMS["TENT"].safeguard
-    assert "safeguard: " in run.stdout and summary["safeguard"]["rule"] == declared["rule"]
+    declared = SafeguardRule.from_manifest(ALGORITHMS["TENT"].safeguard)
+    assert "safeguard: " in run.stdout and summary["safeguard"]["rule"] == declared.name
     assert ("personalisation LOWERED accuracy" in run.stdout) == summary["lowered_accuracy"]
     strict = subprocess.run([*cmd, "--method", "tent", "--safeguard", "0"], env=env, capture_output=True, text=True,
                             timeout=300)

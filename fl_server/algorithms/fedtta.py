@@ -50,9 +50,7 @@ class FedTTAConfig(Hyper):
 class FedTTA(Algorithm):
     # the label-free safeguard rule chosen on validation shifts only (lab/safeguard_choice.py;
     # docs/results/safeguard-choice.json), applied by the device after personalising
-    safeguard = {"rule": "linear", "bias": -0.287666, "partial": True,
-                 "weights": {"disagreement": -0.461775, "entropy_drop": -12.9867, "confidence_gain": 30.3804,
-                             "marginal_entropy_change": -1.22813, "shift_consistency_change": 0.860215}}
+    safeguard = {"rule": "disagreement", "threshold": 0.05, "partial": True}
     name = "FedTTA"
     graph_safe = True
     device_step = "fedtta_step"
@@ -176,9 +174,7 @@ class FedTTAPlusPlusConfig(FedTTAProxConfig):
 class FedTTAProx(FedTTA):
     # the label-free safeguard rule chosen on validation shifts only (lab/safeguard_choice.py;
     # docs/results/safeguard-choice.json), applied by the device after personalising
-    safeguard = {"rule": "linear", "bias": 0.276655, "partial": True,
-                 "weights": {"disagreement": -1.25941, "entropy_drop": 6.54904, "confidence_gain": 6.63937,
-                             "marginal_entropy_change": 6.34561, "shift_consistency_change": 1.36926}}
+    safeguard = {"rule": "rollback", "partial": True}
     name = "FedTTA-Prox"
     Config = FedTTAProxConfig
 
@@ -187,9 +183,7 @@ class FedTTAProx(FedTTA):
 class FedTTAPlusPlus(FedTTA):
     # the label-free safeguard rule chosen on validation shifts only (lab/safeguard_choice.py;
     # docs/results/safeguard-choice.json), applied by the device after personalising
-    safeguard = {"rule": "linear", "bias": 0.120918,
-                 "weights": {"disagreement": -3.22912, "entropy_drop": -2.04167, "confidence_gain": 14.2117,
-                             "marginal_entropy_change": 3.0949, "shift_consistency_change": 0.449768}}
+    safeguard = {"rule": "rollback"}
     name = "FedTTA++"
     default_job = True  # trained by a coordinator with an empty store
     Config = FedTTAPlusPlusConfig

@@ -199,9 +199,7 @@ class HyperNetwork(nn.Module):
 class ODPFLHN(Algorithm):
     # the label-free safeguard rule chosen on validation shifts only (lab/safeguard_choice.py;
     # docs/results/safeguard-choice.json), applied by the device after personalising
-    safeguard = {"rule": "linear", "bias": -1.60049,
-                 "weights": {"disagreement": 26.4339, "entropy_drop": -54.0626, "confidence_gain": 160.548,
-                             "marginal_entropy_change": 3.33997, "shift_consistency_change": 6.55616}}
+    safeguard = {"rule": "rollback"}
     name = "ODPFL-HN"
     default_job = True  # trained by a coordinator with an empty store
     Config = ODPFLHNConfig

@@ -55,9 +55,7 @@ class TentConfig(FedAvgConfig):
 class Tent(FedAvg):
     # the label-free safeguard rule chosen on validation shifts only (lab/safeguard_choice.py;
     # docs/results/safeguard-choice.json), applied by the device after personalising
-    safeguard = {"rule": "linear", "bias": 6.78559,
-                 "weights": {"disagreement": -12.9614, "entropy_drop": -2.08388, "confidence_gain": 13.7836,
-                             "marginal_entropy_change": 7.70201, "shift_consistency_change": 2.42769}}
+    safeguard = {"rule": "disagreement", "threshold": 0.3}
     name = "TENT"
     default_job = True  # trained by a coordinator with an empty store
     device_step = "tent_step"

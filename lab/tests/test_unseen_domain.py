@@ -17,7 +17,7 @@ from fl_server.data.domains import two_class_clients, upsampled_digits
 from fl_server.data.shifts import resize
 
 from lab.experiments import get_experiment
-from lab.safeguard_choice import HOLDOUT_FEATURES, Client, choose
+from lab.safeguard_choice import HOLDOUT_FEATURES, PREVIOUS, SIMPLE_MARGIN, Client, choose, procedure_check
 from lab.unseen import PERSONALISING, candidate_rules, summarise
 from lab.unseen_report import headline
 from test_lab_cli import run_lab
@@ -71,9 +71,9 @@ def test_summarise_with_a_rule() -> None:
     assert s["safeguard"] == pytest.approx(75) and s["safeguard_worse"] == 50
 
 
-def _client(condition: str, gain: float, signal: float, dataset: str = "mnist") -> Client:
+def _client(condition: str, gain: float, signal: float, dataset: str = "mnist", other: float = 0.0) -> Client:
     ev = {name: 0.0 for name in (*EVIDENCE, *HOLDOUT_FEATURES)}
-    ev["marginal_entropy_change"] = signal
+    ev["marginal_entropy_change"], ev["entropy_drop"] = signal, other
     return Client(dataset, condition, 0, 0.5, 0.5 + gain, ev, partial=0.5 + gain / 2)
 
 
@@ -90,6 +90,41 @@ def test_choice_is_scored_on_held_out_conditions_and_refuses_harm() -> None:
     # where every adaptation hurts, nothing admissible adapts: the choice rolls back
     rule, _ = choose([_client(f"c{k}", -0.2, 0.0) for k in range(4)])
     assert rule.action({**{n: 0.0 for n in EVIDENCE}, "disagreement": 0.5}) == "received"
+
+
+def test_a_fitted_rule_must_carry_over_to_another_data_set_and_beat_the_simple_rules() -> None:
+    # a signal that tells help from harm on mnist (marginal entropy) and another one on fashion_mnist (entropy
+    # drop): a rule fitted on both separates every client, but one fitted on either data set alone harms the other
+    clients = [c for k in range(4) for c in (
+        _client(f"c{k}", 0.1, 0.0), _client(f"c{k}", -0.3, -1.0),
+        _client(f"c{k}", 0.1, -1.0, "fashion_mnist", 1.0), _client(f"c{k}", -0.3, 0.0, "fashion_mnist", -1.0))]
+    rule, table = choose(clients, **PREVIOUS)  # the earlier criterion: leave one condition out only
+    assert rule.kind == "linear"
+    rule, table = choose(clients)  # the declared one also fits on one data set and scores on the other
+    by = {row["candidate"]: row for row in table}
+    assert not by["linear(margin=0)"]["admissible"] and by["linear(margin=0)"]["val_worst_cell"] < -1
+    assert rule == SafeguardRule("rollback") and by["rollback"]["chosen"]
+    # a fitted rule adding less than SIMPLE_MARGIN points of mean gain over the best fixed-form rule is not declared
+    small = [_client(f"c{k}", g, s) for k in range(4) for g, s in ((0.01, 0.0), (-0.03, -1.0))]
+    assert max(r["val_mean_gain"] for r in choose(small, **PREVIOUS)[1]) < SIMPLE_MARGIN
+    assert choose(small, **PREVIOUS)[0].kind == "linear" and choose(small)[0] == SafeguardRule("rollback")
+
+
+def test_the_nested_check_scores_the_choice_on_held_out_shifts() -> None:
+    """procedure_check holds out a corruption type or a data set, chooses on the rest and scores what it chose
+    on the held-out cells: the rule that separates the mnist clients fails on fashion_mnist's."""
+    clients = [c for k in range(2) for sev in (3, 5) for c in (
+        _client(f"t{k}-{sev}", 0.1, 0.0), _client(f"t{k}-{sev}", -0.3, -1.0),
+        _client(f"t{k}-{sev}", 0.1, -1.0, "fashion_mnist", 1.0),
+        _client(f"t{k}-{sev}", -0.3, 0.0, "fashion_mnist", -1.0))]
+    for criterion in (PREVIOUS, {}):
+        check = procedure_check({"M": clients}, **criterion)
+        # chosen on both data sets, a held-out corruption type loses nothing (the earlier criterion's linear rule
+        # separates it, the declared one rolls back) ...
+        assert check["hold out one family"]["cells"] == 8 and check["hold out one family"]["below"] == 0
+        assert check["hold out one family"]["worst"][0] >= 0
+        # ... chosen on one data set, neither can see the failure: every cell of the other one is lost
+        assert check["hold out one dataset"]["below"] == 8 and check["hold out one dataset"]["worst"][0] == -15
 
 
 def test_declared_rules_are_the_validation_choice() -> None:
