@@ -52,3 +52,19 @@ class LocalDeployment(local.LocalDeployment):
 
     def launch(self, run_config: dict[str, Any], app_dir: Path = APP_DIR, name: str = "run") -> subprocess.Popen:
         return super().launch(run_config, app_dir, name)
+
+
+def processes_of(flwr_home: Path) -> list[str]:
+    """The pids of the Flower processes (SuperExec, ServerApp, ClientApp) whose environment names ``flwr_home`` as
+    its FLWR_HOME (one deployment's; other deployments on this machine are left out)."""
+    found = subprocess.run(["pgrep", "-f", "flower-superexec|flwr-serverapp|flwr-clientapp"], capture_output=True,
+                           text=True).stdout.split()
+    mine = []
+    for pid in found:
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if f"FLWR_HOME={flwr_home}".encode() in env:
+            mine.append(pid)
+    return mine

@@ -8,7 +8,6 @@ costs a ``round-timeout`` of waiting). No process of the deployment outlives it.
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import pytest
 
 pytest.importorskip("flwr", reason="the flower extra is not installed (pip install 'fl-edge[flower]')")
 
-from flower_local import LocalDeployment, write_node_data  # noqa: E402  (beside this file)
+from flower_local import LocalDeployment, processes_of, write_node_data  # noqa: E402  (beside this file)
 
 # every method on the zoo MLP at a smoke size; ODPFL-HN's hypernetwork narrow
 # (8 units: 1.6M parameters), starting at the MLP's own initial weights
@@ -34,22 +33,6 @@ BTFL = smoke("BTFL")
 ODPFL = smoke("ODPFL-HN", hn_width=8, hn_head_init="target", hn_head_scale=0.1)
 """
 RUNS = {"FedTTA": "FEDTTA", "BTFL": "BTFL", "ODPFL-HN": "ODPFL"}
-
-
-def processes_of(workdir: Path) -> list[str]:
-    """The Flower processes (SuperExec, ServerApp, ClientApp) of the deployment under ``workdir`` (their environment
-    names its FLWR_HOME; other deployments on this machine are left out)."""
-    found = subprocess.run(["pgrep", "-f", "flower-superexec|flwr-serverapp|flwr-clientapp"], capture_output=True,
-                           text=True).stdout.split()
-    mine = []
-    for pid in found:
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
-        if f"FLWR_HOME={workdir / 'flwr-home'}".encode() in env:
-            mine.append(pid)
-    return mine
 
 
 def wait_for(check: Any, timeout: float, what: str) -> None:
@@ -80,14 +63,14 @@ def test_runs_survive_a_supernode_killed_mid_run_and_export(tmp_path: Path,
                               "round-timeout": 45}, name=method)
             if k == 0:  # the first round trained on all three nodes: then one node dies with its process group
                 wait_for(lambda: rows(tmp_path / f"run-{method}") or run.poll() is not None, 300, "the first round")
-                assert processes_of(tmp_path)
+                assert processes_of(tmp_path / "flwr-home")
                 dep.kill(dep.nodes[k])
             outputs[method] = dep.finish(run, timeout=400)
             if k == 0:
                 dep.start_node(["--insecure"], dep.node_configs[k], f"supernode-{k}-again")  # the device is back
     finally:
         dep.stop()
-    assert processes_of(tmp_path) == []  # nothing of the deployment outlives it
+    assert processes_of(tmp_path / "flwr-home") == []  # nothing of the deployment outlives it
 
     held_out = np.setdiff1d(np.arange(len(fashion_all.y)), idx.ravel())[:200]
     x, y = fashion_all.x[held_out].astype(np.float32), fashion_all.y[held_out]
