@@ -130,7 +130,7 @@ class MAP(Algorithm):
 
     def init_state(self, dtype: torch.dtype, device: torch.device) -> State:
         if self.observed is None:
-            raise RuntimeError("MAP needs attach() (the clients' class sets) before init_state")
+            raise RuntimeError("MAP needs the clients' class sets (attach or receive_client_facts) before init_state")
         params = get_params(self.model, dtype, device)
         k = self.observed.shape[0]
         return {"params": params, "hpm": broadcast(params, k), "count": torch.zeros(k, dtype=dtype, device=device),
