@@ -132,11 +132,9 @@ def test_a_built_in_run_is_the_data_sets_preset_recipe_with_the_overrides() -> N
 
 
 @pytest.mark.parametrize("method, reason", [
-    ("MAP", "its server state is built from every client's class set"),
-    ("FedPHP", "its server state is built from every client's class set"),
     ("ODPFL-HN", "two-phase training and standardize_init build the server's state from every client's data"),
-    ("Local", "its per-client models live in the server")])
-def test_a_method_whose_server_needs_client_data_is_refused_with_its_reason(method: str, reason: str) -> None:
+    ("Local", r"nothing is aggregated \(each client trains only its own model\), so a federated run has no model")])
+def test_a_method_that_cannot_train_on_flower_is_refused_with_its_reason(method: str, reason: str) -> None:
     from fl_server.algorithms import NotApplicable
     from fl_server.flower.task import check_supported
 
@@ -146,30 +144,48 @@ def test_a_method_whose_server_needs_client_data_is_refused_with_its_reason(meth
         check_supported(algorithm)
         algorithm = recipe.recipe.replace(hyper={**recipe.recipe.hyper, "two_phase": True, "phase1_rounds": 1}) \
             .build_algorithm(recipe.recipe.build_model(0), 3, 0)
-    with pytest.raises(NotApplicable, match=f"^{method} cannot run on Flower yet: {reason}"):
+    with pytest.raises(NotApplicable, match=f"^{method} cannot run on Flower: {reason}"):
         check_supported(algorithm)
-    check_supported(FlowerRecipe.from_config({**RECIPE, "method": "FedAvg"}).build_algorithm(3))  # no refusal
+    for method in ("FedAvg", "MAP", "FedRS", "FedPHP"):  # no refusal (MAP's family: the clients send class sets)
+        check_supported(FlowerRecipe.from_config({**RECIPE, "method": method}).build_algorithm(3))
 
 
 def local_ask(recipe: FlowerRecipe, parts: list, states: list) -> Any:
     """The server's exchange without the transport: each client's reply is the ClientApp's own answer
     (``fl_server.flower.client_app.answer``) on its data, with its context state ``states[client]``; no message
-    carries another client's rows of the server state."""
+    carries another client's rows of the server state (its per-client entries come in a client's own ``state``,
+    the ``client_start`` row, or ``own``, one row each)."""
     from flwr.app import RecordDict
 
     from fl_server.flower.client_app import answer
 
+    per_client = set(recipe.build_algorithm(len(parts)).per_client_keys)
+
     def ask(kind: str, payloads: dict) -> dict:
         replies = {}
         for client, msg in payloads.items():
-            for record in ("state", "server"):
-                if record in msg and kind == "train":
-                    keys = {key.split("/")[0] for key in msg[record]}
-                    assert not keys & set(recipe.build_algorithm(len(parts)).per_client_keys), (record, keys)
+            if "server" in msg:
+                keys = {key.split("/")[0] for key in msg["server"]}
+                assert not keys & per_client, (kind, keys)
+            if "own" in msg:
+                assert {key.split("/")[0] for key in msg["own"]} <= per_client
+                assert all(msg["own"][key].shape[0] == 1 for key in msg["own"]), kind
             replies[client] = answer(kind, msg, recipe, parts[client], states[client])
             assert isinstance(replies[client], RecordDict)
         return replies
     return ask
+
+
+def query_replies(recipe: FlowerRecipe, parts: list) -> list[dict[str, Any]]:
+    """Each client's answer to the run's first message (``query``, with what the method asks of its data), as the
+    server reads it."""
+    from flwr.app import RecordDict
+
+    from fl_server.flower.client_app import answer
+    from fl_server.flower.server_app import query_config
+
+    return [dict(answer("query", RecordDict({"config": query_config(recipe)}), recipe, d, RecordDict())["info"])
+            for d in parts]
 
 
 def flower_rounds_without_transport(config: dict, rounds: int | None = None) -> tuple[Any, list, list, Any]:
@@ -185,9 +201,7 @@ def flower_rounds_without_transport(config: dict, rounds: int | None = None) -> 
     recipe = FlowerRecipe.from_config(config)
     parts = [load_partition(recipe, 0)]
     parts += [load_partition(recipe, p) for p in range(1, parts[0].num_partitions)]
-    infos = [{"input-shape": list(d.input_shape), "num-classes": d.num_classes, "num-train": len(d.y_train)}
-             for d in parts]
-    run = FederatedRun(recipe, infos)
+    run = FederatedRun(recipe, query_replies(recipe, parts))
     states = [RecordDict() for _ in parts]  # each client's context state (BTFL's local head), never sent
     ask = local_ask(recipe, parts, states)
     for r in range(recipe.rounds if rounds is None else rounds):
@@ -242,6 +256,96 @@ def test_btfl_on_flower_keeps_heads_on_clients_and_its_global_dle_equals_the_eng
     assert sorted(flower) == sorted(engine) == ["dle_clients", "global_dle", "mu_global"]
     for key in engine:
         np.testing.assert_allclose(flower[key], engine[key], atol=1e-12, err_msg=key)
+
+
+@pytest.mark.parametrize("method", ["MAP", "FedRS", "FedPHP"])
+def test_class_set_methods_train_on_flower_like_the_engine(method: str, data_root: Path) -> None:
+    """MAP / FedRS / FedPHP over Flower: each client's query reply carries its class set (which classes its
+    training split holds, nothing else of its data), the server builds the method's state from them, and 2
+    rounds of 20 local steps (MAP's two stages; the HPM's distillation from the second round) end with the
+    engine's weights, HPMs, selection counts and class sets. A client's validation, sent only its own rows of
+    the per-client state, scores what the server's whole state with that client's batches scores."""
+    from fl_server.flower.task import client_validation
+
+    config = {**RECIPE, "method": method, "rounds": 2, "local-iterations": 20, "max-samples": 3000}
+    run, parts, _, ask = flower_rounds_without_transport(config)
+    flower = to_numpy_flat(run.server_state)
+    engine, _ = in_process(config)
+    assert sorted(flower) == sorted(engine)
+    diff = max(float(np.abs(flower[k] - engine[k]).max()) for k in engine)
+    assert diff <= 1e-6, f"{method}: {diff}"
+    observed = run.server_state["observed"].numpy()
+    for k, data in enumerate(parts):  # the pathological partition: each client holds 2 of the 10 digits
+        assert np.flatnonzero(observed[k]).tolist() == sorted(set(data.y_train.tolist())) and observed[k].sum() == 2
+    assert run.server_state["count"].tolist() == [2.0 * run.algorithm.hp.hpm] * 3  # FedRS keeps no HPM
+    accuracy = run.validate(ask, np.arange(run.k), 1)
+    whole = np.mean([client_validation(run.algorithm, run.server_state, d, run.recipe, 1) for d in parts])
+    assert accuracy == pytest.approx(whole, abs=1e-12) and accuracy > 0.5
+
+
+SIMULATION = """
+import json, sys
+from flwr.simulation import run_simulation
+from fl_server.flower.client_app import make_client_app
+from fl_server.flower.server_app import make_server_app
+cfg = json.loads(sys.argv[1])
+run_simulation(make_server_app(cfg), make_client_app(cfg), num_supernodes=3,
+               backend_config={"client_resources": {"num_cpus": 1}, "init_args": {"num_cpus": 1}})
+"""
+
+
+@pytest.mark.timeout(300)
+def test_map_on_flowers_simulation_engine_ends_with_the_engines_weights(tmp_path: Path, data_root: Path) -> None:
+    """MAP on Flower's simulation engine (Ray; the ServerApp and the ClientApps exchange Flower messages, the
+    class sets come in the nodes' query replies, validation sends each client its own rows): a round ends with the
+    in-process engine's weights, HPMs and class sets (the two stages and the distillation over rounds: the test
+    above), and the run validates on the clients."""
+    pytest.importorskip("ray", reason="Flower's simulation engine needs Ray (pip install 'flwr[simulation]')")
+    config = {**RECIPE, "method": "MAP", "rounds": 1, "max-samples": 3000}
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-c", SIMULATION, json.dumps({**config, "run-dir": str(run_dir),
+                                                                        "min-nodes": 3})],
+                         capture_output=True, text=True, timeout=280, cwd=tmp_path)
+    assert (run_dir / "final.npz").exists(), out.stderr[-3000:]
+    flower = to_numpy_flat(load_state(run_dir / "final.npz"))
+    engine, _ = in_process(config)
+    assert sorted(flower) == sorted(engine) and "observed" in {k.split("/")[0] for k in flower}
+    diff = max(float(np.abs(flower[k] - engine[k]).max()) for k in engine)
+    assert diff <= 1e-6, diff
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["round"], r["clients"]) for r in rows] == [(0, 3)] and rows[-1]["val"] > 0.5
+
+
+def test_a_nodes_class_set_reply_is_checked(data_root: Path) -> None:
+    """The query asks a node for its class set only when the method declares it needs it (FedAvg's reply has
+    none); a missing or malformed one (not integer labels, empty, repeated, out of range) is refused with one
+    line naming the node; the node refuses to compute a fact it does not know."""
+    from flwr.app import ConfigRecord, RecordDict
+
+    from fl_server.flower.client_app import answer
+    from fl_server.flower.server_app import FederatedRun, FlowerError
+    from fl_server.flower.task import load_partition
+
+    config = {**RECIPE, "method": "FedRS", "rounds": 1, "max-samples": 3000}
+    recipe = FlowerRecipe.from_config(config)
+    parts = [load_partition(recipe, p) for p in range(3)]
+    infos = query_replies(recipe, parts)
+    assert [i["class_set"] for i in infos] == [[0, 4], [3, 5], [0, 2]]
+    assert "class_set" not in query_replies(FlowerRecipe.from_config({**config, "method": "FedAvg"}), parts)[0]
+    FederatedRun(recipe, infos, [7, 8, 9])
+    no_set = {k: v for k, v in infos[1].items() if k != "class_set"}
+    with pytest.raises(FlowerError, match=r"^query: node 8 \(client 1\) sent no class_set, which FedRS needs; run "):
+        FederatedRun(recipe, [infos[0], no_set, infos[2]], [7, 8, 9])
+    for bad, why in [("0,4", "expected a list of integer labels, got '0,4'"),
+                     ([0.0, 4.0], r"expected a list of integer labels, got \[0.0, 4.0\]"),
+                     ([True], "expected a list of integer labels"),
+                     ([], "empty: a training client holds at least one class"),
+                     ([4, 4], r"repeats a label: \[4, 4\]"),
+                     ([3, 10], r"labels \[3, 10\] outside 0 .. 9")]:
+        with pytest.raises(FlowerError, match=rf"^query: node 8 \(client 1\) sent a malformed class_set: {why}"):
+            FederatedRun(recipe, [infos[0], {**infos[1], "class_set": bad}, infos[2]], [7, 8, 9])
+    with pytest.raises(ValueError, match=r"^query: unknown client fact\(s\) histogram; this node computes class_set"):
+        answer("query", RecordDict({"config": ConfigRecord({"facts": ["histogram"]})}), recipe, parts[0], RecordDict())
 
 
 BN_DEVICE = """

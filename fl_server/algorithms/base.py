@@ -73,6 +73,37 @@ def register(cls: type[A]) -> type[A]:
     return cls
 
 
+def class_set(labels: np.ndarray, num_classes: int) -> list[int]:
+    """The classes present among a client's training ``labels``, sorted (which ones, not how many of each)."""
+    return np.flatnonzero(np.bincount(labels, minlength=num_classes)).tolist()
+
+
+def checked_class_set(value: Any, num_classes: int) -> list[int]:
+    """A class set a client sent, sorted; ``ValueError`` (one line) unless it is distinct integer labels in
+    0 .. num_classes - 1, at least one."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(c, int) and not isinstance(c, bool) for c in value):
+        raise ValueError(f"expected a list of integer labels, got {value!r}")
+    if not value:
+        raise ValueError("empty: a training client holds at least one class")
+    if len(set(value)) != len(value):
+        raise ValueError(f"repeats a label: {list(value)}")
+    if min(value) < 0 or max(value) >= num_classes:
+        raise ValueError(f"labels {list(value)} outside 0 .. {num_classes - 1}")
+    return sorted(value)
+
+
+@dataclass(frozen=True)
+class ClientFact:
+    """Something a method's server state needs to know of each training client's data (:attr:`Algorithm.
+    client_facts`), computed from the client's training labels and the number of classes; never samples."""
+
+    compute: Callable[[np.ndarray, int], list[int]]
+    check: Callable[[Any, int], list[int]]  # a received value -> the fact, or ValueError with one line
+
+
+CLIENT_FACTS: dict[str, ClientFact] = {"class_set": ClientFact(class_set, checked_class_set)}
+
+
 class Algorithm:
     name: ClassVar[str] = "base"
     Config: ClassVar[type[Hyper]] = Hyper
@@ -118,8 +149,12 @@ class Algorithm:
     # ``batch_norm`` rule: the batch's statistics from ``min_batch`` samples on, else the population's) or
     # "batch" (always the batch's own, e.g. FedICON's two augmented views)
     adapt_norm: ClassVar[str] = "rule"
-    # why the server's step needs what only the clients hold ("" when it does not): such a method cannot train yet
-    # with its clients on their own machines (the Flower app refuses it with this reason)
+    # what the server state is built from about each training client's data, by name (:data:`CLIENT_FACTS`, e.g.
+    # MAP's "class_set": which classes the client holds): the engine computes them from the partitions
+    # (:meth:`attach`), a Flower client from its own data, sending only them; :meth:`receive_client_facts` takes them
+    client_facts: ClassVar[tuple[str, ...]] = ()
+    # why this method cannot train with its clients on their own machines ("" when it can; the Flower app refuses
+    # it with this reason), e.g. a server step that needs more of the clients' data than :attr:`client_facts`
     needs_client_data: ClassVar[str] = ""
 
     def client_data_need(self) -> str:
@@ -187,7 +222,17 @@ class Algorithm:
     def attach(self, x: torch.Tensor, y: torch.Tensor, train: list[np.ndarray]) -> None:
         """Called once by the simulation with the data tensors (on the run's device) and each training
         client's training indices, for methods whose server-side step needs a client's data (e.g. ODPFL-HN's
-        embedding of the client's set). In the HTTP flow the client computes those parts itself."""
+        embedding of the client's set). In the HTTP flow the client computes those parts itself. Default: the
+        declared :attr:`client_facts` of each client's training labels, to :meth:`receive_client_facts`."""
+        if self.client_facts:
+            labels = y.cpu().numpy()
+            self.receive_client_facts({name: [CLIENT_FACTS[name].compute(labels[t], self.model.num_classes)
+                                              for t in train] for name in self.client_facts})
+
+    def receive_client_facts(self, facts: dict[str, list[list[int]]]) -> None:
+        """Each declared fact (:attr:`client_facts`) of every training client, in client order (an empty list:
+        a client that never takes part), before :meth:`init_state`."""
+        raise NotImplementedError(f"{self.name} declares client_facts {self.client_facts} but takes none")
 
     def init_state(self, dtype: torch.dtype, device: torch.device) -> State:
         return {"params": get_params(self.model, dtype, device)}

@@ -12,7 +12,8 @@ from fl_server.functional import State, broadcast, index, tree_map
 @register
 class Local(Algorithm):
     name = "Local"
-    needs_client_data = "its per-client models live in the server state and are validated per client"
+    needs_client_data = ("nothing is aggregated (each client trains only its own model), so a federated run has no "
+                         "model to export or serve; train each client on its own node instead")
     per_client_keys = ("clients",)
 
     def __init__(self, *args, num_train_clients: int = 1, **kwargs) -> None:  # type: ignore[no-untyped-def]

@@ -112,30 +112,29 @@ def kd_soft_ce(student: torch.Tensor, teacher: torch.Tensor, tau: float) -> torc
 @register
 class MAP(Algorithm):
     name = "MAP"
-    needs_client_data = ("its server state is built from every client's class set (attach); no message carries "
-                         "it yet")
+    client_facts = ("class_set",)  # the restricted softmax's observed classes, per client
     per_client_keys = ("hpm", "count", "observed")
     Config = MAPConfig
 
     def __init__(self, model: Classifier, config: Hyper | None = None, seed: int = 0, **overrides: Any) -> None:
         super().__init__(model, config, seed, **overrides)
-        self.observed: torch.Tensor | None = None  # [K, C] 0/1, set by attach
+        self.observed: torch.Tensor | None = None  # [K, C] 0/1, set by receive_client_facts
         self._phase_steps = {phase: functools.partial(self.local_step, phase=phase) for phase in ("stage1", "stage2")}
 
-    def attach(self, x: torch.Tensor, y: torch.Tensor, train: list[np.ndarray]) -> None:
+    def receive_client_facts(self, facts: dict[str, list[list[int]]]) -> None:
         """Each training client's observed classes (the client knows its own label set)."""
-        c = self.model.num_classes
-        labels = y.cpu().numpy()
-        self.observed = torch.tensor(np.stack([np.bincount(labels[t], minlength=c) > 0 for t in train]),
-                                     dtype=x.dtype, device=x.device)
+        observed = torch.zeros(len(facts["class_set"]), self.model.num_classes, dtype=torch.float64)
+        for k, classes in enumerate(facts["class_set"]):
+            observed[k, classes] = 1.0
+        self.observed = observed
 
     def init_state(self, dtype: torch.dtype, device: torch.device) -> State:
         if self.observed is None:
-            raise RuntimeError("MAP needs attach() (the clients' class sets) before init_state")
+            raise RuntimeError("MAP needs the clients' class sets (attach or receive_client_facts) before init_state")
         params = get_params(self.model, dtype, device)
         k = self.observed.shape[0]
         return {"params": params, "hpm": broadcast(params, k), "count": torch.zeros(k, dtype=dtype, device=device),
-                "observed": self.observed.to(dtype)}
+                "observed": self.observed.to(device, dtype)}
 
     def client_start(self, server_state: State, ids: np.ndarray) -> State:
         n = len(ids)

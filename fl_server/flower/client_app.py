@@ -4,9 +4,10 @@ The SuperNode's ``--node-config`` names the data it trains on: ``data``, the nod
 folder (:func:`~fl_server.flower.task.load_node_data`; relative to the SuperNode's working directory), or, for
 tests and simulations, ``partition-id``, one partition of the recipe's data set (optional ``data-dir``, where
 the data set's files are). Message kinds (:data:`HANDLERS`): ``query`` (the client's sizes and input shape, so the
-server can build the method without data), ``train`` (the engine's local steps from the state the server sent, and
-the trained model's loss) and ``evaluate`` (validation accuracy of the sent state, or of the model the server
-generated for this client, on the client's own validation split); ODPFL-HN's ``query.embed`` (the client's
+server can build the method without data, and the facts of its data the method declares, MAP's class set),
+``train`` (the engine's local steps from the state the server sent, and the trained model's loss) and
+``evaluate`` (validation accuracy of the sent state, or of the model the server generated for this client, on the
+client's own validation split); ODPFL-HN's ``query.embed`` (the client's
 embedding of its own data) and ``query.encoder_grad`` (its encoder's gradient for the server's dL/de); and the
 finalize step's uploads at the end of a run: ``query.bn_sums`` (a batch-normalised model's sums for the
 population statistics) and ``query.dle`` (BTFL's local DLE and mean feature).
@@ -30,8 +31,8 @@ from fl_server.algorithms.base import Algorithm
 from fl_server.algorithms.btfl import BTFL
 from fl_server.algorithms.odpfl_hn import ODPFLHN
 from fl_server.flower.task import (ClientData, FlowerRecipe, cached_node_data, client_accuracy, client_bn_sums,
-                                    client_btfl_upload, client_embedding, client_encoder_grad, client_round,
-                                    client_train_loss, client_validation)
+                                    client_btfl_upload, client_embedding, client_encoder_grad, client_facts,
+                                    client_round, client_train_loss, client_validation)
 from fl_server.flower.wire import record_to_state, state_to_record
 from fl_server.functional import State
 
@@ -58,12 +59,13 @@ def _algorithm(content: RecordDict, recipe: FlowerRecipe) -> Algorithm:
 
 
 def on_query(content: RecordDict, recipe: FlowerRecipe, data: ClientData, state: RecordDict) -> RecordDict:
-    """The client's partition id (-1: the node's own data), sample counts, input shape and class count (no
-    samples)."""
+    """The client's partition id (-1: the node's own data), sample counts, input shape and class count, and the
+    facts the method asks for (the config's ``facts``, e.g. ``class_set``: which classes it holds); no samples."""
+    facts = client_facts(list(content["config"].get("facts", [])) if "config" in content else [], data)
     return RecordDict({"info": ConfigRecord({"partition-id": data.partition_id, "num-partitions": data.num_partitions,
                                              "num-train": len(data.y_train), "num-val": len(data.y_val),
                                              "input-shape": list(data.input_shape),
-                                             "num-classes": data.num_classes})})
+                                             "num-classes": data.num_classes, **facts})})
 
 
 def on_train(content: RecordDict, recipe: FlowerRecipe, data: ClientData, state: RecordDict) -> RecordDict:
@@ -82,14 +84,16 @@ def on_train(content: RecordDict, recipe: FlowerRecipe, data: ClientData, state:
 
 
 def on_evaluate(content: RecordDict, recipe: FlowerRecipe, data: ClientData, state: RecordDict) -> RecordDict:
-    """Validation accuracy on this client's validation split of the sent server state (``server``), or of the
-    model the server generated for this client (``params``, ODPFL-HN)."""
+    """Validation accuracy on this client's validation split of the sent server state (``server``, with the
+    client's own rows of its per-client entries, ``own``, e.g. MAP's HPM), or of the model the server generated
+    for this client (``params``, ODPFL-HN)."""
     algorithm = _algorithm(content, recipe)
     if "params" in content:
         acc = client_accuracy(algorithm, record_to_state(content["params"]), data, recipe)
     else:
+        own = record_to_state(content["own"]) if "own" in content else None
         acc = client_validation(algorithm, record_to_state(content["server"]), data, recipe,
-                                int(content["config"]["round"]))
+                                int(content["config"]["round"]), own)
     return RecordDict({"metrics": MetricRecord({"accuracy": acc, "num-examples": len(data.y_val)})})
 
 

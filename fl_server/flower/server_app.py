@@ -1,9 +1,10 @@
 """The Flower ServerApp: the coordinator's side of a run whose clients train on their own machines.
 
 It waits for the SuperNodes, asks each for its partition id and sizes (``query``; nodes that hold their own
-data are numbered as clients 0 .. N-1 by node id, and each message tells a node its number), builds the method
-from the recipe (no data on this side), then per round selects clients like the engine (``select_clients``) among
-those still taking part, sends each its row of the method's ``client_start`` with the server state (``train``),
+data are numbered as clients 0 .. N-1 by node id, and each message tells a node its number) and for the facts of
+its data the method declares (``Algorithm.client_facts``: MAP / FedRS / FedPHP's class sets), builds the method
+from the recipe and those facts (no data on this side), then per round selects clients like the engine
+(``select_clients``) among those still taking part, sends each its row of the method's ``client_start`` with the server state (``train``),
 and folds the replies that came in with the method's ``aggregate`` (ODPFL-HN: :meth:`FederatedRun.train_round`'s
 embedding / generated model / encoder-gradient exchange). A node that fails or misses a reply is dropped for the
 rest of the run; a round with fewer than ``min-train-nodes`` replies is skipped; one progress line per round goes
@@ -33,13 +34,13 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from fl_server import rundir
-from fl_server.algorithms.base import Algorithm
+from fl_server.algorithms.base import ALGORITHMS, CLIENT_FACTS, Algorithm
 from fl_server.algorithms.btfl import BTFL
 from fl_server.algorithms.odpfl_hn import ODPFLHN
 from fl_server.engine.simulation import select_clients
 from fl_server.flower.task import FlowerRecipe, check_supported, statistics_from_uploads
 from fl_server.flower.wire import record_to_state, state_to_record
-from fl_server.functional import State, stack, tree_map, unstack
+from fl_server.functional import State, index, stack, tree_map, unstack
 from fl_server.models.norm import stat_norms
 from fl_server.recipes.run import describe_run
 
@@ -149,8 +150,10 @@ class RoundResult:
 class FederatedRun:
     """Server state and bookkeeping of one run (the engine's ``Simulation`` without data)."""
 
-    def __init__(self, recipe: FlowerRecipe, infos: list[dict[str, Any] | None]) -> None:
-        """``infos``: the clients' query replies in client order (None: a partition no SuperNode holds)."""
+    def __init__(self, recipe: FlowerRecipe, infos: list[dict[str, Any] | None],
+                 nodes: list[int] | None = None) -> None:
+        """``infos``: the clients' query replies in client order (None: a partition no SuperNode holds), from
+        SuperNodes ``nodes`` (named in errors)."""
         self.recipe = recipe
         self.k = len(infos)
         known = [i for i in infos if i is not None]
@@ -161,6 +164,8 @@ class FederatedRun:
         # methods that size their state by the number of training clients read it here (no data on this side)
         self.algorithm.attach(torch.empty(0, *self.input_shape, dtype=dtype), torch.empty(0, dtype=torch.long),
                               [np.empty(0, np.int64)] * self.k)
+        if self.algorithm.client_facts:  # e.g. MAP's class sets: the only thing of the clients' data it holds
+            self.algorithm.receive_client_facts(received_facts(self.algorithm, infos, nodes))
         self.server_state: State = self.algorithm.init_state(dtype, torch.device("cpu"))
         self.sizes = torch.tensor([int(i["num-train"]) if i is not None else 0 for i in infos], dtype=dtype)
 
@@ -181,6 +186,16 @@ class FederatedRun:
         """The server state without its per-client rows (``Algorithm.per_client_keys``)."""
         keys = self.algorithm.per_client_keys
         return state_to_record({k: v for k, v in self.server_state.items() if k not in keys})
+
+    def own_rows(self, client: int) -> dict[str, ArrayRecord]:
+        """``{"own": ...}``: client ``client``'s own rows of the per-client server state (one row each; MAP's HPM,
+        selection count and class set) that its validation reads, or nothing (none, or a client's own entries,
+        ``Algorithm.client_private``, which the server's copy never trains)."""
+        private = set(self.algorithm.client_private.values())
+        keys = [k for k in self.algorithm.per_client_keys if k not in private]
+        if not keys:
+            return {}
+        return {"own": state_to_record({k: index(self.server_state[k], np.array([client])) for k in keys})}
 
     def aggregate(self, ids: np.ndarray, states: list[State]) -> None:
         """The method's ``aggregate``; a client's own entries, which never arrive, keep the server's initial rows
@@ -256,10 +271,40 @@ class FederatedRun:
                         for c, w in zip(clients, models)}
         else:
             server = self.shared_record()
-            payloads = {int(c): RecordDict({"server": server, "config": self.config(round_, int(c))})
-                        for c in clients}
+            payloads = {int(c): RecordDict({"server": server, "config": self.config(round_, int(c)),
+                                            **self.own_rows(int(c))}) for c in clients}
         evals = ask("evaluate", payloads)
         return float(np.mean([evals[c]["metrics"]["accuracy"] for c in sorted(evals)])) if evals else None
+
+
+def query_config(recipe: FlowerRecipe) -> ConfigRecord:
+    """The run's first message to every node: the facts of its data the method declares it needs
+    (``Algorithm.client_facts``, answered in the query reply), if any."""
+    facts = ALGORITHMS[recipe.method].client_facts
+    return ConfigRecord({"facts": list(facts)} if facts else {})
+
+
+def received_facts(algorithm: Algorithm, infos: list[dict[str, Any] | None],
+                   nodes: list[int] | None = None) -> dict[str, list[list[int]]]:
+    """The method's declared facts from the clients' query replies in client order (``[]`` for a client no node
+    holds), each checked (``CLIENT_FACTS[name].check``); a missing or malformed one is refused with one line
+    naming the node."""
+    out: dict[str, list[list[int]]] = {}
+    for name in algorithm.client_facts:
+        out[name] = []
+        for k, info in enumerate(infos):
+            if info is None:
+                out[name].append([])
+                continue
+            who = f"node {nodes[k]} (client {k})" if nodes is not None else f"client {k}"
+            if name not in info:
+                raise FlowerError(f"query: {who} sent no {name}, which {algorithm.name} needs; run the same "
+                                  "fl-edge version on every SuperNode")
+            try:
+                out[name].append(CLIENT_FACTS[name].check(info[name], algorithm.model.num_classes))
+            except ValueError as exc:
+                raise FlowerError(f"query: {who} sent a malformed {name}: {exc}") from None
+    return out
 
 
 def _train_loss(replies: Mapping[int, Any]) -> float | None:
@@ -352,7 +397,8 @@ def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
     timeout = float(cfg.get("round-timeout", 600))
     min_replies = int(cfg.get("min-train-nodes", 1) or 1)
     nodes = wait_for_nodes(grid, int(cfg.get("min-nodes", 1)), timeout)
-    query, lost = _exchange(grid, "query", {n: RecordDict({"config": ConfigRecord({})}) for n in nodes}, timeout, -1)
+    query, lost = _exchange(grid, "query", {n: RecordDict({"config": query_config(recipe)}) for n in nodes}, timeout,
+                            -1)
     failed = {n: why for n, why in lost.items() if why.startswith("failed")}
     if failed:  # a node's data or setup is wrong: say so rather than train without it (a node gone is no client)
         node, why = next(iter(failed.items()))
@@ -362,7 +408,7 @@ def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
     if not query:
         raise FlowerError(f"query: none of the {len(nodes)} SuperNodes replied within {timeout:.0f} s")
     node_of, infos = clients_of(cfg, {n: dict(c["info"]) for n, c in query.items()})
-    run = FederatedRun(recipe, infos)
+    run = FederatedRun(recipe, infos, [node_of.get(k, -1) for k in range(len(infos))])
     clients = Participants(grid, node_of, timeout)
     (run_dir / rundir.METRICS).unlink(missing_ok=True)
     best_val, best, best_round, trained, t_start = float("-inf"), run.server_state, -1, 0, time.perf_counter()

@@ -28,12 +28,12 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from fl_server.algorithms.base import Algorithm, NotApplicable, declared_safeguard
+from fl_server.algorithms.base import CLIENT_FACTS, Algorithm, NotApplicable, declared_safeguard
 from fl_server.algorithms.btfl import BTFL
 from fl_server.algorithms.odpfl_hn import ODPFLHN
 from fl_server.data.partitions import train_val_split
@@ -425,12 +425,15 @@ def client_btfl_upload(algorithm: BTFL, server: State, data: ClientData, recipe:
 
 
 def client_validation(algorithm: Algorithm, server: State, data: ClientData, recipe: FlowerRecipe,
-                      round_: int = 0) -> float:
+                      round_: int = 0, own: State | None = None) -> float:
     """Accuracy on the client's validation split, as the engine's ``evaluate_val`` scores one training client:
     after ``personalize`` on the (unlabeled) validation data and the method's declared safeguard (the device's
     rule, :func:`~fl_server.engine.simulation.safeguarded_logits`) for test-time methods, else with the method's
     ``val_params`` (the shared model, or one fine-tuned on the client's own training data, e.g. FedICON's head,
-    its batches from the client's own generator)."""
+    its batches from the client's own generator). ``own``: the client's own rows of the per-client server state
+    (``Algorithm.per_client_keys``, one row each, e.g. MAP's HPM), row 0 of a one-client server state."""
+    if own:
+        server = {**server, **own}
     if algorithm.adapts_at_test_time:
         x = torch.from_numpy(data.x_val).to(recipe.torch_dtype)
         params = algorithm.personalize(server, x)
@@ -449,7 +452,7 @@ def client_validation(algorithm: Algorithm, server: State, data: ClientData, rec
             return run_local_steps(step, states, server_state, x_tr, y_tr, torch.from_numpy(batches), "loop",
                                    step_at=step_at)
 
-        params = algorithm.val_params(server, np.array([data.partition_id]), trainer)
+        params = algorithm.val_params(server, np.array([0 if own else data.partition_id]), trainer)
         name, p = next(iter(algorithm.model.named_parameters()))
         if params[name].ndim == p.ndim + 1:  # stacked: this client's own model
             params = unstack(params)[0]
@@ -464,9 +467,20 @@ def client_accuracy(algorithm: Algorithm, params: State, data: ClientData, recip
     return float((pred == torch.from_numpy(data.y_val)).double().mean())
 
 
+def client_facts(names: Sequence[str], data: ClientData) -> dict[str, list[int]]:
+    """What the run's method knows of each client's data (``Algorithm.client_facts``, named in the query's
+    ``facts``), computed on the client from its training labels: all the query reply says of its data."""
+    unknown = [name for name in names if name not in CLIENT_FACTS]
+    if unknown:
+        raise ValueError(f"query: unknown client fact(s) {', '.join(unknown)}; this node computes "
+                         f"{', '.join(CLIENT_FACTS)} (update fl-edge on the node)")
+    return {name: CLIENT_FACTS[name].compute(data.y_train, data.num_classes) for name in names}
+
+
 def check_supported(algorithm: Algorithm) -> None:
-    """Refuse, with the reason, a method whose server step needs what only the clients hold
-    (``Algorithm.client_data_need``): it cannot run on Flower yet."""
+    """Refuse, with the reason, a method that cannot train with its clients on their own machines
+    (``Algorithm.client_data_need``: e.g. a server step that needs more of the clients' data than its declared
+    ``client_facts``, which the clients send)."""
     need = algorithm.client_data_need()
     if need:
-        raise NotApplicable(f"{algorithm.name} cannot run on Flower yet: {need}")
+        raise NotApplicable(f"{algorithm.name} cannot run on Flower: {need}")
