@@ -37,18 +37,20 @@ RUNS = {"FedTTA": "FEDTTA", "BTFL": "BTFL", "ODPFL-HN": "ODPFL"}
 
 
 def processes_of(workdir: Path) -> list[str]:
-    """The Flower processes (SuperExec, ServerApp, ClientApp) of the deployment under ``workdir`` (their environment
-    names its FLWR_HOME; other deployments on this machine are left out)."""
-    found = subprocess.run(["pgrep", "-f", "flower-superexec|flwr-serverapp|flwr-clientapp"], capture_output=True,
+    """The Flower processes (SuperExecs, ServerApp, ClientApps: flower-superexec's, fl_server.flower.superexec's and
+    its forks) of the deployment under ``workdir`` (their environment names its FLWR_HOME; other deployments on this
+    machine are left out)."""
+    found = subprocess.run(["pgrep", "-f", "superexec|flwr-serverapp|flwr-clientapp"], capture_output=True,
                            text=True).stdout.split()
     mine = []
     for pid in found:
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes()
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(bytes(1), b" ").decode(errors="replace")
         except OSError:  # gone meanwhile, or not ours to read
             continue
         if f"FLWR_HOME={workdir / 'flwr-home'}".encode() in env:
-            mine.append(pid)
+            mine.append(f"{pid} {command[:160]}")  # what outlived it, in a failure's message
     return mine
 
 
