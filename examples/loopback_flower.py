@@ -3,8 +3,8 @@
 benchmark and ``examples/flower_devices.py`` run; on real devices the same commands run on separate machines with
 TLS (docs/flower.md). Each SuperNode runs with ``--isolation process`` beside its own SuperExec,
 ``python -m fl_server.flower.superexec`` (each message's ClientApp process a fork of it, Flower and torch imported
-once; it ends with its SuperNode, and :meth:`LocalDeployment.kill` kills both); the processes get a 0.1 s SuperExec poll
-(:data:`FAST_POLLS`), a per-deployment data cache (``FL_FLOWER_CACHE``) and no telemetry.
+once; it ends with its SuperNode, and :meth:`LocalDeployment.kill` kills both); the processes get a 0.1 s
+SuperExec poll (:data:`FAST_POLLS`), a per-deployment data cache (``FL_FLOWER_CACHE``) and no telemetry.
 
 Example:
     >>> with LocalDeployment(num_nodes=3, workdir=Path("runs/flower-local")) as dep:  # doctest: +SKIP
@@ -199,10 +199,11 @@ class LocalDeployment:
             proc.wait(timeout=5)
         # Flower detaches the SuperLink's SuperExec (and its ServerApps) into a session of its own: they end when
         # the SuperLink has (their --parent-pid watch), a moment later; any still running after 15 s is SIGKILLed
-        for pid in _wait_gone(self.workdir / "flwr-home", 15):
+        home = Path(self.env["FLWR_HOME"])
+        for pid in _wait_gone(home, 15):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        _wait_gone(self.workdir / "flwr-home", 5)
+        _wait_gone(home, 5)
         self.procs.clear()
         self.nodes.clear()
         self.superexecs.clear()

@@ -51,7 +51,8 @@ def _reap() -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m fl_server.flower.superexec", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runtime-api-address", required=True, help="the SuperNode's Runtime API (HOST:PORT, its --port)")
+    ap.add_argument("--runtime-api-address", required=True,
+                    help="the SuperNode's Runtime API (HOST:PORT, its --port)")
     tls = ap.add_mutually_exclusive_group(required=True)
     tls.add_argument("--insecure", action="store_true", help="no TLS to the Runtime API (loopback only)")
     tls.add_argument("--root-certificates", help="CA certificate of the SuperNode's Runtime API (its --ssl-certfile)")
