@@ -1,7 +1,8 @@
 """Seconds per round of the same federated work three ways, measured in one run: the in-process engine
 (vmap and the per-client loop), Flower's deployment engine (a SuperLink and one SuperNode per client as processes
-on loopback, insecure) and Flower's simulation engine (Ray); then one Flower-simulation run with many clients
-(``--sim-clients``, ``--sim-fraction`` of them sampled per round). Work: FedAvg on real MNIST, iid
+on loopback, insecure, each SuperNode beside its SuperExec ``fl_server.flower.superexec``:
+examples/loopback_flower.py) and Flower's simulation engine (Ray); then one Flower-simulation run with many
+clients (``--sim-clients``, ``--sim-fraction`` of them sampled per round). Work: FedAvg on real MNIST, iid
 partition, ``--local-iterations`` steps of ``--batch-size`` per client and round, float32, seed 0. Per-round times
 are the server's (``metrics.jsonl``), train-only rounds after the first (the validated last round and the first,
 which warms up, are left out); the Flower paths' start-up (processes, Ray) is reported apart. Writes ``--out``
@@ -77,9 +78,10 @@ def deployment(config: dict[str, Any], workdir: Path, data_dir: str, timeout: fl
 
 def phase_summary(path: Path, round_s: float) -> dict[str, Any]:
     """Where a deployment round's seconds go, from the ClientApps' own records of their train messages (medians
-    over the messages after each node's first): the ClientApp process's start to the handler (Flower's start-up
-    and the imports), the node's data read back from its cache, the answer (local steps, loss, encoding); the
-    rest of the round is Flower's polls, the process starts and exits and the messages' transport."""
+    over the messages after each node's first): the ClientApp process's start (its fork by the node's SuperExec,
+    fl_server.flower.superexec) to the handler (Flower's task set-up: the task's input and the message's content
+    pulled from the SuperNode), the node's data read back from its cache, the answer (local steps, loss,
+    encoding); the rest of the round is Flower's polls, the reply's transport and the aggregation."""
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     train = [r for r in rows if r["kind"] == "train"]
     later = train[len({r.get("node") for r in train}) or 1:] or train  # the first messages also prepare the data
@@ -166,15 +168,21 @@ def main() -> int:
     result["ratio_to_in_process_loop"] = {
         k: round(result[k]["median_s_per_round"] / base_s, 2)
         for k in ("in_process_vmap", "flower_deployment", "flower_simulation") if "error" not in result[k]}
+    if "error" not in result["flower_deployment"]:  # issue 48's bound: at most 10x
+        result["deployment_to_simulation"] = round(result["flower_deployment"]["median_s_per_round"]
+                                                   / result["flower_simulation"]["median_s_per_round"], 2)
     result["overhead"] = (
-        "Deployment: Flower starts a fresh ClientApp process per message (Flower's start-up, Python and torch "
-        "imported again; the node's data read back from its disk cache), an idle SuperNode polls the SuperLink "
-        "every 3 s (fixed in flwr), its SuperExec every 0.1 s here (FLWR_SUPEREXEC_TASK_POLL_INTERVAL), the "
-        "ServerApp every 0.1 s; states cross HTTP serialized; the local steps themselves are the engine's "
-        "per-client loop (flower_deployment.phases). Simulation: ClientApps run in long-lived Ray actors (no "
-        "process start, no polling), "
-        "messages pass through Ray's object store; one actor per CPU. In-process: no messages at all, and vmap "
-        "steps all clients in one call.")
+        "Deployment: Flower runs a ClientApp process per message; each SuperNode runs with --isolation process "
+        "beside its own SuperExec (fl_server.flower.superexec), which starts that process as a fork of itself with "
+        "Flower, torch and the app imported once (no interpreter start or imports per message; the node's data "
+        "read back from its disk cache). What is left is Flower's: an idle SuperNode polls the SuperLink every 3 s "
+        "(fixed in flwr 1.42; the node that replied last each round waits close to a full poll for the next "
+        "round's message), and polls for the ClientApp's reply every 0.5 s; the SuperExec polls every 0.1 s "
+        "(FLWR_SUPEREXEC_TASK_POLL_INTERVAL), the ServerApp every 0.1 s; states cross HTTP serialized twice "
+        "(SuperLink-SuperNode-ClientApp); the local steps themselves are the engine's per-client loop "
+        "(flower_deployment.phases). Simulation: ClientApps run in long-lived Ray actors (no process start, no "
+        "polling), messages pass through Ray's object store; one actor per CPU. In-process: no messages at all, "
+        "and vmap steps all clients in one call.")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))

@@ -1,8 +1,10 @@
 """A Flower deployment on this machine: one SuperLink and N SuperNodes as separate processes on loopback
 (insecure), each SuperNode holding one training client's data (its ``--node-config``). What the tests, the
 benchmark and ``examples/flower_devices.py`` run; on real devices the same commands run on separate machines with
-TLS (docs/flower.md). The processes get Flower's shortest useful polls (:data:`FAST_POLLS`) and a per-deployment
-data cache (``FL_FLOWER_CACHE``).
+TLS (docs/flower.md). Each SuperNode runs with ``--isolation process`` beside its own SuperExec,
+``python -m fl_server.flower.superexec`` (each message's ClientApp process a fork of it, Flower and torch imported
+once; it ends with its SuperNode, and :meth:`LocalDeployment.kill` kills both); the processes get a 0.1 s
+SuperExec poll (:data:`FAST_POLLS`), a per-deployment data cache (``FL_FLOWER_CACHE``) and no telemetry.
 
 Example:
     >>> with LocalDeployment(num_nodes=3, workdir=Path("runs/flower-local")) as dep:  # doctest: +SKIP
@@ -10,6 +12,7 @@ Example:
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -23,7 +26,8 @@ from typing import Any
 import tomli_w
 
 # Flower's poll intervals it lets a deployment set (flwr 1.42): the SuperExec's poll for a message to start a
-# ClientApp for (default 1 s). The SuperNode's own 3 s poll of the SuperLink when idle is fixed in flwr.
+# ClientApp for (Flower's default 1 s; fl_server.flower.superexec's 0.1 s). The SuperNode's own 3 s poll of the
+# SuperLink when idle, and its 0.5 s poll for the ClientApp's reply, are fixed in flwr.
 FAST_POLLS = {"FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.1"}
 
 
@@ -47,6 +51,27 @@ def _wait_port(port: int, proc: subprocess.Popen, timeout: float, log: Path) -> 
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
 
+def processes_with(flwr_home: Path) -> list[int]:
+    """The live processes whose environment sets ``FLWR_HOME=flwr_home``: everything a deployment started, those
+    Flower detaches into sessions of their own too (Linux's /proc; [] elsewhere)."""
+    tag, found = f"FLWR_HOME={flwr_home}".encode(), []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if tag in (entry / "environ").read_bytes().split(bytes(1)):
+                found.append(int(entry.name))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def _wait_gone(flwr_home: Path, seconds: float) -> list[int]:
+    """Wait up to ``seconds`` for :func:`processes_with` ``flwr_home`` to be none; returns those left."""
+    deadline = time.monotonic() + seconds
+    while (left := processes_with(flwr_home)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
 class LocalDeployment:
     """SuperLink + ``num_nodes`` SuperNodes under ``workdir``; stopped on exit. Node i's ``--node-config`` is
     ``node_configs[i]`` (default ``partition-id=i``). ``link_args`` / ``node_args`` replace ``--insecure`` (TLS
@@ -62,17 +87,19 @@ class LocalDeployment:
         self.node_args = node_args or [["--insecure"]] * num_nodes
         self.procs: list[subprocess.Popen] = []
         self.nodes: list[subprocess.Popen] = []
+        self.superexecs: dict[int, subprocess.Popen] = {}  # a SuperNode's pid -> its SuperExec
         self.outputs: dict[int, Path] = {}  # a launched run's pid -> its output file
-        bin_dir = str(Path(sys.executable).parent)  # flower-superexec and flwr-clientapp must be on PATH
+        bin_dir = str(Path(sys.executable).parent)  # the SuperLink's flower-superexec and flwr-serverapp: on PATH
         self.env = {**os.environ, "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
                     "FLWR_HOME": str(self.workdir / "flwr-home"), "OMP_NUM_THREADS": "1",
-                    "FLWR_DISABLE_UPDATE_CHECK": "1", **(env or {})}  # no call home from tests and benchmarks
+                    "FLWR_DISABLE_UPDATE_CHECK": "1", "FLWR_TELEMETRY_ENABLED": "0",  # no call home from tests
+                    **(env or {})}
         for key, value in {**FAST_POLLS, "FL_FLOWER_CACHE": str(self.workdir / "node-cache")}.items():
             self.env.setdefault(key, value)  # the nodes' prepared data stays with the deployment
         self.port = 0
 
     def _spawn(self, argv: list[str], log: Path) -> subprocess.Popen:
-        with open(log, "wb") as fh:  # each in its own process group: stop() ends it with its workers
+        with open(log, "ab") as fh:  # each in its own process group: stop() ends it with its workers
             proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=self.env, cwd=self.workdir,
                                     start_new_session=True)
         self.procs.append(proc)
@@ -99,11 +126,16 @@ class LocalDeployment:
         _wait_port(self.port, link, self.startup_timeout, log=link_log)
 
     def start_node(self, args: list[str], node_config: str, name: str) -> subprocess.Popen:
-        """A SuperNode with ``args`` and ``--node-config node_config`` (log: ``workdir/name.log``), once it listens."""
+        """A SuperNode with ``args`` and ``--node-config node_config`` (log: ``workdir/name.log``), once it listens,
+        and its SuperExec (:mod:`fl_server.flower.superexec`; same log)."""
         node_port, log = free_port(), self.workdir / f"{name}.log"
-        node = self._spawn([str(Path(sys.executable).parent / "flower-supernode"), *args, "--superlink",
-                            f"127.0.0.1:{self.port}", "--port", str(node_port), "--node-config", node_config], log)
+        node = self._spawn([str(Path(sys.executable).parent / "flower-supernode"), *args, "--isolation", "process",
+                            "--superlink", f"127.0.0.1:{self.port}", "--port", str(node_port),
+                            "--node-config", node_config], log)
         _wait_port(node_port, node, self.startup_timeout, log)
+        self.superexecs[node.pid] = self._spawn(
+            [sys.executable, "-m", "fl_server.flower.superexec", "--runtime-api-address", f"127.0.0.1:{node_port}",
+             "--insecure", "--parent-pid", str(node.pid)], log)
         self.nodes.append(node)
         return node
 
@@ -140,10 +172,12 @@ class LocalDeployment:
         return text
 
     def kill(self, proc: subprocess.Popen) -> None:
-        """SIGKILL a process this deployment started and everything in its process group (a SuperNode dying with
-        its SuperExec and ClientApp processes, as a device that loses power)."""
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+        """SIGKILL a process this deployment started and everything in its process group; a SuperNode with its
+        SuperExec and ClientApp processes (as a device that loses power)."""
+        for p in (proc, self.superexecs.pop(proc.pid, None)):
+            if p is not None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
 
     def stop(self) -> None:
         """End every process this deployment started (its process groups: the SuperExec workers too)."""
@@ -163,8 +197,16 @@ class LocalDeployment:
             except ProcessLookupError:
                 pass
             proc.wait(timeout=5)
+        # Flower detaches the SuperLink's SuperExec (and its ServerApps) into a session of its own: they end when
+        # the SuperLink has (their --parent-pid watch), a moment later; any still running after 15 s is SIGKILLed
+        home = Path(self.env["FLWR_HOME"])
+        for pid in _wait_gone(home, 15):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _wait_gone(home, 5)
         self.procs.clear()
         self.nodes.clear()
+        self.superexecs.clear()
 
     def __enter__(self) -> LocalDeployment:
         try:

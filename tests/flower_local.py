@@ -55,16 +55,18 @@ class LocalDeployment(local.LocalDeployment):
 
 
 def processes_of(flwr_home: Path) -> list[str]:
-    """The pids of the Flower processes (SuperExec, ServerApp, ClientApp) whose environment names ``flwr_home`` as
-    its FLWR_HOME (one deployment's; other deployments on this machine are left out)."""
-    found = subprocess.run(["pgrep", "-f", "flower-superexec|flwr-serverapp|flwr-clientapp"], capture_output=True,
+    """The Flower processes (SuperExecs, ServerApp, ClientApps: flower-superexec's, fl_server.flower.superexec's and
+    its forks) whose environment names ``flwr_home`` as its FLWR_HOME (one deployment's; other deployments on this
+    machine are left out), each as "pid command" (what outlived a deployment, in a failure's message)."""
+    found = subprocess.run(["pgrep", "-f", "superexec|flwr-serverapp|flwr-clientapp"], capture_output=True,
                            text=True).stdout.split()
     mine = []
     for pid in found:
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes()
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(bytes(1), b" ").decode(errors="replace")
         except OSError:  # gone meanwhile, or not ours to read
             continue
         if f"FLWR_HOME={flwr_home}".encode() in env:
-            mine.append(pid)
+            mine.append(f"{pid} {command[:160]}")
     return mine

@@ -1,7 +1,7 @@
 """examples/flower_devices.py at its smoke size: three SuperNodes, each holding only its own Fashion-MNIST image
 folder, train FedTTA and BTFL on Flower; both runs are exported and published to a coordinator of the example's own;
 the fourth node's images personalise each bundle on a device process that imports neither torch nor fl_server.
-About 2.5 minutes on a shared 2-core machine (two Flower runs of ~60 s: a ClientApp process per message)."""
+About a minute on a shared 2-core machine (two Flower runs, most of each Flower's 3 s SuperNode polls)."""
 from __future__ import annotations
 
 import json

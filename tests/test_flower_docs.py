@@ -90,13 +90,44 @@ def test_the_flower_page_runs_as_written(tmp_path: Path, fashion_all) -> None:  
         procs.append(proc)
         return proc
 
-    seen, run_out = set(), ""
+    def is_node_command(argv: list[str]) -> bool:  # what runs on a SuperNode's machine
+        return argv[0] == "flower-supernode" or argv[:3] == ["python", "-m", "fl_server.flower.superexec"]
+
+    def start_nodes(group: list[str]) -> None:
+        """The page's SuperNode lines, once per node, each node its own directory ("machine") and port."""
+        for k, source in enumerate(sources[:3]):  # three training clients
+            node_dir, node_port, last_pid = tmp_path / f"node-{k}", free_port(), ""
+            node_dir.mkdir()
+            log = tmp_path / f"supernode-{k}.log"
+            for cmd in group:
+                cmd = cmd.replace("127.0.0.1:9094", f"127.0.0.1:{node_port}").replace("--port 9094",
+                                                                                       f"--port {node_port}")
+                argv = shlex.split(cmd.replace("$!", last_pid), comments=True)
+                argv = argv[:-1] if argv[-1] == "&" else argv  # every node process runs in the background here
+                if argv[0] == "flower-supernode":
+                    folder = re.search(r"data='([^']+)'", cmd)
+                    assert folder, cmd
+                    (node_dir / folder.group(1)).parent.mkdir(parents=True)
+                    (tmp_path / "images" / source).rename(node_dir / folder.group(1))
+                    proc = spawn([str(BIN / argv[0]), *argv[1:]], node_dir, log)
+                    wait_port(node_port, proc, log)
+                else:
+                    proc = spawn([sys.executable, *argv[1:]], node_dir, log)
+                last_pid = str(proc.pid)
+
+    seen, run_out, nodes_started = set(), "", False
     try:
         for cmd in commands:
             argv = shlex.split(on_this_machine(cmd), comments=True)
             program = argv[0]
             seen.add(program)
-            if program == "pip":  # installed already (the test runs in it); the page names the extra
+            if is_node_command(argv):
+                if not nodes_started:  # the page's consecutive SuperNode lines, run as one group per node
+                    group = [on_this_machine(c) for c in commands
+                             if is_node_command(shlex.split(on_this_machine(c), comments=True))]
+                    start_nodes(group)
+                    nodes_started = True
+            elif program == "pip":  # installed already (the test runs in it); the page names the extra
                 assert argv[1:] == ["install", "-e", ".[flower]"], argv
             elif program == "export":
                 key, _, value = argv[1].partition("=")
@@ -105,18 +136,6 @@ def test_the_flower_page_runs_as_written(tmp_path: Path, fashion_all) -> None:  
                 assert "--insecure" in argv  # loopback only; TLS: tests/test_flower.py
                 log = tmp_path / "superlink.log"
                 wait_port(link_port, spawn([str(BIN / program), *argv[1:]], link_dir, log), log)
-            elif program == "flower-supernode":
-                for k, source in enumerate(sources[:3]):  # three training clients, each its own machine
-                    node_dir, node_port = tmp_path / f"node-{k}", free_port()
-                    node_dir.mkdir()
-                    folder = re.search(r"data='([^']+)'", cmd)
-                    assert folder, cmd
-                    (node_dir / folder.group(1)).parent.mkdir(parents=True)
-                    (tmp_path / "images" / source).rename(node_dir / folder.group(1))
-                    node_argv = list(argv)
-                    node_argv[node_argv.index("--port") + 1] = str(node_port)  # one host: a port per node
-                    log = tmp_path / f"supernode-{k}.log"
-                    wait_port(node_port, spawn([str(BIN / program), *node_argv[1:]], node_dir, log), log)
             elif program == "flwr":
                 config = argv[argv.index("--run-config") + 1]
                 for full, smoke in SMOKE.items():
@@ -140,7 +159,7 @@ def test_the_flower_page_runs_as_written(tmp_path: Path, fashion_all) -> None:  
         stopper.procs = procs
         stopper.stop()
     assert processes_of(home) == []  # nothing of the deployment outlives it
-    assert seen >= {"flower-superlink", "flower-supernode", "flwr", "fl-server"}, seen
+    assert seen >= {"flower-superlink", "flower-supernode", "python", "flwr", "fl-server"}, seen
     assert not (tmp_path / "no-shared-data").exists()
 
     # a fourth clinic's images: a new client the run never saw, personalising on the torch-free SDK

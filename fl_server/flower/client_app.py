@@ -151,12 +151,13 @@ def answer(kind: str, content: RecordDict, recipe: FlowerRecipe, data: ClientDat
 
 
 def _process_start() -> float | None:
-    """This process's start (epoch seconds, Linux's /proc; None elsewhere)."""
+    """This process's start (epoch seconds, to 10 ms: Linux's /proc, whose start time counts from boot; None
+    elsewhere). A ClientApp process forked by :mod:`fl_server.flower.superexec` started at its fork."""
     try:
         ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
-        boot = next(float(ln.split()[1]) for ln in open("/proc/stat") if ln.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, StopIteration):
+        since_start = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - since_start
+    except (OSError, ValueError, AttributeError):
         return None
 
 

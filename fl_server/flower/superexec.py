@@ -1,0 +1,117 @@
+"""A SuperNode's SuperExec that starts each message's ClientApp process warm: a fork of itself, with Flower, torch
+and this project's ClientApp already imported.
+
+Flower runs a fresh ClientApp process per message (Flower's process isolation; ``flwr-clientapp`` serves one task
+and exits). With a SuperNode started with ``--isolation process``, the SuperNode launches no SuperExec: the operator
+starts one beside it, and this is that SuperExec. It polls the SuperNode's Runtime API for a ClientApp task (Flower's
+``AcquireTask``, every ``FLWR_SUPEREXEC_TASK_POLL_INTERVAL`` seconds, default 0.1) as ``flower-superexec`` does, and
+for each one forks a child that runs Flower's own ClientApp process (``flwr.supernode.runtime.run_clientapp``: the
+task's token, its heartbeat, the message in and the reply out over the Runtime API) and exits. Only the start-up
+changes: the child begins with the imports done (about 2 s of CPU a message on a 2-core machine), not a fresh
+interpreter. It opens no port and reads nothing but the Runtime API's answers, talks only to the address it is given
+(TLS with ``--root-certificates``, as ``flower-superexec``), and ends when the SuperNode (``--parent-pid``) does; its
+children end with it.
+
+    flower-supernode --isolation process --port 9094 ...   # then, on the same machine:
+    python -m fl_server.flower.superexec --runtime-api-address 127.0.0.1:9094 --insecure --parent-pid SUPERNODE_PID
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Callable, NoReturn
+
+DEFAULT_POLL_S = 0.1  # Flower's own SuperExec polls every 1 s by default
+
+
+def _poll_interval() -> float:
+    raw = os.environ.get("FLWR_SUPEREXEC_TASK_POLL_INTERVAL", str(DEFAULT_POLL_S))
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0.01 <= value <= 60:
+        raise SystemExit(f"error: FLWR_SUPEREXEC_TASK_POLL_INTERVAL={raw!r}: give seconds between 0.01 and 60")
+    return value
+
+
+def _reap() -> None:
+    """Collect the ClientApp children that exited (no zombies)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fl_server.flower.superexec", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runtime-api-address", required=True,
+                    help="the SuperNode's Runtime API (HOST:PORT, its --port)")
+    tls = ap.add_mutually_exclusive_group(required=True)
+    tls.add_argument("--insecure", action="store_true", help="no TLS to the Runtime API (loopback only)")
+    tls.add_argument("--root-certificates", help="CA certificate of the SuperNode's Runtime API (its --ssl-certfile)")
+    ap.add_argument("--parent-pid", type=int, help="end when this process (the SuperNode) ends")
+    args = ap.parse_args(argv)
+    interval = _poll_interval()
+
+    # what every ClientApp child would otherwise import anew: Flower's ClientApp runtime and the app
+    import fl_server.flower.client_app  # noqa: F401
+    from flwr.proto.runtime_pb2 import AcquireTaskRequest  # pylint: disable=no-name-in-module
+    from flwr.supercore.app_utils import start_parent_process_monitor
+    from flwr.supercore.constant import TaskType
+    from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
+    from flwr.supercore.retry import make_simple_http_retry_invoker
+    from flwr.supercore.runtime import RuntimeHttpClient
+    from flwr.supercore.tls import validate_and_resolve_root_certificates
+    from flwr.supernode.runtime import run_clientapp as clientapp_process
+    from flwr.supernode.runtime.run_clientapp import run_clientapp
+
+    # A warm child asks for the message's content within ~0.1 s of the task, often before its SuperNode has pulled it
+    # from the SuperLink; Flower's ClientApp then retries after PULL_INITIAL_BACKOFF = 1 s (sized for a cold process
+    # start). Its first retry after 0.05 s instead (then doubling, as Flower's): the only Flower default changed.
+    clientapp_process.pull_and_inflate_object_from_tree.__kwdefaults__["initial_backoff"] = 0.05
+
+    certificates = validate_and_resolve_root_certificates(args.root_certificates, args.insecure)
+    client = RuntimeHttpClient.from_server_address(
+        server_address=args.runtime_api_address, insecure=args.insecure, root_certificates=certificates,
+        interceptors=[RuntimeVersionHttpInterceptor(component_name="SuperExec")],
+        retry_invoker=make_simple_http_retry_invoker())
+    request = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP])
+    try:
+        if args.parent_pid is not None:
+            start_parent_process_monitor(args.parent_pid)  # SIGINT to this process when the SuperNode is gone
+        while True:
+            _reap()
+            res = client.AcquireTask(request)
+            if res.HasField("task") and res.token and os.fork() == 0:  # the child: Flower's ClientApp process
+                _clientapp(lambda: run_clientapp(
+                    runtime_api_address=args.runtime_api_address, token=res.token, insecure=args.insecure,
+                    certificates=certificates, parent_pid=os.getppid()))  # it ends when this process does
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        client.close()
+
+
+def _clientapp(run: Callable[[], None]) -> NoReturn:
+    """Run Flower's ClientApp process in this forked child, then end it with Flower's exit code."""
+    code = 1
+    try:
+        run()
+    except SystemExit as exc:  # Flower's flwr_exit, after the reply and the task's output are pushed
+        code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # nothing of the parent's (its HTTP client) is closed or run from here
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
