@@ -217,7 +217,8 @@ def test_resolve_mode() -> None:
 def test_eager_grad_equals_torch_func_grad_without_importing_dynamo() -> None:
     """fl_server.functional.grad outside vmap (the reference loop, a Flower ClientApp) is torch.autograd.grad: the
     same gradients as torch.func.grad (argnums, has_aux), under vmap it is torch.func.grad, and a fresh process
-    stepping BTFL and FedAvg never imports torch._dynamo (1-2 s per Flower message)."""
+    stepping FedAvg, BTFL, FedTTA (second order), MAP and FedICON never imports torch._dynamo (1-2 s per Flower
+    message); nested (a meta-gradient) it is torch.func.grad's second-order gradient."""
     import subprocess
     import sys
 
@@ -239,9 +240,20 @@ def test_eager_grad_equals_torch_func_grad_without_importing_dynamo() -> None:
     assert torch.equal(aux, want_aux) and not aux.requires_grad and not params["w"].requires_grad
     batched = torch.func.vmap(lambda xs: grad(lambda p: loss(p, head, xs)[0])(params)["w"])(x[None].repeat(2, 1, 1))
     assert torch.allclose(batched[1], want[0]["w"])
+
+    # nested, as FedTTA's meta-gradient through its inner step: second order, the aux output differentiable, and
+    # (the inner call given the same tensors twice) only the differentiated argument's paths count
+    def meta(inner_grad, p, h, x):  # type: ignore[no-untyped-def]
+        g, z = inner_grad(lambda q, same, h: loss({k: q[k] * same[k] for k in q}, h, x), has_aux=True)(p, p, h)
+        return loss({k: p[k] - 0.1 * g[k] for k in p}, h, x)[0] + z.square()
+
+    got = grad(lambda p, h: meta(grad, p, h, x), argnums=(0, 1))(params, head)
+    want = torch.func.grad(lambda p, h: meta(torch.func.grad, p, h, x), argnums=(0, 1))(params, head)
+    assert all(torch.allclose(got[0][k], want[0][k], rtol=1e-12, atol=1e-14) for k in params)
+    assert torch.allclose(got[1], want[1], rtol=1e-12, atol=1e-14) and not got[1].requires_grad
     code = ("import sys, numpy as np, torch; from fl_server.recipes.presets import builtin_recipe\n"
             "from fl_server.functional import unstack\n"
-            "for m in ('FedAvg', 'BTFL'):\n"
+            "for m in ('FedAvg', 'BTFL', 'FedTTA', 'FedTTA-Prox', 'MAP', 'FedICON'):\n"
             "    r = builtin_recipe('mnist', m, model='mlp'); a = r.build_algorithm(r.build_model(0), 2, 0)\n"
             "    a.attach(torch.zeros(4, 1, 28, 28), torch.zeros(4, dtype=torch.long),\n"
             "             [np.arange(2), np.arange(2, 4)])\n"

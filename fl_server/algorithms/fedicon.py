@@ -32,7 +32,7 @@ from torch import nn
 from fl_server.algorithms.base import Algorithm, Hyper, LocalTrainer, register
 from fl_server.algorithms.contrastive import memory_contrastive_loss, normalize, supcon_loss, unsup_contrastive_loss
 from fl_server.data.augment import AugmentConfig, augment, hash_uniform, num_uniforms, two_views
-from fl_server.functional import State, broadcast, get_params, make_forward, sgd, weighted_mean
+from fl_server.functional import State, broadcast, get_params, grad, make_forward, sgd, weighted_mean
 from fl_server.models import Classifier
 
 
@@ -172,7 +172,7 @@ class FedICON(Algorithm):
     def encoder_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> State:
         enc, head = split_params(client_state["params"])
         key = _mix_key(client_state["key"], client_state["step"])
-        g_enc, g_proj = torch.func.grad(self.supcon_objective, argnums=(0, 1))(enc, client_state["proj"], x, y, key)
+        g_enc, g_proj = grad(self.supcon_objective, argnums=(0, 1))(enc, client_state["proj"], x, y, key)
         enc = sgd(enc, g_enc, self.hp.lr, self.hp.weight_decay)
         proj = sgd(client_state["proj"], g_proj, self.hp.lr, self.hp.weight_decay)
         return {**client_state, "params": {**enc, **head}, "proj": proj, "step": client_state["step"] + 1}
@@ -185,7 +185,7 @@ class FedICON(Algorithm):
         def ce(h: State) -> torch.Tensor:
             return F.cross_entropy(self.head_forward({k[len("head."):]: v for k, v in h.items()}, feats), y)
 
-        head = sgd(head, torch.func.grad(ce)(head), self.hp.head_lr, self.hp.weight_decay)
+        head = sgd(head, grad(ce)(head), self.hp.head_lr, self.hp.weight_decay)
         return {**client_state, "params": {**enc, **head}, "step": client_state["step"] + 1}
 
     def local_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> State:
@@ -211,7 +211,7 @@ class FedICON(Algorithm):
     def tta_step(self, params: State, proj: State, x: torch.Tensor, u: torch.Tensor) -> tuple[State, State]:
         """One SGD step of Eq. 7: pure (classifier params, projection, batch, uniforms) -> (params, projection)."""
         enc, head = split_params(params)
-        g_enc, g_proj = torch.func.grad(self.tta_objective, argnums=(0, 1))(enc, proj, x, u)
+        g_enc, g_proj = grad(self.tta_objective, argnums=(0, 1))(enc, proj, x, u)
         return {**sgd(enc, g_enc, self.hp.tta_lr), **head}, sgd(proj, g_proj, self.hp.tta_lr)
 
     def _uniforms(self, x: torch.Tensor, n: int, tag: int | torch.Tensor) -> torch.Tensor:
@@ -250,7 +250,7 @@ class FedICON(Algorithm):
             b = len(x)
             return memory_contrastive_loss(z[:b], z[b:2 * b], z[2 * b:], self.hp.tau)
 
-        g_enc, g_proj = torch.func.grad(objective, argnums=(0, 1))(enc, proj)
+        g_enc, g_proj = grad(objective, argnums=(0, 1))(enc, proj)
         return {**sgd(enc, g_enc, self.hp.tta_lr), **head}, sgd(proj, g_proj, self.hp.tta_lr)
 
     def online(self, params: State, proj: State, stream: torch.Tensor, memory: torch.Tensor,

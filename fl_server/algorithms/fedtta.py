@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from edge_sdk import EntropyEarlyStopping
 from fl_server.algorithms.base import Algorithm, Hyper, register
 from fl_server.algorithms.losses import entropy_from_logits, kl_from_logits
-from fl_server.functional import State, broadcast, clip_by_global_norm, get_params, make_forward, sgd, weighted_mean
+from fl_server.functional import (State, broadcast, clip_by_global_norm, get_params, grad, make_forward, sgd,
+                                  weighted_mean)
 from fl_server.models import AdaptationMLP, Classifier
 
 
@@ -103,7 +104,7 @@ class FedTTA(Algorithm):
 
     def adapt_step_and_logits(self, psi: State, phi: State, x: torch.Tensor) -> tuple[State, torch.Tensor]:
         """(psi~ of Eq. 5, f(X; psi)): the step's own forward pass, still differentiable w.r.t. psi."""
-        grads, logits = torch.func.grad(self.personalization_loss_and_logits, has_aux=True)(psi, phi, x)
+        grads, logits = grad(self.personalization_loss_and_logits, has_aux=True)(psi, phi, x)
         return sgd(psi, grads, self.hp.inner_lr), logits
 
     def meta_loss(self, psi: State, phi: State, psi_server: State, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -115,7 +116,7 @@ class FedTTA(Algorithm):
         return loss
 
     def local_step(self, client_state: State, server_state: State, x: torch.Tensor, y: torch.Tensor) -> State:
-        g_psi, g_phi = torch.func.grad(self.meta_loss, argnums=(0, 1))(
+        g_psi, g_phi = grad(self.meta_loss, argnums=(0, 1))(
             client_state["params"], client_state["phi"], server_state["params"], x, y)
         return self.apply_gradients(client_state, g_psi, g_phi)
 

@@ -20,7 +20,7 @@ import torch
 
 from fl_server.algorithms.fedtta import FedTTA
 from fl_server.algorithms.losses import kl_from_logits
-from fl_server.functional import State, stack, unstack
+from fl_server.functional import State, grad, stack, unstack
 
 # size group -> (model zoo name, adaptation MLP width)   (UPFL App. G, Table 3)
 SIZE_GROUPS: dict[str, tuple[str, int]] = {
@@ -79,9 +79,9 @@ def digest(alg: FedTTA, state: State, chunks: torch.Tensor, teacher_base: torch.
     """Algorithm 2's "digest": ``steps`` SGD steps on Eq. 14, cycling through the chunks in order.
     Deterministic in (state, consensus): every client of a size group starts a round from the same group
     model, so all of them digest to the same state (the runner computes it once per group)."""
-    grad = torch.func.grad(lambda p, f, x, tb, tp: kd_loss(alg, p, f, x, tb, tp, lam), argnums=(0, 1))
+    kd_grad = grad(lambda p, f, x, tb, tp: kd_loss(alg, p, f, x, tb, tp, lam), argnums=(0, 1))
     for t in range(steps):
         c = t % len(chunks)
-        g_psi, g_phi = grad(state["params"], state["phi"], chunks[c], teacher_base[c], teacher_per[c])
+        g_psi, g_phi = kd_grad(state["params"], state["phi"], chunks[c], teacher_base[c], teacher_per[c])
         state = {k: {n: v.detach() for n, v in part.items()} for k, part in alg.apply_gradients(state, g_psi, g_phi).items()}
     return state

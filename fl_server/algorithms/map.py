@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from fl_server.algorithms.base import Algorithm, Hyper, LocalTrainer, StepFn, register
-from fl_server.functional import State, broadcast, get_params, index, tree_map, weighted_mean
+from fl_server.functional import State, broadcast, get_params, grad, index, tree_map, weighted_mean
 from fl_server.models import Classifier
 
 
@@ -182,7 +182,7 @@ class MAP(Algorithm):
         s1 = self._stage1_iterations()
         stage1 = (client_state["step"] < s1).to(x.dtype)
         params = client_state["params"]
-        grads = torch.func.grad(self.client_loss)(params, client_state, server_state, x, y, stage1, phase)
+        grads = grad(self.client_loss)(params, client_state, server_state, x, y, stage1, phase)
         wd, m, lr = self.hp.weight_decay, self.hp.momentum, self.hp.lr
         previous = client_state["mom"]
         if self.hp.stage2_fresh_momentum:  # stage 2 starts a new optimiser (the authors' code)

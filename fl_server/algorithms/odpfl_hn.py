@@ -519,7 +519,7 @@ class ODPFLHN(Algorithm):
     def fit_encoder(self, enc: State, x: torch.Tensor, target: torch.Tensor) -> State:
         """A client's side of Eq. 10: ``encoder_local_steps`` full-set GD steps on ||g_gamma(x) - e_i||^2 at
         ``encoder_lr``; returns the new gamma."""
-        loss_grad = torch.func.grad(lambda g: ((self.enc_fn(g, x) - target) ** 2).sum())
+        loss_grad = grad(lambda g: ((self.enc_fn(g, x) - target) ** 2).sum())
         with torch.enable_grad():
             for _ in range(self.hp.encoder_local_steps):
                 enc = sgd(enc, loss_grad(enc), self.hp.encoder_lr)

@@ -24,7 +24,7 @@ from torch import nn
 from fl_server.algorithms.base import Hyper, register
 from fl_server.algorithms.fedavg import FedAvg, FedAvgConfig
 from fl_server.algorithms.losses import entropy_from_logits
-from fl_server.functional import State, sgd
+from fl_server.functional import State, grad, sgd
 from fl_server.models import Classifier
 from fl_server.models.norm import StatBatchNorm2d
 
@@ -76,7 +76,7 @@ class Tent(FedAvg):
         """One SGD step on the mean prediction entropy of ``x``, over the parameters ``hp.adapt`` names."""
         lr = self.hp.tent_lr if self.hp.tent_lr is not None else self.hp.lr
         moving = params if self.hp.adapt == "all" else {n: params[n] for n in self._affine}
-        grads = torch.func.grad(lambda m: entropy_from_logits(self.forward({**params, **m}, x)).mean())(moving)
+        grads = grad(lambda m: entropy_from_logits(self.forward({**params, **m}, x)).mean())(moving)
         return {**params, **sgd(moving, grads, lr)}
 
     def personalize(self, server_state: State, x: torch.Tensor) -> State:
