@@ -18,7 +18,8 @@ from onnx import TensorProto, helper, numpy_helper
 from edge_sdk import load_bundle, open_bundle
 from edge_sdk._steps import StepRunner, load_session
 from fl_server.export import export_spec, fedtta_step_spec, tent_step_spec
-from fl_server.export.rewrites import cancel_transpose_pairs, held_at_once, pow_to_mul, recompute_late_reads
+from fl_server.export.rewrites import (cancel_transpose_pairs, constant_transposed_convolutions, held_at_once,
+                                      pow_to_mul, recompute_late_reads)
 from fl_server.export.bundle import write_bundle
 from fl_server.export.steps import device_specs
 from fl_server.algorithms import build_algorithm
@@ -209,3 +210,27 @@ def test_cancel_transpose_pairs_is_bit_identical() -> None:
     assert [n.op_type for n in model.graph.node] == ["Neg", "Transpose", "Transpose", "Neg"]
     for a, b in zip(run(), before):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("c,c_out,groups,kernel,pads,dilation", [
+    (6, 4, 1, 3, 1, 1), (8, 8, 8, 3, 1, 1), (6, 4, 1, 1, 0, 1), (6, 6, 2, 5, 2, 2), (6, 4, 1, 3, 0, 1)])
+def test_constant_transposed_convolutions_compute_the_same(c, c_out, groups, kernel, pads, dilation) -> None:  # type: ignore[no-untyped-def]
+    # a stride-1 ConvTranspose on a constant kernel becomes a Conv on the kernel transposed and reversed (folded by
+    # onnxruntime); the strided one stays
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((c, c_out // groups, kernel, kernel)).astype(np.float32)
+    nodes = [helper.make_node("ConvTranspose", ["g", "w"], ["y"], group=groups, pads=[pads] * 4,
+                              dilations=[dilation] * 2, strides=[1, 1], kernel_shape=[kernel] * 2),
+             helper.make_node("ConvTranspose", ["g", "w"], ["y2"], group=groups, strides=[2, 2], kernel_shape=[kernel] * 2)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("g", TensorProto.FLOAT, [None, c, 9, 9])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "y2")],
+                              [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    feeds = {"g": rng.standard_normal((3, c, 9, 9)).astype(np.float32)}
+    run = lambda: load_session(model.SerializeToString(), 1).run(None, feeds)  # noqa: E731
+    before = run()
+    assert constant_transposed_convolutions(model) == 1
+    assert [n.op_type for n in model.graph.node].count("ConvTranspose") == 1
+    for a, b in zip(run(), before):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

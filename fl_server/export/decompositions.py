@@ -2,10 +2,9 @@
 
 ``aten.convolution_backward`` has no ONNX lowering. For a 2-D, non-transposed convolution
 y = conv2d(x, W, b; stride s, padding p, dilation d, groups G), W [C_out, C_in / G, kh, kw]:
-  dL/dx = conv_transpose2d(dL/dy, W; s, p, output_padding, d, groups G)   (output_padding restores x's size);
-          for s = 1 the convolution conv2d(dL/dy, W'; padding d (k - 1) - p, dilation d, groups G), W' each group's
-          W with input and output channels swapped and its taps reversed: where W is a constant of the graph (the
-          weights a step never changes), onnxruntime folds W' and runs its packed convolution kernel
+  dL/dx = conv_transpose2d(dL/dy, W; s, p, output_padding, d, groups G)   (output_padding restores x's size;
+          where W becomes a constant of the graph, fl_server.export.rewrites.constant_transposed_convolutions turns it
+          into a convolution that onnxruntime packs)
   dL/dW[:, :, i, j] = sum over (n, h, w) of dL/dy * x_ij, one kernel offset at a time, x_ij the input window the
           offset reads (a strided slice of the padded input): for G = 1 a matrix product [C_out, N*h*w] @
           [N*h*w, C_in] (the input channel-last), depthwise a product and a per-channel sum. (As one convolution
@@ -70,15 +69,6 @@ def _grad_weight_by_offset(grad_output: torch.Tensor, input: torch.Tensor, kh: i
     return torch.stack(taps, dim=2).reshape(taps[0].shape[0], taps[0].shape[1], kh, kw)
 
 
-def _transposed_kernel(weight: torch.Tensor, groups: int) -> torch.Tensor:
-    """The kernel of the convolution that a stride-1 transposed convolution with ``weight`` is: each group's input
-    and output channels swapped, the taps reversed ([C_out, C_in / G, kh, kw] -> [C_in, C_out / G, kh, kw])."""
-    c_out, per_group, kh, kw = weight.shape
-    w = weight.reshape(groups, c_out // groups, per_group, kh, kw).transpose(1, 2).reshape(groups * per_group,
-                                                                                         c_out // groups, kh, kw)
-    return w if kh == kw == 1 else w.flip(2, 3)
-
-
 def convolution_backward(
     grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, bias_sizes: Any,
     stride: list[int], padding: list[int], dilation: list[int], transposed: bool, output_padding: list[int],
@@ -87,10 +77,7 @@ def convolution_backward(
     if transposed or input.dim() != 4:
         raise NotImplementedError("only 2-D, non-transposed convolutions are decomposed")
     grad_input = grad_weight = grad_bias = None
-    if output_mask[0] and stride == [1, 1] and all(padding[i] <= dilation[i] * (weight.shape[2 + i] - 1) for i in range(2)):
-        grad_input = F.conv2d(grad_output, _transposed_kernel(weight, groups), groups=groups, dilation=dilation,
-                              padding=[dilation[i] * (weight.shape[2 + i] - 1) - padding[i] for i in range(2)])
-    elif output_mask[0]:
+    if output_mask[0]:
         out_pad = [
             input.shape[2 + i] - ((grad_output.shape[2 + i] - 1) * stride[i] - 2 * padding[i]
                                   + dilation[i] * (weight.shape[2 + i] - 1) + 1)
