@@ -7,8 +7,9 @@ weights a step never changes -- FedTTA's adaptation model, all but the normalisa
 MNIST images; also the plain forward and, for the MLP and the ConvNet, FedICON's test-time step (Eq. 7 on two
 augmented views of each image, the projection included). The torch side is the method's own step (the
 batch-normalised models in torch's batch-statistics BatchNorm, as the engine trains and adapts at this batch), the
-updated model's logits and entropy included. Median over repeats after warm-up, the ORT and torch calls
-alternating. ``peak_rss_mb``: the peak resident memory (``ru_maxrss``) of a fresh torch-free process that opens
+updated model's logits and entropy included; a step graph runs in the session the SDK opens for its bundle
+(``Bundle.session``: in its node order, optimised where it holds model weights as constants). Median over repeats
+after warm-up, the ORT and torch calls alternating. ``peak_rss_mb``: the peak resident memory (``ru_maxrss``) of a fresh torch-free process that opens
 the method's bundle with the SDK and personalises on the batch (one subprocess per model and method). Rows merged
 into docs/benchmarks/edge-sdk.json by (what, device). ``--memory-only``: export the step bundles and measure only
 their peak memory (no timing); it updates the ``nodes``, ``bundle_bytes`` and ``peak_rss_mb`` of the step rows in
