@@ -7,8 +7,9 @@ weights a step never changes -- FedTTA's adaptation model, all but the normalisa
 MNIST images; also the plain forward and, for the MLP and the ConvNet, FedICON's test-time step (Eq. 7 on two
 augmented views of each image, the projection included). The torch side is the method's own step (the
 batch-normalised models in torch's batch-statistics BatchNorm, as the engine trains and adapts at this batch), the
-updated model's logits and entropy included. Median over repeats after warm-up, the ORT and torch calls
-alternating. ``peak_rss_mb``: the peak resident memory (``ru_maxrss``) of a fresh torch-free process that opens
+updated model's logits and entropy included; a step graph runs in the session the SDK opens for its bundle
+(``Bundle.session``: in its node order, optimised where it holds model weights as constants). Median over repeats
+after warm-up, the ORT and torch calls alternating. ``peak_rss_mb``: the peak resident memory (``ru_maxrss``) of a fresh torch-free process that opens
 the method's bundle with the SDK and personalises on the batch (one subprocess per model and method). Rows merged
 into docs/benchmarks/edge-sdk.json by (what, device). ``--memory-only``: export the step bundles and measure only
 their peak memory (no timing); it updates the ``nodes``, ``bundle_bytes`` and ``peak_rss_mb`` of the step rows in
@@ -47,6 +48,7 @@ import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
 
+from edge_sdk import load_bundle  # noqa: E402
 from edge_sdk._steps import load_session  # noqa: E402
 from timing import interleaved_median_ms  # noqa: E402
 from fl_server.export import export_function, export_spec  # noqa: E402
@@ -143,7 +145,8 @@ def model_rows(model_name: str, x: torch.Tensor, repeats: int, tmp: Path) -> Ite
     graphs = {"forward": export_spec(specs["forward"], tmp / f"{model_name}-forward.onnx")}
     forward = specs["forward"]
     if repeats:
-        yield ("forward", *ort_vs_torch(graphs["forward"], forward, x, lambda: forward.fn(x, *forward.example[1:]), repeats), {})
+        yield ("forward", *ort_vs_torch(load_session(graphs["forward"], threads=1), forward, x,
+                                          lambda: forward.fn(x, *forward.example[1:]), repeats), {})
     for label, (algorithm, kind, hp, torch_step) in steps.items():
         spec = device_specs(algorithm, state, freeze=True)[kind]
         graphs[kind] = export_spec(spec, tmp / f"{model_name}-{kind}.onnx")
@@ -157,13 +160,15 @@ def model_rows(model_name: str, x: torch.Tensor, repeats: int, tmp: Path) -> Ite
                               algorithm.name, hp, extra={"batch_norm": dict(BATCH_NORM_RULE)} if stat_norms(algorithm.model) else None)
         extra = {"nodes": len(onnx.load(str(graphs[kind])).graph.node), "bundle_bytes": tree_bytes(bundle),
                  "peak_rss_mb": peak_rss_mb(bundle, tmp / "x.npy")}
-        yield (label, *(ort_vs_torch(graphs[kind], spec, x, eager, repeats) if repeats else (0.0, 0.0)), extra)
+        session = load_bundle(bundle).session(kind, threads=1)  # as the device opens it
+        yield (label, *(ort_vs_torch(session, spec, x, eager, repeats) if repeats else (0.0, 0.0)), extra)
     if repeats and not normalised:
         icon = build("FedICON")
         proj = icon.init_state(torch.float32, torch.device("cpu"))["proj"]
         spec = fedicon_tta_step_spec(icon, state["params"], proj, batch=len(x))  # its uniforms u: for this batch
         path = export_spec(spec, tmp / f"{model_name}-fedicon.onnx")
-        yield ("FedICON step", *ort_vs_torch(path, spec, x, lambda: spec.fn(x, *spec.example[1:]), repeats), {})
+        yield ("FedICON step", *ort_vs_torch(load_session(path, threads=1), spec, x,
+                                               lambda: spec.fn(x, *spec.example[1:]), repeats), {})
 
 
 def memory_rows(model_name: str, x: torch.Tensor, tmp: Path) -> Iterator[tuple[str, dict]]:
@@ -181,10 +186,10 @@ def merge_memory_rows(path: str, rows: list[dict]) -> None:
     merge_rows(path, kept + [{"benchmark": "edge-sdk", **r} for r in new.values()])  # every row: the order stays
 
 
-def ort_vs_torch(path: Path, spec: Any, x: torch.Tensor, eager: Callable[[], object], repeats: int) -> tuple[float, float]:
-    """Median ms of the graph at ``path`` on onnxruntime (one thread) and of ``eager()``, calls alternating (load on
-    a shared machine hits both alike)."""
-    session = load_session(path, threads=1, in_graph_order=path.stem.endswith("_step"))  # as a bundle's session
+def ort_vs_torch(session: ort.InferenceSession, spec: Any, x: torch.Tensor, eager: Callable[[], object],
+                 repeats: int) -> tuple[float, float]:
+    """Median ms of the graph of ``session`` (one thread) and of ``eager()``, calls alternating (load on a shared
+    machine hits both alike)."""
     values = dict(zip(spec.input_names, [x.numpy(), *(w.detach().numpy() for w in spec.example[1:])]))
     feeds = {i.name: values[i.name] for i in session.get_inputs()}
     ms = interleaved_median_ms({"ort": lambda: session.run(None, feeds), "torch": eager}, repeats)
@@ -227,7 +232,7 @@ def conv_kernel_rows(batch: int, repeats: int, tmp: Path, command: str) -> list[
     for label, (fn, eager) in kernels.items():
         path = export_function(fn, [x, w, gy], ["x", "w", "gy"], ["out"], ["x", "gy"],
                                tmp / f"conv-{label.replace(' ', '_')}.onnx")
-        session = load_session(path, threads=1, in_graph_order=path.stem.endswith("_step"))  # as a bundle's session
+        session = load_session(path, threads=1)
         feeds = {i.name: {"x": x, "w": w, "gy": gy}[i.name].numpy() for i in session.get_inputs()}
         ms = interleaved_median_ms({"ort": lambda: session.run(None, feeds), "torch": eager}, repeats)
         row = {"benchmark": "edge-sdk", "what": f"convnet conv2 {label} kernel, batch {batch}",

@@ -1,6 +1,7 @@
 """Lean device steps (issue #51): the weights a step never changes are constants of its graph (onnxruntime folds and
 pre-packs them) and the device feeds only what the step changes, with the same results as the graph that takes
-every weight; the exported normalisation backward has no ``Pow`` and each zoo model's TENT step stays within a
+every weight, and a bundle runs such a graph optimised (in its own node order); the exported normalisation backward
+has no ``Pow`` and each zoo model's TENT step stays within a
 recorded node count and, run in its own node order (as the SDK runs step graphs), within a recorded peak of
 intermediates (device memory, docs/benchmarks/edge-memory.md)."""
 from __future__ import annotations
@@ -14,10 +15,11 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from edge_sdk import open_bundle
+from edge_sdk import load_bundle, open_bundle
 from edge_sdk._steps import StepRunner, load_session
 from fl_server.export import export_spec, fedtta_step_spec, tent_step_spec
-from fl_server.export.rewrites import cancel_transpose_pairs, held_at_once, pow_to_mul, recompute_late_reads
+from fl_server.export.rewrites import (cancel_transpose_pairs, constant_transposed_convolutions, held_at_once,
+                                      pow_to_mul, recompute_late_reads)
 from fl_server.export.bundle import write_bundle
 from fl_server.export.steps import device_specs
 from fl_server.algorithms import build_algorithm
@@ -27,12 +29,14 @@ from fl_server.models import build_model
 from fl_server.models.norm import calibrate, stat_norms, statistics_arrays
 from fl_server.recipes.presets import FEDTTA_HP
 
-# the TENT step graph a bundle ships, per zoo edge model: nodes at most (measured 74, 134, 892, 1113; 8 and 10 of
-# them recompute batch normalisation's centred input for the backward, and 2, 2, 50, 48 Transposes that cancelled
-# in pairs are gone: fl_server.export.rewrites)
-NODE_BOUNDS = {"mlp": 78, "convnet": 138, "resnet8_bn": 900, "mobilenet_s": 1120}
+# the TENT step graph a bundle ships, per zoo edge model: nodes at most (measured 74, 348, 773, 972; 2, 2, 50, 48
+# Transposes that cancelled in pairs are gone: fl_server.export.rewrites; the batch-normalised models' backward is
+# written out (fl_server.models.norm._MixNorm: 892 -> 757 and 1113 -> 943 nodes); the ConvNet, adapting every weight,
+# computes each weight gradient one kernel offset at a time (fl_server.export.decompositions: 134 -> 348 nodes, a
+# faster step))
+NODE_BOUNDS = {"mlp": 78, "convnet": 352, "resnet8_bn": 780, "mobilenet_s": 980}
 # ... and the MB its intermediates hold at once in its own node order, batch 64 (rewrites.held_at_once; measured
-# 1.6, 38.5, 32.2, 22.8; 44.4 and 31.8 on the normalised models without the recomputation)
+# 1.6, 38.5, 31.4, 22.0)
 HELD_BOUNDS_MB = {"mlp": 2, "convnet": 40, "resnet8_bn": 34, "mobilenet_s": 24}
 
 
@@ -77,6 +81,14 @@ def test_frozen_weights_are_constants_of_the_step_graph(mnist_all, tmp_path: Pat
     psi = {n: v.numpy() for n, v in state["params"].items()}
     _steps(tmp_path / "tent_full.onnx", tmp_path / "tent_lean.onnx", x.numpy(), psi, {},
            statistics_arrays(tent.model))
+    # a bundle's frozen step graph runs optimised (its constant convolutions packed), still in its own order
+    bundle = load_bundle(write_bundle(tmp_path / "bundle", {"tent_step": tmp_path / "tent_lean.onnx"},
+                                      {"params": psi, "stats": statistics_arrays(tent.model)}, "TENT",
+                                      {"adapt": "norm_affine"}))
+    assert bundle.holds_model_weights("tent_step")
+    options = bundle.session("tent_step", 1).get_session_options()
+    assert options.execution_order == ort.ExecutionOrder.PRIORITY_BASED
+    assert options.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     # TENT adapting every weight has nothing to freeze
     all_tent, all_state = _algorithm("TENT", "mlp", x, lr=0.1)
     assert not device_specs(all_tent, all_state, freeze=True)["tent_step"].embedded
@@ -122,7 +134,8 @@ def test_bundle_runs_step_graphs_in_their_order(mnist_all, tmp_path: Path) -> No
     device = open_bundle(write_bundle(tmp_path / "bundle", graphs, weights, "TENT", {"lr": 0.1}))
     step, forward = device.runner.step.session.get_session_options(), device.runner.forward.get_session_options()
     assert step.execution_order == ort.ExecutionOrder.PRIORITY_BASED
-    assert step.graph_optimization_level == ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    assert step.graph_optimization_level == ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # weights fed, none constant
+    assert not device.bundle.holds_model_weights("tent_step")
     assert forward.execution_order == ort.ExecutionOrder.DEFAULT  # other graphs: onnxruntime's optimisations
     assert forward.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     before = device.predict(x.numpy())
@@ -197,3 +210,27 @@ def test_cancel_transpose_pairs_is_bit_identical() -> None:
     assert [n.op_type for n in model.graph.node] == ["Neg", "Transpose", "Transpose", "Neg"]
     for a, b in zip(run(), before):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("c,c_out,groups,kernel,pads,dilation", [
+    (6, 4, 1, 3, 1, 1), (8, 8, 8, 3, 1, 1), (6, 4, 1, 1, 0, 1), (6, 6, 2, 5, 2, 2), (6, 4, 1, 3, 0, 1)])
+def test_constant_transposed_convolutions_compute_the_same(c, c_out, groups, kernel, pads, dilation) -> None:  # type: ignore[no-untyped-def]
+    # a stride-1 ConvTranspose on a constant kernel becomes a Conv on the kernel transposed and reversed (folded by
+    # onnxruntime); the strided one stays
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((c, c_out // groups, kernel, kernel)).astype(np.float32)
+    nodes = [helper.make_node("ConvTranspose", ["g", "w"], ["y"], group=groups, pads=[pads] * 4,
+                              dilations=[dilation] * 2, strides=[1, 1], kernel_shape=[kernel] * 2),
+             helper.make_node("ConvTranspose", ["g", "w"], ["y2"], group=groups, strides=[2, 2], kernel_shape=[kernel] * 2)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("g", TensorProto.FLOAT, [None, c, 9, 9])],
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "y2")],
+                              [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    feeds = {"g": rng.standard_normal((3, c, 9, 9)).astype(np.float32)}
+    run = lambda: load_session(model.SerializeToString(), 1).run(None, feeds)  # noqa: E731
+    before = run()
+    assert constant_transposed_convolutions(model) == 1
+    assert [n.op_type for n in model.graph.node].count("ConvTranspose") == 1
+    for a, b in zip(run(), before):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -182,14 +182,24 @@ class Bundle:
 
     def session(self, name: str, threads: int | None = None):  # type: ignore[no-untyped-def]
         """An onnxruntime session of the ONNX artifact ``name``; TENT's and FedTTA's step graphs run in their own
-        node order (:data:`IN_GRAPH_ORDER`, :func:`edge_sdk._steps.load_session`)."""
+        node order (:data:`IN_GRAPH_ORDER`, :func:`edge_sdk._steps.load_session`), optimised when they hold model
+        weights as constants (:meth:`holds_model_weights`)."""
         from edge_sdk._steps import load_session
 
         if self.artifact(name)["kind"] != "onnx":
             raise BundleError(f"artifact {name!r} is not an ONNX graph")
         # FedICON's step runs optimised: in the graph's order, unoptimised, its projection-free variant's tuned
         # encoder left torch's by 0.03 in the logits (tests/test_fedicon_device.py), where optimised it agrees
-        return load_session(self.data(name), threads, in_graph_order=name in IN_GRAPH_ORDER)
+        ordered = name in IN_GRAPH_ORDER
+        return load_session(self.data(name), threads, in_graph_order=ordered,
+                            constant_weights=ordered and self.holds_model_weights(name))
+
+    def holds_model_weights(self, name: str) -> bool:
+        """Whether the graph ``name`` holds some of the model's weights (the bundle's ``params``) as constants: it
+        takes not every one as a ``psi.`` input (a frozen step graph: TENT's adapting only normalisation layers)."""
+        inputs = {i.get("name") for i in self.artifact(name).get("inputs", [])}
+        params = next((a for a in self.manifest["artifacts"] if a.get("name") == "params"), None)
+        return params is not None and any(f"psi.{p}" not in inputs for p in params.get("arrays", {}))
 
 
 # the step graphs that run in their own node order, unoptimised (edge_sdk._steps.load_session): the adaptation

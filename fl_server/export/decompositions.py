@@ -2,11 +2,15 @@
 
 ``aten.convolution_backward`` has no ONNX lowering. For a 2-D, non-transposed convolution
 y = conv2d(x, W, b; stride s, padding p, dilation d, groups G), W [C_out, C_in / G, kh, kw]:
-  dL/dx = conv_transpose2d(dL/dy, W; s, p, output_padding, d, groups G)   (output_padding restores x's size)
-  dL/dW = conv2d(x', (dL/dy)^T; stride d, padding p, dilation s, groups G)^T, cropped to W's kernel size
-          x' [C_in / G, G * N, H, W]: group g's input channels, with the batch as channels, so the batch sum
-          becomes the convolution's channel sum and each group's weights see only their own inputs
-          (G = 1: x' = x^T; depthwise G = C_in: x' = one channel whose G * N planes are (channel, sample) pairs)
+  dL/dx = conv_transpose2d(dL/dy, W; s, p, output_padding, d, groups G)   (output_padding restores x's size;
+          where W becomes a constant of the graph, fl_server.export.rewrites.constant_transposed_convolutions turns it
+          into a convolution that onnxruntime packs)
+  dL/dW[:, :, i, j] = sum over (n, h, w) of dL/dy * x_ij, one kernel offset at a time, x_ij the input window the
+          offset reads (a strided slice of the padded input): for G = 1 a matrix product [C_out, N*h*w] @
+          [N*h*w, C_in] (the input channel-last), depthwise a product and a per-channel sum. (As one convolution
+          whose kernel is dL/dy, the way other groupings still go -- conv2d(x', (dL/dy)^T; stride d, padding p,
+          dilation s, groups G)^T with x' [C_in / G, G * N, H, W] -- onnxruntime ran it at a third of these
+          matrix products' speed: a kernel of h x w taps, an output of kh x kw.)
   dL/db = sum of dL/dy over batch and space
 
 Max-pooling backward where the windows tile the input (kernel = stride, no padding or dilation, sizes divisible):
@@ -31,13 +35,38 @@ aten = torch.ops.aten
 
 def _grad_weight(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, stride: list[int],
                  padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:
+    c_out, per_group, kh, kw = weight.shape
+    if groups == 1 or (per_group == 1 and c_out == groups):
+        return _grad_weight_by_offset(grad_output, input, kh, kw, stride, padding, dilation, groups)
     n, c_in = input.shape[0], input.shape[1]
-    per_group = c_in // groups
     # [N, C_in, H, W] -> [N, G, C_in/G, H, W] -> [C_in/G, G, N, H, W] -> [C_in/G, G*N, H, W]
     x = input.reshape(n, groups, per_group, input.shape[2], input.shape[3]).permute(2, 1, 0, 3, 4)
     x = x.reshape(per_group, groups * n, input.shape[2], input.shape[3])
     gw = F.conv2d(x, grad_output.transpose(0, 1), stride=dilation, padding=padding, dilation=stride, groups=groups)
     return gw.transpose(0, 1)[:, :, :weight.shape[2], :weight.shape[3]]
+
+
+def _grad_weight_by_offset(grad_output: torch.Tensor, input: torch.Tensor, kh: int, kw: int, stride: list[int],
+                           padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:
+    """dL/dW one kernel offset (i, j) at a time: x_ij, the input window that offset reads ([N, C_in, h, w], a strided
+    slice of the padded input), gives dL/dW[:, :, i, j] = sum over (n, h, w) of dL/dy x_ij -- for G = 1 one matrix
+    product [C_out, N*h*w] @ [N*h*w, C_in] (inputs channel-last), depthwise a product and a sum per channel."""
+    h, w = grad_output.shape[2], grad_output.shape[3]
+    x = F.pad(input, (padding[1], padding[1], padding[0], padding[0])) if any(padding) else input
+    if groups == 1:  # channel-last once: each offset's window is then a [N*h*w, C_in] matrix
+        x = x.permute(0, 2, 3, 1)
+        gy = grad_output.transpose(0, 1).reshape(grad_output.shape[1], -1)  # [C_out, N*h*w]
+
+    def window(i: int, j: int) -> torch.Tensor:
+        rows = slice(i * dilation[0], i * dilation[0] + (h - 1) * stride[0] + 1, stride[0])
+        cols = slice(j * dilation[1], j * dilation[1] + (w - 1) * stride[1] + 1, stride[1])
+        return x[:, rows, cols, :] if groups == 1 else x[:, :, rows, cols]
+
+    if groups == 1:
+        taps = [gy @ window(i, j).reshape(-1, x.shape[3]) for i in range(kh) for j in range(kw)]
+    else:
+        taps = [(grad_output * window(i, j)).sum(dim=(0, 2, 3))[:, None] for i in range(kh) for j in range(kw)]
+    return torch.stack(taps, dim=2).reshape(taps[0].shape[0], taps[0].shape[1], kh, kw)
 
 
 def convolution_backward(

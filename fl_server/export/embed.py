@@ -22,6 +22,7 @@ import onnx
 from onnx import numpy_helper
 
 from fl_server.atomic import atomic_path
+from fl_server.export.rewrites import constant_transposed_convolutions
 
 _NP_DTYPES = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.DOUBLE: np.float64,
               onnx.TensorProto.INT64: np.int64, onnx.TensorProto.INT32: np.int32}
@@ -46,6 +47,7 @@ def embed_inputs(path: str | os.PathLike, values: Mapping[str, np.ndarray]) -> P
         model.graph.initializer.append(numpy_helper.from_array(arr, name))
     del model.graph.input[:]
     model.graph.input.extend(kept)
+    constant_transposed_convolutions(model)  # input gradients through constant weights: packed convolutions
     with atomic_path(path) as tmp:
         onnx.save(model, str(tmp))
     return path

@@ -23,6 +23,15 @@ anyway, recomputing it just before the late read frees it in between. The case i
 centred input ``x - mean``: the forward reads it for the variance, the backward again, while ``x`` (the convolution's
 output) is held for the scale's gradient; recomputed, resnet8_bn's FedTTA step (batch 64), run in the graph's order,
 holds 36 MB at once instead of 50. The copy computes the same operation on the same inputs: the same bits.
+
+``constant_transposed_convolutions``. The exporter writes a convolution's input gradient as a ConvTranspose of the
+output gradient with the convolution's weights W. Where W is a constant of the graph (a step's frozen weights,
+:mod:`fl_server.export.embed`) and the stride is 1, the ConvTranspose is the convolution with W' -- each group's W with
+input and output channels swapped and its taps reversed -- padded by d (k - 1) - p; W' is computed by nodes from W
+(Reshape, Transpose, Reshape, a reversing Slice) that onnxruntime folds into a constant, so the graph holds W once, and
+the convolution with a constant kernel runs in onnxruntime's packed layout (mobilenet_s's frozen TENT step 19 -> 17 ms
+CPU). Where W is fed, the ConvTranspose stays: as a Conv on a fed W' it ran slower (the ConvNet's 5x5 input gradient
+7.6 -> 12.4 ms). The same sums in another order: equal up to float32 rounding.
 """
 from __future__ import annotations
 
@@ -240,3 +249,49 @@ def held_at_once(model: onnx.ModelProto) -> int:
         peak = max(peak, held)
         held -= sum(size.get(x, 0) for x in set(node.input) if x in made and last[x] == i and x not in outputs)
     return peak
+
+
+def constant_transposed_convolutions(model: onnx.ModelProto) -> int:
+    """Rewrite, in place, every stride-1 ConvTranspose whose weights are an initializer (and whose padding is at most
+    d (k - 1), no output padding) into a Conv with the transposed, reversed kernel (see the module's docstring).
+    Returns how many were rewritten."""
+    g = model.graph
+    constants = {i.name: tuple(i.dims) for i in g.initializer}
+    rewritten = 0
+    for node in [n for n in g.node if n.op_type == "ConvTranspose"]:
+        dims = constants.get(node.input[1]) if len(node.input) > 1 else None
+        attrs = {a.name: (list(a.ints) if a.ints else a.i) for a in node.attribute}
+        padded_by_name = any(a.name == "auto_pad" and a.s not in (b"", b"NOTSET") for a in node.attribute)
+        if dims is None or len(dims) != 4 or len(node.input) > 2 or padded_by_name:
+            continue
+        kernel, groups = list(dims[2:]), int(attrs.get("group", 1) or 1)
+        dilation, pads = attrs.get("dilations", [1, 1]), attrs.get("pads", [0, 0, 0, 0])
+        if (attrs.get("strides", [1, 1]) != [1, 1] or any(attrs.get("output_padding", [0, 0]))
+                or attrs.get("output_shape") or pads[:2] != pads[2:]
+                or any(pads[i] > dilation[i] * (kernel[i] - 1) for i in range(2))):
+            continue
+        c_in_t, per_group = dims[0], dims[1]  # ConvTranspose weights [C, C' / G, kh, kw]: C the gradient's channels
+        p = f"{node.name or node.output[0]}_as_conv"
+        flip = kernel != [1, 1]
+        g.initializer.extend([
+            numpy_helper.from_array(np.array([groups, c_in_t // groups, per_group, *kernel], np.int64), f"{p}_grouped"),
+            numpy_helper.from_array(np.array([groups * per_group, c_in_t // groups, *kernel], np.int64), f"{p}_shape"),
+            *([numpy_helper.from_array(np.array(v, np.int64), f"{p}_{k}") for k, v in
+               (("starts", [-1, -1]), ("ends", [-(2 ** 63)] * 2), ("axes", [2, 3]), ("steps", [-1, -1]))] if flip else [])])
+        w = node.input[1]
+        nodes = [helper.make_node("Reshape", [w, f"{p}_grouped"], [f"{p}_w0"], name=f"{p}_w0"),
+                 helper.make_node("Transpose", [f"{p}_w0"], [f"{p}_w1"], perm=[0, 2, 1, 3, 4], name=f"{p}_w1"),
+                 helper.make_node("Reshape", [f"{p}_w1", f"{p}_shape"], [f"{p}_w2" if flip else f"{p}_w"],
+                                  name=f"{p}_w2")]
+        if flip:
+            nodes.append(helper.make_node("Slice", [f"{p}_w2", f"{p}_starts", f"{p}_ends", f"{p}_axes", f"{p}_steps"],
+                                          [f"{p}_w"], name=f"{p}_w"))
+        conv_pads = [dilation[i] * (kernel[i] - 1) - pads[i] for i in range(2)] * 2
+        nodes.append(helper.make_node("Conv", [node.input[0], f"{p}_w"], list(node.output), name=p, group=groups,
+                                      dilations=dilation, pads=conv_pads, strides=[1, 1], kernel_shape=kernel))
+        at = list(g.node).index(node)
+        g.node.remove(node)
+        for k, new in enumerate(nodes):
+            g.node.insert(at + k, new)
+        rewritten += 1
+    return rewritten

@@ -77,18 +77,9 @@ class StatBatchNorm2d(nn.Module):
     def _mix(self, x: torch.Tensor) -> torch.Tensor:
         if self.mean is None or self.var is None or self.momentum is None:
             raise RuntimeError("mix mode needs population statistics and a momentum (statistics_inputs)")
-        # written for a lean exported gradient graph (every node runs at each device step): d * d, not a square,
-        # and 1 / sqrt, not rsqrt -- their derivatives would be ONNX Pow nodes (d^1, r^3), several times slower
-        # than Mul on onnxruntime; one fused scale and shift per channel
-        m = self.momentum
-        batch_mean = x.mean(dim=(0, 2, 3))
-        d = x - batch_mean[None, :, None, None]
-        batch_var = (d * d).mean(dim=(0, 2, 3))  # biased, as BatchNorm
-        mean = (1 - m) * self.mean + m * batch_mean
-        var = (1 - m) * self.var + m * batch_var
+        y, mean, var, _ = _MixNorm.apply(x, self.weight, self.bias, self.mean, self.var, self.momentum, self.eps)
         self.used = (mean, var)
-        scale = self.weight * torch.reciprocal(torch.sqrt(var + self.eps))
-        return x * scale[None, :, None, None] + (self.bias - mean * scale)[None, :, None, None]
+        return y
 
     @classmethod
     def from_batchnorm(cls, bn: nn.BatchNorm2d) -> "StatBatchNorm2d":
@@ -103,6 +94,62 @@ class StatBatchNorm2d(nn.Module):
         if bn.running_mean is not None and bn.running_var is not None:
             out.mean, out.var = bn.running_mean.detach().clone(), bn.running_var.detach().clone()
         return out
+
+
+class _MixNorm(torch.autograd.Function):
+    """``"mix"`` normalisation with its backward written out, for lean exported gradient graphs (every node runs at
+    each device step). Forward: batch mean mu_b and biased variance v_b, the statistics used mu = (1 - m) mu_p +
+    m mu_b, v = (1 - m) v_p + m v_b, r = 1 / sqrt(v + eps), s = gamma r, y = x s + (beta - mu s) (one fused scale and
+    shift per channel; d * d, not a square, and 1 / sqrt, not rsqrt: their derivatives would be ONNX Pow nodes).
+    Backward, per channel over (N, H, W) with n elements, g = dL/dy, d = x - mu_b (recomputed, not held):
+      dbeta = sum g,  dgamma = r sum g (x - mu) = r (sum g d + (mu_b - mu) sum g),
+      dL/dmu = -s sum g,  dL/dv = -gamma r^3 / 2 * sum g (x - mu),
+      dx = g s + (m / n) dL/dmu + (2 m / n) dL/dv * d
+    (the term of v_b through mu_b vanishes: sum d = 0), which autograd spreads over about three times as many
+    activation-sized nodes (broadcasts of every reduction's gradient, one sum per path). The statistics outputs
+    (mu, v, and mu_b for the backward) are not differentiable. Population statistics and m get no gradient."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, pop_mean: torch.Tensor,  # type: ignore[override]
+                pop_var: torch.Tensor, m: torch.Tensor, eps: float) -> tuple[torch.Tensor, ...]:
+        batch_mean = x.mean(dim=(0, 2, 3))
+        d = x - batch_mean[None, :, None, None]
+        batch_var = (d * d).mean(dim=(0, 2, 3))  # biased, as BatchNorm
+        mean = (1 - m) * pop_mean + m * batch_mean
+        var = (1 - m) * pop_var + m * batch_var
+        scale = weight * torch.reciprocal(torch.sqrt(var + eps))
+        y = x * scale[None, :, None, None] + (bias - mean * scale)[None, :, None, None]
+        return y, mean, var, batch_mean
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def,override]
+        x, weight, _, _, _, m, eps = inputs
+        _, mean, var, batch_mean = output
+        ctx.mark_non_differentiable(mean, var, batch_mean)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, weight, m, mean, var, batch_mean)
+        ctx.eps = eps
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor | None, *_: torch.Tensor | None):  # type: ignore[no-untyped-def,override]
+        x, weight, m, mean, var, batch_mean = ctx.saved_tensors
+        if g is None:
+            return None, None, None, None, None, None, None
+        dims, c = (0, 2, 3), (None, slice(None), None, None)
+        d = x - batch_mean[c]
+        r = torch.reciprocal(torch.sqrt(var + ctx.eps))
+        scale = weight * r
+        sum_g = g.sum(dim=dims)
+        sum_gd = (g * d).sum(dim=dims) + (batch_mean - mean) * sum_g  # sum g (x - mu)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            n = x.shape[0] * x.shape[2] * x.shape[3]
+            d_mean = -scale * sum_g
+            d_var = -0.5 * weight * r * r * r * sum_gd
+            dx = g * scale[c] + d * (2 * m / n * d_var)[c] + (m / n * d_mean)[c]
+        d_weight = r * sum_gd if ctx.needs_input_grad[1] else None
+        d_bias = sum_g if ctx.needs_input_grad[2] else None
+        return dx, d_weight, d_bias, None, None, None, None
 
 
 def convert_batchnorm(module: nn.Module) -> nn.Module:
