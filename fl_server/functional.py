@@ -11,7 +11,6 @@ import numpy as np
 import torch
 from torch import nn
 from torch.func import functional_call
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils import _pytree as pytree
 
 State = dict[str, Any]
@@ -35,45 +34,14 @@ def make_forward(module: nn.Module) -> Callable[[Params, torch.Tensor], torch.Te
 
 
 def grad(fn: Callable[..., Any], argnums: int | tuple[int, ...] = 0, has_aux: bool = False) -> Callable[..., Any]:
-    """``torch.func.grad(fn, argnums, has_aux)``, computed with ``torch.autograd.grad`` where no functorch transform
-    (vmap), compilation or ``make_fx`` tracing (export) is active: the same backward kernels and numbers, without the ``torch._dynamo`` import
-    (about 1 s of CPU) the first ``torch.func.grad`` call of a process pays (a Flower ClientApp is a new process per
-    message). Under vmap it is ``torch.func.grad``.
+    """``torch.func.grad(fn, argnums, has_aux)``: every method takes its gradients through this one name.
 
-    Nested (an argument already tracked by an outer ``grad``, as in FedTTA's meta-gradient through its inner step),
-    the gradient is taken with ``create_graph=True`` with respect to an alias of each such argument (``view_as``),
-    so that, as in ``torch.func.grad``, only the paths through the differentiated argument count and the result
-    and the aux output stay differentiable for the outer level."""
-    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-
-    def wrapper(*args: Any) -> Any:
-        if (torch._C._functorch.peek_interpreter_stack() is not None or torch.compiler.is_compiling()
-                or get_proxy_mode() is not None):  # vmap, torch.compile, make_fx (the export traces func.grad)
-            return torch.func.grad(fn, argnums, has_aux)(*args)
-        tensors = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)]
-        nested = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-        def variable(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor):
-                return t
-            return t.view_as(t) if nested and t.requires_grad else t.detach().requires_grad_(True)
-
-        inputs = list(args)
-        for i in nums:
-            inputs[i] = pytree.tree_map(variable, inputs[i])
-        leaves, spec = pytree.tree_flatten([inputs[i] for i in nums])
-        with torch.enable_grad():
-            out = fn(*inputs)
-            loss, aux = out if has_aux else (out, None)
-            found = torch.autograd.grad(loss, leaves, allow_unused=True, create_graph=nested)
-        grads = pytree.tree_unflatten([torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found)], spec)
-        result = grads[0] if isinstance(argnums, int) else tuple(grads)
-        if not has_aux:
-            return result
-        return result, aux if nested else pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t,
-                                                          aux)
-
-    return wrapper
+    Not ``torch.autograd.grad``, though that would spare a process the ``torch._dynamo`` import (about 1 s of CPU)
+    of its first ``torch.func.grad`` call: torch's CPU GroupNorm backward (its channels-last kernel) crashes the
+    process on some batches of one sample under plain autograd, and not under ``torch.func.grad``. A Flower
+    SuperNode's ClientApps pay the import once, in the SuperExec they are forked from
+    (:mod:`fl_server.flower.superexec`)."""
+    return torch.func.grad(fn, argnums, has_aux)
 
 
 def tree_map(fn: Callable[..., torch.Tensor], tree: Any, *rest: Any) -> Any:

@@ -161,14 +161,20 @@ def _process_start() -> float | None:
         return None
 
 
+# modules whose import a message should not pay: loaded while handling it (not already when this module was imported,
+# e.g. by the SuperExec the ClientApp process was forked from) is recorded in its phases
+_WATCHED = {"dynamo": "torch._dynamo", "scipy": "scipy"}
+_LOADED_BEFORE = frozenset(m for m in _WATCHED.values() if m in sys.modules)
+
+
 def _log_phases(path: str, node: int, kind: str, t0: float, t1: float, t2: float) -> None:
     """Append one message's phases to ``path`` (``FL_FLOWER_PHASES``, set by benchmarks/flower.py): seconds from
     the ClientApp process's start to the handler (Flower's start-up and the imports), preparing the node's data,
-    answering, and whether ``torch._dynamo`` got imported."""
+    answering, and whether handling it imported ``torch._dynamo`` or scipy."""
     start = _process_start()
     row = {"node": node, "kind": kind, "start_to_handler_s": round(t0 - start, 3) if start else None,
            "data_s": round(t1 - t0, 3), "answer_s": round(t2 - t1, 3), "end": round(t2, 3),
-           "dynamo": "torch._dynamo" in sys.modules, "scipy": "scipy" in sys.modules}
+           **{key: module in sys.modules and module not in _LOADED_BEFORE for key, module in _WATCHED.items()}}
     with open(path, "a") as fh:
         fh.write(json.dumps(row) + "\n")
 

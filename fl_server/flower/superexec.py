@@ -60,7 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     interval = _poll_interval()
 
-    # what every ClientApp child would otherwise import anew: Flower's ClientApp runtime and the app
+    # what every ClientApp child would otherwise import anew: Flower's ClientApp runtime and the app, and
+    # torch._dynamo, which a process's first torch.func.grad imports (about 1 s of CPU; fl_server.functional.grad;
+    # about 70 MB of resident memory here, shared with the forks)
+    import torch._dynamo  # noqa: F401
     import fl_server.flower.client_app  # noqa: F401
     from flwr.proto.runtime_pb2 import AcquireTaskRequest  # pylint: disable=no-name-in-module
     from flwr.supercore.app_utils import start_parent_process_monitor
