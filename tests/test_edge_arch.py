@@ -96,10 +96,11 @@ def test_forward_tent_and_fedtta_parity(model_name: str, fashion_batches, tmp_pa
 @pytest.mark.parametrize("c_in,c_out,groups,kernel,stride,padding,dilation,size", [
     (4, 6, 1, 3, 1, 1, 1, 9), (4, 4, 4, 3, 2, 1, 1, 9), (6, 9, 3, 3, 2, 0, 1, 10), (8, 8, 8, 5, 1, 2, 2, 11),
     (4, 8, 2, 1, 1, 0, 1, 7), (3, 6, 3, 3, 2, 1, 1, 8),
+    (16, 4, 1, 3, 1, 1, 1, 24), (8, 4, 1, 3, 2, 1, 1, 24),  # dense inputs past _OFFSET_INPUT_ELEMENTS: by convolution
 ])
 def test_convolution_backward_decomposition(c_in, c_out, groups, kernel, stride, padding, dilation, size) -> None:  # type: ignore[no-untyped-def]
-    """Dense, depthwise and grouped convolutions, strided, padded, dilated, 1x1: the decomposition's three
-    gradients equal autograd's (float64)."""
+    """Dense (per offset, and by convolution for larger inputs), depthwise and grouped convolutions, strided, padded,
+    dilated, 1x1: the decomposition's three gradients equal autograd's (float64)."""
     from fl_server.export.decompositions import convolution_backward
 
     g = torch.Generator().manual_seed(0)
