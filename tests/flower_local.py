@@ -17,6 +17,7 @@ import numpy as np
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 sys.path.insert(0, str(EXAMPLES))  # the loopback deployment lives beside the example that uses it
 import loopback_flower as local  # noqa: E402
+from loopback_flower import _wait_port as wait_port  # noqa: E402,F401  (the tests' import)
 from loopback_flower import free_port  # noqa: E402,F401  (the tests' import)
 
 APP_DIR = EXAMPLES / "flower"  # the app folder `flwr run` takes

@@ -12,7 +12,6 @@ import re
 import shlex
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,7 @@ import pytest
 
 pytest.importorskip("flwr", reason="the flower extra is not installed (pip install 'fl-edge[flower]')")
 
-from flower_local import LocalDeployment, free_port, processes_of, write_node_data  # noqa: E402  (beside this file)
+from flower_local import LocalDeployment, free_port, processes_of, wait_port, write_node_data  # noqa: E402  (beside this file)
 
 REPO = Path(__file__).resolve().parents[1]
 DOC = REPO / "docs" / "flower.md"
@@ -48,19 +47,6 @@ def doc_block(text: str) -> tuple[list[str], str]:
             commands.append(line.strip())
         line = ""
     return commands, "\n".join(toml) + "\n"
-
-
-def wait_port(port: int, proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"exited with {proc.returncode}:\n{log.read_text()[-3000:]}"
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.3)
-    raise TimeoutError(f"nothing listens on {port}:\n{log.read_text()[-3000:]}")
 
 
 @pytest.mark.timeout(600)
@@ -110,7 +96,7 @@ def test_the_flower_page_runs_as_written(tmp_path: Path, fashion_all) -> None:  
                     (node_dir / folder.group(1)).parent.mkdir(parents=True)
                     (tmp_path / "images" / source).rename(node_dir / folder.group(1))
                     proc = spawn([str(BIN / argv[0]), *argv[1:]], node_dir, log)
-                    wait_port(node_port, proc, log)
+                    wait_port(node_port, proc, 120.0, log)
                 else:
                     proc = spawn([sys.executable, *argv[1:]], node_dir, log)
                 last_pid = str(proc.pid)
@@ -135,7 +121,7 @@ def test_the_flower_page_runs_as_written(tmp_path: Path, fashion_all) -> None:  
             elif program == "flower-superlink":
                 assert "--insecure" in argv  # loopback only; TLS: tests/test_flower.py
                 log = tmp_path / "superlink.log"
-                wait_port(link_port, spawn([str(BIN / program), *argv[1:]], link_dir, log), log)
+                wait_port(link_port, spawn([str(BIN / program), *argv[1:]], link_dir, log), 120.0, log)
             elif program == "flwr":
                 config = argv[argv.index("--run-config") + 1]
                 for full, smoke in SMOKE.items():
