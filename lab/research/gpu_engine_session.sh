@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# One device call sized for a 15-minute lease: the engine's convolution paths checked and timed on the idle GPU, the
-# faster one chosen, then the Fashion-MNIST UPFL Table-1 rows of the FedTTA family (lab/research/device_rows.tsv)
-# one at a time (each followed by its upfl-data-size step), all cut off at the deadline.
-#  1. tests/test_gpu_engine.py (graphed and GEMM rounds equal eager rounds in float64 on the GPU);
-#  2. benchmarks/gpu_engine.py --device cuda $BENCH_ARGS (default: FedTTA at torch's default precision, as rows run):
-#     eager against graphed against gemm_graphed rounds (TF32 convolutions either way), kernels per round, parity;
+# One device call sized for a 15-minute lease: the engine's GPU paths checked, optionally timed, then the
+# Fashion-MNIST UPFL Table-1 rows of the FedTTA family (lab/research/device_rows.tsv) one at a time (each followed
+# by its upfl-data-size step), all cut off at the deadline.
+#  1. tests/test_gpu_engine.py (graphed and GEMM rounds equal eager rounds in float64 on the GPU; 15 s; NO_TESTS=1
+#     skips it, and then mnist/ need not be carried);
+#  2. with BENCH=1 only: benchmarks/gpu_engine.py --device cuda $BENCH_ARGS (default: FedTTA at torch's default
+#     precision, as rows run): eager against graphed against gemm_graphed rounds, kernels per round, parity (about
+#     110 s: run it when a variant is new; gemm_graphed measured 0.27x on an H200, docs/research/gpu-engine.md);
 #  3. FL_BATCHED_CONV (the engine's convolution path for the rows): as given, else the faster of graphed and
 #     gemm_graphed in step 2's row, else native;
 #  4. rows until BUDGET_S seconds after the start, LANES at a time (default 1: a row alone has the GPU). A row cut
@@ -14,12 +16,14 @@
 #     earlier lease into .gpu_ckpt/ (carried) and the rows resume from them (the convolution path is not part of a
 #     run's identity). Finished rows send their best states back (best-states.tgz[.partNN]) for the CPU probes.
 # Everything lands in $OUT: log.txt, gpu-engine.json, rows.tgz (logs, results, metrics), ckpt-*.tgz[.partNN],
-# best-states.tgz[.partNN]. On an H200, alone: about 1.0 s a round for FedTTA, 1.4 s for FedTTA++ (it validates
-# with up to 50 adaptation steps), 16 s for a row's upfl-data-size step.
+# best-states.tgz[.partNN]. On an H200, alone: about 1.0 s a round for FedTTA, 1.3 s for FedTTA++ (it validates
+# with up to 50 adaptation steps), 16-20 s for a row's upfl-data-size step.
 #
 #   bash lab/research/gpu_engine_session.sh   # carry .gpu_data (a copy of ../shared/data's fashion-mnist/,
-#                                                 # and mnist/ for step 1) and .gpu_ckpt; NO_BENCH=1 skips 1-2
-# Mind the 64 MiB a call carries: the tree (16 MB), fashion-mnist (30 MB) and the checkpoints (6 or 12 MB each).
+#                                             # and mnist/ for step 1) and .gpu_ckpt
+# Mind the 64 MiB a call carries, the tree included (23 MB; move docs/results/unseen-domain.json,
+# fedicon-shift.json and docs/research/results-detail.md aside for the call when it is short), fashion-mnist
+# (30 MB), mnist (11 MB) and the checkpoints (6 or 12 MB each).
 # Merge here (DIR: the call's files_at): python lab/research/merge_device_results.py DIR/rows.tgz for finished
 # rows; the benchmark rows with lab.rows.merge_rows into docs/benchmarks/gpu-engine.json.
 set -uo pipefail
@@ -36,9 +40,11 @@ source "$(dirname "$0")/rows_lib.sh"
 say "$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1)"
 python3 -c "import torch, onnxruntime; print('torch', torch.__version__, torch.cuda.get_device_name())" >> "$LOG" 2>&1
 
-if [ -z "${NO_BENCH:-}" ]; then
+if [ -z "${NO_TESTS:-}" ]; then
 say "tests/test_gpu_engine.py"
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py >> "$LOG" 2>&1 || say "pytest exit $?"
+fi
+if [ -n "${BENCH:-}" ]; then
 say "benchmarks/gpu_engine.py"
 timeout 240 python3 benchmarks/gpu_engine.py --device cuda ${BENCH_ARGS:---repeats 2 --tf32 --methods FedTTA} \
     --out "$O/gpu-engine.json" >> "$LOG" 2>&1 || say "gpu_engine exit $?"
@@ -72,8 +78,7 @@ run_row() {  # one row of device_rows.tsv (both its steps), cut off at the deadl
 }
 lane() { for name in "$@"; do run_row "$name" || return; done; }
 # the rows in order, cut-off ones first; LANES lanes take every LANES-th row
-ROWS=(${ROWS:-t1-fedttapp-s1 t1-fedtta-s1 t1-fedtta-prox-s1
-      t1-fedtta-s2 t1-fedtta-prox-s2 t1-fedttapp-s2})
+ROWS=(${ROWS:-t1-fedtta-s1 t1-fedtta-prox-s1 t1-fedtta-s2 t1-fedtta-prox-s2 t1-fedttapp-s2})
 LANES=${LANES:-1}
 for (( k = 0; k < LANES; k++ )); do
     mine=(); for (( i = k; i < ${#ROWS[@]}; i += LANES )); do mine+=("${ROWS[i]}"); done
