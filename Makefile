@@ -28,6 +28,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 ## the fast lane for development: the tests under ~5 s each (leaves out those marked slow: tests/slow_tests.txt)
+## it skips only what make test skips where both run (what the machine lacks: docs/cli.md, Tests)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 

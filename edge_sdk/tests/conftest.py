@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+SHARED_DATA = Path(os.environ.get("FL_DATA_DIR")  # $FL_DATA_DIR first, as tests/conftest.py reads it
+                   or Path(__file__).resolve().parents[2].parent / "shared" / "data")
 
 
 @pytest.fixture(scope="session")

@@ -63,7 +63,7 @@ async def healthz(svc: Service = Depends(service)) -> dict[str, Any]:
     degraded = svc.degraded()
     return {"status": "degraded" if degraded else "ok", "bundles": svc.totals()["bundles"], "jobs": svc.job_counts(),
             "signing_key": svc.signer.public_hex, "degraded": degraded,
-            "quarantined": sorted(svc.artifacts.quarantined)}
+            "quarantined": svc.quarantined()}
 
 
 @router.get("/v1/signing-key", response_model=S.SigningKey, tags=["devices"])
@@ -164,9 +164,8 @@ async def artifact(sha256: str, range_: str | None = Header(None, alias="range")
     if etag_matches(if_none_match, etag):
         return Response(status_code=304, headers=headers)
     data = svc.cached_artifact(sha256)
-    path = svc.artifacts.path(sha256)
     if data is None:  # streamed from disk: hashed first (again only if the file changed since)
-        await run_in_threadpool(svc.artifacts.verify, sha256)
+        path = await run_in_threadpool(svc.artifact_file, sha256)
     size = len(data) if data is not None else path.stat().st_size
     try:
         span = parse_range(range_, size) if if_range in (None, etag) else None
@@ -281,7 +280,7 @@ def global_dle(who: Principal = Depends(require_client), svc: Service = Depends(
 def _job_view(svc: Service, job: dict[str, Any], with_rounds: bool) -> dict[str, Any]:
     rounds = svc.job_rounds(job["id"])
     return {**job, "rounds_done": len(rounds), "rounds": rounds if with_rounds else None,
-            "warning": svc.runner.warning(job)}
+            "warning": svc.job_warning(job)}
 
 
 @router.post("/v1/jobs", response_model=S.Job, status_code=201, tags=["jobs"],
@@ -301,7 +300,7 @@ def create_job(body: S.JobRequest, _: Principal = Depends(require_admin), svc: S
         except RecipeError as exc:
             raise HTTPException(404 if svc.cfg.recipes_dir else 422, str(exc)) from None
     try:
-        job_id = svc.runner.submit(spec)
+        job_id = svc.submit_job(spec)
     except QueueFull as exc:
         raise HTTPException(503, str(exc), headers={"Retry-After": str(svc.cfg.retry_after_s)}) from None
     job = svc.job(job_id)
@@ -331,7 +330,7 @@ def cancel_job(job_id: str, _: Principal = Depends(require_admin), svc: Service 
     job = svc.job(job_id[:64])
     if job is None:
         raise HTTPException(404, f"no job {job_id[:64]!r}")
-    if not svc.runner.cancel(job["id"]):
+    if not svc.cancel_job(job["id"]):
         raise HTTPException(409, f"job {job['id']} is {svc.job(job['id'])['status']}; only a queued or "
                                  "running job can be cancelled")
     return _job_view(svc, svc.job(job["id"]), True)

@@ -8,6 +8,7 @@ import os
 import shutil
 import threading
 import time
+from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
@@ -291,6 +292,17 @@ class Service:
         self._blob_bytes += len(data)
         return data
 
+    def artifact_file(self, sha256: str) -> Path:
+        """The file of an artifact to stream from disk (:meth:`cached_artifact` gave None), checked against its
+        address first (hashed again only if it changed since its last check); blocking, so a route runs it in a
+        worker thread. Raises :class:`Corrupt` (and quarantines the object)."""
+        self.artifacts.verify(sha256)
+        return self.artifacts.path(sha256)
+
+    def quarantined(self) -> list[str]:
+        """The objects that failed the integrity check (nothing of them is served until restored), sorted."""
+        return sorted(self.artifacts.quarantined)
+
     def artifact_bytes(self, sha256: str) -> bytes:
         """An artifact's whole bytes (a manifest to sign, a small file), checked: cached, else read."""
         data = self.cached_artifact(sha256)
@@ -317,6 +329,19 @@ class Service:
     def job_rounds(self, job_id: str) -> list[dict[str, Any]]:
         """A job's rounds so far (round, val, test, wall_s), in order."""
         return self.store.rounds(job_id)
+
+    def submit_job(self, spec: dict[str, Any]) -> str:
+        """Queue a training job (its id); raises :class:`QueueFull` at ``cfg.max_queued_jobs`` queued jobs."""
+        return self.runner.submit(spec)
+
+    def cancel_job(self, job_id: str) -> bool:
+        """Cancel a queued or running job (a running job's process is killed); False when it is finished or
+        unknown."""
+        return self.runner.cancel(job_id)
+
+    def job_warning(self, job: dict[str, Any]) -> str | None:
+        """A finished job's training warning (collapsed or chance-level new-client predictions), else None."""
+        return self.runner.warning(job)
 
     def job_counts(self) -> dict[str, int]:
         """How many jobs are in each state (every state of :data:`JOB_STATES`, 0 included)."""
