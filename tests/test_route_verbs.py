@@ -1,7 +1,7 @@
 """The HTTP layer asks the coordinator's Service for what it needs (``svc.jobs()``, ``svc.add_client(...)``, ...);
 no module of fl_server/service that speaks HTTP (imports fastapi or starlette: the routers, their dependencies,
 the app) reaches into the Service's stores: its database (``store``), its content-addressed objects
-(``artifacts``) and the job runner that writes jobs into the database (``runner``). The Service owns their use:
+(``artifacts``), the job runner that writes jobs into the database (``runner``) and the DLE uploads (``dles``). The Service owns their use:
 limits, enrollment mode, what revoking a client also removes, checking an object before it is streamed."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import ast
 from pathlib import Path
 
 SERVICE = Path(__file__).resolve().parents[1] / "fl_server" / "service"
-STORES = {"store", "artifacts", "runner"}  # the Service's attributes an HTTP module never reaches into
+STORES = {"store", "artifacts", "runner", "dles"}  # the Service's attributes an HTTP module never reaches into
 
 
 def _speaks_http(tree: ast.AST) -> bool:

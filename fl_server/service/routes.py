@@ -232,11 +232,10 @@ def _dle_view(svc: Service, who: Principal) -> dict[str, Any]:
     most FL_SERVE_DLE_SOURCE_SHARE of the bundle: fl_server.service.dle); ``others_dle`` leaves the caller's
     own upload out."""
     assert who.client_id is not None
-    base = svc.btfl_base()
-    view = svc.dles.view(who.client_id, base, who.source)
-    if view is None:
+    seen = svc.global_dle(who.client_id, who.source)
+    if seen is None:
         raise HTTPException(404, "no DLE yet: no BTFL bundle is served and no client has uploaded one")
-    return view_json(view, base)
+    return view_json(*seen)
 
 
 @router.post("/v1/btfl/dle", response_model=S.DLEResponse, tags=["methods"],
@@ -260,8 +259,7 @@ def upload_dle(body: S.DLEUpload, who: Principal = Depends(require_client),
     if freqs.shape[1] > S.MAX_DLE_LEVELS:
         raise HTTPException(422, f"a DLE has at most {S.MAX_DLE_LEVELS} levels, got {freqs.shape[1]}")
     try:
-        svc.dles.put(who.client_id, body.freqs, body.num_samples, svc.btfl_base(), who.source,
-                     svc.cfg.dle_per_source)
+        svc.upload_dle(who.client_id, body.freqs, body.num_samples, who.source)
     except ShapeMismatch as exc:
         raise HTTPException(422, str(exc)) from None
     except SourceFull as exc:

@@ -16,7 +16,7 @@ import numpy as np
 from edge_sdk.shared import json_finite, strict_dumps
 from fl_server.atomic import atomic_write_text
 from fl_server.service.artifacts import ArtifactStore, Corrupt
-from fl_server.service.dle import DLEAggregate
+from fl_server.service.dle import DLEAggregate, DLEView
 from fl_server.service.config import ServiceConfig, default_methods
 from fl_server.service.hypernet import GenerateBatcher, HypernetCache
 from fl_server.service.jobs import JobRunner
@@ -272,6 +272,19 @@ class Service:
                           int(arrays["dle_clients"].reshape(-1)[0]) if "dle_clients" in arrays.files else 1)
             self._btfl_base[bundle["id"]] = cached
         return cached
+
+    def global_dle(self, client_id: str,
+                   source: str | None) -> tuple[DLEView, tuple[str, np.ndarray, int] | None] | None:
+        """BTFL's global DLE as ``client_id`` sees it (its own upload left out of ``others_dle``) and the served
+        bundle's base it was averaged with; None while there is neither a BTFL bundle nor an upload."""
+        base = self.btfl_base()
+        view = self.dles.view(client_id, base, source)
+        return None if view is None else (view, base)
+
+    def upload_dle(self, client_id: str, freqs: list[list[float]], num_samples: int, source: str | None) -> None:
+        """Record a client's DLE upload (replacing its previous one), weighted against the served bundle's base
+        (:mod:`fl_server.service.dle`). Raises ``ShapeMismatch`` or ``SourceFull``."""
+        self.dles.put(client_id, freqs, num_samples, self.btfl_base(), source, self.cfg.dle_per_source)
 
     def cached_artifact(self, sha256: str) -> bytes | None:
         """An artifact's bytes from memory, read in (and checked against its address) once if it fits the
