@@ -192,16 +192,20 @@ def external_tensor(model: bytes) -> str | None:
 def frozen_weight_source(tensor: ExternalTensor, arrays: dict[str, dict[str, np.ndarray]]) -> tuple[str, str] | None:
     """(weights artifact, array) that a frozen step weight names, when ``arrays`` (artifact -> its arrays) holds it
     with the tensor's dtype and shape; None for any other external tensor."""
-    if not tensor.frozen_weight:
+    named = _named_weight(tensor.name)
+    if not tensor.frozen_weight or named is None:
         return None
-    prefix = next((p for p in FROZEN_SOURCES if tensor.name.startswith(p)), None)
-    if prefix is None:
-        return None
-    artifact, key = FROZEN_SOURCES[prefix], tensor.name[len(prefix):]
+    artifact, key = named
     value = arrays.get(artifact, {}).get(key)
     if value is None or str(value.dtype) != _DTYPES.get(tensor.data_type) or value.shape != tensor.dims:
         return None
     return artifact, key
+
+
+def _named_weight(name: str) -> tuple[str, str] | None:
+    """(weights artifact, array) that the graph name of a frozen weight names (:data:`FROZEN_SOURCES`)."""
+    prefix = next((p for p in FROZEN_SOURCES if name.startswith(p)), None)
+    return None if prefix is None else (FROZEN_SOURCES[prefix], name[len(prefix):])
 
 
 @dataclass
@@ -286,7 +290,9 @@ class Bundle:
     def frozen_weights(self, name: str) -> dict[str, np.ndarray]:
         """The values of graph ``name``'s frozen weights (initializer name -> the bundle's verified array); empty
         for a graph that holds all its data."""
-        return {t: self.weights(artifact)[key] for t, (artifact, key) in self.frozen.get(name, {}).items()}
+        refs = self.frozen.get(name, {})
+        arrays = {artifact: self.weights(artifact) for artifact in {a for a, _ in refs.values()}}
+        return {t: arrays[artifact][key] for t, (artifact, key) in refs.items()}
 
     def holds_model_weights(self, name: str) -> bool:
         """Whether the graph ``name`` holds some of the model's weights (the bundle's ``params``) as constants: it
@@ -408,11 +414,11 @@ def _frozen_references(bundle: Bundle, external: dict[str, tuple[Path, list[Exte
     out: dict[str, dict[str, tuple[str, str]]] = {}
     for graph, (path, tensors) in external.items():
         for t in tensors:
-            source = FROZEN_SOURCES.get(next((p for p in FROZEN_SOURCES if t.name.startswith(p)), ""))
+            source = (_named_weight(t.name) or ("", ""))[0]
             if t.frozen_weight and source and source not in arrays and _is_weights(bundle, source):
                 try:
                     arrays[source] = bundle.weights(source)
-                except ValueError as exc:
+                except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
                     raise BundleError(f"{bundle.path(source)}: not a plain .npz of arrays ({exc})") from None
             found = frozen_weight_source(t, arrays)
             if found is None:
