@@ -158,7 +158,8 @@ def model_rows(model_name: str, x: torch.Tensor, repeats: int, tmp: Path) -> Ite
         bundle = write_bundle(tmp / f"{model_name}-{kind}", {"forward": graphs["forward"], kind: graphs[kind]},
                               {**weights, **({"stats": statistics_arrays(algorithm.model)} if stat_norms(algorithm.model) else {})},
                               algorithm.name, hp, extra={"batch_norm": dict(BATCH_NORM_RULE)} if stat_norms(algorithm.model) else None)
-        extra = {"nodes": len(onnx.load(str(graphs[kind])).graph.node), "bundle_bytes": tree_bytes(bundle),
+        nodes = len(onnx.load(str(graphs[kind]), load_external_data=False).graph.node)  # (frozen weights: no data)
+        extra = {"nodes": nodes, "bundle_bytes": tree_bytes(bundle),
                  "peak_rss_mb": peak_rss_mb(bundle, tmp / "x.npy")}
         session = load_bundle(bundle).session(kind, threads=1)  # as the device opens it
         yield (label, *(ort_vs_torch(session, spec, x, eager, repeats) if repeats else (0.0, 0.0)), extra)

@@ -21,7 +21,7 @@ from fl_server.export import export_spec, fedtta_step_spec, tent_step_spec
 from fl_server.export.rewrites import (cancel_transpose_pairs, constant_transposed_convolutions, held_at_once,
                                       pow_to_mul, recompute_late_reads)
 from fl_server.export.bundle import write_bundle
-from fl_server.export.steps import device_specs
+from fl_server.export.steps import device_specs, referenced_values
 from fl_server.algorithms import build_algorithm
 from fl_server.algorithms.tent import norm_affine_names
 from fl_server.functional import make_forward
@@ -49,10 +49,11 @@ def _algorithm(method: str, arch: str, x: torch.Tensor, **hp: object):  # type: 
     return alg, state
 
 
-def _steps(full: Path, lean: Path, x: np.ndarray, psi: dict, fixed: dict, stats: dict) -> None:
-    """Two steps on each graph from the same weights: the same updated weights, logits and entropy."""
+def _steps(full: Path, lean: Path, x: np.ndarray, psi: dict, fixed: dict, stats: dict, frozen: dict) -> None:
+    """Two steps on each graph from the same weights: the same updated weights, logits and entropy. ``frozen``:
+    the lean graph's frozen weights (it refers to them; a bundle supplies them)."""
     a = StepRunner(load_session(full), fixed=fixed, stats=stats)
-    b = StepRunner(load_session(lean), fixed=fixed, stats=stats)
+    b = StepRunner(load_session(lean, initializers=frozen), fixed=fixed, stats=stats)
     wa, wb = psi, psi
     for _ in range(2):
         wa, la, ha = a.step(x, wa)
@@ -73,14 +74,14 @@ def test_frozen_weights_are_constants_of_the_step_graph(mnist_all, tmp_path: Pat
     assert [n for n in lean.input_names if n.startswith("psi.")] == [f"psi.{n}" for n in state["params"]]
     export_spec(tent_step_spec(tent, state["params"]), tmp_path / "tent_full.onnx")
     export_spec(lean, tmp_path / "tent_lean.onnx")
-    graph = onnx.load(str(tmp_path / "tent_lean.onnx")).graph
+    graph = onnx.load(str(tmp_path / "tent_lean.onnx"), load_external_data=False).graph
     # the graph takes and returns only the normalisation scale and shift; the rest are initializers
     assert {i.name for i in graph.input if i.name.startswith("psi.")} == {f"psi.{n}" for n in moving}
     assert {o.name for o in graph.output if o.name.startswith("new.")} == {f"new.{n}" for n in moving}
     assert {f"psi.{n}" for n in state["params"]} - {f"psi.{n}" for n in moving} <= {i.name for i in graph.initializer}
     psi = {n: v.numpy() for n, v in state["params"].items()}
     _steps(tmp_path / "tent_full.onnx", tmp_path / "tent_lean.onnx", x.numpy(), psi, {},
-           statistics_arrays(tent.model))
+           statistics_arrays(tent.model), referenced_values(lean))
     # a bundle's frozen step graph runs optimised (its constant convolutions packed), still in its own order
     bundle = load_bundle(write_bundle(tmp_path / "bundle", {"tent_step": tmp_path / "tent_lean.onnx"},
                                       {"params": psi, "stats": statistics_arrays(tent.model)}, "TENT",
@@ -91,14 +92,17 @@ def test_frozen_weights_are_constants_of_the_step_graph(mnist_all, tmp_path: Pat
     assert options.graph_optimization_level == ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     # TENT adapting every weight has nothing to freeze
     all_tent, all_state = _algorithm("TENT", "mlp", x, lr=0.1)
-    assert not device_specs(all_tent, all_state, freeze=True)["tent_step"].embedded
+    assert not device_specs(all_tent, all_state, freeze=True)["tent_step"].referenced
 
     fedtta, fstate = _algorithm("FedTTA", "mlp", x, **FEDTTA_HP["mnist"]["FedTTA"])
     export_spec(fedtta_step_spec(fedtta, fstate["params"], fstate["phi"]), tmp_path / "fedtta_full.onnx")
-    export_spec(device_specs(fedtta, fstate, freeze=True)["fedtta_step"], tmp_path / "fedtta_lean.onnx")
-    assert not [i.name for i in onnx.load(str(tmp_path / "fedtta_lean.onnx")).graph.input if i.name.startswith("phi.")]
+    lean_fedtta = device_specs(fedtta, fstate, freeze=True)["fedtta_step"]
+    export_spec(lean_fedtta, tmp_path / "fedtta_lean.onnx")
+    assert not [i.name for i in onnx.load(str(tmp_path / "fedtta_lean.onnx"), load_external_data=False).graph.input
+                if i.name.startswith("phi.")]
     _steps(tmp_path / "fedtta_full.onnx", tmp_path / "fedtta_lean.onnx", x.numpy(),
-           {n: v.numpy() for n, v in fstate["params"].items()}, {n: v.numpy() for n, v in fstate["phi"].items()}, {})
+           {n: v.numpy() for n, v in fstate["params"].items()}, {n: v.numpy() for n, v in fstate["phi"].items()}, {},
+           referenced_values(lean_fedtta))
 
 
 @pytest.mark.parametrize("arch", list(NODE_BOUNDS))
@@ -106,8 +110,9 @@ def test_tent_step_graph_is_lean(arch: str, mnist_all, tmp_path: Path) -> None: 
     x = torch.from_numpy(mnist_all.x[:16])
     normalised = bool(norm_affine_names(build_model(arch, (1, 28, 28), 10, seed=0)))
     tent, state = _algorithm("TENT", arch, x, lr=0.1, adapt="norm_affine" if normalised else "all")
-    path = export_spec(device_specs(tent, state, freeze=True)["tent_step"], tmp_path / "t.onnx")
-    model = onnx.load(str(path))
+    spec = device_specs(tent, state, freeze=True)["tent_step"]
+    path = export_spec(spec, tmp_path / "t.onnx")
+    model = onnx.load(str(path), load_external_data=False)
     nodes = model.graph.node
     assert not [n for n in nodes if n.op_type == "Pow"]
     assert len(nodes) <= NODE_BOUNDS[arch], f"{arch}: {len(nodes)} nodes, recorded bound {NODE_BOUNDS[arch]}"
@@ -116,7 +121,8 @@ def test_tent_step_graph_is_lean(arch: str, mnist_all, tmp_path: Path) -> None: 
     if normalised:  # the SDK's session for a step graph (its own order, unoptimised) computes the default's step
         stats = statistics_arrays(tent.model)
         psi = {n: v.numpy() for n, v in state["params"].items()}
-        default, ordered = (StepRunner(load_session(path, 1, in_graph_order=o), stats=stats) for o in (False, True))
+        default, ordered = (StepRunner(load_session(path, 1, in_graph_order=o, initializers=referenced_values(spec)),
+                                       stats=stats) for o in (False, True))
         assert ordered.session.get_session_options().execution_order == ort.ExecutionOrder.PRIORITY_BASED
         (wa, la, ha), (wb, lb, hb) = default.step(x.numpy(), psi), ordered.step(x.numpy(), psi)
         for n in wa:

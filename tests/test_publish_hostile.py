@@ -22,7 +22,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from coordinator_proc import ADMIN, Coordinator, auth, start
 from edge_sdk import BundleError, load_bundle
+from edge_sdk.shared import FROZEN_LOCATION
 from fl_server.cli import main as cli
+from fl_server.export.embed import weight_reference
 from fl_server.service.publish import tar_bundle
 
 pytestmark = pytest.mark.timeout(300)
@@ -153,6 +155,48 @@ def test_the_device_refuses_external_data_at_any_depth(tent: dict[str, bytes], t
     (tmp_path / "manifest.json").write_bytes(files["manifest.json"])
     with pytest.raises(BundleError, match="not an ONNX model"):
         load_bundle(tmp_path)
+
+
+def _referring(files: dict[str, bytes], name: str, shape: list[int],
+               location: str = FROZEN_LOCATION) -> dict[str, bytes]:
+    """The bundle with a forward graph whose output is the initializer ``name``, a frozen weight reference as the
+    exporter writes one (``location`` replaced), and which no longer takes ``name`` as an input."""
+    def drop(m: dict[str, Any]) -> None:
+        forward = next(a for a in m["artifacts"] if a["name"] == "forward")
+        forward["inputs"] = [i for i in forward["inputs"] if i["name"] != name]
+
+    edited = _with(files, edit=drop)
+    reference = weight_reference(np.zeros(shape, np.float32), name)
+    reference.external_data[0].value = location
+    return _with(edited, "forward", _graph(edited, [helper.make_node("Identity", [name], ["logits"])], [reference]))
+
+
+@pytest.mark.parametrize("case", ["a weight of the bundle", "unknown name", "relative location", "other shape"])
+def test_frozen_weight_references_name_a_weight_of_the_bundle(server: Coordinator, tent: dict[str, bytes],
+                                                              tmp_path: Path, case: str) -> None:
+    with np.load(io.BytesIO(tent["params.npz"])) as params:
+        key, value = next((k, params[k]) for k in params.files)
+    name, shape, location = {"a weight of the bundle": (f"psi.{key}", list(value.shape), FROZEN_LOCATION),
+                             "unknown name": ("psi.not_a_weight", list(value.shape), FROZEN_LOCATION),
+                             "relative location": (f"psi.{key}", list(value.shape), "params.npz"),
+                             "other shape": (f"psi.{key}", [*value.shape, 1], FROZEN_LOCATION)}[case]
+    files = _referring(tent, name, shape, location)
+    for file, data in files.items():
+        (tmp_path / file).write_bytes(data)
+    r = _post(server, _tar(files))
+    if case == "a weight of the bundle":  # the coordinator loads it; the device's session reads the bundle's array
+        assert r.status_code == 201, r.text
+        bundle = load_bundle(tmp_path)
+        session = bundle.session("forward")
+        feeds = {i.name: np.zeros([d if isinstance(d, int) else 1 for d in i.shape], np.float32)
+                 for i in session.get_inputs()}
+        assert np.array_equal(session.run(["logits"], feeds)[0], value)
+        return
+    assert r.status_code == 422, r.text
+    detail = r.json()["detail"]
+    assert "external data" in detail and repr(name) in detail and "\n" not in detail, detail
+    with pytest.raises(BundleError, match="external data"):
+        load_bundle(tmp_path)  # before any onnxruntime session
 
 
 # ---------------------------------------------------------------- N6: expansion bombs

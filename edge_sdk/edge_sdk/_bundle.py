@@ -12,8 +12,13 @@ an attacker who rewrites the manifest too; a bundle that carries a signature the
 A graph that names external data (a tensor whose bytes onnxruntime would read from a file beside the model, or,
 for a model given as bytes, relative to the process's working directory) is refused by :func:`load_bundle`, at any
 depth (initializers, attribute tensors, subgraphs, functions), before any session exists: the device never reads
-a file a bundle names. The SDK has no ONNX dependency, so :func:`external_tensor` reads the protobuf wire format
-itself (onnxruntime has no session option that forbids external data)."""
+a file a bundle names. The SDK has no ONNX dependency, so :func:`external_tensors` reads the protobuf wire format
+itself (onnxruntime has no session option that forbids external data). One case is not a file: a step graph's
+frozen weights (``fl_server.export.steps.frozen_spec``) are initializers of its main graph whose only external-data
+entry is ``location`` = :data:`FROZEN_LOCATION`, a name no bundle file can have; each names a weight the bundle
+already holds (``psi.<p>``: ``params``' array ``p``, ``phi.<p>``: ``phi``'s, :data:`FROZEN_SOURCES`) with the same
+dtype and shape, and :meth:`Bundle.session` hands onnxruntime those verified arrays
+(``SessionOptions.add_external_initializers``), so it reads no file and the weights are stored once."""
 from __future__ import annotations
 
 import hashlib
@@ -33,9 +38,16 @@ from edge_sdk._preprocess import Preprocess
 from edge_sdk.safeguard import SafeguardRule
 from edge_sdk.signing import SIGNATURE_FILE, PublicKey, Release, parse_public_key, verify_manifest
 
-__all__ = ["MANIFEST", "Bundle", "BundleError", "BundleSignatureError", "UnverifiedSignatureWarning",
-           "external_tensor", "load_bundle", "sha256_file"]
+__all__ = ["FROZEN_LOCATION", "FROZEN_SOURCES", "MANIFEST", "Bundle", "BundleError", "BundleSignatureError",
+           "ExternalTensor", "UnverifiedSignatureWarning", "external_tensor", "external_tensors", "load_bundle",
+           "sha256_file"]
 MANIFEST = "manifest.json"
+# the external-data location of a step graph's frozen weights: not a file (no artifact name holds '<' or '>', and
+# onnxruntime never looks for it: Bundle.session supplies the values), but the bundle's weights of the same name
+FROZEN_LOCATION = "<bundle-weights>"
+# a frozen weight's graph name prefix -> the weights artifact that holds it (fl_server.export.steps' input names)
+FROZEN_SOURCES = {"psi.": "params", "phi.": "phi"}
+_DTYPES = {1: "float32", 11: "float64", 7: "int64", 6: "int32"}  # onnx.TensorProto data types a weight can have
 
 # ONNX messages that can hold tensors, and the field numbers (onnx.proto) of their sub-messages
 _MODEL, _GRAPH, _NODE, _ATTRIBUTE, _TENSOR, _SPARSE, _FUNCTION, _TRAINING = range(8)
@@ -48,7 +60,7 @@ _CHILDREN = {
     _ATTRIBUTE: {5: _TENSOR, 6: _GRAPH, 10: _TENSOR, 11: _GRAPH, 22: _SPARSE, 23: _SPARSE},
     _SPARSE: {1: _TENSOR, 2: _TENSOR},
 }
-_TENSOR_NAME, _TENSOR_EXTERNAL_DATA, _TENSOR_DATA_LOCATION = 8, 13, 14
+_TENSOR_DIMS, _TENSOR_DATA_TYPE, _TENSOR_NAME, _TENSOR_EXTERNAL_DATA, _TENSOR_DATA_LOCATION = 1, 2, 8, 13, 14
 _MAX_NESTING = 100  # protobuf's own parsers stop at 100 nested messages too
 
 
@@ -77,22 +89,66 @@ def _varint(buf: bytes, i: int, end: int) -> tuple[int, int]:
             return value, i
 
 
-def external_tensor(model: bytes) -> str | None:
-    """The name of a tensor of this serialised ONNX model that stores its data outside it (``data_location``
-    EXTERNAL or ``external_data`` entries), anywhere in it; None when it has none. Raises ValueError for bytes
-    that are not a protobuf message."""
-    stack = [(_MODEL, 0, len(model), 0)]
+@dataclass(frozen=True)
+class ExternalTensor:
+    """A tensor of an ONNX model that stores its data outside it, as :func:`external_tensors` reads it."""
+    name: str
+    entries: tuple[tuple[str, str], ...]  # its external_data (key, value) pairs
+    dims: tuple[int, ...]
+    data_type: int  # onnx.TensorProto.DataType
+    initializer: bool  # an initializer of the model's main graph (not of a subgraph, function or attribute)
+
+    @property
+    def frozen_weight(self) -> bool:
+        """Whether it has the form of a frozen step weight: a main-graph initializer at :data:`FROZEN_LOCATION`."""
+        return self.initializer and self.entries == (("location", FROZEN_LOCATION),)
+
+
+def _entry(buf: bytes, i: int, end: int) -> tuple[str, str]:
+    """A StringStringEntryProto (key = 1, value = 2) as (key, value); other fields are skipped."""
+    out = ["", ""]
+    while i < end:
+        key, i = _varint(buf, i, end)
+        if key & 7 == 0:
+            _, i = _varint(buf, i, end)
+            continue
+        if key & 7 != 2:
+            raise ValueError("an external_data entry holds only strings")
+        size, i = _varint(buf, i, end)
+        if i + size > end:
+            raise ValueError("truncated field")
+        if key >> 3 in (1, 2):
+            out[(key >> 3) - 1] = buf[i:i + size].decode("utf-8", "replace")
+        i += size
+    return out[0], out[1]
+
+
+def external_tensors(model: bytes) -> list[ExternalTensor]:
+    """Every tensor of this serialised ONNX model that stores its data outside it (``data_location`` EXTERNAL or
+    ``external_data`` entries), anywhere in it; empty when it has none. Raises ValueError for bytes that are not a
+    protobuf message."""
+    found: list[ExternalTensor] = []
+    stack = [(_MODEL, 0, len(model), 0, False)]  # (message kind, start, end, depth, main graph / its initializer)
     while stack:
-        kind, i, end, depth = stack.pop()
+        kind, i, end, depth, main = stack.pop()
         if depth > _MAX_NESTING:
             raise ValueError(f"messages nested over {_MAX_NESTING} deep")
         children, name, external, groups = _CHILDREN.get(kind, {}), "", False, 0
+        entries: list[tuple[str, str]] = []
+        dims: list[int] = []
+        data_type = 0
+        tensor = kind == _TENSOR
         while i < end:
             key, i = _varint(model, i, end)
             field, wire = key >> 3, key & 7
+            ours = tensor and not groups  # a field of this tensor (not of a group inside it)
             if wire == 0:
                 value, i = _varint(model, i, end)
-                external |= kind == _TENSOR and not groups and field == _TENSOR_DATA_LOCATION and value == 1
+                external |= ours and field == _TENSOR_DATA_LOCATION and value == 1
+                if ours and field == _TENSOR_DIMS:
+                    dims.append(value)
+                elif ours and field == _TENSOR_DATA_TYPE:
+                    data_type = value
             elif wire in (1, 5):
                 i += 8 if wire == 1 else 4
             elif wire == 2:
@@ -100,10 +156,18 @@ def external_tensor(model: bytes) -> str | None:
                 if i + size > end:
                     raise ValueError("truncated field")
                 if not groups and field in children:
-                    stack.append((children[field], i, i + size, depth + 1))
-                elif kind == _TENSOR and not groups and field == _TENSOR_NAME:
+                    top = (kind == _MODEL and field == 7) or (main and kind == _GRAPH and field == 5)
+                    stack.append((children[field], i, i + size, depth + 1, top))
+                elif ours and field == _TENSOR_NAME:
                     name = model[i:i + size].decode("utf-8", "replace")
-                external |= kind == _TENSOR and not groups and field == _TENSOR_EXTERNAL_DATA
+                elif ours and field == _TENSOR_EXTERNAL_DATA:
+                    entries.append(_entry(model, i, i + size))
+                elif ours and field == _TENSOR_DIMS:  # packed
+                    j = i
+                    while j < i + size:
+                        value, j = _varint(model, j, i + size)
+                        dims.append(value)
+                external |= ours and field == _TENSOR_EXTERNAL_DATA
                 i += size
             elif wire in (3, 4):  # a (deprecated) group in an unknown field: skipped
                 groups += 1 if wire == 3 else -1
@@ -114,8 +178,34 @@ def external_tensor(model: bytes) -> str | None:
         if i != end or groups:
             raise ValueError("truncated message")
         if external:
-            return name or "(unnamed)"
-    return None
+            found.append(ExternalTensor(name or "(unnamed)", tuple(entries), tuple(dims), data_type, main))
+    return found
+
+
+def external_tensor(model: bytes) -> str | None:
+    """The name of a tensor of this serialised ONNX model that stores its data outside it (:func:`external_tensors`);
+    None when it has none."""
+    found = external_tensors(model)
+    return found[0].name if found else None
+
+
+def frozen_weight_source(tensor: ExternalTensor, arrays: dict[str, dict[str, np.ndarray]]) -> tuple[str, str] | None:
+    """(weights artifact, array) that a frozen step weight names, when ``arrays`` (artifact -> its arrays) holds it
+    with the tensor's dtype and shape; None for any other external tensor."""
+    named = _named_weight(tensor.name)
+    if not tensor.frozen_weight or named is None:
+        return None
+    artifact, key = named
+    value = arrays.get(artifact, {}).get(key)
+    if value is None or str(value.dtype) != _DTYPES.get(tensor.data_type) or value.shape != tensor.dims:
+        return None
+    return artifact, key
+
+
+def _named_weight(name: str) -> tuple[str, str] | None:
+    """(weights artifact, array) that the graph name of a frozen weight names (:data:`FROZEN_SOURCES`)."""
+    prefix = next((p for p in FROZEN_SOURCES if name.startswith(p)), None)
+    return None if prefix is None else (FROZEN_SOURCES[prefix], name[len(prefix):])
 
 
 @dataclass
@@ -125,6 +215,8 @@ class Bundle:
     signed_by: bytes | None = None  # the pinned key the manifest was verified with (None: hashes only)
     release: Release | None = None  # the signed release (method, version, expiry) when verified with a key
     verified: dict[str, bytes] = field(default_factory=dict, repr=False)  # artifact name -> the hashed bytes
+    # graph -> {initializer: (weights artifact, array)}: its frozen weights, checked by load_bundle (module docstring)
+    frozen: dict[str, dict[str, tuple[str, str]]] = field(default_factory=dict, repr=False)
 
     @property
     def method(self) -> str:
@@ -192,7 +284,15 @@ class Bundle:
         # encoder left torch's by 0.03 in the logits (tests/test_fedicon_device.py), where optimised it agrees
         ordered = name in IN_GRAPH_ORDER
         return load_session(self.data(name), threads, in_graph_order=ordered,
-                            constant_weights=ordered and self.holds_model_weights(name))
+                            constant_weights=ordered and self.holds_model_weights(name),
+                            initializers=self.frozen_weights(name))
+
+    def frozen_weights(self, name: str) -> dict[str, np.ndarray]:
+        """The values of graph ``name``'s frozen weights (initializer name -> the bundle's verified array); empty
+        for a graph that holds all its data."""
+        refs = self.frozen.get(name, {})
+        arrays = {artifact: self.weights(artifact) for artifact in {a for a, _ in refs.values()}}
+        return {t: arrays[artifact][key] for t, (artifact, key) in refs.items()}
 
     def holds_model_weights(self, name: str) -> bool:
         """Whether the graph ``name`` holds some of the model's weights (the bundle's ``params``) as constants: it
@@ -282,6 +382,7 @@ def load_bundle(root: str | os.PathLike, public_key: PublicKey | None = None) ->
     except (ValueError, KeyError, TypeError) as exc:  # JSON and UTF-8 decoding errors are ValueErrors
         raise BundleError(f"{manifest_path}: malformed manifest ({exc})") from None
     verified: dict[str, bytes] = {}
+    external: dict[str, tuple[Path, list[ExternalTensor]]] = {}
     for a in artifacts:
         file = a.get("file", "")
         if not file or Path(file).name != file or file in (".", "..", MANIFEST):  # no paths, no traversal
@@ -296,11 +397,38 @@ def load_bundle(root: str | os.PathLike, public_key: PublicKey | None = None) ->
             raise BundleError(f"{path}: sha256 does not match the manifest; refusing to use it")
         if a.get("kind") == "onnx":
             try:
-                tensor = external_tensor(data)
+                external[str(a.get("name"))] = (path, external_tensors(data))
             except ValueError as exc:
                 raise BundleError(f"{path}: not an ONNX model ({exc})") from None
-            if tensor is not None:
-                raise BundleError(f"{path}: tensor {tensor!r} is stored as external data (a file outside the "
-                                  "graph); a bundle's graphs must hold all their data: export it again")
         verified[str(a.get("name"))] = data
-    return Bundle(root, manifest, trusted, release, verified)
+    bundle = Bundle(root, manifest, trusted, release, verified)
+    bundle.frozen = _frozen_references(bundle, external)
+    return bundle
+
+
+def _frozen_references(bundle: Bundle, external: dict[str, tuple[Path, list[ExternalTensor]]]
+                       ) -> dict[str, dict[str, tuple[str, str]]]:
+    """graph -> {tensor: (weights artifact, array)} for the graphs' external tensors, every one a frozen weight of
+    the bundle (:func:`frozen_weight_source`); raises :class:`BundleError` for any other."""
+    arrays: dict[str, dict[str, np.ndarray]] = {}
+    out: dict[str, dict[str, tuple[str, str]]] = {}
+    for graph, (path, tensors) in external.items():
+        for t in tensors:
+            source = (_named_weight(t.name) or ("", ""))[0]
+            if t.frozen_weight and source and source not in arrays and _is_weights(bundle, source):
+                try:
+                    arrays[source] = bundle.weights(source)
+                except (ValueError, OSError, EOFError, zipfile.BadZipFile) as exc:
+                    raise BundleError(f"{bundle.path(source)}: not a plain .npz of arrays ({exc})") from None
+            found = frozen_weight_source(t, arrays)
+            if found is None:
+                reason = ("it names no weight of the bundle with its dtype and shape" if t.frozen_weight else
+                          "a file outside the graph")
+                raise BundleError(f"{path}: tensor {t.name!r} is stored as external data ({reason}); a bundle's graphs "
+                                  f"hold all their data but frozen weights ({FROZEN_LOCATION!r}): export it again")
+            out.setdefault(graph, {})[t.name] = found
+    return out
+
+
+def _is_weights(bundle: Bundle, name: str) -> bool:
+    return any(a.get("name") == name and a.get("kind") == "weights" for a in bundle.manifest["artifacts"])

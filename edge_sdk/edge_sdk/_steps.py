@@ -30,14 +30,17 @@ Weights = dict[str, np.ndarray]
 
 
 def load_session(path: str | os.PathLike | bytes, threads: int | None = None,
-                 in_graph_order: bool = False, constant_weights: bool = False) -> ort.InferenceSession:
+                 in_graph_order: bool = False, constant_weights: bool = False,
+                 initializers: dict[str, np.ndarray] | None = None) -> ort.InferenceSession:
     """An onnxruntime CPU session from a file or from the model's bytes (onnxruntime is imported here, on
     first use, so that importing the SDK stays cheap). ``in_graph_order``: run the nodes in the graph's own
     order, unoptimised (what step graphs need, see below). ``constant_weights`` (with ``in_graph_order``): the
     graph holds model weights as constants (a step graph's frozen weights, ``fl_server.export.steps.frozen_spec``):
     it is optimised all the same, still run in its order -- onnxruntime then folds and packs those convolutions'
     kernels into its blocked layout (resnet8_bn's TENT step, batch 64: 48 -> 37 ms CPU, 4 MB more at its peak);
-    graphs that take their weights as inputs gain nothing from it and held up to 70 MB more."""
+    graphs that take their weights as inputs gain nothing from it and held up to 70 MB more. ``initializers``: the
+    values of the graph's external-data initializers (a step graph's frozen weights, which a bundle stores once:
+    ``edge_sdk._bundle.FROZEN_LOCATION``), handed to onnxruntime so that it reads no file; the session keeps them."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -60,8 +63,13 @@ def load_session(path: str | os.PathLike | bytes, threads: int | None = None,
     if threads is not None:
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
+    values = {n: np.ascontiguousarray(v) for n, v in (initializers or {}).items()}
+    if values:  # onnxruntime reads them in place (the bundle's verified bytes): they live as long as the session
+        options.add_external_initializers(list(values), [ort.OrtValue.ortvalue_from_numpy(v) for v in values.values()])
     model = path if isinstance(path, bytes) else str(path)
-    return ort.InferenceSession(model, sess_options=options, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(model, sess_options=options, providers=["CPUExecutionProvider"])
+    session.frozen_weights = values  # type: ignore[attr-defined]
+    return session
 
 
 @functools.cache

@@ -22,7 +22,7 @@ from fl_server.signing import ManifestSigner
 
 
 def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_root: str | None = None,
-               signer: ManifestSigner | None = None, recipe: Recipe | None = None, freeze: bool = False) -> Path:
+               signer: ManifestSigner | None = None, recipe: Recipe | None = None, freeze: bool = True) -> Path:
     """Build the method's device graphs around the best-validation weights of ``run_dir``; write a bundle whose
     manifest records the method's device step (:func:`fl_server.export.bundle.write_bundle`). ``int8``: also ship
     ``forward_int8``, the received model frozen and dynamically quantized (plain inference). ``data_root``: where a
@@ -31,8 +31,8 @@ def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_r
     no recipe file to rebuild the model from). A batch-normalised model ships the run's population statistics
     (``stats``) and the device's rule (``batch_norm``, :data:`fl_server.models.norm.BATCH_NORM_RULE`), by which
     training evaluated its new clients. A best state with NaN or infinite weights (a diverged run) is refused.
-    ``freeze``: the weights the device step never changes are constants of its graph (faster steps, a larger
-    bundle: :func:`fl_server.export.steps.device_specs`).
+    ``freeze`` (default): the weights the device step never changes are constants of its graph, which refers to
+    them in the bundle's weights (faster steps, each weight stored once: :func:`fl_server.export.steps.device_specs`).
 
     >>> export_run("runs/mnist-TENT", "runs/bundle")  # doctest: +SKIP
     PosixPath('runs/bundle')

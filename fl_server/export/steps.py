@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+import numpy as np
 import torch
 
 from fl_server.algorithms.base import Algorithm
@@ -49,6 +50,9 @@ class StepSpec:
     embedded: tuple[str, ...] = ()
     # weight inputs the step never changes (its new.* outputs return them as they came): what frozen_spec embeds
     frozen: tuple[str, ...] = ()
+    # inputs that become initializers referring to the bundle's weights of their names, no bytes stored
+    # (fl_server.export.embed.reference_inputs; the device supplies the values): frozen_spec's
+    referenced: tuple[str, ...] = ()
 
 
 def example_x(model: Classifier, params: State, batch: int) -> torch.Tensor:
@@ -81,14 +85,15 @@ def with_norm_statistics(spec: StepSpec, model: torch.nn.Module, stats: Stats | 
     example = [*spec.example, *(stats[n].to(dtype) for n in stat_names), torch.tensor(momentum, dtype=dtype)]
     outputs = [*spec.output_names, *(f"new_stats.{n}" for n in stat_names)] if return_stats else spec.output_names
     return StepSpec(fn, example, [*spec.input_names, *(f"stats.{n}" for n in stat_names), "bn_momentum"],
-                    outputs, spec.batch_inputs, spec.embedded)
+                    outputs, spec.batch_inputs, spec.embedded, referenced=spec.referenced)
 
 
 def frozen_spec(spec: StepSpec, frozen: Iterable[str]) -> StepSpec:
     """``spec`` with the weight inputs ``frozen`` (graph input names, e.g. ``psi.features.0.weight``) baked into
-    the graph as initializers holding their example values (the bundle's weights), and their ``new.*`` outputs --
-    the unchanged inputs -- dropped. onnxruntime folds and pre-packs constants (a convolution with constant
-    weights runs its fast packed kernel), and the device feeds only what the step changes."""
+    the graph as initializers that refer to the bundle's weights of those names (``referenced``: external data at
+    :data:`edge_sdk.shared.FROZEN_LOCATION`, no bytes; the device supplies the bundle's arrays), and their ``new.*``
+    outputs -- the unchanged inputs -- dropped. onnxruntime folds and pre-packs constants (a convolution with
+    constant weights runs its fast packed kernel), and the device feeds only what the step changes."""
     frozen = tuple(n for n in spec.input_names if n in set(frozen))
     if not frozen:
         return spec
@@ -100,7 +105,14 @@ def frozen_spec(spec: StepSpec, frozen: Iterable[str]) -> StepSpec:
         return tuple(out[i] for i in keep)
 
     return StepSpec(fn, spec.example, spec.input_names, [spec.output_names[i] for i in keep], spec.batch_inputs,
-                    (*spec.embedded, *frozen))  # (frozen: none left to embed)
+                    spec.embedded, referenced=(*spec.referenced, *frozen))  # (frozen: none left to freeze)
+
+
+def referenced_values(spec: StepSpec) -> dict[str, np.ndarray]:
+    """The arrays ``spec``'s referenced inputs refer to (its example weights: the bundle's), by graph name: what
+    runs its exported graph outside a bundle (``edge_sdk._steps.load_session(path, initializers=...)``)."""
+    values = dict(zip(spec.input_names, spec.example))
+    return {n: values[n].detach().cpu().numpy() for n in spec.referenced}
 
 
 def tent_frozen(algorithm: Tent, psi: State) -> list[str]:
@@ -222,13 +234,14 @@ def _encoder(algorithm: Algorithm, state: State) -> StepSpec:
     return encoder_spec(algorithm, state["enc"])  # type: ignore[arg-type]
 
 
-def device_specs(algorithm: Algorithm, state: State, freeze: bool = False) -> dict[str, StepSpec]:
+def device_specs(algorithm: Algorithm, state: State, freeze: bool = True) -> dict[str, StepSpec]:
     """The graphs of ``algorithm``'s bundle: ``forward`` and its device step (``algorithm.device_step``), by
-    the step kind's registered builder (:func:`register_step_graph`). ``freeze``: the weights the step never
-    changes (``StepSpec.frozen``: FedTTA's adaptation model, all but the normalisation scale and shift under TENT's
-    ``adapt="norm_affine"``) become constants of the step graph (:func:`frozen_spec`): a faster step (TENT on
-    resnet8_bn / mobilenet_s, docs/benchmarks/edge-sdk.json), for a bundle that holds those weights twice (in the
-    step graph and in ``params``, which the forward graph reads).
+    the step kind's registered builder (:func:`register_step_graph`). ``freeze`` (default): the weights the step
+    never changes (``StepSpec.frozen``: FedTTA's adaptation model, all but the normalisation scale and shift under
+    TENT's ``adapt="norm_affine"``) become constants of the step graph (:func:`frozen_spec`), stored once -- in the
+    bundle's weights, to which the graph refers: a faster step (onnxruntime pre-packs constant convolutions; TENT
+    on resnet8_bn / mobilenet_s, docs/benchmarks/edge-sdk.json) in a bundle no larger. ``freeze=False``: every
+    weight a graph input.
 
     >>> from fl_server.algorithms import build_algorithm
     >>> from fl_server.models import build_model

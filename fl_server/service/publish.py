@@ -19,8 +19,10 @@ bundle that lacks what its method's device contract declares (``Algorithm.bundle
 coordinator that trained it).
 
 Hostile bundles are refused before anything expands: a graph that names external data (any tensor,
-at any depth: initializers, attribute tensors, subgraphs, functions); graphs and weights whose declared sizes
-(initializers, constants, every value whose static shape onnx shape inference computes, with the graph's own
+at any depth: initializers, attribute tensors, subgraphs, functions), but for a step graph's frozen weights -- main
+graph initializers at ``edge_sdk.shared.FROZEN_LOCATION`` that name a weight of the bundle with its dtype and shape
+(``load_bundle`` checks them; onnxruntime gets the bundle's arrays, reads no file); graphs and weights whose
+declared sizes (initializers, constants, every value whose static shape onnx shape inference computes, with the graph's own
 shape annotations ignored; each ``.npz`` member's npy header) sum past :func:`expanded_limit`; archives of more
 than ``MAX_MEMBERS`` members or with tar headers over ``MAX_TAR_HEADER`` bytes; a manifest nested deeper than
 ``MAX_MANIFEST_DEPTH``, images over ``MAX_IMAGE_SIDE`` per side, and a BTFL bundle whose ``dle_clients`` or
@@ -37,13 +39,14 @@ import tarfile
 import tempfile
 import warnings
 import zipfile
+from collections import Counter
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 
 from edge_sdk import Bundle, BundleError, UnverifiedSignatureWarning, load_bundle
-from edge_sdk.shared import MANIFEST
+from edge_sdk.shared import FROZEN_LOCATION, MANIFEST
 from fl_server.algorithms import ALGORITHMS
 from fl_server.service.artifacts import ArtifactStore
 from fl_server.service.store import Store
@@ -177,12 +180,14 @@ def check_btfl(arrays: dict[str, np.ndarray]) -> None:
 def check_expansion(bundle: Bundle, limit: int) -> None:
     """What the bundle's graphs and weights declare they expand to, summed, is at most ``limit`` bytes; read from
     the graphs' protobufs and the npy headers, before any session is created or any array loaded. A graph naming
-    external data is refused here too (load_bundle refuses it first)."""
+    external data is refused here too (load_bundle refuses it first), but for the frozen weights load_bundle
+    accepted (``Bundle.frozen``), which the bundle's weights hold and count."""
     total = 0
     for a in bundle.manifest["artifacts"]:
         name, data = a["name"], bundle.data(a["name"])
         kind = a.get("kind")
-        sizes = _graph_sizes(name, data) if kind == "onnx" else _npz_sizes(name, data) if kind == "weights" else []
+        sizes = (_graph_sizes(name, data, set(bundle.frozen.get(name, {}))) if kind == "onnx" else
+                 _npz_sizes(name, data) if kind == "weights" else [])
         total += sum(n for _, n in sizes)
         if total > limit:
             what, n = max(sizes, key=lambda s: s[1])
@@ -224,9 +229,10 @@ def _graph_parts(model: Any) -> tuple[list[Any], list[Any]]:
     return graphs, tensors
 
 
-def _graph_sizes(name: str, data: bytes) -> list[tuple[str, int]]:
+def _graph_sizes(name: str, data: bytes, frozen: set[str] = set()) -> list[tuple[str, int]]:
     """(tensor or value name, bytes) for every tensor of the graph and every value whose shape onnx shape inference
-    computes statically (shapes the graph itself declares are dropped first: they need not be true)."""
+    computes statically (shapes the graph itself declares are dropped first: they need not be true). ``frozen``:
+    the main graph's initializers that refer to the bundle's weights (sized there), the only external data allowed."""
     import onnx
 
     try:
@@ -234,8 +240,12 @@ def _graph_sizes(name: str, data: bytes) -> list[tuple[str, int]]:
     except Exception as exc:  # protobuf's DecodeError (or RecursionError for nesting past its limit)
         raise PublishError(f"artifact {name!r}: not an ONNX model ({type(exc).__name__})") from None
     graphs, tensors = _graph_parts(model)
+    references = Counter(t.name for t in model.graph.initializer if t.name in frozen and _frozen_reference(t))
     sizes = []
     for t in tensors:
+        if references[t.name] and _frozen_reference(t):  # as many as the main graph has, whatever else names them
+            references[t.name] -= 1
+            continue
         if t.data_location == onnx.TensorProto.EXTERNAL or len(t.external_data):
             raise PublishError(f"artifact {name!r}: tensor {t.name!r} is stored as external data (a file outside the "
                                "graph); a bundle's graphs must hold all their data: export it again")
@@ -255,6 +265,14 @@ def _graph_sizes(name: str, data: bytes) -> list[tuple[str, int]]:
             if t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim):
                 sizes.append((v.name, _nbytes(v.name, [d.dim_value for d in t.shape.dim], t.elem_type)))
     return sizes
+
+
+def _frozen_reference(t: Any) -> bool:
+    """Whether the tensor proto ``t`` has the form of a frozen weight: external data at FROZEN_LOCATION only."""
+    from onnx import TensorProto
+
+    return t.data_location == TensorProto.EXTERNAL and [(e.key, e.value) for e in t.external_data] == [
+        ("location", FROZEN_LOCATION)]
 
 
 def _npz_sizes(name: str, data: bytes) -> list[tuple[str, int]]:
