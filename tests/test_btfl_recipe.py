@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from edge_sdk._fedthe import code_history, feature_history, fedthe_predict
+from edge_sdk.shared import BUNDLE_FORMAT
 from fl_server.algorithms import build_algorithm
 from fl_server.algorithms.btfl import BTFL
 from fl_server.engine.simulation import run_local_steps
@@ -249,7 +250,7 @@ def test_frozen_features_graph_equals_the_format1_graph(mnist_all, tmp_path: Pat
         feeds = graph_feeds(sess, {"x": test_x, **{f"psi.{n}": v for n, v in bundle.weights("psi").items()}})
         assert (len(feeds) == 1) == frozen
         outs[frozen] = sess.run(["features", "global_logits"], feeds)
-        assert bundle.manifest["format"] == 3
+        assert bundle.manifest["format"] == BUNDLE_FORMAT
     for a, b in zip(outs[False], outs[True]):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match=r"the graph needs inputs \['x'\]"):

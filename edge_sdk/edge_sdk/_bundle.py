@@ -42,6 +42,9 @@ __all__ = ["FROZEN_LOCATION", "FROZEN_SOURCES", "MANIFEST", "Bundle", "BundleErr
            "ExternalTensor", "UnverifiedSignatureWarning", "external_tensor", "external_tensors", "load_bundle",
            "sha256_file"]
 MANIFEST = "manifest.json"
+#: the newest bundle format this SDK reads (fl_server.export.bundle writes it): 3 names the device step, 4 lets a
+#: step graph refer to the bundle's frozen weights (:data:`FROZEN_LOCATION`) instead of holding them
+BUNDLE_FORMAT = 4
 # the external-data location of a step graph's frozen weights: not a file (no artifact name holds '<' or '>', and
 # onnxruntime never looks for it: Bundle.session supplies the values), but the bundle's weights of the same name
 FROZEN_LOCATION = "<bundle-weights>"
@@ -374,6 +377,10 @@ def load_bundle(root: str | os.PathLike, public_key: PublicKey | None = None) ->
             Preprocess.from_dict(manifest["preprocess"])  # a bad one fails here, not at the first image
         if manifest.get("safeguard") is not None:
             SafeguardRule.from_manifest(manifest["safeguard"])  # a bad rule fails here, not after adaptation
+        fmt = manifest.get("format")
+        if isinstance(fmt, int) and not isinstance(fmt, bool) and fmt > BUNDLE_FORMAT:
+            raise TypeError(f"bundle format {fmt} is newer than this SDK reads (up to {BUNDLE_FORMAT}): "
+                            "upgrade fl-edge-sdk")
         if "device_step" not in manifest:
             raise TypeError("it names no 'device_step' (written before bundle format 3): export it again")
         step = manifest["device_step"]

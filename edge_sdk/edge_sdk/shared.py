@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from edge_sdk._atomic import atomic_link, atomic_path, atomic_write_bytes, atomic_write_text, move
 from edge_sdk._btfl import average_dles, fit_dle
-from edge_sdk._bundle import MANIFEST, sha256_file
+from edge_sdk._bundle import BUNDLE_FORMAT, MANIFEST, sha256_file
 from edge_sdk._bundle import FROZEN_LOCATION, FROZEN_SOURCES
 from edge_sdk._dp import privatize_pooled
 from edge_sdk._preprocess import LAYOUTS, RawInput
 from edge_sdk._strictjson import dumps as strict_dumps, finite as json_finite, loads as strict_loads
 from edge_sdk._tensors import MEDIA_TYPE as WEIGHTS_MEDIA_TYPE, encode_header as encode_weights_header
 
-__all__ = ["LAYOUTS", "MANIFEST", "WEIGHTS_MEDIA_TYPE", "RawInput", "atomic_link", "atomic_path", "atomic_write_bytes",
-           "atomic_write_text", "average_dles", "encode_weights_header", "fit_dle", "json_finite", "move",
-           "privatize_pooled", "sha256_file", "strict_dumps", "strict_loads"]
+__all__ = ["BUNDLE_FORMAT", "LAYOUTS", "MANIFEST", "WEIGHTS_MEDIA_TYPE", "RawInput", "atomic_link", "atomic_path",
+           "atomic_write_bytes", "atomic_write_text", "average_dles", "encode_weights_header", "fit_dle",
+           "json_finite", "move", "privatize_pooled", "sha256_file", "strict_dumps", "strict_loads"]
 __all__ += ["FROZEN_LOCATION", "FROZEN_SOURCES"]  # a step graph's frozen weights (edge_sdk._bundle)

@@ -129,3 +129,19 @@ def test_a_registered_runner_serves_a_bundle_of_its_kind(sdk_fixture: Path, new_
     finally:
         RUNNERS.pop(("test_custom_step", None), None)
         RUNNERS.pop(("test_custom_step", "Plain"), None)
+
+
+def test_a_bundle_format_newer_than_the_sdk_says_to_upgrade(sdk_fixture: Path, tmp_path: Path) -> None:
+    """A bundle written by a newer exporter is refused with one line naming the upgrade, not with whatever its new
+    contents would trip over; the fixture's own format loads."""
+    root = Path(shutil.copytree(sdk_fixture / "tent", tmp_path / "newer"))
+    (root / "manifest.sig").unlink()
+    manifest = json.loads((root / "manifest.json").read_text())
+    assert manifest["format"] <= edge_sdk.shared.BUNDLE_FORMAT
+    _open(root)  # unsigned copy of a bundle of this SDK's format
+    manifest["format"] = edge_sdk.shared.BUNDLE_FORMAT + 1
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(edge_sdk.BundleError, match=rf"bundle format {edge_sdk.shared.BUNDLE_FORMAT + 1} is newer "
+                                                   rf"than this SDK reads \(up to {edge_sdk.shared.BUNDLE_FORMAT}\): "
+                                                   r"upgrade fl-edge-sdk"):
+        _open(root)

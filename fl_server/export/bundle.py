@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 
 import fl_server
-from edge_sdk.shared import MANIFEST, json_finite, sha256_file, strict_dumps
+from edge_sdk.shared import BUNDLE_FORMAT, MANIFEST, json_finite, sha256_file, strict_dumps
 from fl_server.atomic import move
 from fl_server.export.graphs import OPSET, strip_debug
 from fl_server.algorithms import ALGORITHMS
@@ -28,8 +28,10 @@ if TYPE_CHECKING:
 
 # 1: every graph takes its weights as inputs; 2: frozen graphs may embed them (a graph's "inputs" in the
 # manifest list what a device feeds; edge_sdk._steps.graph_feeds picks them, so format-1 bundles still load)
-# 3: the manifest names the method's device step (``device_step``), by which the SDK chooses its runner
-FORMAT_VERSION = 3
+# 3: the manifest names the method's device step (``device_step``), by which the SDK chooses its runner;
+# 4: a step graph may refer to the bundle's frozen weights instead of holding them (edge_sdk.shared.FROZEN_LOCATION).
+# An SDK refuses a format newer than it reads, with one line saying to upgrade it.
+FORMAT_VERSION = BUNDLE_FORMAT
 _ONNX_DTYPES = {onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.DOUBLE: "float64",
                 onnx.TensorProto.INT64: "int64", onnx.TensorProto.INT32: "int32"}
 
