@@ -39,7 +39,7 @@ from edge_sdk.safeguard import SafeguardRule
 from edge_sdk.signing import SIGNATURE_FILE, PublicKey, Release, parse_public_key, verify_manifest
 
 __all__ = ["FROZEN_LOCATION", "FROZEN_SOURCES", "MANIFEST", "Bundle", "BundleError", "BundleSignatureError",
-           "ExternalTensor", "UnverifiedSignatureWarning", "external_tensor", "external_tensors", "load_bundle",
+           "ExternalTensor", "UnverifiedSignatureWarning", "external_tensors", "load_bundle",
            "sha256_file"]
 MANIFEST = "manifest.json"
 #: the newest bundle format this SDK reads (fl_server.export.bundle writes it): 3 names the device step, 4 lets a
@@ -183,13 +183,6 @@ def external_tensors(model: bytes) -> list[ExternalTensor]:
         if external:
             found.append(ExternalTensor(name or "(unnamed)", tuple(entries), tuple(dims), data_type, main))
     return found
-
-
-def external_tensor(model: bytes) -> str | None:
-    """The name of a tensor of this serialised ONNX model that stores its data outside it (:func:`external_tensors`);
-    None when it has none."""
-    found = external_tensors(model)
-    return found[0].name if found else None
 
 
 def frozen_weight_source(tensor: ExternalTensor, arrays: dict[str, dict[str, np.ndarray]]) -> tuple[str, str] | None:

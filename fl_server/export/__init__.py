@@ -1,6 +1,6 @@
 """ONNX export of frozen forward paths and gradient-step graphs (dynamic batch axis, pinned opset)."""
 from fl_server.export import fedicon  # noqa: F401  (registers FedICON's step graph builder)
-from fl_server.export.embed import embed_inputs, reference_inputs
+from fl_server.export.embed import embed_inputs
 from fl_server.export.graphs import OPSET, export_function
 from fl_server.export.steps import (StepSpec, encoder_spec, fedtta_step_spec, forward_spec, referenced_values,
                                     tent_step_spec)
@@ -14,7 +14,7 @@ def export_spec(spec: StepSpec, path):  # type: ignore[no-untyped-def]
         values = dict(zip(spec.input_names, spec.example))
         embed_inputs(out, {n: values[n].detach().cpu().numpy() for n in spec.embedded})
     if spec.referenced:
-        reference_inputs(out, referenced_values(spec))
+        embed_inputs(out, referenced_values(spec), reference=True)
     return out
 
 

@@ -6,8 +6,8 @@ onnxruntime cannot fold or pre-pack them. Embedded, the weights are constants th
 once at session creation. Graphs whose weights the device updates (the step graphs, ``forward`` after
 personalisation) keep them as inputs.
 
-A step graph's frozen weights (``StepSpec.referenced``) are the bundle's own weights: :func:`reference_inputs`
-makes them initializers that hold no bytes, only a reference -- external data at the location
+A step graph's frozen weights (``StepSpec.referenced``) are the bundle's own weights: ``embed_inputs(...,
+reference=True)`` makes them initializers that hold no bytes, only a reference -- external data at the location
 :data:`edge_sdk.shared.FROZEN_LOCATION`, by their graph names (``psi.<p>``, ``phi.<p>``) -- which the device fills
 with the bundle's verified arrays (``edge_sdk._bundle``), so a bundle stores each weight once.
 
@@ -38,7 +38,7 @@ _NP_DTYPES = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.DOUBLE: np.fl
 def embed_inputs(path: str | os.PathLike, values: Mapping[str, np.ndarray], reference: bool = False) -> Path:
     """Replace the graph inputs named in ``values`` by initializers holding those arrays (cast to the input's
     dtype; the shape must match where the graph fixes it). Rewritten atomically in place. ``reference``: the
-    initializers hold no bytes but refer to the bundle's weights of their names (:func:`reference_inputs`)."""
+    initializers hold no bytes but refer to the bundle's weights of their names (:func:`weight_reference`)."""
     path = Path(path)
     model = onnx.load(str(path), load_external_data=False)
     inputs = {i.name: i for i in model.graph.input}
@@ -59,12 +59,6 @@ def embed_inputs(path: str | os.PathLike, values: Mapping[str, np.ndarray], refe
     with atomic_path(path) as tmp:
         onnx.save(model, str(tmp))
     return path
-
-
-def reference_inputs(path: str | os.PathLike, values: Mapping[str, np.ndarray]) -> Path:
-    """:func:`embed_inputs` with initializers that refer to the bundle's weights ``values`` (their dtype and shape;
-    no bytes): a device session gets their values from the bundle (``edge_sdk._bundle.Bundle.frozen_weights``)."""
-    return embed_inputs(path, values, reference=True)
 
 
 def weight_reference(arr: np.ndarray, name: str) -> onnx.TensorProto:

@@ -51,7 +51,7 @@ class StepSpec:
     # weight inputs the step never changes (its new.* outputs return them as they came): what frozen_spec embeds
     frozen: tuple[str, ...] = ()
     # inputs that become initializers referring to the bundle's weights of their names, no bytes stored
-    # (fl_server.export.embed.reference_inputs; the device supplies the values): frozen_spec's
+    # (fl_server.export.embed.embed_inputs(reference=True); the device supplies the values): frozen_spec's
     referenced: tuple[str, ...] = ()
 
 
