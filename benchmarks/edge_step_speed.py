@@ -8,7 +8,8 @@ MNIST images; also the plain forward and, for the MLP and the ConvNet, FedICON's
 augmented views of each image, the projection included). The torch side is the method's own step (the
 batch-normalised models in torch's batch-statistics BatchNorm, as the engine trains and adapts at this batch), the
 updated model's logits and entropy included; a step graph runs in the session the SDK opens for its bundle
-(``Bundle.session``: in its node order, optimised where it holds model weights as constants). Median over repeats
+(``Bundle.session``: in its node order, optimised where it holds model weights as constants), called as the device
+calls it (``open_bundle(...).runner.step.step``: input checks, statistics feeds and run options included). Median over repeats
 after warm-up, the ORT and torch calls alternating. ``peak_rss_mb``: the peak resident memory (``ru_maxrss``) of a fresh torch-free process that opens
 the method's bundle with the SDK and personalises on the batch (one subprocess per model and method). Rows merged
 into docs/benchmarks/edge-sdk.json by (what, device). ``--memory-only``: export the step bundles and measure only
@@ -48,7 +49,7 @@ import onnx  # noqa: E402
 import onnxruntime as ort  # noqa: E402
 import torch  # noqa: E402
 
-from edge_sdk import load_bundle  # noqa: E402
+from edge_sdk import open_bundle  # noqa: E402
 from edge_sdk._steps import load_session  # noqa: E402
 from timing import interleaved_median_ms  # noqa: E402
 from fl_server.export import export_function, export_spec  # noqa: E402
@@ -161,8 +162,13 @@ def model_rows(model_name: str, x: torch.Tensor, repeats: int, tmp: Path) -> Ite
         nodes = len(onnx.load(str(graphs[kind]), load_external_data=False).graph.node)  # (frozen weights: no data)
         extra = {"nodes": nodes, "bundle_bytes": tree_bytes(bundle),
                  "peak_rss_mb": peak_rss_mb(bundle, tmp / "x.npy")}
-        session = load_bundle(bundle).session(kind, threads=1)  # as the device opens it
-        yield (label, *(ort_vs_torch(session, spec, x, eager, repeats) if repeats else (0.0, 0.0)), extra)
+        # the step as the device runs it: the runner open_bundle builds, its StepRunner.step (input checks, the
+        # bundle's statistics feeds, the run options that give the arena back after each step) on the received weights
+        runner = open_bundle(bundle, threads=1).runner
+        x_np = x.numpy()
+        ms = interleaved_median_ms({"ort": lambda: runner.step.step(x_np, runner.base), "torch": eager},
+                                   repeats) if repeats else {"ort": 0.0, "torch": 0.0}
+        yield (label, ms["ort"], ms["torch"], extra)
     if repeats and not normalised:
         icon = build("FedICON")
         proj = icon.init_state(torch.float32, torch.device("cpu"))["proj"]
