@@ -7,8 +7,10 @@ the one a new client receives). New clients: two classes each, ``per_client`` sa
 - ``split="test"``: the official *test* split, clean (in-domain reference) and under each of
   ``test_corruptions`` at each severity in ``severities`` (rows ``covariate-s<k>`` average the corruptions),
   and, for MNIST, scikit-learn's 8x8 digits upsampled to 28x28 (``digits``);
-- ``split="val"``: the training clients' validation samples (never trained on) under ``val_corruptions``
-  (types no test condition uses) -- the only numbers the safeguard's threshold is chosen on.
+- ``split="val"``: the training clients' validation samples (never trained on) under ``val_corruptions`` and
+  ``val_corruptions_added`` (types no test condition uses; the second list, issue #52, is drawn after the test
+  conditions, so that every other condition's clients stay the draws they were) -- the only numbers the
+  safeguard's rule is chosen on.
 For every client: the received model's accuracy, the personalised accuracy (the method's test-time step on the
 client's unlabeled set, then prediction on it), the safeguarded accuracy (edge_sdk.safeguard: each method's
 declared rule, and every rule of :func:`candidate_rules`, decides from label-free evidence to keep the
@@ -74,6 +76,9 @@ def conditions(protocol: "Protocol", fed: FederatedData, seed: int, data_root: s
     if protocol.dataset == "mnist" and opt.get("digits", True):
         digits = upsampled_digits(tuple(fed.dataset.x.shape[2:]))  # type: ignore[arg-type]
         add("test", "digits", digits.x, digits.y, len(out))
+    for name in opt.get("val_corruptions_added", ()):  # after the test conditions: earlier draws stay the same
+        for sev in opt.get("severities", (3, 5)):
+            add("val", f"{name}-{sev}", xv, yv, len(out), name, sev)
     return out
 
 

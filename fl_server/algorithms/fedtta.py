@@ -51,7 +51,7 @@ class FedTTAConfig(Hyper):
 class FedTTA(Algorithm):
     # the label-free safeguard rule chosen on validation shifts only (lab/safeguard_choice.py;
     # docs/results/safeguard-choice.json), applied by the device after personalising
-    safeguard = {"rule": "disagreement", "threshold": 0.05, "partial": True}
+    safeguard = {"rule": "rollback"}
     name = "FedTTA"
     graph_safe = True
     device_step = "fedtta_step"
@@ -175,7 +175,7 @@ class FedTTAPlusPlusConfig(FedTTAProxConfig):
 class FedTTAProx(FedTTA):
     # the label-free safeguard rule chosen on validation shifts only (lab/safeguard_choice.py;
     # docs/results/safeguard-choice.json), applied by the device after personalising
-    safeguard = {"rule": "rollback", "partial": True}
+    safeguard = {"rule": "disagreement", "threshold": 0.05, "partial": True}
     name = "FedTTA-Prox"
     Config = FedTTAProxConfig
 
