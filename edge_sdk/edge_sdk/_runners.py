@@ -165,13 +165,13 @@ class TentRunner(ModelRunner):
         steps, chunk = self.plan(x)
         history = [self._entropy(x)]
         current = self.base
-        for _ in range(steps):
-            for start in range(0, len(x), chunk):
-                new, _, h = self.step.step(x[start:start + chunk], current)
-                if not finite(new, h):  # overflow: keep the last finite iterate
-                    return current, len(history) - 1, {"entropy_history": history}
-                current = new
-                history.append(h)
+        starts = [start for _ in range(steps) for start in range(0, len(x), chunk)]
+        for i, start in enumerate(starts):
+            new, _, h = self.step.step(x[start:start + chunk], current, release=i == len(starts) - 1)
+            if not finite(new, h):  # overflow: keep the last finite iterate
+                return current, len(history) - 1, {"entropy_history": history}
+            current = new
+            history.append(h)
         return current, len(history) - 1, {"entropy_history": history}
 
 
