@@ -95,17 +95,26 @@ def _choice_lines(methods: list[str]) -> list[str]:
              "Each method's candidates, scored on the validation conditions only; a fitted rule is scored on "
              "clients it was not fitted on, leaving out in turn one condition, one corruption type (both "
              "severities) and one data set, and keeps the lowest mean gain and worst cell of the three. "
-             f"Admissible = no validation cell more than {data['max_val_loss']:g} points below the received model; "
+             "Admissible = no validation cell (its mean over seeds; less the seeds' standard error where the "
+             f"criterion below has a seed margin) more than {data['max_val_loss']:g} points below the received model; "
              "the admissible fixed-form rule (off, rollback, disagreement, each alone or partial) of best mean gain "
              f"is declared unless an admissible linear rule beats it by more than {data['simple_margin']:g} "
              "point (`python -m lab.safeguard_choice`; the criterion, and why, is in that module's docstring). It "
              "was fixed before the test table above was read.", ""]
+    variants = {v["variant"]: v for v in data.get("variants", [])}
+    if data.get("criterion") in variants:
+        lines += [f"The criterion is the variant `{data['criterion']}` ({variants[data['criterion']]['why']}), chosen "
+                  "among the variants below by the nested check on validation alone: fewest held-out cells more "
+                  "than a point below the received model over both ways of holding out, then the best held-out "
+                  "mean gain, then the simpler variant.", ""]
     checks = data.get("procedure_check", {})
     if checks:
         lines += ["The choice itself checked on validation shifts it did not see (per method: hold out one "
                   "corruption type or one data set, choose on the rest, score the chosen rule on the held-out "
-                  "cells):", "", "| criterion | held out | cells | more than 1 point below received | worst | "
-                  "gain kept |", "|---|---|---|---|---|---|"]
+                  "cells; `previous` is the first criterion this choice used, `PREVIOUS` in "
+                  "lab/safeguard_choice.py, not a variant):", "",
+                  "| criterion | held out | cells | more than 1 point below received | worst | gain kept |",
+                  "|---|---|---|---|---|---|"]
         for crit, by in checks.items():
             for how, c in by.items():
                 lines.append(f"| {crit} | {how.removeprefix('hold out one ')} | {c['cells']} | {c['below']} | "

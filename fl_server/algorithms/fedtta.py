@@ -175,7 +175,7 @@ class FedTTAPlusPlusConfig(FedTTAProxConfig):
 class FedTTAProx(FedTTA):
     # the label-free safeguard rule chosen on validation shifts only (lab/safeguard_choice.py;
     # docs/results/safeguard-choice.json), applied by the device after personalising
-    safeguard = {"rule": "disagreement", "threshold": 0.05, "partial": True}
+    safeguard = {"rule": "rollback"}
     name = "FedTTA-Prox"
     Config = FedTTAProxConfig
 

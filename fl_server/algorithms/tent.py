@@ -55,7 +55,7 @@ class TentConfig(FedAvgConfig):
 class Tent(FedAvg):
     # the label-free safeguard rule chosen on validation shifts only (lab/safeguard_choice.py;
     # docs/results/safeguard-choice.json), applied by the device after personalising
-    safeguard = {"rule": "disagreement", "threshold": 0.3}
+    safeguard = {"rule": "disagreement", "threshold": 0.2}
     name = "TENT"
     default_job = True  # trained by a coordinator with an empty store
     device_step = "tent_step"

@@ -17,7 +17,8 @@ from fl_server.data.domains import two_class_clients, upsampled_digits
 from fl_server.data.shifts import resize
 
 from lab.experiments import get_experiment
-from lab.safeguard_choice import HOLDOUT_FEATURES, PREVIOUS, SIMPLE_MARGIN, Client, choose, procedure_check
+from lab.safeguard_choice import (HOLDOUT_FEATURES, PREVIOUS, SIMPLE_MARGIN, VARIANTS, Client, choose,
+                                  meta_choice, procedure_check)
 from lab.unseen import PERSONALISING, candidate_rules, summarise
 from lab.unseen_report import headline
 from test_lab_cli import run_lab
@@ -130,6 +131,18 @@ def test_the_nested_check_scores_the_choice_on_held_out_shifts() -> None:
         assert check["hold out one family"]["worst"][0] >= 0
         # ... chosen on one data set, neither can see the failure: every cell of the other one is lost
         assert check["hold out one dataset"]["below"] == 8 and check["hold out one dataset"]["worst"][0] == -15
+
+
+def test_the_meta_rule_picks_the_criterion_with_fewest_held_out_failures() -> None:
+    """meta_choice: fewest held-out cells below -1, then the best held-out mean gain, then declaration order."""
+    rows = [{"variant": "a", "below": 5, "mean_gain": 2.6}, {"variant": "b", "below": 2, "mean_gain": 1.0},
+            {"variant": "c", "below": 2, "mean_gain": 1.5}, {"variant": "d", "below": 2, "mean_gain": 1.5}]
+    assert meta_choice(rows) == "c"  # b loses the tie on gain, d the tie on order
+    assert meta_choice(rows[:2]) == "b" and meta_choice([{**rows[0], "below": 0}, *rows[1:]]) == "a"
+    # the committed comparison covers every declared variant, and its criterion is the one the meta-rule picks
+    choice = json.loads(CHOICE.read_text())
+    assert [r["variant"] for r in choice["variants"]] == [name for name, _, _ in VARIANTS]
+    assert choice["criterion"] == meta_choice(choice["variants"])
 
 
 def test_declared_rules_are_the_validation_choice() -> None:
