@@ -9,7 +9,8 @@ augmented views of each image, the projection included). The torch side is the m
 batch-normalised models in torch's batch-statistics BatchNorm, as the engine trains and adapts at this batch), the
 updated model's logits and entropy included; a step graph runs in the session the SDK opens for its bundle
 (``Bundle.session``: in its node order, optimised where it holds model weights as constants), called as the device
-calls it (``open_bundle(...).runner.step.step``: input checks, statistics feeds and run options included). Median over repeats
+calls it (``open_bundle(...).runner.step.step``: input checks and statistics feeds included; a step between others,
+as in a multi-step adaptation -- the last step also gives onnxruntime's arena back). Median over repeats
 after warm-up, the ORT and torch calls alternating. ``peak_rss_mb``: the peak resident memory (``ru_maxrss``) of a fresh torch-free process that opens
 the method's bundle with the SDK and personalises on the batch (one subprocess per model and method). Rows merged
 into docs/benchmarks/edge-sdk.json by (what, device). ``--memory-only``: export the step bundles and measure only
@@ -163,7 +164,7 @@ def model_rows(model_name: str, x: torch.Tensor, repeats: int, tmp: Path) -> Ite
         extra = {"nodes": nodes, "bundle_bytes": tree_bytes(bundle),
                  "peak_rss_mb": peak_rss_mb(bundle, tmp / "x.npy")}
         # the step as the device runs it: the runner open_bundle builds, its StepRunner.step (input checks, the
-        # bundle's statistics feeds, the run options that give the arena back after each step) on the received weights
+        # bundle's statistics feeds) on the received weights
         runner = open_bundle(bundle, threads=1).runner
         x_np = x.numpy()
         ms = interleaved_median_ms({"ort": lambda: runner.step.step(x_np, runner.base), "torch": eager},
