@@ -9,7 +9,8 @@ augmented views of each image, the projection included). The torch side is the m
 batch-normalised models in torch's batch-statistics BatchNorm, as the engine trains and adapts at this batch), the
 updated model's logits and entropy included; a step graph runs in the session the SDK opens for its bundle
 (``Bundle.session``: in its node order, optimised where it holds model weights as constants), called as the device
-calls it (``open_bundle(...).runner.step.step``: input checks, statistics feeds and run options included). Median over repeats
+calls it (``open_bundle(...).runner.step.step``: input checks and statistics feeds included; a step between others,
+as in a multi-step adaptation -- the last step also gives onnxruntime's arena back). Median over repeats
 after warm-up, the ORT and torch calls alternating. ``peak_rss_mb``: the peak resident memory (``ru_maxrss``) of a fresh torch-free process that opens
 the method's bundle with the SDK and personalises on the batch (one subprocess per model and method). Rows merged
 into docs/benchmarks/edge-sdk.json by (what, device). ``--memory-only``: export the step bundles and measure only
@@ -74,9 +75,9 @@ import resource, sys
 import numpy as np
 from edge_sdk import open_bundle
 device = open_bundle(sys.argv[1])
-device.personalize(np.load(sys.argv[2]))
+steps = len(device.personalize(np.load(sys.argv[2])).details["entropy_history"]) - 1  # the steps it ran
 assert "torch" not in sys.modules
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+print(steps, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
 """
 
 
@@ -141,6 +142,9 @@ def model_rows(model_name: str, x: torch.Tensor, repeats: int, tmp: Path) -> Ite
     fedtta, tent = build("FedTTA", **fedtta_hp), build("TENT", **tent_hp)
     steps = {"FedTTA step": (fedtta, "fedtta_step", fedtta_hp, lambda: fedtta.adapt_step(state["params"], state["phi"], x)),
              "TENT step": (tent, "tent_step", tent_hp, lambda: tent.entropy_step(state["params"], x))}
+    if not repeats:  # memory only: FedTTA++'s personalisation (its step graph is FedTTA's) holds several iterates
+        fedttapp_hp = dict(FEDTTA_HP["mnist"]["FedTTA++"])
+        steps["FedTTA++ personalisation"] = (build("FedTTA++", **fedttapp_hp), "fedtta_step", fedttapp_hp, None)
     weights = {k: {n: v.detach().numpy() for n, v in d.items()} for k, d in state.items()}
     specs = device_specs(fedtta, state, freeze=True)
     graphs = {"forward": export_spec(specs["forward"], tmp / f"{model_name}-forward.onnx")}
@@ -156,14 +160,15 @@ def model_rows(model_name: str, x: torch.Tensor, repeats: int, tmp: Path) -> Ite
             with norm_mode(algorithm.model, "batch"):
                 return entropy_from_logits(algorithm.forward(torch_step(), x)).mean()
 
-        bundle = write_bundle(tmp / f"{model_name}-{kind}", {"forward": graphs["forward"], kind: graphs[kind]},
+        bundle = write_bundle(tmp / f"{model_name}-{algorithm.name}-{kind}", {"forward": graphs["forward"], kind: graphs[kind]},
                               {**weights, **({"stats": statistics_arrays(algorithm.model)} if stat_norms(algorithm.model) else {})},
                               algorithm.name, hp, extra={"batch_norm": dict(BATCH_NORM_RULE)} if stat_norms(algorithm.model) else None)
         nodes = len(onnx.load(str(graphs[kind]), load_external_data=False).graph.node)  # (frozen weights: no data)
-        extra = {"nodes": nodes, "bundle_bytes": tree_bytes(bundle),
-                 "peak_rss_mb": peak_rss_mb(bundle, tmp / "x.npy")}
+        device_steps, peak = peak_rss_mb(bundle, tmp / "x.npy")
+        extra = {"nodes": nodes, "bundle_bytes": tree_bytes(bundle), "peak_rss_mb": peak,
+                 **({"device_steps": device_steps} if torch_step is None else {})}
         # the step as the device runs it: the runner open_bundle builds, its StepRunner.step (input checks, the
-        # bundle's statistics feeds, the run options that give the arena back after each step) on the received weights
+        # bundle's statistics feeds) on the received weights
         runner = open_bundle(bundle, threads=1).runner
         x_np = x.numpy()
         ms = interleaved_median_ms({"ort": lambda: runner.step.step(x_np, runner.base), "torch": eager},
@@ -179,9 +184,12 @@ def model_rows(model_name: str, x: torch.Tensor, repeats: int, tmp: Path) -> Ite
 
 
 def memory_rows(model_name: str, x: torch.Tensor, tmp: Path) -> Iterator[tuple[str, dict]]:
-    """(label, {nodes, bundle_bytes, peak_rss_mb}) of FedTTA's and TENT's step bundles of ``model_name``."""
+    """(label, {nodes, bundle_bytes, peak_rss_mb}) of FedTTA's and TENT's step bundles of ``model_name``, and of
+    FedTTA++'s personalisation (entropy early stopping: several steps, ``device_steps``, keeping the best iterate;
+    a row of its own, metric ``peak_rss_mb``)."""
     for label, _, _, extra in model_rows(model_name, x, 0, tmp):
-        yield label, extra
+        yield label, ({"metric": "peak_rss_mb", "value": extra["peak_rss_mb"], **extra}
+                      if "device_steps" in extra else extra)
 
 
 def merge_memory_rows(path: str, rows: list[dict]) -> None:
@@ -207,13 +215,15 @@ def tree_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
 
-def peak_rss_mb(bundle: Path, x: Path) -> float:
-    """Peak RSS of a fresh torch-free process that opens ``bundle`` and personalises on the batch saved at ``x``."""
+def peak_rss_mb(bundle: Path, x: Path) -> tuple[int, float]:
+    """(steps taken, peak RSS in MB) of a fresh torch-free process that opens ``bundle`` and personalises on the
+    batch saved at ``x``."""
     # started by a shell that forks it: Linux keeps ru_maxrss across exec, so a process forked from this one (torch
     # loaded, several hundred MB) would report this one's size ("; exit" keeps the shell from exec-ing it)
     out = subprocess.run(["/bin/sh", "-c", '"$@"; exit $?', "sh", sys.executable, "-c", DEVICE_PROCESS, str(bundle),
                           str(x)], check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return round(float(out.stdout.split()[-1]), 1)
+    steps, peak = out.stdout.split()[-2:]
+    return int(steps), round(float(peak), 1)
 
 
 def conv_kernel_rows(batch: int, repeats: int, tmp: Path, command: str) -> list[dict]:

@@ -73,6 +73,20 @@ def test_benchmark_runs_at_smoke_size(script: str, tmp_path: Path, data_root: Pa
 
 
 @pytest.mark.slow
+def test_step_memory_rows_at_smoke_size(tmp_path: Path, data_root: Path) -> None:
+    """edge_step_speed.py --memory-only (the path the timing smoke run skips): the step bundles' peak memory and
+    FedTTA++'s personalisation's, with the steps its early stopping took."""
+    out = tmp_path / "rows.json"
+    _run([str(BENCH / "edge_step_speed.py"), "--memory-only", "--batch", "4", "--models", "mlp", "--out", str(out)],
+         _env(data_root), tmp_path)
+    rows = {r["what"]: r for r in json.loads(out.read_text())}
+    fedttapp = rows["FedTTA++ personalisation, mlp, batch 4"]
+    assert fedttapp["metric"] == "peak_rss_mb" and fedttapp["value"] == fedttapp["peak_rss_mb"] > 0, fedttapp
+    assert fedttapp["device_steps"] >= 1, fedttapp
+    assert rows["TENT step, mlp, batch 4"]["peak_rss_mb"] > 0 and "device_steps" not in rows["TENT step, mlp, batch 4"]
+
+
+@pytest.mark.slow
 def test_coordinator_benchmarks(trained_store: Path, tmp_path: Path, data_root: Path) -> None:
     """coordinator_load.py against a running coordinator, profile_burst.py on a copy of the same store, and
     summarize_load.py over coordinator_load's output."""

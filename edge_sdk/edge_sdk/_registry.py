@@ -28,9 +28,11 @@ RECEIVED = "none"  # the kind of a bundle without a device step, and the method 
 
 @dataclass
 class Adaptation:
-    """What :meth:`Device.personalize` did: the method, steps taken, samples used, method-specific details, and
-    the safeguard's decision (``safeguard.action``: "personalised", "partial" or "received"; None where no rule
-    ran)."""
+    """What :meth:`Device.personalize` did: the method, the gradient steps behind the weights it now uses
+    (FedTTA++'s early stopping: the chosen iterate's step; ``details["entropy_history"]``, where a runner keeps
+    one, has the received model's entropy and one entry per step run), samples used, method-specific details,
+    and the safeguard's decision (``safeguard.action``: "personalised", "partial" or "received"; None where no
+    rule ran)."""
 
     method: str
     steps: int
