@@ -146,16 +146,14 @@ def test_first_candidate_skips_the_unadapted_model() -> None:
 
 
 def test_new_option_at_its_default_keeps_run_fingerprints() -> None:
-    """Checkpoints made before first_candidate (or eata_margin) existed still resume: at its default it is not part
-    of the fingerprint; set, it is."""
+    """Checkpoints made before first_candidate existed still resume: at its default it is not part of the
+    fingerprint; set, it is."""
     from fl_server.algorithms.fedtta import FedTTAConfig
     from fl_server.engine.simulation import fingerprint_hp
 
     assert "first_candidate" not in fingerprint_hp(FedTTAConfig())
     assert fingerprint_hp(FedTTAConfig(first_candidate=1))["first_candidate"] == 1
-    assert fingerprint_hp(FedTTAConfig(eata_margin=0.4))["eata_margin"] == 0.4
-    assert set(fingerprint_hp(FedTTAConfig())) == set(dataclasses.asdict(FedTTAConfig())) - {"first_candidate",
-                                                                                           "eata_margin"}
+    assert set(fingerprint_hp(FedTTAConfig())) == set(dataclasses.asdict(FedTTAConfig())) - {"first_candidate"}
 
 
 def test_adapter_init_is_seeded() -> None:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from edge_sdk import EntropyEarlyStopping
 from fl_server.algorithms.base import Algorithm, Hyper, register
-from fl_server.algorithms.losses import entropy_from_logits, kl_from_logits, reliable_mean
+from fl_server.algorithms.losses import entropy_from_logits, kl_from_logits
 from fl_server.functional import (State, broadcast, clip_by_global_norm, get_params, grad, make_forward, sgd,
                                   weighted_mean)
 from fl_server.models import AdaptationMLP, Classifier
@@ -45,10 +45,6 @@ class FedTTAConfig(Hyper):
     # N samples (the paper's full-batch step would be sqrt(N/B) times larger than anything seen in training).
     # None: the paper's raw ||g(Z)||_2 on every batch size.
     loss_batch: int | None = 64
-    # test-time only (a new client's steps, the device step; not meta-training): EATA's reliable-sample weighting
-    # of l_per's per-sample g_i^2 at E0 = margin * ln C by the prediction entropy (losses.reliable_mean; EATA's
-    # default 0.4). None: every sample alike. Left out of run fingerprints at its default.
-    eata_margin: float | None = field(default=None, metadata={"fingerprint": "omit_default"})
 
 
 @register
@@ -92,29 +88,23 @@ class FedTTA(Algorithm):
         """l_per = || g(f(X; psi); phi) ||_2 over the batch (UPFL Eq. 4), at the reference batch size."""
         return self.personalization_loss_and_logits(psi, phi, x)[0]
 
-    def personalization_loss_and_logits(self, psi: State, phi: State, x: torch.Tensor,
-                                        test_time: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(l_per, f(X; psi)): the logits come with the loss, so callers that need them too pay one forward.
-        ``test_time``: a new client's step, where ``hp.eata_margin`` weights the samples."""
+    def personalization_loss_and_logits(self, psi: State, phi: State,
+                                        x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(l_per, f(X; psi)): the logits come with the loss, so callers that need them too pay one forward."""
         logits = self.forward(psi, x)
         scores = self.g(phi, logits)
-        if test_time and self.hp.eata_margin is not None:
-            # the clamp: no sample kept gives a zero loss of zero gradient (sqrt's at 0 would be NaN)
-            mean_sq = reliable_mean(scores.square(), logits, self.hp.eata_margin).clamp(min=1e-12)
-            return torch.sqrt((self.hp.loss_batch or scores.shape[0]) * mean_sq), logits
         if self.hp.loss_batch is None:
             return torch.linalg.vector_norm(scores), logits
         # sqrt(B * mean g^2) == ||g||_2 when N == B; mean() keeps N symbolic for the ONNX export
         return torch.sqrt(self.hp.loss_batch * scores.square().mean()), logits
 
-    def adapt_step(self, psi: State, phi: State, x: torch.Tensor, test_time: bool = False) -> State:
+    def adapt_step(self, psi: State, phi: State, x: torch.Tensor) -> State:
         """psi~ = psi - eta_inner grad_psi l_per (Eq. 5); differentiable w.r.t. psi and phi."""
-        return self.adapt_step_and_logits(psi, phi, x, test_time)[0]
+        return self.adapt_step_and_logits(psi, phi, x)[0]
 
-    def adapt_step_and_logits(self, psi: State, phi: State, x: torch.Tensor,
-                              test_time: bool = False) -> tuple[State, torch.Tensor]:
+    def adapt_step_and_logits(self, psi: State, phi: State, x: torch.Tensor) -> tuple[State, torch.Tensor]:
         """(psi~ of Eq. 5, f(X; psi)): the step's own forward pass, still differentiable w.r.t. psi."""
-        grads, logits = grad(self.personalization_loss_and_logits, has_aux=True)(psi, phi, x, test_time)
+        grads, logits = grad(self.personalization_loss_and_logits, has_aux=True)(psi, phi, x)
         return sgd(psi, grads, self.hp.inner_lr), logits
 
     def meta_loss(self, psi: State, phi: State, psi_server: State, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -144,7 +134,7 @@ class FedTTA(Algorithm):
     def personalize(self, server_state: State, x: torch.Tensor) -> State:
         psi, phi = server_state["params"], server_state["phi"]
         if self.hp.patience < 1:
-            return self.adapt_step(psi, phi, x, test_time=True)
+            return self.adapt_step(psi, phi, x)
         return self.personalize_early_stopping(psi, phi, x)[0]
 
     def personalize_early_stopping(self, psi: State, phi: State, x: torch.Tensor) -> tuple[State, EntropyEarlyStopping]:
@@ -154,7 +144,7 @@ class FedTTA(Algorithm):
         best, current = psi, psi
         while True:
             # one forward of the iterate serves both its entropy and, if the stopper goes on, its Eq. 5 step
-            (loss, logits), pullback = torch.func.vjp(lambda p: self.personalization_loss_and_logits(p, phi, x, True),
+            (loss, logits), pullback = torch.func.vjp(lambda p: self.personalization_loss_and_logits(p, phi, x),
                                                       current)
             h = float(entropy_from_logits(logits.detach()).mean())
             if not math.isfinite(h) and stopper.history:

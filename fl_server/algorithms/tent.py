@@ -15,7 +15,7 @@ of ``batch_size`` for one pass when set.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from torch import nn
 
 from fl_server.algorithms.base import Hyper, register
 from fl_server.algorithms.fedavg import FedAvg, FedAvgConfig
-from fl_server.algorithms.losses import entropy_from_logits, reliable_mean
+from fl_server.algorithms.losses import entropy_from_logits
 from fl_server.functional import State, grad, sgd
 from fl_server.models import Classifier
 from fl_server.models.norm import StatBatchNorm2d
@@ -49,9 +49,6 @@ class TentConfig(FedAvgConfig):
     steps: int = 1
     batch_size: int | None = None  # None: full batch
     adapt: str = "all"  # "all" | "norm_affine" (the original TENT's, for batch-normalised models)
-    # EATA's reliable-sample weighting of the entropy loss at E0 = margin * ln C (losses.reliable_mean; EATA's
-    # default 0.4); None: the plain mean entropy. Left out of run fingerprints at its default.
-    eata_margin: float | None = field(default=None, metadata={"fingerprint": "omit_default"})
 
 
 @register
@@ -76,15 +73,11 @@ class Tent(FedAvg):
                              "(BatchNorm, GroupNorm or LayerNorm; e.g. btfl_cnn_bn)")
 
     def entropy_step(self, params: State, x: torch.Tensor) -> State:
-        """One SGD step on the mean prediction entropy of ``x`` (EATA-weighted under ``hp.eata_margin``), over the
-        parameters ``hp.adapt`` names."""
+        """One SGD step on the mean prediction entropy of ``x``, over the parameters ``hp.adapt`` names."""
         lr = self.hp.tent_lr if self.hp.tent_lr is not None else self.hp.lr
         moving = params if self.hp.adapt == "all" else {n: params[n] for n in self._affine}
-        grads = grad(lambda m: self.entropy_loss(self.forward({**params, **m}, x)))(moving)
+        grads = grad(lambda m: entropy_from_logits(self.forward({**params, **m}, x)).mean())(moving)
         return {**params, **sgd(moving, grads, lr)}
-
-    def entropy_loss(self, logits: torch.Tensor) -> torch.Tensor:
-        return reliable_mean(entropy_from_logits(logits), logits, self.hp.eata_margin)
 
     def personalize(self, server_state: State, x: torch.Tensor) -> State:
         params = server_state["params"]

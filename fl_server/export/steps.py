@@ -141,8 +141,7 @@ def fedtta_step_spec(algorithm: FedTTA, psi: State, phi: State, batch: int = 4,
     names, phi_names = list(psi), list(phi)
 
     def fn(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        new = algorithm.adapt_step(dict(zip(names, weights[:len(names)])), dict(zip(phi_names, weights[len(names):])), x,
-                                   test_time=True)
+        new = algorithm.adapt_step(dict(zip(names, weights[:len(names)])), dict(zip(phi_names, weights[len(names):])), x)
         logits = algorithm.forward(new, x)
         return (*(new[n] for n in names), logits, entropy_from_logits(logits).mean())
 

@@ -1,7 +1,8 @@
 """Does EATA's reliable-sample filter make personalisation safe? Validation shifts of ``unseen-domain`` only.
 
-For TENT, FedTTA and FedTTA-Prox, with the test-time step's ``eata_margin`` off and at each ``--margins`` value
-(``fl_server.algorithms.losses.reliable_mean``; EATA's default 0.4), the personalised minus received accuracy of
+For TENT, FedTTA and FedTTA-Prox, with the product's test-time step (off) and with EATA's reliable-sample weighting
+of it at each ``--margins`` value (``reliable_mean`` below; EATA's default 0.4; lab-only subclasses of the product's
+algorithms, built only to personalise the validation clients), the personalised minus received accuracy of
 the new clients of every *validation* condition of the ``unseen-domain`` experiment (the training clients'
 validation samples under the corruptions no test condition uses), mean over seeds and clients, per data set x
 condition cell; then per method and margin the share of the validation samples the received model finds reliable
@@ -20,7 +21,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import math
 
@@ -29,8 +30,12 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "edge_sdk")]
-from fl_server.algorithms import build_algorithm, fedtta, tent  # noqa: E402
+from fl_server.algorithms import Algorithm, build_algorithm  # noqa: E402
+from fl_server.algorithms.fedtta import FedTTA, FedTTAProx  # noqa: E402
 from fl_server.algorithms.losses import entropy_from_logits  # noqa: E402
+from fl_server.algorithms.tent import Tent  # noqa: E402
+from fl_server.functional import State, grad, sgd  # noqa: E402
+from fl_server.models import Classifier  # noqa: E402
 from lab.experiments import get_experiment  # noqa: E402
 from lab.runner import build_federated, build_simulation, safe_name  # noqa: E402
 from lab.unseen import UNSEEN_METHODS, conditions  # noqa: E402
@@ -38,16 +43,81 @@ from lab.unseen import UNSEEN_METHODS, conditions  # noqa: E402
 METHODS = ("TENT", "FedTTA", "FedTTA-Prox")
 
 
-def masked_mean(values: torch.Tensor, logits: torch.Tensor, margin: float | None) -> torch.Tensor:
+Weigh = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (values [N], logits [N, C], margin) -> loss
+
+
+def reliable_mean(values: torch.Tensor, logits: torch.Tensor, margin: float) -> torch.Tensor:
+    """EATA's reliable-sample weighting of per-sample losses ``values`` [N] ("Efficient Test-Time Model Adaptation
+    without Forgetting", Niu et al., ICML 2022, arXiv:2204.02610, Eq. 3): S_i = 1[E_i < E0] exp(E0 - E_i), E_i the
+    prediction entropy of ``logits`` (no gradient through S), E0 = margin * ln C; then sum_i S_i values_i /
+    max(1, #kept) (the authors' code filters, then means), so nothing kept gives a zero loss."""
+    entropy = entropy_from_logits(logits).detach()
+    e0 = margin * math.log(logits.shape[-1])
+    kept = (entropy < e0).to(values.dtype)
+    return (kept * torch.exp(e0 - entropy) * values).sum() / kept.sum().clamp(min=1.0)
+
+
+def masked_mean(values: torch.Tensor, logits: torch.Tensor, margin: float) -> torch.Tensor:
     """The ``--masked`` diagnostic: the plain mean's terms of EATA's kept samples only (no weights, over N)."""
-    if margin is None:
-        return values.mean()
     kept = entropy_from_logits(logits).detach() < margin * math.log(logits.shape[-1])
     return (kept.to(values.dtype) * values).mean()
 
 
+class _Weighted:
+    """A lab-only subclass's sample weighting of its test-time loss: ``weigh`` at ``margin``. The probe builds these
+    only to personalise new clients (never to train), so the whole test-time loss is overridden."""
+    margin: float
+    weigh: Weigh
+
+    def __init__(self, model: Classifier, *, margin: float, weigh: Weigh = reliable_mean, seed: int = 0,
+                 **hyper: Any) -> None:
+        super().__init__(model, seed=seed, **hyper)  # type: ignore[call-arg]
+        self.margin, self.weigh = margin, weigh
+
+
+class EataTent(_Weighted, Tent):
+    """TENT whose entropy step weights the per-sample entropies (EATA's Eq. 3, or ``masked_mean``)."""
+
+    def entropy_step(self, params: State, x: torch.Tensor) -> State:
+        lr = self.hp.tent_lr if self.hp.tent_lr is not None else self.hp.lr
+        moving = params if self.hp.adapt == "all" else {n: params[n] for n in self._affine}
+
+        def loss(m: State) -> torch.Tensor:
+            logits = self.forward({**params, **m}, x)
+            return self.weigh(entropy_from_logits(logits), logits, self.margin)
+
+        return {**params, **sgd(moving, grad(loss)(moving), lr)}
+
+
+class EataFedTTA(_Weighted, FedTTA):
+    """FedTTA whose new-client step weights l_per's per-sample g_i^2 inside sqrt(B * .)."""
+
+    def personalization_loss_and_logits(self, psi: State, phi: State,
+                                        x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.forward(psi, x)
+        scores = self.g(phi, logits)
+        # the clamp: no sample kept gives a zero loss of zero gradient (sqrt's at 0 would be NaN)
+        mean_sq = self.weigh(scores.square(), logits, self.margin).clamp(min=1e-12)
+        return torch.sqrt((self.hp.loss_batch or scores.shape[0]) * mean_sq), logits
+
+
+class EataFedTTAProx(EataFedTTA, FedTTAProx):
+    """FedTTA-Prox (FedTTA's step; mu acts in training only) with the weighted new-client step."""
+
+
+WEIGHTED: dict[str, type[_Weighted]] = {"TENT": EataTent, "FedTTA": EataFedTTA, "FedTTA-Prox": EataFedTTAProx}
+
+
+def personalizer(method: str, model: Classifier, seed: int, hyper: dict[str, Any], margin: float | None,
+                 weigh: Weigh = reliable_mean) -> Algorithm:
+    """The product's ``method`` (margin None) or its lab-only weighted subclass, to personalise new clients."""
+    if margin is None:
+        return build_algorithm(method, model, 1, seed=seed, **hyper)
+    return WEIGHTED[method](model, margin=margin, weigh=weigh, seed=seed, **hyper)  # type: ignore[return-value]
+
+
 def gains(protocol: Any, method: str, seed: int, margins: list[float | None], runs: Path,
-          data_root: str | None) -> dict[str, tuple[dict[str, float], float]]:
+          data_root: str | None, weigh: Weigh = reliable_mean) -> dict[str, tuple[dict[str, float], float]]:
     """margin label -> (validation condition -> mean over clients of personalised - received accuracy (points),
     the share of the clients' samples the received model finds reliable, entropy < margin ln C (%))."""
     fed = build_federated(protocol, seed, data_root)
@@ -62,8 +132,7 @@ def gains(protocol: Any, method: str, seed: int, margins: list[float | None], ru
             xi).to(sim.device, sim.dtype))).cpu().numpy() for _, xs, _ in val for xi in xs])
     out: dict[str, tuple[dict[str, float], float]] = {}
     for margin in margins:
-        algo = build_algorithm(method, sim.algorithm.model, fed.num_train_clients, seed=seed,
-                               **{**protocol.method_hp.get(method, {}), "eata_margin": margin})
+        algo = personalizer(method, sim.algorithm.model, seed, protocol.method_hp.get(method, {}), margin, weigh)
 
         def accuracy(params: Any, x: torch.Tensor, y: np.ndarray) -> float:
             with torch.no_grad():
@@ -92,15 +161,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    if args.masked:  # both steps call the module-level name
-        tent.reliable_mean = fedtta.reliable_mean = masked_mean  # type: ignore[assignment]
+    weigh = masked_mean if args.masked else reliable_mean
     margins: list[float | None] = [None, *args.margins]
     exp = get_experiment("unseen-domain")
     table: dict[str, dict[str, dict[str, float]]] = {}  # method -> margin -> "dataset/shift" -> gain
     kept: dict[str, dict[str, list[float]]] = {}  # method -> margin -> per data set and seed
     for method in args.methods:
         for dataset, protocol in exp.protocols.items():
-            per_seed = [gains(protocol, method, s, margins, args.runs_dir, args.data_dir) for s in range(args.seeds)]
+            per_seed = [gains(protocol, method, s, margins, args.runs_dir, args.data_dir, weigh)
+                        for s in range(args.seeds)]
             for m in map(str, margins):
                 kept.setdefault(method, {}).setdefault(m, []).extend(seed[m][1] for seed in per_seed)
                 for shift in per_seed[0][m][0]:
