@@ -125,13 +125,20 @@ class LocalDeployment:
                            link_log)
         _wait_port(self.port, link, self.startup_timeout, log=link_log)
 
-    def start_node(self, args: list[str], node_config: str, name: str) -> subprocess.Popen:
-        """A SuperNode with ``args`` and ``--node-config node_config`` (log: ``workdir/name.log``), once it listens,
-        and its SuperExec (:mod:`fl_server.flower.superexec`; same log)."""
+    def spawn_node(self, args: list[str], node_config: str, name: str) -> tuple[subprocess.Popen, int]:
+        """(the SuperNode process, its port): a SuperNode with ``args`` and ``--node-config node_config`` (log:
+        ``workdir/name.log``), just started -- one the SuperLink refuses may exit before it ever listens."""
         node_port, log = free_port(), self.workdir / f"{name}.log"
         node = self._spawn([str(Path(sys.executable).parent / "flower-supernode"), *args, "--isolation", "process",
                             "--superlink", f"127.0.0.1:{self.port}", "--port", str(node_port),
                             "--node-config", node_config], log)
+        return node, node_port
+
+    def start_node(self, args: list[str], node_config: str, name: str) -> subprocess.Popen:
+        """A SuperNode with ``args`` and ``--node-config node_config`` (log: ``workdir/name.log``), once it listens,
+        and its SuperExec (:mod:`fl_server.flower.superexec`; same log)."""
+        node, node_port = self.spawn_node(args, node_config, name)
+        log = self.workdir / f"{name}.log"
         _wait_port(node_port, node, self.startup_timeout, log)
         self.superexecs[node.pid] = self._spawn(
             [sys.executable, "-m", "fl_server.flower.superexec", "--runtime-api-address", f"127.0.0.1:{node_port}",

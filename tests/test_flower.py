@@ -667,7 +667,8 @@ def test_tls_and_supernode_authentication(tmp_path: Path, fashion_all) -> None: 
         for i in range(2):
             subprocess.run([flwr, "supernode", "register", str(pki / f"node{i}.pub"), "local-deployment"],
                            env=dep.env, cwd=tmp_path, check=True, capture_output=True, timeout=60)
-        stranger = dep.start_node(dep.node_args[2], f"data='{sources[0]}'", "unregistered")
+        # spawned, not started: refused, it may exit before it ever listens (no port to wait for)
+        stranger, _ = dep.spawn_node(dep.node_args[2], f"data='{sources[0]}'", "unregistered")
         assert stranger.wait(timeout=60) != 0
         assert "Failed to activate SuperNode" in (tmp_path / "unregistered.log").read_text()
         for i in range(2):
