@@ -167,12 +167,13 @@ def model_rows(model_name: str, x: torch.Tensor, repeats: int, tmp: Path) -> Ite
         device_steps, peak = peak_rss_mb(bundle, tmp / "x.npy")
         extra = {"nodes": nodes, "bundle_bytes": tree_bytes(bundle), "peak_rss_mb": peak,
                  **({"device_steps": device_steps} if torch_step is None else {})}
+        if not repeats:
+            yield (label, 0.0, 0.0, extra)
+            continue
         # the step as the device runs it: the runner open_bundle builds, its StepRunner.step (input checks, the
         # bundle's statistics feeds) on the received weights
-        runner = open_bundle(bundle, threads=1).runner
-        x_np = x.numpy()
-        ms = interleaved_median_ms({"ort": lambda: runner.step.step(x_np, runner.base), "torch": eager},
-                                   repeats) if repeats else {"ort": 0.0, "torch": 0.0}
+        runner, x_np = open_bundle(bundle, threads=1).runner, x.numpy()
+        ms = interleaved_median_ms({"ort": lambda: runner.step.step(x_np, runner.base), "torch": eager}, repeats)
         yield (label, ms["ort"], ms["torch"], extra)
     if repeats and not normalised:
         icon = build("FedICON")

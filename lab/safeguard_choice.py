@@ -142,11 +142,13 @@ def cell_gains(clients: list[Client], actions: list[str]) -> dict[tuple[str, str
     return {k: float(np.mean(v)) for k, v in gains.items()}
 
 
-def cell_floors(clients: list[Client], actions: list[str], seed_margin: bool = False) -> dict[tuple[str, str], float]:
-    """The per-cell score a rule's worst cell is judged on: :func:`cell_gains`, or with ``seed_margin`` the cell's
-    mean over seeds minus its standard error over seeds (each seed's gain a mean over its clients)."""
+def cell_floors(clients: list[Client], actions: list[str], seed_margin: bool = False,
+                gains: dict[tuple[str, str], float] | None = None) -> dict[tuple[str, str], float]:
+    """The per-cell score a rule's worst cell is judged on: :func:`cell_gains` (``gains`` where the caller has them
+    already), or with ``seed_margin`` the cell's mean over seeds minus its standard error over seeds (each seed's
+    gain a mean over its clients)."""
     if not seed_margin:
-        return cell_gains(clients, actions)
+        return gains if gains is not None else cell_gains(clients, actions)
     per_seed: dict[tuple[str, str], dict[int, list[float]]] = {}
     for c, action in zip(clients, actions):
         per_seed.setdefault((c.dataset, c.condition), {}).setdefault(c.seed, []).append(
@@ -166,8 +168,9 @@ def tune_threshold(clients: list[Client], partial: bool, max_loss: float = MAX_V
     for t in THRESHOLDS:
         rule = SafeguardRule("disagreement", threshold=t, partial=partial)
         actions = [rule.action(c.evidence) for c in clients]
-        gain = float(np.mean(list(cell_gains(clients, actions).values())))
-        if min(cell_floors(clients, actions, seed_margin).values()) >= -max_loss and gain > best[0] + 1e-9:
+        gains = cell_gains(clients, actions)
+        gain = float(np.mean(list(gains.values())))
+        if min(cell_floors(clients, actions, seed_margin, gains).values()) >= -max_loss and gain > best[0] + 1e-9:
             best = (gain, rule)
     return best[1]
 
@@ -300,7 +303,7 @@ def choose(clients: list[Client], cands: Iterable[Candidate] | None = None, max_
             if actions is not None:
                 gains = cell_gains(clients, actions)
                 scored.append((float(np.mean(list(gains.values()))),
-                               min(cell_floors(clients, actions, seed_margin).values())))
+                               min(cell_floors(clients, actions, seed_margin, gains).values())))
         mean, worst = min(m for m, _ in scored), min(w for _, w in scored)
         ok = worst >= -max_loss
         declarable = not name.startswith(HOLDOUT)

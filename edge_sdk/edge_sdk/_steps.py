@@ -77,9 +77,9 @@ def releasing_run() -> ort.RunOptions:
     """Run options that give the arena's free memory back to the system when the run ends. The last step of an
     adaptation runs with them (``StepRunner.step(release=True)``): its intermediates are the process's peak, and
     the weights it returned, copied into numpy arrays, and the next forward then reuse that memory instead of
-    adding to the peak (the ConvNet's FedTTA step: 125 MB instead of 134). Not between steps: the next step
-    would fault all of its intermediates' memory in again (the ConvNet's FedTTA step, batch 64: 67 ms a step
-    instead of 54), and over many steps the regrown arena peaked higher than one kept."""
+    adding to the peak (the ConvNet's FedTTA step: 8 MB lower). Not between steps: the next step would fault all
+    of its intermediates' memory in again (the ConvNet's FedTTA step, batch 64: 58.6 ms a step with it, 51.9
+    without; ``benchmarks/edge_step_speed.py``)."""
     import onnxruntime as ort
 
     options = ort.RunOptions()
@@ -197,7 +197,8 @@ class StepRunner:
         feeds.update({f"psi.{n}": psi[n] for n in self.psi_inputs})
         feeds.update({f"phi.{n}": v for n, v in self.fixed.items()})
         feeds.update(statistics_feeds(self.session, self.stats, self.rule.step_momentum(len(x))))
-        out = dict(zip(self.output_names, self.session.run(self.output_names, feeds, releasing_run() if release else None)))
+        options = releasing_run() if release else None
+        out = dict(zip(self.output_names, self.session.run(self.output_names, feeds, options)))
         if self.stats and self.rule.updates_statistics(len(x)):
             self.stats = {n: out[f"new_stats.{n}"] for n in self.stats}
         return {**psi, **{n: out[f"new.{n}"] for n in self.param_names}}, out["logits"], float(out["entropy"])

@@ -128,8 +128,10 @@ def gains(protocol: Any, method: str, seed: int, margins: list[float | None], ru
     state = sim.best_state if sim.best_state is not None else sim.server_state
     val = [(shift, xs, ys) for split, shift, xs, ys in conditions(protocol, fed, seed, data_root) if split == "val"]
     with torch.no_grad():  # the received model's prediction entropy of every validation sample
-        entropies = np.concatenate([entropy_from_logits(sim.algorithm.predict(state["params"], torch.from_numpy(
-            xi).to(sim.device, sim.dtype))).cpu().numpy() for _, xs, _ in val for xi in xs])
+        logits = [sim.algorithm.predict(state["params"], torch.from_numpy(xi).to(sim.device, sim.dtype))
+                  for _, xs, _ in val for xi in xs]
+        entropies = np.concatenate([entropy_from_logits(z).cpu().numpy() for z in logits])
+    classes = logits[0].shape[-1]
     out: dict[str, tuple[dict[str, float], float]] = {}
     for margin in margins:
         algo = personalizer(method, sim.algorithm.model, seed, protocol.method_hp.get(method, {}), margin, weigh)
@@ -145,7 +147,7 @@ def gains(protocol: Any, method: str, seed: int, margins: list[float | None], ru
                 x = torch.from_numpy(xi).to(sim.device, sim.dtype)
                 diffs.append(accuracy(algo.personalize(state, x), x, yi) - accuracy(state["params"], x, yi))
             cells[shift] = 100 * float(np.mean(diffs))
-        kept = 100.0 if margin is None else 100 * float(np.mean(entropies < margin * math.log(10)))
+        kept = 100.0 if margin is None else 100 * float(np.mean(entropies < margin * math.log(classes)))
         out[str(margin)] = cells, kept
     return out
 
