@@ -1,15 +1,18 @@
-"""The engine's vmapped round in three variants, side by side in one run: ``eager`` (today's default path without
+"""The engine's vmapped round in four variants, side by side in one run: ``eager`` (today's default path without
 CUDA graphs: every kernel launched from Python, vmap's grouped convolutions), ``graphed`` (the round replayed as one
-CUDA graph, ``RunConfig(cuda_graphs=True)``) and ``gemm_graphed`` (graphed, with the clients' convolutions as
-unfold plus one batched matrix product, ``RunConfig(batched_conv="gemm")``). On a GPU: the UPFL Table-1
+CUDA graph, ``RunConfig(cuda_graphs=True)``), ``gemm_graphed`` (graphed, with the clients' convolutions as
+unfold plus one batched matrix product, ``RunConfig(batched_conv="gemm")``) and ``graphed_stacked`` (graphed, the
+rounds of ``--stack`` seeds stepped together as one round over all their clients,
+:mod:`fl_server.engine.stacked`: what ``python -m lab bench ... --stack-seeds`` runs). On a GPU: the UPFL Table-1
 Fashion-MNIST round (ConvNet, 50 clients x 20 second-order meta-steps of batch 64) of FedTTA and FedTTA++; on the
 CPU, where graphs do not apply, the MNIST MLP FedTTA round.
 
-Per case and variant: seconds per round (median over ``--repeats`` rounds after the first, which records a graph
-and is reported apart), the host's kernel launches and the kernels run per round (CUDA profiler), and parity: the
-server state after ``--parity-rounds`` rounds in float64 against the eager variant's (max abs difference). The
-row's value is eager seconds over the fastest variant's. Rows merge into docs/benchmarks/gpu-engine.json by
-(what, device).
+Per case and variant: seconds per round of one run (median over ``--repeats`` rounds after the first, which records
+a graph and is reported apart; a stacked round's seconds divided by its seeds, the cost of a table row's round),
+the host's kernel launches and the kernels run per round (CUDA profiler), and parity: the server state after
+``--parity-rounds`` rounds in float64 against the eager variant's (max abs difference; a stacked variant's first
+seed). The row's value is eager seconds over the fastest variant's. Rows merge into docs/benchmarks/gpu-engine.json
+by (what, device).
 
     python benchmarks/gpu_engine.py --device cuda            # on a GPU
     python benchmarks/gpu_engine.py --device cuda --tf32     # ... at torch's default precision, as runs go
@@ -32,6 +35,7 @@ import torch
 
 from fl_server.torch_device import describe, pick_device
 from fl_server.engine import Simulation
+from fl_server.engine.stacked import check_stackable, stacked_round
 
 from timing import sync
 
@@ -43,12 +47,33 @@ from lab.runner import build_federated, build_simulation  # noqa: E402
 
 VARIANTS = {"eager": {"cuda_graphs": False, "batched_conv": "native"},  # explicit: not $FL_BATCHED_CONV's default
             "graphed": {"cuda_graphs": True, "batched_conv": "native"},
-            "gemm_graphed": {"cuda_graphs": True, "batched_conv": "gemm"}}
+            "gemm_graphed": {"cuda_graphs": True, "batched_conv": "gemm"},
+            "graphed_stacked": {"cuda_graphs": True, "batched_conv": "native"}}  # with --stack seeds
 
 
-def make_sim(protocol: Any, method: str, fed: Any, device: str, dtype: str, variant: str) -> Simulation:
-    return build_simulation(protocol, method, 0, None, device, "vmap", False, None, fed, dtype=dtype,
-                            **VARIANTS[variant])
+class Stacked:
+    """Seeds 0..n-1 of a run stepped together, timed and profiled like one Simulation (``run_round``)."""
+
+    def __init__(self, sims: list[Simulation]) -> None:
+        check_stackable(sims)
+        self.sims, self.device, self.graphed = sims, sims[0].device, sims[0].graphed
+        self.server_state = sims[0].server_state
+
+    def run_round(self, round_: int) -> None:
+        stacked_round(self.sims, round_, self.graphed)
+        self.server_state = self.sims[0].server_state
+
+
+def make_sim(protocol: Any, method: str, feds: list[Any], device: str, dtype: str, variant: str) -> Any:
+    """The variant's runner: one Simulation of seed 0, or a :class:`Stacked` of one per federation in ``feds``."""
+    def one(seed: int) -> Simulation:
+        return build_simulation(protocol, method, seed, None, device, "vmap", False, None, feds[seed], dtype=dtype,
+                                **VARIANTS[variant])
+    return Stacked([one(k) for k in range(len(feds))]) if variant == "graphed_stacked" else one(0)
+
+
+def runs_per_round(sim: Any) -> int:
+    return len(sim.sims) if isinstance(sim, Stacked) else 1
 
 
 def state_diff(a: dict, b: dict) -> float:
@@ -97,6 +122,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="10 clients, 3 local steps (CI)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                     help="eager (the reference) is always run")
+    ap.add_argument("--stack", type=int, default=3, help="seeds stepped together in graphed_stacked")
     ap.add_argument("--tf32", action="store_true",
                     help="time with torch's default precision, as the engine's runs go: convolutions in TF32 (the "
                          "GEMM variant's too, fl_server/engine/gemm_conv.py), other matrix products in float32; "
@@ -112,7 +138,8 @@ def main() -> int:
     protocol = get_experiment("upfl-table1").protocols[dataset]
     if args.smoke:
         protocol = replace(protocol, num_clients=10, local_iterations=3)
-    fed = build_federated(protocol, 0)
+    feds = [build_federated(protocol, seed) for seed in range(max(1, args.stack))]
+    fed = feds[0]
     command = "python benchmarks/gpu_engine.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     rows = []
     for method in args.methods:
@@ -121,7 +148,7 @@ def main() -> int:
                 + (", torch's default precision (TF32 convolutions)" if args.tf32 and device.type == "cuda" else ""))
         row: dict[str, Any] = {"benchmark": "gpu-engine", "what": what, "metric": "speedup"}
         # parity in float64: the same rounds in every variant, against the eager one
-        sims = {v: make_sim(protocol, method, fed, str(device), "float64", v) for v in args.variants}
+        sims = {v: make_sim(protocol, method, feds, str(device), "float64", v) for v in args.variants}
         for r in range(args.parity_rounds):
             for sim in sims.values():
                 sim.run_round(r)
@@ -131,12 +158,15 @@ def main() -> int:
                 row[f"{v}_graph_captures_replays"] = [sim.graphed.captures, sim.graphed.replays] \
                     if sim.graphed else None
         del sims
-        sims = {v: make_sim(protocol, method, fed, str(device), "float32", v) for v in args.variants}
+        sims = {v: make_sim(protocol, method, feds, str(device), "float32", v) for v in args.variants}
         secs = {}
         for v, (first, median) in time_rounds(sims, args.repeats).items():
-            secs[v] = median
-            row[f"{v}_s"] = round(median, 4)
-            row[f"{v}_first_round_s"] = round(first, 4)
+            n = runs_per_round(sims[v])
+            secs[v] = median / n  # a table row's round
+            row[f"{v}_s"] = round(median / n, 4)
+            row[f"{v}_first_round_s"] = round(first / n, 4)
+            if n > 1:
+                row[f"{v}_seeds"], row[f"{v}_round_s"] = n, round(median, 4)
             if device.type == "cuda":
                 row[f"{v}_launches"] = launches(sims[v], args.repeats + 1)
         del sims

@@ -48,7 +48,7 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     command = f"{PROG} " + " ".join(shlex.quote(a) for a in _table_argv(argv, args.seed_numbers))
     runs = Path(args.runs_dir or ("runs/quick/runs" if args.quick else "runs/bench"))
     rows = run_experiment(exp, datasets, methods, seeds, results, runs, args.quick,
-                          args.device, args.mode, not args.no_progress, args.data_dir, command)
+                          args.device, args.mode, not args.no_progress, args.data_dir, command, args.stack_seeds)
     for r in (r for r in rows if r["dataset"] in datasets and r["method"] in methods):  # the table holds every row
         paper = "" if r["paper"] is None else f" (paper {r['paper']:.2f})"
         print(f"{r['dataset']:>14} {r['method']:>10} {split_label(r):>4}: {r['mean']:.2f} +- {r['std']:.2f} "
@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--results-dir", default=None, help="default: docs/results (runs/quick/results with --quick)")
     p.add_argument("--runs-dir", default=None,
                    help="run dirs, resumable (default: runs/bench; runs/quick/runs with --quick)")
+    p.add_argument("--stack-seeds", action="store_true",
+                   help="train a method's missing seeds together in this process, one vmapped round over all their "
+                        "clients (vmap mode; on a GPU each kernel gets the work of every seed); each seed keeps its "
+                        "own run folder and result, equal to its solo run's up to rounding")
     add_run_flags(p)
     p.set_defaults(func=cmd_bench)
 

@@ -22,6 +22,7 @@ from fl_server.data.federated import (FederatedData, hold_out_validation_clients
 from fl_server.torch_device import describe
 from fl_server.engine import Simulation
 from fl_server.engine.simulation import RunResult
+from fl_server.engine.stacked import run_stacked
 from fl_server.recipes.run import simulation
 
 
@@ -161,11 +162,15 @@ def refuse_stale(result: Path, protocol: Protocol, method: str) -> None:
 def run_experiment(exp: Experiment, datasets: list[str], methods: list[str], seeds: int | Sequence[int],
                    results_dir: Path, runs_dir: Path, quick: bool = False, device: str = "auto",
                    mode: str = "auto", progress: bool = True, data_root: str | None = None,
-                   command: str = "") -> list[dict]:
+                   command: str = "", stack_seeds: bool = False) -> list[dict]:
     """Run every missing (dataset, method, seed) and rewrite the aggregated table.
 
     ``seeds`` is a count (seeds 0..n-1) or explicit seed numbers, so that seeds can run as separate
-    processes or sessions; the table is aggregated from every raw seed file present either way."""
+    processes or sessions; the table is aggregated from every raw seed file present either way.
+    ``stack_seeds``: a method's missing seeds train together in this process (:func:`run_stacked_seeds`)."""
+    if stack_seeds and (exp.runner is not None or exp.run_fn is not None):
+        raise ValueError(f"{exp.name} trains with its own procedure: its seeds cannot be stacked (--stack-seeds is "
+                         "for experiments whose rows are plain engine runs, e.g. upfl-table1)")
     if exp.runner is not None:  # an experiment with its own protocol (e.g. btgfl)
         return getattr(_runner_module(exp), exp.runner.split(":")[1])(
             exp, datasets, methods, seeds, results_dir, runs_dir, quick, device, mode, progress, data_root, command)
@@ -179,6 +184,15 @@ def run_experiment(exp: Experiment, datasets: list[str], methods: list[str], see
                 for method in methods:
                     if (out := raw_path(results_dir, exp.name, dataset, method, seed)).exists():
                         refuse_stale(out, protocol, method)
+    if stack_seeds:
+        for dataset, protocol in protocols.items():
+            for method in methods:
+                missing = [seed for seed in seed_list(seeds)
+                           if not raw_path(results_dir, exp.name, dataset, method, seed).exists()]
+                if missing:
+                    run_stacked_seeds(exp, protocol, dataset, method, missing, results_dir, runs_dir, device, mode,
+                                      progress, data_root, command)
+        return aggregate(exp, results_dir, command)
     for dataset, protocol in protocols.items():
         for seed in seed_list(seeds):
             fed = None
@@ -194,6 +208,27 @@ def run_experiment(exp: Experiment, datasets: list[str], methods: list[str], see
                 out.parent.mkdir(parents=True, exist_ok=True)
                 write_atomic(out, json.dumps(record, indent=1))
     return aggregate(exp, results_dir, command)
+
+
+def run_stacked_seeds(exp: Experiment, protocol: Protocol, dataset: str, method: str, seeds: list[int],
+                      results_dir: Path, runs_dir: Path, device: str = "auto", mode: str = "auto",
+                      progress: bool = True, data_root: str | None = None, command: str = "", **engine: Any) -> None:
+    """``method``'s ``seeds`` under ``protocol`` trained together (:func:`fl_server.engine.stacked.run_stacked`:
+    one vmapped round over every seed's clients; each seed's own run folder, checkpoints and raw record). Each
+    seed's run equals its solo run in float64; in float32 the grouped kernels round differently and training
+    amplifies that, so a stacked seed is its solo run with other rounding (as on another GPU). ``mode`` "auto"
+    means vmap here, which stacking needs; ``engine``: further RunConfig fields (``dtype``)."""
+    sims = []
+    for seed in seeds:
+        out = raw_path(results_dir, exp.name, dataset, method, seed)
+        sims.append(build_simulation(protocol, method, seed, runs_dir / exp.name / dataset / out.parent.name /
+                                     f"seed{seed}", device, "vmap" if mode == "auto" else mode, progress, data_root,
+                                     **engine))
+    for seed, sim, result in zip(seeds, sims, run_stacked(sims)):
+        record = {**seed_record(protocol, method, seed, sim, result), "stacked_seeds": seeds, "command": command}
+        out = raw_path(results_dir, exp.name, dataset, method, seed)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(out, json.dumps(record, indent=1))
 
 
 def aggregate_experiment(exp: Experiment, results_dir: Path, command: str = "") -> list[dict]:

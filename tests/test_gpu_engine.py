@@ -21,9 +21,10 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 def _sim(fed, method: str, model: str, device: str, graphs: bool, conv: str = "native", steps: int = 4,  # type: ignore[no-untyped-def]
-         batch: int = 64, **hp) -> Simulation:
-    alg = build_algorithm(method, build_model(model, (1, 28, 28), 10, seed=0), fed.num_train_clients, **hp)
-    return Simulation(alg, fed, RunConfig(rounds=3, local_iterations=steps, batch_size=batch, seed=0, mode="vmap",
+         batch: int = 64, seed: int = 0, **hp) -> Simulation:
+    alg = build_algorithm(method, build_model(model, (1, 28, 28), 10, seed=seed), fed.num_train_clients, seed=seed,
+                          **hp)
+    return Simulation(alg, fed, RunConfig(rounds=3, local_iterations=steps, batch_size=batch, seed=seed, mode="vmap",
                                           dtype="float64", device=device, progress=False, cuda_graphs=graphs,
                                           batched_conv=conv))
 
@@ -138,6 +139,27 @@ def test_graphed_rounds_equal_eager_rounds_on_cuda(small_fed, method: str, model
         graphed.run_round(r)
     assert (graphed.graphed.captures, graphed.graphed.replays) == (1, 2)
     _assert_states_close(graphed.server_state, eager.server_state, 1e-10)
+
+
+@cuda
+def test_stacked_graphed_rounds_equal_solo_eager_rounds_on_cuda(mnist_all) -> None:  # type: ignore[no-untyped-def]
+    """Two seeds' FedTTA rounds on the ConvNet stepped together and replayed as one graph (what a stacked table row
+    runs on a GPU) equal each seed's eager rounds alone in float64."""
+    from fl_server.engine.stacked import stacked_round
+
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    feds = [make_federated(mnist_all.subset(np.arange(3000)), "pathological", 12, seed=s) for s in (0, 1)]
+    hp = {"lr": 0.05, "inner_lr": 0.1}
+    alone = [_sim(fed, "FedTTA", "convnet", "cuda", False, seed=s, **hp) for s, fed in enumerate(feds)]
+    together = [_sim(fed, "FedTTA", "convnet", "cuda", True, seed=s, **hp) for s, fed in enumerate(feds)]
+    for r in range(3):
+        for sim in alone:
+            sim.run_round(r)
+        stacked_round(together, r, together[0].graphed)
+    assert (together[0].graphed.captures, together[0].graphed.replays) == (1, 2)
+    for got, want in zip(together, alone):
+        _assert_states_close(got.server_state, want.server_state, 1e-10)
 
 
 @cuda

@@ -28,13 +28,17 @@ StepFn = Callable[[State, State, torch.Tensor, torch.Tensor], State]
 
 
 def vmapped_round(steps: tuple[StepFn, ...], states: State, server_state: State, x: torch.Tensor,
-                  y: torch.Tensor, batches: torch.Tensor, chunk_size: int | None) -> State:
-    """``steps[t]`` vmapped over the clients (leading axis of ``states``) at iteration t, on batches [K, T, B]."""
+                  y: torch.Tensor, batches: torch.Tensor, chunk_size: int | None, seed_axis: bool = False) -> State:
+    """``steps[t]`` vmapped over the clients (leading axis of ``states``) at iteration t, on batches [K, T, B].
+    ``seed_axis``: several runs stepped together (:mod:`fl_server.engine.stacked`): ``states`` [S, K, ...],
+    ``server_state`` [S, ...], ``batches`` [S, K, T, B]; a second vmap over the runs, so that each convolution
+    is one grouped convolution over all S x K clients."""
     vmapped: dict[StepFn, StepFn] = {}  # one vmapped function per distinct step (phase)
     for t, fn in enumerate(steps):
         if fn not in vmapped:
-            vmapped[fn] = torch.vmap(fn, in_dims=(0, None, 0, 0), chunk_size=chunk_size)
-        idx = batches[:, t]
+            over_clients = torch.vmap(fn, in_dims=(0, None, 0, 0), chunk_size=chunk_size)
+            vmapped[fn] = torch.vmap(over_clients, in_dims=(0, 0, 0, 0)) if seed_axis else over_clients
+        idx = batches[..., t, :]
         states = vmapped[fn](states, server_state, x[idx], y[idx])
     return states
 
@@ -83,16 +87,17 @@ class GraphedLocalSteps:
         self.replays = 0
 
     def __call__(self, steps: tuple[StepFn, ...], states: State, server_state: State, x: torch.Tensor,
-                 y: torch.Tensor, batches: torch.Tensor, chunk_size: int | None) -> State:
+                 y: torch.Tensor, batches: torch.Tensor, chunk_size: int | None, seed_axis: bool = False) -> State:
         state_sig, server_sig = _signature(states), _signature(server_state)
         if state_sig is None or server_sig is None or batches.device.type != "cuda":
-            return vmapped_round(steps, states, server_state, x, y, batches, chunk_size)
-        key = (steps, state_sig, server_sig, tuple(batches.shape), str(batches.device), id(x), id(y), chunk_size)
+            return vmapped_round(steps, states, server_state, x, y, batches, chunk_size, seed_axis)
+        key = (steps, state_sig, server_sig, tuple(batches.shape), str(batches.device), id(x), id(y), chunk_size,
+               seed_axis)
         if key in self._refused:
-            return vmapped_round(steps, states, server_state, x, y, batches, chunk_size)
+            return vmapped_round(steps, states, server_state, x, y, batches, chunk_size, seed_axis)
         entry = self._graphs.get(key)
         if entry is None:
-            return self._capture(key, steps, states, server_state, x, y, batches, chunk_size)
+            return self._capture(key, steps, states, server_state, x, y, batches, chunk_size, seed_axis)
         self._graphs.move_to_end(key)
         fresh = [leaf for leaf in pytree.tree_leaves((states, server_state)) if isinstance(leaf, torch.Tensor)]
         for dst, src in zip(entry.inputs, [*fresh, batches]):
@@ -103,13 +108,14 @@ class GraphedLocalSteps:
         return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.output)
 
     def _capture(self, key: Hashable, steps: tuple[StepFn, ...], states: State, server_state: State,
-                 x: torch.Tensor, y: torch.Tensor, batches: torch.Tensor, chunk_size: int | None) -> State:
+                 x: torch.Tensor, y: torch.Tensor, batches: torch.Tensor, chunk_size: int | None,
+                 seed_axis: bool) -> State:
         static_states, static_server = pytree.tree_map(
             lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (states, server_state))
         static_batches = batches.clone()
 
         def body() -> State:
-            return vmapped_round(steps, static_states, static_server, x, y, static_batches, chunk_size)
+            return vmapped_round(steps, static_states, static_server, x, y, static_batches, chunk_size, seed_axis)
 
         # the eager warm-up on a side stream creates the library handles and workspaces a capture cannot; its
         # result, computed from the same inputs, is this call's answer

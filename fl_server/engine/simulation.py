@@ -141,21 +141,25 @@ def per_client_batches(client_indices: list[np.ndarray], ids: np.ndarray, iterat
 def run_local_steps(step_fn: StepFn, states: State, server_state: State, x: torch.Tensor, y: torch.Tensor,
                     batches: torch.Tensor, mode: str, chunk_size: int | None = None,
                     step_at: Callable[[int], StepFn] | None = None,
-                    graphed: GraphedLocalSteps | None = None, batched_conv: str = "native") -> State:
+                    graphed: GraphedLocalSteps | None = None, batched_conv: str = "native",
+                    seed_axis: bool = False) -> State:
     """Apply the local step for every client (leading axis of ``states``) over its batches [K, T, B]:
     ``step_fn``, or ``step_at(t)`` at iteration t when given (``Algorithm.local_step_at``). ``graphed``: in vmap
     mode, replay the round as a CUDA graph (:class:`~fl_server.engine.graphs.GraphedLocalSteps`); ``batched_conv``:
     "gemm" computes the vmapped convolutions as unfold plus a batched matrix product
-    (:class:`~fl_server.engine.gemm_conv.GemmConv`)."""
+    (:class:`~fl_server.engine.gemm_conv.GemmConv`); ``seed_axis``: several runs at once, vmap mode only
+    (:func:`~fl_server.engine.graphs.vmapped_round`)."""
     at = step_at or (lambda t: step_fn)
     if mode == "vmap":
         if batched_conv not in ("native", "gemm"):
             raise ValueError(f"unknown batched_conv {batched_conv!r}; use 'native' or 'gemm'")
-        steps = tuple(at(t) for t in range(batches.shape[1]))
+        steps = tuple(at(t) for t in range(batches.shape[-2]))
         with GemmConv() if batched_conv == "gemm" else contextlib.nullcontext():
             if graphed is not None:
-                return graphed(steps, states, server_state, x, y, batches, chunk_size)
-            return vmapped_round(steps, states, server_state, x, y, batches, chunk_size)
+                return graphed(steps, states, server_state, x, y, batches, chunk_size, seed_axis)
+            return vmapped_round(steps, states, server_state, x, y, batches, chunk_size, seed_axis)
+    if seed_axis:
+        raise ValueError("runs stepped together need mode 'vmap'")
     if mode == "loop":
         out = []
         for k, state in enumerate(unstack(states)):
@@ -283,25 +287,34 @@ class Simulation:
         return lambda step, states, server, sel, iters, step_at=None: self.local_train(step, states, server, sel,
                                                                                        iters, rng, step_at)
 
-    def run_round(self, round_: int) -> tuple[np.ndarray, State]:
-        """One round; returns the selected client ids and their local states before aggregation (for methods
-        that also communicate something else, e.g. HeteroFedTTA's logits on the public set)."""
+    def round_inputs(self, round_: int) -> tuple[np.ndarray, State, torch.Tensor]:
+        """Round ``round_``'s selected client ids, their starting states and their mini-batches [K, T, B] (indices
+        into the data set): everything a round's local steps read besides the server state."""
         ids = self.select_clients(round_)
         states = self.algorithm.client_start(self.server_state, ids)
         if self.cfg.batch_stream == "per_client":
             batches = per_client_batches([self.fed.train[i] for i in ids], ids, self.cfg.local_iterations,
                                          self.cfg.batch_size, self.cfg.seed, round_)
-            states = run_local_steps(self.algorithm.local_step, states, self.server_state, self.x, self.y,
-                                     torch.from_numpy(batches).to(self.device), self.mode, self.cfg.chunk_size,
-                                     self.algorithm.local_step_at, self.graphed, self.cfg.batched_conv)
         elif self.cfg.batch_stream == "shared":
-            states = self.local_train(self.algorithm.local_step, states, self.server_state, ids,
-                                      self.cfg.local_iterations, self._rng(round_, RNG_BATCHES),
-                                      self.algorithm.local_step_at)
+            batches = client_batches([self.fed.train[i] for i in ids], self.cfg.local_iterations,
+                                     self.cfg.batch_size, self._rng(round_, RNG_BATCHES))
         else:
             raise ValueError(f"unknown batch_stream {self.cfg.batch_stream!r}; use 'shared' or 'per_client'")
-        self.server_state = self.algorithm.aggregate(self.server_state, ids, states, self.train_sizes[ids])
+        return ids, states, torch.from_numpy(batches).to(self.device)
+
+    def run_round(self, round_: int) -> tuple[np.ndarray, State]:
+        """One round; returns the selected client ids and their local states before aggregation (for methods
+        that also communicate something else, e.g. HeteroFedTTA's logits on the public set)."""
+        ids, states, batches = self.round_inputs(round_)
+        states = run_local_steps(self.algorithm.local_step, states, self.server_state, self.x, self.y, batches,
+                                 self.mode, self.cfg.chunk_size, self.algorithm.local_step_at, self.graphed,
+                                 self.cfg.batched_conv)
+        self.aggregate(ids, states)
         return ids, states
+
+    def aggregate(self, ids: np.ndarray, states: State) -> None:
+        """The server's step: the selected clients' local states ``states`` (stacked) into the server state."""
+        self.server_state = self.algorithm.aggregate(self.server_state, ids, states, self.train_sizes[ids])
 
     # -------------------------------------------------------------- evaluation
     def _logits(self, params: State, idx: np.ndarray) -> torch.Tensor:
@@ -476,6 +489,24 @@ class Simulation:
                 save_state(self.out_dir / BEST, self.server_state, {"round": r, "val": row["val"]})
 
     def run(self) -> RunResult:
+        """Train from the run directory's checkpoint (or round 0) to ``cfg.rounds`` (or ``cfg.stop_after``),
+        validating, checkpointing and writing metrics as configured; then finalize the best state."""
+        result, start_round, end = self.begin()
+        bar = tqdm(range(start_round, end), initial=start_round, total=self.cfg.rounds,
+                   desc=f"{self.algorithm.name} {self.fed.dataset.name}", disable=not self.cfg.progress,
+                   dynamic_ncols=True)
+        for r in bar:
+            t0 = time.perf_counter()
+            self.run_round(r)
+            row = self.close_round(r, result, time.perf_counter() - t0, end)
+            if row.get("val") is not None:
+                bar.set_postfix(val=f"{row['val']:.4f}", test="-" if row["test"] is None else f"{row['test']:.4f}")
+        return self.finish(result, start_round, end)
+
+    def begin(self) -> tuple[RunResult, int, int]:
+        """Open the run: resume from the run directory's checkpoint, write ``run.json``. Returns the result so
+        far, the first round to train and the round to stop before (what :meth:`run` loops over; a driver that
+        steps several runs together, :func:`fl_server.engine.stacked.run_stacked`, calls it per run)."""
         result = RunResult()
         if self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -495,26 +526,30 @@ class Simulation:
                 atomic_write_text(self.out_dir / METRICS, "".join(json.dumps(r) + "\n" for r in result.history))
                 self._checkpoint(start_round - 1, result)
         end = self.cfg.rounds if self.cfg.stop_after is None else min(self.cfg.rounds, self.cfg.stop_after)
-        bar = tqdm(range(start_round, end), initial=start_round, total=self.cfg.rounds,
-                   desc=f"{self.algorithm.name} {self.fed.dataset.name}", disable=not self.cfg.progress,
-                   dynamic_ncols=True)
-        for r in bar:
-            t0 = time.perf_counter()
-            self.run_round(r)
-            row: dict[str, Any] = {"round": r}
-            last = r == self.cfg.rounds - 1
-            if (r + 1) % self.cfg.eval_every == 0 or last:
-                self._validate(r, row, result)
-                bar.set_postfix(val=f"{row['val']:.4f}", test="-" if row["test"] is None else f"{row['test']:.4f}")
-            result.wall_s += time.perf_counter() - t0
-            row["wall_s"] = round(result.wall_s, 3)
-            result.history.append(row)
-            result.last = row
-            if self.out_dir is not None:
-                with open(self.out_dir / METRICS, "a") as fh:
-                    fh.write(json.dumps(row) + "\n")
-                if (r + 1) % self.cfg.checkpoint_every == 0 or last or r == end - 1:
-                    self._checkpoint(r, result)
+        return result, start_round, end
+
+    def close_round(self, r: int, result: RunResult, train_s: float, end: int) -> dict[str, Any]:
+        """After round ``r``'s training (``train_s`` seconds of it): validate on the cadence, record the metrics
+        row, checkpoint on the cadence. Returns the row."""
+        t0 = time.perf_counter()
+        row: dict[str, Any] = {"round": r}
+        last = r == self.cfg.rounds - 1
+        if (r + 1) % self.cfg.eval_every == 0 or last:
+            self._validate(r, row, result)
+        result.wall_s += train_s + time.perf_counter() - t0
+        row["wall_s"] = round(result.wall_s, 3)
+        result.history.append(row)
+        result.last = row
+        if self.out_dir is not None:
+            with open(self.out_dir / METRICS, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+            if (r + 1) % self.cfg.checkpoint_every == 0 or last or r == end - 1:
+                self._checkpoint(r, result)
+        return row
+
+    def finish(self, result: RunResult, start_round: int, end: int) -> RunResult:
+        """Close the run: the new clients tested on the best state (``test_at_best_only``), the best state
+        finalized for export."""
         if self.cfg.test_at_best_only and self.best_state is not None:
             t0 = time.perf_counter()
             current, self.server_state = self.server_state, self.best_state

@@ -5,8 +5,9 @@
 #  1. tests/test_gpu_engine.py (graphed and GEMM rounds equal eager rounds in float64 on the GPU; 15 s; NO_TESTS=1
 #     skips it, and then mnist/ need not be carried);
 #  2. with BENCH=1 only: benchmarks/gpu_engine.py --device cuda $BENCH_ARGS (default: FedTTA at torch's default
-#     precision, as rows run): eager against graphed against gemm_graphed rounds, kernels per round, parity (about
-#     110 s: run it when a variant is new; gemm_graphed measured 0.27x on an H200, docs/research/gpu-engine.md);
+#     precision, as rows run, eager against graphed_stacked: three seeds' rounds as one, per row): rounds, kernels
+#     per round, parity (run it when a variant is new; gemm_graphed measured 0.27x on an H200,
+#     docs/research/gpu-engine.md);
 #  3. FL_BATCHED_CONV (the engine's convolution path for the rows): as given, else the faster of graphed and
 #     gemm_graphed in step 2's row, else native;
 #  4. rows until BUDGET_S seconds after the start, LANES at a time (default 1: a row alone has the GPU). A row cut
@@ -77,8 +78,9 @@ run_row() {  # one row of device_rows.tsv (both its steps), cut off at the deadl
     say "row $name done"
 }
 lane() { for name in "$@"; do run_row "$name" || return; done; }
-# the rows in order, cut-off ones first; LANES lanes take every LANES-th row
-ROWS=(${ROWS:-t1-fedtta-s1 t1-fedtta-prox-s1 t1-fedtta-s2 t1-fedtta-prox-s2 t1-fedttapp-s2})
+# the rows in order, cut-off ones first; LANES lanes take every LANES-th row. A row of two seeds (-s12) trains them
+# stacked (--stack-seeds): one round over both seeds' clients
+ROWS=(${ROWS:-t1-fedtta-s1 t1-fedtta-prox-s12 t1-fedtta-s2 t1-fedttapp-s2})
 LANES=${LANES:-1}
 for (( k = 0; k < LANES; k++ )); do
     mine=(); for (( i = k; i < ${#ROWS[@]}; i += LANES )); do mine+=("${ROWS[i]}"); done
