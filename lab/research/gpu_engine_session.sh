@@ -16,6 +16,8 @@
 #     ckpt-<run>.tgz.partNN where it exceeds what a lease returns per file, `cat` them back). Put the archives of an
 #     earlier lease into .gpu_ckpt/ (carried) and the rows resume from them (the convolution path is not part of a
 #     run's identity). Finished rows send their best states back (best-states.tgz[.partNN]) for the CPU probes.
+# ROWS_FILE, DEVICE and EXTRA_ARGS (more `python -m lab bench` flags) serve the CPU dry run at smoke size
+# (lab/tests/test_gpu_session_dry_run.py).
 # Everything lands in $OUT: log.txt, gpu-engine.json, rows.tgz (logs, results, metrics), ckpt-*.tgz[.partNN],
 # best-states.tgz[.partNN]. On an H200, alone: about 1.0 s a round for FedTTA, 1.3 s for FedTTA++ (it validates
 # with up to 50 adaptation steps), 16-20 s for a row's upfl-data-size step.
@@ -65,7 +67,7 @@ for a in "${CKPT_DIR:-$PWD/.gpu_ckpt}"/ckpt-*.tgz; do [ -e "$a" ] && tar xzf "$a
 python3 lab/research/lease_checkpoints.py restore "$Q/runs" >> "$LOG" 2>&1 || say "restore exit $?"
 run_row() {  # one row of device_rows.tsv (both its steps), cut off at the deadline
     local name=$1 line cmd left
-    line=$(grep -P "^$name\t" lab/research/device_rows.tsv) || { say "no row $name"; return 1; }
+    line=$(grep -P "^$name\t" "${ROWS_FILE:-lab/research/device_rows.tsv}") || { say "no row $name"; return 1; }
     cmd=${line#*$'\t'}
     for step in "${cmd%%&&*}" "${cmd#*&&}"; do
         eval "set -- $step"
