@@ -389,10 +389,9 @@ EXPERIMENTS["odpfl-dp"] = Experiment(
                 f"Lemma 2's noise on e and less noise. Reading: without noise ODPFL-HN serves each new client a model "
                 f"of its two classes; the noise of eps <= 1 swamps the differences between the clients' pooled "
                 f"vectors except at the largest |D| (docs/research/odpfl-hn-diagnosis.md). Calibration: the "
-                f"committed rows used the classic Gaussian mechanism, sigma = sqrt(2 ln(1.25/delta)) Delta / eps; "
-                f"the SDK now uses the analytic Gaussian mechanism (Balle and Wang 2018), which adds less noise at "
-                f"the same (eps, delta) and is valid for eps >= 1 too, so these rows are a conservative bound until "
-                f"they are rerun with the current code.",
+                f"analytic Gaussian mechanism (Balle and Wang 2018), as the SDK applies it. ODPFL-HN seed 0 "
+                f"diverges: its encoder's weights become non-finite within the first 25 steps and the served model "
+                f"predicts one class at every (|D|, eps) (its record's warning); seeds 1 and 2 train.",
 )
 # UPFL App. F (Table 2): 1,000 MNIST samples, 50 IID clients of 20; 25 training clients rotated by 0/30/60
 # degrees, 25 new clients by 15/45. The paper reports this experiment as a bar chart only (Fig. 4).

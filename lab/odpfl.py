@@ -31,6 +31,7 @@ from lab.runner import own_simulation
 from fl_server.data import load_dataset, partitions
 from fl_server.data.datasets import ArrayDataset
 from fl_server.data.federated import FederatedData
+from fl_server.diagnostics import nonfinite_warning
 from fl_server.torch_device import describe
 from fl_server.engine import Simulation
 
@@ -121,5 +122,7 @@ def run_dp_seed(protocol: Any, method: str, seed: int, run_dir: Path | None, dev
             "rounds": protocol.rounds, "best_round": result.best_round, "val": 100 * result.best_val,
             "test": None, "results": results, "wall_s": round(result.wall_s, 2), "device": describe(sim.device),
             "mode": sim.mode, "hyper": dataclasses.asdict(algorithm.hp), "protocol_note": protocol.note,
-            "host": platform.node(), "split": split.fed.info}
+            "host": platform.node(), "split": split.fed.info,
+            # the served state diverged (NaN or inf): its rows are a collapsed model's, not the method's
+            "warning": nonfinite_warning(state)}
 

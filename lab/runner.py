@@ -264,6 +264,8 @@ def aggregate(exp: Experiment, results_dir: Path, command: str = "") -> list[dic
                     "best_round": [r["best_round"] for r in records],
                     "note": records[0].get("protocol_note", ""),
                     "command": records[-1].get("command") or command,  # the last seed's covers all
+                    # seeds whose served state is not finite (the record's warning): a diverged run's numbers
+                    **({"diverged_seeds": bad} if (bad := [r["seed"] for r in records if r.get("warning")]) else {}),
                 })
     out = results_dir / f"{exp.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -87,10 +87,12 @@ def table_command(experiment: str, rows: list[Row]) -> str:
 
 
 def _cell(r: Row) -> str:
-    """mean +- std (one seed: the value alone), then the paper's number."""
+    """mean +- std (one seed: the value alone), then the paper's number and the seeds that diverged."""
     paper = "" if r.get("paper") is None else f" (paper {r['paper']:.2f})"
     spread = f" +- {r['std']:.2f}" if r["seeds"] > 1 else ""
-    return f"{r['mean']:.2f}{spread}{paper}"
+    diverged = r.get("diverged_seeds")
+    bad = f" (diverged: seed {', '.join(map(str, diverged))})" if diverged else ""
+    return f"{r['mean']:.2f}{spread}{paper}{bad}"
 
 
 def _joined(values: Iterable[Any], sep: str = "/") -> str:

@@ -41,6 +41,10 @@ def test_wide_tables_are_transposed_and_detail_rows_left_out() -> None:
     text = summary_section("odpfl-dp", dp)
     assert "| dataset | split | seeds | FedAvg | ODPFL-HN |" in text
     assert "| fashion_mnist | test: \\|D\\|=100, eps=1 |" in text
+    # ODPFL-HN seed 0's encoder diverged (its record's warning): every ODPFL-HN cell says so, FedAvg's do not
+    line = next(ln for ln in text.splitlines() if ln.startswith("| fashion_mnist | test: \\|D\\|=100, eps=1 |"))
+    assert line.endswith("(diverged: seed 0) |")
+    assert "diverged" not in next(ln for ln in text.splitlines() if "global model" in ln)
 
     shift = summary_section("fedicon-shift", _table("fedicon-shift"))
     assert "test covariate-s5" in shift and "contrast-5" not in shift and "tta_lr" not in shift
