@@ -2,7 +2,7 @@
 # One device call sized for a 15-minute lease: the engine's GPU paths checked, optionally timed, then the
 # Fashion-MNIST UPFL Table-1 rows of the FedTTA family (lab/research/device_rows.tsv) one at a time (each followed
 # by its upfl-data-size step), all cut off at the deadline.
-#  1. tests/test_gpu_engine.py (graphed and GEMM rounds equal eager rounds in float64 on the GPU; 15 s; NO_TESTS=1
+#  1. tests/test_gpu_engine.py (graphed, GEMM and stacked rounds equal eager rounds in float64 on the GPU; NO_TESTS=1
 #     skips it, and then mnist/ need not be carried);
 #  2. with BENCH=1 only: benchmarks/gpu_engine.py --device cuda $BENCH_ARGS (default: FedTTA at torch's default
 #     precision, as rows run, eager against graphed_stacked: three seeds' rounds as one, per row): rounds, kernels
@@ -22,11 +22,9 @@
 # best-states.tgz[.partNN]. On an H200, alone: about 1.0 s a round for FedTTA, 1.3 s for FedTTA++ (it validates
 # with up to 50 adaptation steps), 16-20 s for a row's upfl-data-size step.
 #
-#   bash lab/research/gpu_engine_session.sh   # carry .gpu_data (a copy of ../shared/data's fashion-mnist/,
-#                                             # and mnist/ for step 1) and .gpu_ckpt
-# Mind the 64 MiB a call carries, the tree included (23 MB; move docs/results/unseen-domain.json,
-# fedicon-shift.json and docs/research/results-detail.md aside for the call when it is short), fashion-mnist
-# (30 MB), mnist (11 MB) and the checkpoints (6 or 12 MB each).
+#   bash lab/research/lease_carry.sh prepare --tests   # here, first: .gpu_data, docs/results aside (64 MiB carried)
+#   bash lab/research/gpu_engine_session.sh              # the call, carry [".gpu_data", ".gpu_ckpt"]
+#   bash lab/research/lease_carry.sh restore             # here, after
 # Merge here (DIR: the call's files_at): python lab/research/merge_device_results.py DIR/rows.tgz for finished
 # rows; the benchmark rows with lab.rows.merge_rows into docs/benchmarks/gpu-engine.json.
 set -uo pipefail
