@@ -124,5 +124,6 @@ def run_dp_seed(protocol: Any, method: str, seed: int, run_dir: Path | None, dev
             "mode": sim.mode, "hyper": dataclasses.asdict(algorithm.hp), "protocol_note": protocol.note,
             "host": platform.node(), "split": split.fed.info,
             # the served state diverged (NaN or inf): its rows are a collapsed model's, not the method's
-            "warning": nonfinite_warning(state)}
+            "warning": nonfinite_warning(state),
+            **({"diverged_round": result.diverged_round} if result.diverged_round is not None else {})}
 

@@ -98,6 +98,7 @@ def seed_record(protocol: Protocol, method: str, seed: int, sim: Simulation, res
         "curve": [{"round": r["round"], "val": r.get("val"), "test": r.get("test")}
                   for r in result.history if "val" in r],
         **({"batched_conv": sim.cfg.batched_conv} if sim.cfg.batched_conv != "native" else {}),
+        **({"diverged_round": result.diverged_round} if result.diverged_round is not None else {}),
     }
 
 
@@ -264,8 +265,9 @@ def aggregate(exp: Experiment, results_dir: Path, command: str = "") -> list[dic
                     "best_round": [r["best_round"] for r in records],
                     "note": records[0].get("protocol_note", ""),
                     "command": records[-1].get("command") or command,  # the last seed's covers all
-                    # seeds whose served state is not finite (the record's warning): a diverged run's numbers
-                    **({"diverged_seeds": bad} if (bad := [r["seed"] for r in records if r.get("warning")]) else {}),
+                    # seeds whose training diverged (weights not finite): a diverged run's numbers
+                    **({"diverged_seeds": bad} if (bad := [r["seed"] for r in records if r.get("warning")
+                                                           or r.get("diverged_round") is not None]) else {}),
                 })
     out = results_dir / f"{exp.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -213,3 +213,29 @@ def test_resolve_mode() -> None:
     with pytest.raises(ValueError, match="unknown mode 'fast'"):
         resolve_mode("fast", cpu, mlp)
 
+
+
+def test_a_diverged_run_stops_at_the_validation_that_finds_it(small_fed, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A learning rate of 1e8 sends FedAvg's weights to NaN/inf in the first round: validation finds them, the run
+    stops there (no later round can recover), says so, checkpoints, and a resume trains nothing more."""
+    sim = _sim(small_fed, "FedAvg", "vmap", "float32", rounds=6, out=tmp_path, lr=1e8)
+    with pytest.warns(RuntimeWarning, match=r"^FedAvg seed 0: the weights are not finite at round 0 \(NaN or inf in "
+                                            r"params/[\w.]+ and \d+ more tensors\): training stops here, no later "
+                                            r"round can recover them; lower the learning rate"):
+        result = sim.run()
+    assert (result.diverged_round, result.rounds_done, len(result.history)) == (0, 1, 1)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0] and rows[0]["diverged"].startswith("NaN or inf in params/")
+    again = _sim(small_fed, "FedAvg", "vmap", "float32", rounds=6, out=tmp_path, lr=1e8).run()
+    assert (again.diverged_round, again.rounds_done, len(again.history)) == (0, 1, 1)
+
+
+def test_a_diverged_run_leaves_its_stacked_group(small_fed) -> None:  # type: ignore[no-untyped-def]
+    """Stepped together, runs that diverge stop as they do alone (here both seeds, at round 0)."""
+    from fl_server.engine.stacked import run_stacked
+
+    sims = [_sim(small_fed, "FedAvg", "vmap", "float32", rounds=4, lr=1e8) for _ in range(2)]
+    sims[1].cfg.seed = 1
+    with pytest.warns(RuntimeWarning, match="not finite at round 0"):
+        results = run_stacked(sims)
+    assert [(r.diverged_round, r.rounds_done, len(r.history)) for r in results] == [(0, 1, 1), (0, 1, 1)]

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -25,6 +26,7 @@ from edge_sdk.safeguard import SafeguardRule, evidence, mix, shifted
 from fl_server.algorithms.base import Algorithm, LocalTrainer, NotApplicable, StepFn, declared_safeguard
 from fl_server.atomic import atomic_link, atomic_write_json, atomic_write_text
 from fl_server.data.federated import FederatedData
+from fl_server.diagnostics import NONFINITE_FIX, describe_nonfinite, nonfinite_weights
 from fl_server.torch_device import pick_device
 from fl_server.engine.gemm_conv import GemmConv
 from fl_server.engine.graphs import GraphedLocalSteps, vmapped_round
@@ -101,6 +103,9 @@ class RunResult:
     history: list[dict[str, Any]] = field(default_factory=list)
     wall_s: float = 0.0
     rounds_done: int = 0
+    # the validation round at which the server state was found non-finite (NaN or inf): training stopped there,
+    # since no later round can recover it; None while the weights are finite
+    diverged_round: int | None = None
 
 
 def client_batches(client_indices: list[np.ndarray], iterations: int, batch_size: int,
@@ -420,7 +425,8 @@ class Simulation:
             return
         meta = {"fingerprint": self.fingerprint, "prefix_fingerprint": self._fingerprint(rounds=0),
                 "rounds_done": round_ + 1, "best_round": result.best_round,
-                "best_val": result.best_val, "test_at_best": result.test_at_best, "wall_s": result.wall_s}
+                "best_val": result.best_val, "test_at_best": result.test_at_best, "wall_s": result.wall_s,
+                **({"diverged_round": result.diverged_round} if result.diverged_round is not None else {})}
         # best.npz moves on at every improvement; best.ckpt.npz is the best state as of this checkpoint (a hard
         # link, no copy), what a run cut short at this checkpoint reports
         if (self.out_dir / BEST).exists():
@@ -452,6 +458,7 @@ class Simulation:
         self.best_state = self._best_state_of(meta, ckpt, same_length)
         result.best_round, result.best_val = meta["best_round"], meta["best_val"]
         result.test_at_best, result.wall_s = meta["test_at_best"], meta["wall_s"]
+        result.diverged_round = meta.get("diverged_round")
         if metrics.exists():
             atomic_write_text(metrics, "".join(json.dumps(r) + "\n" for r in rows))
             result.history = rows
@@ -501,6 +508,10 @@ class Simulation:
             row = self.close_round(r, result, time.perf_counter() - t0, end)
             if row.get("val") is not None:
                 bar.set_postfix(val=f"{row['val']:.4f}", test="-" if row["test"] is None else f"{row['test']:.4f}")
+            if result.diverged_round is not None:
+                end = r + 1
+                break
+        bar.close()
         return self.finish(result, start_round, end)
 
     def begin(self) -> tuple[RunResult, int, int]:
@@ -526,16 +537,26 @@ class Simulation:
                 atomic_write_text(self.out_dir / METRICS, "".join(json.dumps(r) + "\n" for r in result.history))
                 self._checkpoint(start_round - 1, result)
         end = self.cfg.rounds if self.cfg.stop_after is None else min(self.cfg.rounds, self.cfg.stop_after)
+        if result.diverged_round is not None:  # a diverged run resumed: nothing left to train
+            end = start_round
         return result, start_round, end
 
     def close_round(self, r: int, result: RunResult, train_s: float, end: int) -> dict[str, Any]:
         """After round ``r``'s training (``train_s`` seconds of it): validate on the cadence, record the metrics
-        row, checkpoint on the cadence. Returns the row."""
+        row, checkpoint on the cadence. Returns the row. A validated state with a NaN or an infinity ends the run:
+        ``result.diverged_round`` is set, the row says what is not finite, a RuntimeWarning says so and the round is
+        checkpointed (a resume trains no further)."""
         t0 = time.perf_counter()
         row: dict[str, Any] = {"round": r}
         last = r == self.cfg.rounds - 1
         if (r + 1) % self.cfg.eval_every == 0 or last:
             self._validate(r, row, result)
+            if bad := nonfinite_weights(self.server_state):
+                result.diverged_round = r
+                row["diverged"] = describe_nonfinite(bad)
+                warnings.warn(f"{self.algorithm.name} seed {self.cfg.seed}: the weights are not finite at round {r} "
+                              f"({row['diverged']}): training stops here, no later round can recover them; "
+                              f"{NONFINITE_FIX}", RuntimeWarning, stacklevel=2)
         result.wall_s += train_s + time.perf_counter() - t0
         row["wall_s"] = round(result.wall_s, 3)
         result.history.append(row)
@@ -543,7 +564,7 @@ class Simulation:
         if self.out_dir is not None:
             with open(self.out_dir / METRICS, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
-            if (r + 1) % self.cfg.checkpoint_every == 0 or last or r == end - 1:
+            if (r + 1) % self.cfg.checkpoint_every == 0 or last or r == end - 1 or result.diverged_round is not None:
                 self._checkpoint(r, result)
         return row
 

@@ -94,7 +94,7 @@ def run_stacked(sims: list[Simulation], progress: bool | None = None) -> list[Ru
     check_stackable(sims)
     lead = sims[0]
     graphed = lead.graphed  # one graph cache for the stacked rounds (its key holds the stacked shapes)
-    opened = [sim.begin() for sim in sims]
+    opened = [list(sim.begin()) for sim in sims]  # [result, first round, round to stop before] per run
     at = [start for _, start, _ in opened]
     total = sum(end - start for _, start, end in opened)
     show = lead.cfg.progress if progress is None else progress
@@ -113,5 +113,8 @@ def run_stacked(sims: list[Simulation], progress: bool | None = None) -> list[Ru
             for k in group:
                 sims[k].close_round(r, opened[k][0], share, opened[k][2])
                 at[k] += 1
+                if opened[k][0].diverged_round is not None:  # a diverged run leaves the group (Simulation.run)
+                    bar.update(opened[k][2] - at[k])
+                    opened[k][2] = at[k]
             bar.update(len(group))
     return [sim.finish(result, start, end) for sim, (result, start, end) in zip(sims, opened)]

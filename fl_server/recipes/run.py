@@ -101,6 +101,7 @@ def train(recipe: Recipe, run_dir: str | Path, seed: int = 0, device: str = "aut
             "method": recipe.method, "seed": seed, "model": recipe.model_name, "rounds": recipe.rounds,
             "best_round": result.best_round, "val": 100 * result.best_val,
             "test": None if result.test_at_best is None else 100 * result.test_at_best, "warning": warning,
+            "diverged_round": result.diverged_round,
             "wall_s": round(result.wall_s, 2), "device": describe(sim.device), "mode": sim.mode,
             "hyper": sim.algorithm.hp.__dict__, "eval_every": recipe.eval_every, "host": platform.node(),
             "curve": [{"round": r["round"], "val": r.get("val"), "test": r.get("test")}
