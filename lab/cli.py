@@ -92,7 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stack-seeds", action="store_true",
                    help="train a method's missing seeds together in this process, one vmapped round over all their "
                         "clients (vmap mode; on a GPU each kernel gets the work of every seed); each seed keeps its "
-                        "own run folder and result, equal to its solo run's up to rounding")
+                        "own run folder and result: its solo run's in float64, in float32 a run with other rounding, "
+                        "as on another GPU")
     add_run_flags(p)
     p.set_defaults(func=cmd_bench)
 

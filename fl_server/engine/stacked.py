@@ -6,7 +6,9 @@ their seed (their clients, initial weights and mini-batches) as one round of S x
 times the work. Each run keeps everything of its own: its client sampling and batch draws, its aggregation,
 validation, metrics, checkpoints and best state; only the local steps are computed together, as a second vmap
 over the runs (:func:`~fl_server.engine.graphs.vmapped_round` with ``seed_axis``). So each run's results are the
-ones it gets alone, up to the rounding of the grouped kernels (tests/test_stacked_runs.py: float64 parity).
+ones it gets alone in float64 (tests/test_stacked_runs.py); in float32 the grouped kernels round differently from
+the solo ones and training amplifies that, so a stacked run matches its solo run as a run on another GPU would,
+not to the bit.
 
 Runs that resume from different rounds are brought level first: the runs furthest behind step alone (or
 together) until they reach the others.
