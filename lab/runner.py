@@ -202,13 +202,22 @@ def run_experiment(exp: Experiment, datasets: list[str], methods: list[str], see
                 if out.exists():
                     continue
                 fed = fed if fed is not None else build_federated(protocol, seed, data_root)
-                run_dir = runs_dir / exp.name / dataset / out.parent.name / f"seed{seed}"
-                record = (exp.run_fn or run_seed)(protocol, method, seed, run_dir, device, mode, progress,
-                                                  data_root, fed)
-                record["command"] = command
-                out.parent.mkdir(parents=True, exist_ok=True)
-                write_atomic(out, json.dumps(record, indent=1))
+                record = (exp.run_fn or run_seed)(protocol, method, seed, run_path(runs_dir, exp.name, dataset,
+                                                                                   method, seed),
+                                                  device, mode, progress, data_root, fed)
+                write_record(out, {**record, "command": command})
     return aggregate(exp, results_dir, command)
+
+
+def run_path(runs_dir: Path, experiment: str, dataset: str, method: str, seed: int) -> Path:
+    """The run folder of one (experiment, dataset, method, seed): checkpoints, metrics, best state."""
+    return runs_dir / experiment / dataset / safe_name(method) / f"seed{seed}"
+
+
+def write_record(out: Path, record: dict[str, Any]) -> None:
+    """A raw result record, written atomically."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(out, json.dumps(record, indent=1))
 
 
 def run_stacked_seeds(exp: Experiment, protocol: Protocol, dataset: str, method: str, seeds: list[int],
@@ -219,17 +228,11 @@ def run_stacked_seeds(exp: Experiment, protocol: Protocol, dataset: str, method:
     seed's run equals its solo run in float64; in float32 the grouped kernels round differently and training
     amplifies that, so a stacked seed is its solo run with other rounding (as on another GPU). ``mode`` "auto"
     means vmap here, which stacking needs; ``engine``: further RunConfig fields (``dtype``)."""
-    sims = []
-    for seed in seeds:
-        out = raw_path(results_dir, exp.name, dataset, method, seed)
-        sims.append(build_simulation(protocol, method, seed, runs_dir / exp.name / dataset / out.parent.name /
-                                     f"seed{seed}", device, "vmap" if mode == "auto" else mode, progress, data_root,
-                                     **engine))
+    sims = [build_simulation(protocol, method, seed, run_path(runs_dir, exp.name, dataset, method, seed), device,
+                             "vmap" if mode == "auto" else mode, progress, data_root, **engine) for seed in seeds]
     for seed, sim, result in zip(seeds, sims, run_stacked(sims)):
-        record = {**seed_record(protocol, method, seed, sim, result), "stacked_seeds": seeds, "command": command}
-        out = raw_path(results_dir, exp.name, dataset, method, seed)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(out, json.dumps(record, indent=1))
+        write_record(raw_path(results_dir, exp.name, dataset, method, seed),
+                     {**seed_record(protocol, method, seed, sim, result), "stacked_seeds": seeds, "command": command})
 
 
 def aggregate_experiment(exp: Experiment, results_dir: Path, command: str = "") -> list[dict]:
