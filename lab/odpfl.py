@@ -79,11 +79,16 @@ def build_dp_simulation(protocol: Any, method: str, seed: int, run_dir: Path | N
                         mode: str = "auto", progress: bool = True,
                         data_root: str | None = None) -> tuple[Simulation, DPSplit]:
     """The engine run of ``method`` on the odpfl-dp split of ``seed`` (built from its recipe) and the split."""
+    split = protocol_dp_split(protocol, seed, data_root)
+    return own_simulation(protocol, method, seed, run_dir, split.fed, device, mode, progress, data_root), split
+
+
+def protocol_dp_split(protocol: Any, seed: int, data_root: str | None = None) -> DPSplit:
+    """The odpfl-dp split of ``seed`` under ``protocol`` (its ``pool``, ``eval_size`` and validation fraction)."""
     opts = protocol.options
     dataset = load_dataset(protocol.dataset, root=data_root, split="all")
-    split = dp_split(dataset, protocol.num_clients, np.random.default_rng([seed, 11]), opts.get("pool", 3000),
-                     opts.get("eval_size", 300), protocol.val_fraction)
-    return own_simulation(protocol, method, seed, run_dir, split.fed, device, mode, progress, data_root), split
+    return dp_split(dataset, protocol.num_clients, np.random.default_rng([seed, 11]), opts.get("pool", 3000),
+                    opts.get("eval_size", 300), protocol.val_fraction)
 
 
 def run_dp_seed(protocol: Any, method: str, seed: int, run_dir: Path | None, device: str = "auto",

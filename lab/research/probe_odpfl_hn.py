@@ -15,6 +15,10 @@ the protocol's rates change.
 ``--holdout-clients K`` also holds the first K training clients out of training (all their samples) and scores
 the served model on them at every evaluation: a client-level validation, which sees what the per-sample
 validation split of the training clients cannot, a hypernetwork that memorises the training clients.
+``--experiment odpfl-dp`` probes on that experiment's own split (lab/odpfl.py): its training clients only, the
+new clients' pools are never built into the run. Every row records the norms of gamma's (the encoder's) gradient
+over the run's rounds (``encoder_grad_norm``: median, 90th percentile, max; spikes of it come with a client's
+local step that blew up) and the round whose weights were found non-finite, if any (``diverged_round``).
 ``--diagnose-run DIR`` instead reads a bench run directory (run.json, checkpoint.npz, metrics.jsonl) and records
 its validation curve, the same diagnostics of its last checkpoint and the classes its generated models
 predict on the training clients' validation data (a one-class model shows as a single class).
@@ -23,6 +27,8 @@ predict on the training clients' validation data (a one-class model shows as a s
     python lab/research/probe_odpfl_hn.py --experiment odpfl-dirichlet --dataset fashion_mnist-a1 --rounds 100 --device cuda
     python lab/research/probe_odpfl_hn.py --experiment odpfl-dirichlet --dataset fashion_mnist-a0.1 --rounds 100 \
         --eval-every 10 --hn-lr 0.05 --set standardize_init=true --set encoder_lr=1e-4
+    python lab/research/probe_odpfl_hn.py --experiment odpfl-dp --dataset fashion_mnist --seed 1 --rounds 100 \
+        --eval-every 25 --hn-lr 0.05
 """
 from __future__ import annotations
 
@@ -47,6 +53,7 @@ from fl_server.models import build_model
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: lab/ is not installed
 from lab.experiments import get_experiment  # noqa: E402
 from lab.rows import merge_rows  # noqa: E402
+from lab.odpfl import protocol_dp_split  # noqa: E402
 from lab.runner import build_federated  # noqa: E402
 
 
@@ -73,6 +80,29 @@ def hypernet_diagnostics(sim: Simulation, alg: ODPFLHN) -> dict:
             "alive_fraction_per_layer": [round(a, 3) for a in alive],
             "weight_spread_across_clients": round(float(np.mean(spread)), 4),
             "embedding_spread_across_clients": round(e_spread, 4)}
+
+
+def record_encoder_grad_norms(alg: ODPFLHN) -> list[float]:
+    """A list that fills with the global norm of gamma's gradient at every server step of ``alg``."""
+    norms: list[float] = []
+    server_update = alg.server_update
+
+    def recording(server_state: dict, grad_theta: dict, grad_gamma: dict) -> dict:
+        norms.append(float(torch.sqrt(sum((g.double() ** 2).sum() for g in grad_gamma.values()))))
+        return server_update(server_state, grad_theta, grad_gamma)
+
+    alg.server_update = recording  # type: ignore[method-assign]
+    return norms
+
+
+def grad_norm_summary(norms: list[float]) -> dict[str, float]:
+    """Median, 90th percentile and max of the finite norms, and how many steps there were."""
+    finite = np.asarray([n for n in norms if np.isfinite(n)])
+    if not len(finite):
+        return {"steps": len(norms)}
+    p50, p90 = np.percentile(finite, [50, 90])
+    return {"steps": len(norms), "p50": round(float(p50), 2), "p90": round(float(p90), 2),
+            "max": round(float(finite.max()), 2)}
 
 
 def diagnose_run(run_dir: Path, args: argparse.Namespace, command: str) -> None:
@@ -146,7 +176,8 @@ def main() -> None:
     command += "".join(f" --set {shlex.quote(f'{k}={json.dumps(v)}')}" for k, v in sorted(base.items()))
     # the probe holds clients out itself (--holdout-clients), not through the protocol's validation clients
     protocol = dataclasses.replace(protocol, options={k: v for k, v in protocol.options.items() if k != "val_clients"})
-    fed = build_federated(protocol, args.seed)
+    fed = (protocol_dp_split(protocol, args.seed).fed if args.experiment == "odpfl-dp"
+           else build_federated(protocol, args.seed))
     fed = dataclasses.replace(fed, new=[])  # validation only: the new clients' data is never read
     if k := args.holdout_clients:  # held-out clients scored as "new" next to the per-sample validation curve
         held = hold_out_validation_clients(fed, k)
@@ -160,6 +191,7 @@ def main() -> None:
                         batch_size=protocol.batch_size, client_fraction=protocol.client_fraction,
                         eval_every=args.eval_every, seed=args.seed, device=args.device, progress=False)
         sim = Simulation(alg, fed, cfg)
+        grad_norms = record_encoder_grad_norms(alg)
         res = sim.run()
         diag = hypernet_diagnostics(sim, alg)
         curve = [round(100 * r["val"], 2) for r in res.history if "val" in r]
@@ -171,8 +203,11 @@ def main() -> None:
                      "experiment": args.experiment, "variant": variant,
                      "metric": "best val accuracy %", "value": round(100 * res.best_val, 2),
                      "dataset": args.dataset, "seed": args.seed, "hn_lr": lr, "rounds": args.rounds,
-                     "best_round": res.best_round, "val_curve": curve, **diag, "hyper": hp,
+                     "best_round": res.best_round, "val_curve": curve, **diag,
+                     "encoder_grad_norm": grad_norm_summary(grad_norms), "diverged_round": res.diverged_round,
+                     "hyper": hp,
                      "wall_s": round(res.wall_s, 1), "device": describe(sim.device), "command": command})
+        rows[-1] = {k: None if isinstance(v, float) and not np.isfinite(v) else v for k, v in rows[-1].items()}
         merge_rows(args.out, rows, key=("experiment", "dataset", "seed", "hn_lr", "rounds", "variant"))
 
 
