@@ -41,10 +41,14 @@ def test_wide_tables_are_transposed_and_detail_rows_left_out() -> None:
     text = summary_section("odpfl-dp", dp)
     assert "| dataset | split | seeds | FedAvg | ODPFL-HN |" in text
     assert "| fashion_mnist | test: \\|D\\|=100, eps=1 |" in text
-    # ODPFL-HN seed 0's encoder diverged (its record's warning): every ODPFL-HN cell says so, FedAvg's do not
-    line = next(ln for ln in text.splitlines() if ln.startswith("| fashion_mnist | test: \\|D\\|=100, eps=1 |"))
+    assert "diverged" not in text  # every seed of the committed rows trained
+    # a seed whose training diverged (the aggregate's diverged_seeds, from its record's warning or diverged_round):
+    # every cell of its method says so, the other method's do not
+    marked = summary_section("odpfl-dp", [{**r, "diverged_seeds": [0]} if r["method"] == "ODPFL-HN" else r
+                                          for r in dp])
+    line = next(ln for ln in marked.splitlines() if ln.startswith("| fashion_mnist | test: \\|D\\|=100, eps=1 |"))
     assert line.endswith("(diverged: seed 0) |")
-    assert "diverged" not in next(ln for ln in text.splitlines() if "global model" in ln)
+    assert "diverged" not in next(ln for ln in marked.splitlines() if "global model" in ln)
 
     shift = summary_section("fedicon-shift", _table("fedicon-shift"))
     assert "test covariate-s5" in shift and "contrast-5" not in shift and "tta_lr" not in shift
@@ -79,3 +83,20 @@ def test_a_summary_object_shows_its_first_table_and_keeps_the_rest_for_the_resea
     assert "| before-raw | - | - | runs=3," in text and "| command |" not in text  # no empty columns
     assert benchmark_tables([{"what": "a"}]) == {"": [{"what": "a"}]}
     assert benchmark_tables({"what": "a", "value": 1}) == {"": [{"what": "a", "value": 1}]}
+
+
+def test_a_seed_whose_record_says_it_diverged_is_named_by_its_rows(tmp_path: Path) -> None:
+    """The aggregate marks a method's rows with the seeds whose record carries a warning (weights not finite) or a
+    diverged_round; the other method's rows carry nothing."""
+    import shutil
+
+    from lab.experiments import get_experiment
+    from lab.runner import aggregate
+
+    raw = tmp_path / "raw" / "odpfl-dp"
+    shutil.copytree(RESULTS / "raw" / "odpfl-dp", raw)
+    seed0 = raw / "fashion_mnist" / "ODPFL-HN" / "seed0.json"
+    seed0.write_text(json.dumps({**json.loads(seed0.read_text()), "diverged_round": 24}))
+    rows = aggregate(get_experiment("odpfl-dp"), tmp_path)
+    assert {tuple(r.get("diverged_seeds", ())) for r in rows if r["method"] == "ODPFL-HN"} == {(0,)}
+    assert all("diverged_seeds" not in r for r in rows if r["method"] == "FedAvg")
