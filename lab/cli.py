@@ -48,7 +48,8 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     command = f"{PROG} " + " ".join(shlex.quote(a) for a in _table_argv(argv, args.seed_numbers))
     runs = Path(args.runs_dir or ("runs/quick/runs" if args.quick else "runs/bench"))
     rows = run_experiment(exp, datasets, methods, seeds, results, runs, args.quick,
-                          args.device, args.mode, not args.no_progress, args.data_dir, command, args.stack_seeds)
+                          args.device, args.mode, not args.no_progress, args.data_dir, command, args.stack_seeds,
+                          args.stack_variants)
     for r in (r for r in rows if r["dataset"] in datasets and r["method"] in methods):  # the table holds every row
         paper = "" if r["paper"] is None else f" (paper {r['paper']:.2f})"
         print(f"{r['dataset']:>14} {r['method']:>10} {split_label(r):>4}: {r['mean']:.2f} +- {r['std']:.2f} "
@@ -94,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "clients (vmap mode; on a GPU each kernel gets the work of every seed); each seed keeps its "
                         "own run folder and result: its solo run's in float64, in float32 a run with other rounding, "
                         "as on another GPU")
+    p.add_argument("--stack-variants", action="store_true",
+                   help="train the named methods of each seed together in this process where the experiment's "
+                        "variants share their round shapes (upfl-hetero's lambda variants: one vmapped round per size "
+                        "group over every variant's clients); each keeps its own run folder and result")
     add_run_flags(p)
     p.set_defaults(func=cmd_bench)
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from fl_server.recipes.presets import FEDICON_HP, FEDTTA_HP, upfl_hyper
 from lab.data_size import FRACTIONS, run_data_size_seed
-from lab.hetero import HETERO_METHODS, run_hetero_seed
+from lab.hetero import HETERO_METHODS, run_hetero_seed, run_hetero_variants
 from lab.map_incomplete import run_map_seed
 from lab.odpfl import DP_DELTA, run_dp_seed
 from lab.shift import run_shift_seed
@@ -455,7 +455,7 @@ EXPERIMENTS["upfl-hetero"] = Experiment(
                                     "method_hp": {"HeteroFedTTA": {**_HETERO_HP, "max_steps": 3}}}},
         note="Fashion-MNIST with its FedTTA++ rates (paper: CIFAR-10, FedTTA); public set = 1,024 samples held "
              "out of the united data; psi and phi averaged within each size group; validation every 5 rounds")},
-    paper={}, run_fn=run_hetero_seed,
+    paper={}, run_fn=run_hetero_seed, variants_fn=run_hetero_variants,
     description="UPFL HeteroFedTTA (Sec. 3.4 / 4.6, Algorithm 2): Table 1 clients (100, pathological, 50% new), "
                 "each training and new client a small / medium / big ConvNet with equal probability (App. G); "
                 "per round: digest (Eq. 14 KD on the public set toward the consensus logits, lambda on the base "

@@ -38,6 +38,7 @@ from lab.runner import build_federated, own_simulation
 from fl_server.data.federated import FederatedData
 from fl_server.torch_device import describe
 from fl_server.engine import Simulation
+from fl_server.engine.stacked import check_stackable, stacked_round
 from fl_server.functional import State, tree_map
 from fl_server.rundir import checkpoint_meta, load_state, save_state
 
@@ -66,30 +67,34 @@ class HeteroRun:
     """The size groups of one seed, and the exchange between them."""
 
     def __init__(self, protocol: Protocol, fed: FederatedData, seed: int, lam: float | None, device: str = "auto",
-                 mode: str = "auto", data_root: str | None = None) -> None:
-        self.lam, self.opt = lam, protocol.options
+                 mode: str = "auto", data_root: str | None = None, engine: dict[str, Any] | None = None) -> None:
+        """``engine``: further RunConfig fields of the groups' runs (``dtype``)."""
+        self.lam, self.opt, self.seed = lam, protocol.options, seed
         hp = protocol.method_hp.get("HeteroFedTTA", {})
         self.sims: dict[str, Simulation] = {}
         for name, group in split_by_size(fed, seed).items():  # each group: the FedTTA recipe of its model size
             arch, width = SIZE_GROUPS[name]
             self.sims[name] = own_simulation(protocol, "FedTTA", seed, None, group, device, mode, False, data_root,
-                                             model=arch, hyper={**hp, "adapt_width": width})
+                                             engine=engine, model=arch, hyper={**hp, "adapt_width": width})
         first = next(iter(self.sims.values()))
         self.chunks = public_chunks(first.x[torch.from_numpy(fed.public)], self.opt.get("public_batch", 64))
         self.digest_steps = int(self.opt.get("digest_epochs", 1) * len(self.chunks))
 
     def round(self, r: int) -> None:
-        """Revisit every group (its FedTTA round), then communicate, aggregate the consensus and let every
-        group digest it (the start of round r + 1, also what a new client receives)."""
-        base, per = [], []
-        for sim in self.sims.values():
-            _, states = sim.run_round(r)
-            if self.lam is not None:
-                b, p = clients_public_logits(sim.algorithm, states, self.chunks, sim.mode)
-                base.append(b)
-                per.append(p)
+        """Revisit every group (its FedTTA round), then :meth:`exchange`."""
+        self.exchange({name: sim.run_round(r)[1] for name, sim in self.sims.items()})
+
+    def exchange(self, local_states: dict[str, State]) -> None:
+        """After the groups' revisit (``local_states``: per group, its clients' local states before aggregation):
+        communicate, aggregate the consensus and let every group digest it (the start of the next round, also
+        what a new client receives). The 'no KD' control exchanges nothing."""
         if self.lam is None:
             return
+        base, per = [], []
+        for name, sim in self.sims.items():
+            b, p = clients_public_logits(sim.algorithm, local_states[name], self.chunks, sim.mode)
+            base.append(b)
+            per.append(p)
         f_base, f_per = torch.cat(base).mean(0), torch.cat(per).mean(0)  # F_base(D_p), F_per(D_p), 1/N sum_i
         for sim in self.sims.values():
             sim.server_state = digest(sim.algorithm, sim.server_state, self.chunks, f_base, f_per, self.lam,
@@ -159,21 +164,63 @@ def train_hetero(run: HeteroRun, protocol: Protocol, run_dir: Path | None, progr
                   desc=f"lambda={run.lam} {protocol.dataset}", disable=not progress):
         t0 = time.perf_counter()
         run.round(r)
-        validate = (r + 1) % protocol.eval_every == 0 or r == protocol.rounds - 1
-        if validate:
-            val = run.accuracies("val")
-            overall = float(np.mean([v for a in val.values() for v in a]))
-            state.curve.append({"round": r, "val": 100 * overall})
-            if overall > state.best_val:
-                state.best_val, state.best_round, state.best_val_groups = overall, r, val
-                state.best_states = run.states()
-                if run_dir is not None:
-                    save_state(run_dir / "best.npz", state.best_states)
-        state.rounds_done = r + 1
-        state.wall_s += time.perf_counter() - t0
-        if validate and run_dir is not None:  # the states and the progress they belong to: one rename
-            save_state(run_dir / "checkpoint.npz", run.states(), state.meta(run.fingerprint()))
+        close_hetero_round(run, state, protocol, run_dir, r, time.perf_counter() - t0)
     return state
+
+
+def close_hetero_round(run: HeteroRun, state: HeteroProgress, protocol: Protocol, run_dir: Path | None, r: int,
+                       train_s: float) -> None:
+    """After round ``r`` of ``run`` (``train_s`` seconds): validate every ``eval_every`` rounds (keeping the best
+    states) and checkpoint at each validation round."""
+    t0 = time.perf_counter()
+    validate = (r + 1) % protocol.eval_every == 0 or r == protocol.rounds - 1
+    if validate:
+        val = run.accuracies("val")
+        overall = float(np.mean([v for a in val.values() for v in a]))
+        state.curve.append({"round": r, "val": 100 * overall})
+        if overall > state.best_val:
+            state.best_val, state.best_round, state.best_val_groups = overall, r, val
+            state.best_states = run.states()
+            if run_dir is not None:
+                save_state(run_dir / "best.npz", state.best_states)
+    state.rounds_done = r + 1
+    state.wall_s += train_s + time.perf_counter() - t0
+    if validate and run_dir is not None:  # the states and the progress they belong to: one rename
+        save_state(run_dir / "checkpoint.npz", run.states(), state.meta(run.fingerprint()))
+
+
+def train_hetero_stacked(runs: list[HeteroRun], protocol: Protocol, run_dirs: list[Path | None],
+                         progress: bool = True) -> list[HeteroProgress]:
+    """:func:`train_hetero` for the lambda variants of one seed at once: per round and size group, the variants'
+    local steps are one stacked round (:func:`fl_server.engine.stacked.stacked_round`), then each variant
+    exchanges and digests on its own. The variants share the seed, hence each group's clients, sampling, batches
+    and round shapes; each keeps its own states, validation, best states and checkpoints, and equals its solo run
+    in float64 (lab/tests/test_hetero_fedtta.py). Variants resumed at different rounds are brought level first."""
+    if len({run.seed for run in runs}) > 1:
+        raise ValueError(f"only the variants of one seed train together, got seeds {sorted({r.seed for r in runs})}")
+    for name in runs[0].sims:
+        check_stackable([run.sims[name] for run in runs])
+    states = [resume_hetero(run, run_dir) for run, run_dir in zip(runs, run_dirs)]
+    for run_dir in run_dirs:
+        if run_dir is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+    graphs = {name: sim.graphed for name, sim in runs[0].sims.items()}  # one graph cache per group's shapes
+    lambdas = ", ".join(str(run.lam) for run in runs)
+    with tqdm(total=sum(protocol.rounds - s.rounds_done for s in states), disable=not progress,
+              desc=f"lambda={lambdas} {protocol.dataset} seed {runs[0].seed}") as bar:
+        while behind := [k for k, s in enumerate(states) if s.rounds_done < protocol.rounds]:
+            r = min(states[k].rounds_done for k in behind)
+            group = [k for k in behind if states[k].rounds_done == r]  # the variants furthest behind step first
+            t0 = time.perf_counter()
+            together = {name: stacked_round([runs[k].sims[name] for k in group], r, graph)
+                        for name, graph in graphs.items()}
+            for j, k in enumerate(group):
+                runs[k].exchange({name: rounds[j][1] for name, rounds in together.items()})
+            share = (time.perf_counter() - t0) / len(group)
+            for k in group:
+                close_hetero_round(runs[k], states[k], protocol, run_dirs[k], r, share)
+            bar.update(len(group))
+    return states
 
 
 def _rows(split: str, accs: dict[str, list[float]]) -> list[dict[str, Any]]:
@@ -187,12 +234,38 @@ def run_hetero_seed(protocol: Protocol, method: str, seed: int, run_dir: Path | 
                     fed: FederatedData | None = None) -> dict[str, Any]:
     """Train HeteroFedTTA for one seed, validate every ``eval_every`` rounds, test the new clients once on
     the groups' models of the best validation round (mean over all training clients)."""
-
-    if method not in HETERO_METHODS:
-        raise ValueError(f"upfl-hetero has no method {method!r}; choose one of {', '.join(HETERO_METHODS)}")
+    _check_methods([method])
     fed = fed if fed is not None else build_federated(protocol, seed, data_root)
     run = HeteroRun(protocol, fed, seed, HETERO_METHODS[method], device, mode, data_root)
-    state = train_hetero(run, protocol, run_dir, progress)
+    return hetero_record(protocol, method, run, train_hetero(run, protocol, run_dir, progress), fed)
+
+
+def run_hetero_variants(protocol: Protocol, methods: list[str], seed: int, run_dirs: list[Path | None],
+                        device: str = "auto", mode: str = "auto", progress: bool = True, data_root: str | None = None,
+                        fed: FederatedData | None = None, engine: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """:func:`run_hetero_seed` for several ``methods`` (lambda variants) of one seed trained together
+    (:func:`train_hetero_stacked`; ``mode`` "auto" means vmap, which stacking needs); one raw record per method,
+    each naming the variants it trained with (``stacked_variants``)."""
+    _check_methods(methods)
+    fed = fed if fed is not None else build_federated(protocol, seed, data_root)
+    runs = [HeteroRun(protocol, fed, seed, HETERO_METHODS[m], device, "vmap" if mode == "auto" else mode, data_root,
+                      engine) for m in methods]
+    states = train_hetero_stacked(runs, protocol, run_dirs, progress)
+    return [{**hetero_record(protocol, method, run, state, fed), "stacked_variants": list(methods)}
+            for method, run, state in zip(methods, runs, states)]
+
+
+def _check_methods(methods: list[str]) -> None:
+    for method in methods:
+        if method not in HETERO_METHODS:
+            raise ValueError(f"upfl-hetero has no method {method!r}; choose one of {', '.join(HETERO_METHODS)}")
+
+
+def hetero_record(protocol: Protocol, method: str, run: HeteroRun, state: HeteroProgress,
+                  fed: FederatedData) -> dict[str, Any]:
+    """The raw record of a trained run: the new clients tested once on the groups' models of the best validation
+    round."""
+    seed = run.seed
     t0 = time.perf_counter()
     test = run.accuracies("new", state.best_states)
     results = _rows("val", state.best_val_groups) + _rows("test", test)

@@ -70,6 +70,9 @@ class Experiment:
     description: str = ""
     runner: str | None = None  # "module:function" with run_experiment's signature, for non-UPFL protocols
     run_fn: Callable[..., dict[str, Any]] | None = None  # replaces runner.run_seed (same signature)
+    # several methods of one seed trained together (--stack-variants): (protocol, methods, seed, run_dirs, device,
+    # mode, progress, data_root, fed) -> one record per method
+    variants_fn: Callable[..., list[dict[str, Any]]] | None = None
     optional_methods: tuple[str, ...] = ()  # run only when named (--methods); aggregated when present
 
 

@@ -60,12 +60,13 @@ def build_simulation(protocol: Protocol, method: str, seed: int, run_dir: Path |
 
 def own_simulation(protocol: Protocol, method: str, seed: int, run_dir: Path | None, fed: FederatedData,
                    device: str = "auto", mode: str = "auto", progress: bool = True, data_root: str | None = None,
-                   checkpoint_every: int = 10, **changes: Any) -> Simulation:
+                   checkpoint_every: int = 10, engine: dict[str, Any] | None = None, **changes: Any) -> Simulation:
     """The engine run of an experiment with its own procedure (shift, map_incomplete, hetero, odpfl, btgfl),
     built from the recipe of ``method`` (an engine method) under ``protocol`` with ``changes`` (Recipe fields:
     ``model``, ``hyper``, ``local_iterations``). Such experiments train every method for the protocol's
     ``rounds``, validate every ``eval_every`` rounds and test the new clients at every validation, as they did
-    before they built through recipes (same fingerprints, so their checkpoints resume).
+    before they built through recipes (same fingerprints, so their checkpoints resume). ``engine``: further
+    RunConfig fields (``dtype``).
 
     >>> from lab.experiments import get_experiment
     >>> protocol = get_experiment("map-incomplete").protocols["fashion_mnist"]
@@ -77,7 +78,7 @@ def own_simulation(protocol: Protocol, method: str, seed: int, run_dir: Path | N
                                                              "eval_every": protocol.eval_every, **changes})
     return simulation(recipe, seed, run_dir, device, mode, progress, data_root, fed, test_at_best_only=False,
                       checkpoint_every=checkpoint_every, description=protocol_description(protocol),
-                      safeguard=False)  # the papers' methods, without the device's safeguard
+                      safeguard=False, **(engine or {}))  # the papers' methods, without the device's safeguard
 
 
 def protocol_description(protocol: Protocol) -> dict[str, Any]:
@@ -163,15 +164,19 @@ def refuse_stale(result: Path, protocol: Protocol, method: str) -> None:
 def run_experiment(exp: Experiment, datasets: list[str], methods: list[str], seeds: int | Sequence[int],
                    results_dir: Path, runs_dir: Path, quick: bool = False, device: str = "auto",
                    mode: str = "auto", progress: bool = True, data_root: str | None = None,
-                   command: str = "", stack_seeds: bool = False) -> list[dict]:
+                   command: str = "", stack_seeds: bool = False, stack_variants: bool = False) -> list[dict]:
     """Run every missing (dataset, method, seed) and rewrite the aggregated table.
 
     ``seeds`` is a count (seeds 0..n-1) or explicit seed numbers, so that seeds can run as separate
     processes or sessions; the table is aggregated from every raw seed file present either way.
-    ``stack_seeds``: a method's missing seeds train together in this process (:func:`run_stacked_seeds`)."""
+    ``stack_seeds``: a method's missing seeds train together in this process (:func:`run_stacked_seeds`);
+    ``stack_variants``: a seed's missing methods train together (the experiment's ``variants_fn``)."""
     if stack_seeds and (exp.runner is not None or exp.run_fn is not None):
         raise ValueError(f"{exp.name} trains with its own procedure: its seeds cannot be stacked (--stack-seeds is "
                          "for experiments whose rows are plain engine runs, e.g. upfl-table1)")
+    if stack_variants and exp.variants_fn is None:
+        raise ValueError(f"{exp.name}'s methods cannot train together (--stack-variants is for experiments whose "
+                         "variants share their round shapes, e.g. upfl-hetero)")
     if exp.runner is not None:  # an experiment with its own protocol (e.g. btgfl)
         return getattr(_runner_module(exp), exp.runner.split(":")[1])(
             exp, datasets, methods, seeds, results_dir, runs_dir, quick, device, mode, progress, data_root, command)
@@ -197,6 +202,16 @@ def run_experiment(exp: Experiment, datasets: list[str], methods: list[str], see
     for dataset, protocol in protocols.items():
         for seed in seed_list(seeds):
             fed = None
+            if stack_variants and exp.variants_fn is not None:
+                missing = [m for m in methods if not raw_path(results_dir, exp.name, dataset, m, seed).exists()]
+                if missing:
+                    fed = build_federated(protocol, seed, data_root)
+                    records = exp.variants_fn(protocol, missing, seed,
+                                              [run_path(runs_dir, exp.name, dataset, m, seed) for m in missing],
+                                              device, mode, progress, data_root, fed)
+                    for method, record in zip(missing, records):
+                        write_record(raw_path(results_dir, exp.name, dataset, method, seed),
+                                     {**record, "command": command})
             for method in methods:
                 out = raw_path(results_dir, exp.name, dataset, method, seed)
                 if out.exists():

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils import _pytree as pytree
 
 from fl_server.algorithms import build_algorithm
 from fl_server.data.federated import make_federated
@@ -65,14 +66,18 @@ def test_stacked_runs_equal_their_solo_runs(subset, tmp_path: Path) -> None:  # 
 
 def test_stacked_convolutions_equal_solo_rounds(subset) -> None:  # type: ignore[no-untyped-def]
     """On a ConvNet the two vmaps fold both runs' clients into one grouped convolution: one round of FedTTA-Prox
-    stepped together equals each run's round alone."""
+    stepped together equals each run's round alone, and returns what each run's run_round returns (the clients'
+    ids and local states before aggregation)."""
     alone = [_sim(subset, seed, None, rounds=1, model="convnet_small") for seed in (0, 1)]
-    for sim in alone:
-        sim.run_round(0)
+    solo_rounds = [sim.run_round(0) for sim in alone]
     together = [_sim(subset, seed, None, rounds=1, model="convnet_small") for seed in (0, 1)]
-    stacked_round(together, 0)
+    stacked_rounds = stacked_round(together, 0)
     for got, want in zip(together, alone):
         _assert_same_state(got, want)
+    for (got_ids, got_states), (want_ids, want_states) in zip(stacked_rounds, solo_rounds):
+        assert np.array_equal(got_ids, want_ids)
+        for a, b in zip(pytree.tree_leaves(got_states), pytree.tree_leaves(want_states)):
+            assert a.shape == b.shape and float((a - b).abs().max()) <= 1e-10
 
 
 def test_runs_resumed_at_different_rounds_are_brought_level(subset, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

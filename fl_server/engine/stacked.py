@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from fl_server.engine.graphs import GraphedLocalSteps
 from fl_server.engine.simulation import RunResult, Simulation, fingerprint_hp, graphable, run_local_steps
-from fl_server.functional import stack, tree_map
+from fl_server.functional import State, stack, tree_map
 
 
 def check_stackable(sims: list[Simulation]) -> None:
@@ -71,12 +72,14 @@ def _round_shape(sim: Simulation) -> tuple[int, int, int, str]:
     return (len(sim.select_clients(0)), sim.cfg.local_iterations, sim.cfg.batch_size, sim.cfg.batch_stream)
 
 
-def stacked_round(sims: list[Simulation], round_: int, graphed: GraphedLocalSteps | None = None) -> None:
+def stacked_round(sims: list[Simulation], round_: int,
+                  graphed: GraphedLocalSteps | None = None) -> list[tuple[np.ndarray, State]]:
     """Round ``round_`` of every run in ``sims``: each run's own client sampling, batches and aggregation, the
-    local steps of all runs computed at once (``graphed``: replayed as one CUDA graph)."""
+    local steps of all runs computed at once (``graphed``: replayed as one CUDA graph). Returns per run what its
+    :meth:`~fl_server.engine.Simulation.run_round` returns: the selected client ids and their local states before
+    aggregation."""
     if len(sims) == 1:
-        sims[0].run_round(round_)
-        return
+        return [sims[0].run_round(round_)]
     lead = sims[0]
     inputs = [sim.round_inputs(round_) for sim in sims]
     states = stack([s for _, s, _ in inputs])
@@ -85,8 +88,10 @@ def stacked_round(sims: list[Simulation], round_: int, graphed: GraphedLocalStep
     out = run_local_steps(lead.algorithm.local_step, states, server, lead.x, lead.y, batches, "vmap",
                           lead.cfg.chunk_size, lead.algorithm.local_step_at, graphed, lead.cfg.batched_conv,
                           seed_axis=True)
-    for k, (sim, (ids, _, _)) in enumerate(zip(sims, inputs)):
-        sim.aggregate(ids, tree_map(lambda t: t[k], out))
+    rounds = [(ids, tree_map(lambda t: t[k], out)) for k, (ids, _, _) in enumerate(inputs)]
+    for sim, (ids, states_k) in zip(sims, rounds):
+        sim.aggregate(ids, states_k)
+    return rounds
 
 
 def run_stacked(sims: list[Simulation], progress: bool | None = None) -> list[RunResult]:

@@ -189,3 +189,34 @@ def test_resume_repeats_the_uninterrupted_run(data_root, tmp_path) -> None:  # t
         assert all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(ValueError, match="different run"):
         resume_hetero(HeteroRun(protocol, fed, 0, lam=1.0, mode="loop"), tmp_path / "b")
+
+
+def test_variants_stacked_equal_their_solo_runs(data_root, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The 'no KD' and lambda=1 variants of one seed trained together (one stacked round per size group) end as
+    their solo runs in float64: the same states, curve and best round, also when one of them resumes from a
+    checkpoint a round ahead (it waits for the other); variants of different seeds are refused."""
+    from lab.hetero import train_hetero, train_hetero_stacked
+    from lab.runner import build_federated
+
+    protocol = dataclasses.replace(_tiny_protocol(), local_iterations=1, batch_size=8, eval_every=1)
+    fed = build_federated(protocol, 0, str(data_root))
+    engine = {"dtype": "float64"}
+    solo = [HeteroRun(protocol, fed, 0, lam=lam, mode="vmap", engine=engine) for lam in (None, 1.0)]
+    solo_progress = [train_hetero(run, protocol, None, progress=False) for run in solo]
+    together = [HeteroRun(protocol, fed, 0, lam=lam, mode="vmap", engine=engine) for lam in (None, 1.0)]
+    ahead = train_hetero(together[1], protocol, tmp_path / "kd", progress=False, until=1)  # checkpointed
+    assert ahead.rounds_done == 1 and (tmp_path / "kd" / "checkpoint.npz").exists()
+    together[1] = HeteroRun(protocol, fed, 0, lam=1.0, mode="vmap", engine=engine)
+    progress = train_hetero_stacked(together, protocol, [tmp_path / "nokd", tmp_path / "kd"], progress=False)
+    for got, want, got_p, want_p in zip(together, solo, progress, solo_progress):
+        assert got_p.best_round == want_p.best_round and got_p.rounds_done == want_p.rounds_done == 2
+        assert [c["val"] for c in got_p.curve] == pytest.approx([c["val"] for c in want_p.curve], abs=1e-9)
+        for name in SIZE_GROUPS:
+            for part in ("params", "phi"):
+                for k, v in want.sims[name].server_state[part].items():
+                    assert float((got.sims[name].server_state[part][k] - v).abs().max()) <= 1e-10, (name, part, k)
+    kd, plain = (run.sims["small"].server_state["params"] for run in together)
+    assert max(float((kd[k] - plain[k]).abs().max()) for k in kd) > 1e-6  # the variants did not copy each other
+    other = HeteroRun(protocol, build_federated(protocol, 1, str(data_root)), 1, lam=0.0, mode="vmap", engine=engine)
+    with pytest.raises(ValueError, match=r"only the variants of one seed train together, got seeds \[0, 1\]"):
+        train_hetero_stacked([together[0], other], protocol, [None, None], progress=False)

@@ -42,3 +42,21 @@ def test_the_cli_stacks_missing_seeds_and_refuses_what_it_cannot(tmp_path: Path,
                for s in (0, 1)]
     assert [r["stacked_seeds"] for r in records] == [[0, 1], [0, 1]]
     assert "--stack-seeds" in records[0]["command"]
+
+
+def test_the_cli_trains_a_seeds_hetero_variants_together(tmp_path: Path, data_root: str,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    """upfl-hetero's lambda variants of one seed in one process: one raw record per variant, each naming the
+    variants it trained with; an experiment whose methods do not share their rounds refuses the flag."""
+    assert main(["bench", "upfl-table1", "--quick", "--stack-variants", "--device", "cpu"]) == 2
+    assert "upfl-table1's methods cannot train together" in capsys.readouterr().err
+    methods = ["HeteroFedTTA (no KD)", "HeteroFedTTA (lambda=1)"]
+    assert main(["bench", "upfl-hetero", "--quick", "--dataset", "fashion_mnist", "--methods", *methods, "--seed", "0",
+                 "--stack-variants", "--device", "cpu", "--no-progress", "--data-dir", str(data_root),
+                 "--results-dir", str(tmp_path / "results"), "--runs-dir", str(tmp_path / "runs")]) == 0
+    records = [json.loads(raw_path(tmp_path / "results", "upfl-hetero", "fashion_mnist", m, 0).read_text())
+               for m in methods]
+    assert [r["stacked_variants"] for r in records] == [methods, methods]
+    assert [r["lambda"] for r in records] == [None, 1.0] and all(r["mode"] == "vmap" for r in records)
+    assert "--stack-variants" in records[0]["command"]
+    assert records[0]["results"] != records[1]["results"]  # each variant's own run
