@@ -11,7 +11,8 @@ the solo ones and training amplifies that, so a stacked run matches its solo run
 not to the bit.
 
 Runs that resume from different rounds are brought level first: the runs furthest behind step alone (or
-together) until they reach the others.
+together) until they reach the others (:func:`level_rounds`, also what lab/hetero.py's stacked lambda variants
+use).
 
 Example::
 
@@ -21,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import time
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -94,6 +96,15 @@ def stacked_round(sims: list[Simulation], round_: int,
     return rounds
 
 
+def level_rounds(at: list[int], ends: list[int]) -> Iterator[tuple[int, list[int]]]:
+    """(round, indices of the runs that step in it) until every run k has reached ``ends[k]``: the runs furthest
+    behind step first, alone or together, so runs resumed at different rounds are brought level. The caller
+    advances ``at`` after each round (and may lower ``ends``, e.g. for a run that diverged)."""
+    while behind := [k for k in range(len(at)) if at[k] < ends[k]]:
+        r = min(at[k] for k in behind)
+        yield r, [k for k in behind if at[k] == r]
+
+
 def run_stacked(sims: list[Simulation], progress: bool | None = None) -> list[RunResult]:
     """Run every simulation of ``sims`` (seeds of one configuration, :func:`check_stackable`) to its end with
     their local steps computed together; returns what each ``sim.run()`` would. A round's training time is shared
@@ -101,27 +112,22 @@ def run_stacked(sims: list[Simulation], progress: bool | None = None) -> list[Ru
     check_stackable(sims)
     lead = sims[0]
     graphed = lead.graphed  # one graph cache for the stacked rounds (its key holds the stacked shapes)
-    opened = [list(sim.begin()) for sim in sims]  # [result, first round, round to stop before] per run
+    opened = [sim.begin() for sim in sims]  # (result, first round, round to stop before) per run
     at = [start for _, start, _ in opened]
-    total = sum(end - start for _, start, end in opened)
+    ends = [end for _, _, end in opened]
     show = lead.cfg.progress if progress is None else progress
     seeds = ", ".join(str(sim.cfg.seed) for sim in sims)
-    with tqdm(total=total, desc=f"{lead.algorithm.name} {lead.fed.dataset.name} seeds {seeds}", disable=not show,
-              dynamic_ncols=True) as bar:
-        while True:
-            behind = [k for k, (_, _, end) in enumerate(opened) if at[k] < end]
-            if not behind:
-                break
-            r = min(at[k] for k in behind)
-            group = [k for k in behind if at[k] == r]  # the runs furthest behind step first
+    with tqdm(total=sum(ends) - sum(at), desc=f"{lead.algorithm.name} {lead.fed.dataset.name} seeds {seeds}",
+              disable=not show, dynamic_ncols=True) as bar:
+        for r, group in level_rounds(at, ends):
             t0 = time.perf_counter()
             stacked_round([sims[k] for k in group], r, graphed)
             share = (time.perf_counter() - t0) / len(group)
             for k in group:
-                sims[k].close_round(r, opened[k][0], share, opened[k][2])
+                sims[k].close_round(r, opened[k][0], share, ends[k])
                 at[k] += 1
                 if opened[k][0].diverged_round is not None:  # a diverged run leaves the group (Simulation.run)
-                    bar.update(opened[k][2] - at[k])
-                    opened[k][2] = at[k]
+                    bar.update(ends[k] - at[k])
+                    ends[k] = at[k]
             bar.update(len(group))
-    return [sim.finish(result, start, end) for sim, (result, start, end) in zip(sims, opened)]
+    return [sim.finish(result, start, end) for sim, (result, start, _), end in zip(sims, opened, ends)]
