@@ -38,7 +38,8 @@ from lab.runner import build_federated, own_simulation
 from fl_server.data.federated import FederatedData
 from fl_server.torch_device import describe
 from fl_server.engine import Simulation
-from fl_server.engine.stacked import check_stackable, stacked_round
+from fl_server.engine.graphs import GraphedLocalSteps
+from fl_server.engine.stacked import check_stackable, level_rounds, stacked_round
 from fl_server.functional import State, tree_map
 from fl_server.rundir import checkpoint_meta, load_state, save_state
 
@@ -82,7 +83,7 @@ class HeteroRun:
 
     def round(self, r: int) -> None:
         """Revisit every group (its FedTTA round), then :meth:`exchange`."""
-        self.exchange({name: sim.run_round(r)[1] for name, sim in self.sims.items()})
+        hetero_round([self], r)
 
     def exchange(self, local_states: dict[str, State]) -> None:
         """After the groups' revisit (``local_states``: per group, its clients' local states before aggregation):
@@ -117,6 +118,16 @@ class HeteroRun:
         ident = {"lambda": self.lam, "digest_steps": self.digest_steps, "public_chunks": list(self.chunks.shape),
                  "groups": {name: sim.fingerprint for name, sim in self.sims.items()}}
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def hetero_round(runs: list[HeteroRun], r: int, graphs: dict[str, GraphedLocalSteps | None] | None = None) -> None:
+    """Round ``r`` of every run in ``runs`` (lambda variants of one seed): each size group's revisit is one stacked
+    round over the runs (:func:`~fl_server.engine.stacked.stacked_round`; a single run's is its plain round), then
+    each run's own :meth:`~HeteroRun.exchange`. ``graphs``: a graph cache per group (default: the first run's)."""
+    graphs = graphs or {name: sim.graphed for name, sim in runs[0].sims.items()}
+    together = {name: stacked_round([run.sims[name] for run in runs], r, graphs[name]) for name in runs[0].sims}
+    for j, run in enumerate(runs):
+        run.exchange({name: rounds[j][1] for name, rounds in together.items()})
 
 
 @dataclass
@@ -156,16 +167,7 @@ def train_hetero(run: HeteroRun, protocol: Protocol, run_dir: Path | None, progr
                  until: int | None = None) -> HeteroProgress:
     """Rounds from the last checkpoint in ``run_dir`` up to ``until`` (default: all), validating every
     ``eval_every`` rounds and checkpointing at each validation round."""
-    state = resume_hetero(run, run_dir)
-    if run_dir is not None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    end = protocol.rounds if until is None else min(until, protocol.rounds)
-    for r in tqdm(range(state.rounds_done, end), initial=state.rounds_done, total=protocol.rounds,
-                  desc=f"lambda={run.lam} {protocol.dataset}", disable=not progress):
-        t0 = time.perf_counter()
-        run.round(r)
-        close_hetero_round(run, state, protocol, run_dir, r, time.perf_counter() - t0)
-    return state
+    return train_hetero_stacked([run], protocol, [run_dir], progress, until)[0]
 
 
 def close_hetero_round(run: HeteroRun, state: HeteroProgress, protocol: Protocol, run_dir: Path | None, r: int,
@@ -190,35 +192,35 @@ def close_hetero_round(run: HeteroRun, state: HeteroProgress, protocol: Protocol
 
 
 def train_hetero_stacked(runs: list[HeteroRun], protocol: Protocol, run_dirs: list[Path | None],
-                         progress: bool = True) -> list[HeteroProgress]:
+                         progress: bool = True, until: int | None = None) -> list[HeteroProgress]:
     """:func:`train_hetero` for the lambda variants of one seed at once: per round and size group, the variants'
-    local steps are one stacked round (:func:`fl_server.engine.stacked.stacked_round`), then each variant
-    exchanges and digests on its own. The variants share the seed, hence each group's clients, sampling, batches
-    and round shapes; each keeps its own states, validation, best states and checkpoints, and equals its solo run
-    in float64 (lab/tests/test_hetero_fedtta.py). Variants resumed at different rounds are brought level first."""
+    local steps are one stacked round, then each variant exchanges and digests on its own (:func:`hetero_round`).
+    The variants share the seed, hence each group's clients, sampling, batches and round shapes; each keeps its own
+    states, validation, best states and checkpoints, and equals its solo run in float64
+    (lab/tests/test_hetero_fedtta.py). Variants resumed at different rounds are brought level first
+    (:func:`~fl_server.engine.stacked.level_rounds`); a round's training time is shared equally by its runs."""
     if len({run.seed for run in runs}) > 1:
         raise ValueError(f"only the variants of one seed train together, got seeds {sorted({r.seed for r in runs})}")
-    for name in runs[0].sims:
-        check_stackable([run.sims[name] for run in runs])
+    if len(runs) > 1:
+        for name in runs[0].sims:
+            check_stackable([run.sims[name] for run in runs])
     states = [resume_hetero(run, run_dir) for run, run_dir in zip(runs, run_dirs)]
     for run_dir in run_dirs:
         if run_dir is not None:
             run_dir.mkdir(parents=True, exist_ok=True)
+    end = protocol.rounds if until is None else min(until, protocol.rounds)
+    at = [state.rounds_done for state in states]
     graphs = {name: sim.graphed for name, sim in runs[0].sims.items()}  # one graph cache per group's shapes
     lambdas = ", ".join(str(run.lam) for run in runs)
-    with tqdm(total=sum(protocol.rounds - s.rounds_done for s in states), disable=not progress,
+    with tqdm(total=sum(max(end - a, 0) for a in at), disable=not progress,
               desc=f"lambda={lambdas} {protocol.dataset} seed {runs[0].seed}") as bar:
-        while behind := [k for k, s in enumerate(states) if s.rounds_done < protocol.rounds]:
-            r = min(states[k].rounds_done for k in behind)
-            group = [k for k in behind if states[k].rounds_done == r]  # the variants furthest behind step first
+        for r, group in level_rounds(at, [end] * len(runs)):
             t0 = time.perf_counter()
-            together = {name: stacked_round([runs[k].sims[name] for k in group], r, graph)
-                        for name, graph in graphs.items()}
-            for j, k in enumerate(group):
-                runs[k].exchange({name: rounds[j][1] for name, rounds in together.items()})
+            hetero_round([runs[k] for k in group], r, graphs)
             share = (time.perf_counter() - t0) / len(group)
             for k in group:
                 close_hetero_round(runs[k], states[k], protocol, run_dirs[k], r, share)
+                at[k] += 1
             bar.update(len(group))
     return states
 
