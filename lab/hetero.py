@@ -2,7 +2,8 @@
 Eq. 14 at several lambda.
 
 The engine steps clients of one architecture, so each size group is its own
-:class:`~fl_server.engine.Simulation` of FedTTA over the group's clients (client sampling, mini-batches,
+:class:`~fl_server.engine.Simulation` of FedTTA (FedTTA++ where the protocol's ``patience`` stops adaptation
+early: it trains as FedTTA) over the group's clients (client sampling, mini-batches,
 vmap/loop, server averaging of psi and phi within the group: unchanged); this module drives the groups
 round by round and adds Algorithm 2's knowledge exchange between them:
   digest (Eq. 14 on D_p toward the consensus) -> revisit (the group's FedTTA round on the clients' own data)
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from fl_server.algorithms.fedtta import FedTTA
 from fl_server.algorithms.hetero_fedtta import (SIZE_GROUPS, assign_sizes, clients_public_logits, digest,
                                                 public_chunks)
 from lab.protocol import Protocol
@@ -73,9 +75,10 @@ class HeteroRun:
         self.lam, self.opt, self.seed = lam, protocol.options, seed
         hp = protocol.method_hp.get("HeteroFedTTA", {})
         self.sims: dict[str, Simulation] = {}
-        for name, group in split_by_size(fed, seed).items():  # each group: the FedTTA recipe of its model size
+        method = FedTTA.family_member(hp)  # the protocol's FedTTA++ early stopping makes the groups FedTTA++
+        for name, group in split_by_size(fed, seed).items():  # each group: that method's recipe at its model size
             arch, width = SIZE_GROUPS[name]
-            self.sims[name] = own_simulation(protocol, "FedTTA", seed, None, group, device, mode, False, data_root,
+            self.sims[name] = own_simulation(protocol, method, seed, None, group, device, mode, False, data_root,
                                              engine=engine, model=arch, hyper={**hp, "adapt_width": width})
         first = next(iter(self.sims.values()))
         self.chunks = public_chunks(first.x[torch.from_numpy(fed.public)], self.opt.get("public_batch", 64))

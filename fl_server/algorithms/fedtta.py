@@ -74,10 +74,21 @@ class FedTTA(Algorithm):
         return {key: broadcast(server_state[key], len(ids)) for key in ("params", "phi")}
 
     @classmethod
-    def identity_warning(cls, hyper: dict[str, Any]) -> str | None:
-        """FedTTA, FedTTA-Prox and FedTTA++ differ only in ``mu`` and ``patience``: the method those values make."""
+    def family_member(cls, hyper: dict[str, Any]) -> str:
+        """The method of the family that ``hyper`` makes: FedTTA, FedTTA-Prox and FedTTA++ differ only in ``mu``
+        and ``patience`` (FedTTA: mu=0, patience=0; FedTTA-Prox: mu>0, patience=0; FedTTA++: patience>=1).
+
+        >>> FedTTA.family_member({"patience": 5})
+        'FedTTA++'
+        """
         hp = cls.Config(**{k: v for k, v in hyper.items() if k in cls.Config.__dataclass_fields__})
-        made = "FedTTA++" if hp.patience >= 1 else "FedTTA-Prox" if hp.mu > 0 else "FedTTA"
+        return "FedTTA++" if hp.patience >= 1 else "FedTTA-Prox" if hp.mu > 0 else "FedTTA"
+
+    @classmethod
+    def identity_warning(cls, hyper: dict[str, Any]) -> str | None:
+        """One line when ``hyper`` makes another method of the family (:meth:`family_member`)."""
+        hp = cls.Config(**{k: v for k, v in hyper.items() if k in cls.Config.__dataclass_fields__})
+        made = cls.family_member(hyper)
         if made == cls.name:
             return None
         return (f"{cls.name} with mu={hp.mu} and patience={hp.patience} runs {made} (FedTTA: mu=0, patience=0; "

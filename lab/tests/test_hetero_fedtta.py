@@ -134,6 +134,23 @@ def test_without_knowledge_exchange_each_group_is_plain_fedtta(data_root) -> Non
                 assert torch.allclose(got[part][k], v, atol=1e-6), (name, part, k)
 
 
+def test_groups_run_the_method_their_hyper_makes(data_root) -> None:
+    """The protocol's early stopping (patience 5) makes every group FedTTA++, named so: no RecipeWarning."""
+    import warnings
+
+    from fl_server.recipes.errors import RecipeWarning
+    from lab.runner import build_federated
+
+    paper_hp = EXPERIMENTS["upfl-hetero"].protocols["fashion_mnist"].method_hp
+    protocol = dataclasses.replace(_tiny_protocol(), method_hp=paper_hp)
+    fed = build_federated(protocol, 0, str(data_root))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RecipeWarning)
+        run = HeteroRun(protocol, fed, 0, lam=0.1, mode="loop")
+    assert {sim.algorithm.name for sim in run.sims.values()} == {"FedTTA++"}
+    assert {sim.algorithm.hp.patience for sim in run.sims.values()} == {5}
+
+
 def test_knowledge_exchange_changes_the_groups(data_root) -> None:
     from lab.runner import build_federated
 
