@@ -36,7 +36,7 @@ from edge_sdk._fedthe import fedthe_predict
 from fl_server.algorithms.btfl import BTFL, ClientArtifacts
 from lab.protocol import Experiment, Protocol
 from lab.rows import write_atomic
-from lab.runner import own_simulation, raw_path, seed_list
+from lab.runner import chance_seeds, own_simulation, raw_path, seed_list
 from fl_server.data import load_dataset, partitions
 from fl_server.data.corruptions import CORRUPTIONS, corrupt
 from fl_server.data.datasets import ArrayDataset
@@ -250,6 +250,8 @@ def aggregate(exp: Experiment, results_dir: Path, command: str = "") -> list[dic
                     "wall_s": round(float(np.mean([r["wall_s"] for r in records])), 1),
                     "rounds": records[0]["rounds"], "note": records[0].get("protocol_note", ""),
                     "command": records[0].get("command") or command,
+                    **({"chance_seeds": low} if (low := chance_seeds(records, exp.protocols[dataset].dataset,
+                                                                     "val_global")) else {}),
                 })
     out = results_dir / f"{exp.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

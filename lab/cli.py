@@ -33,6 +33,7 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     from lab.experiments import get_experiment
     from lab.report import split_label, write_report
     from lab.runner import run_experiment
+    from lab.summary import seed_marks
 
     if args.experiment == "list":
         from lab.experiments import EXPERIMENTS
@@ -53,7 +54,7 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     for r in (r for r in rows if r["dataset"] in datasets and r["method"] in methods):  # the table holds every row
         paper = "" if r["paper"] is None else f" (paper {r['paper']:.2f})"
         print(f"{r['dataset']:>14} {r['method']:>10} {split_label(r):>4}: {r['mean']:.2f} +- {r['std']:.2f} "
-              f"over {r['seeds']} seed(s){paper}")
+              f"over {r['seeds']} seed(s){paper}{seed_marks(r)}")
     if results == Path("docs/results"):
         print(f"wrote {write_report(Path('docs'))}")
     return 0

@@ -17,6 +17,8 @@ from fl_server.algorithms import ALGORITHMS
 from lab.protocol import Experiment, Protocol, protocol_recipe
 from lab.rows import invocation, write_atomic
 from fl_server.data import load_dataset
+from fl_server.data.datasets import NUM_CLASSES
+from fl_server.diagnostics import CHANCE_MARGIN
 from fl_server.data.federated import (FederatedData, hold_out_validation_clients, make_federated,
                                      random_subset, rotation_concept_shift)
 from fl_server.torch_device import describe
@@ -286,11 +288,21 @@ def aggregate(exp: Experiment, results_dir: Path, command: str = "") -> list[dic
                     # seeds whose training diverged (weights not finite): a diverged run's numbers
                     **({"diverged_seeds": bad} if (bad := [r["seed"] for r in records if r.get("warning")
                                                            or r.get("diverged_round") is not None]) else {}),
+                    **({"chance_seeds": low} if (low := chance_seeds(records, exp.protocols[dataset].dataset))
+                       else {}),
                 })
     out = results_dir / f"{exp.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, json.dumps(rows, indent=1) + "\n")
     return rows
+
+
+def chance_seeds(records: list[dict], dataset: str, key: str = "val") -> list[int]:
+    """The seeds whose training collapsed with finite weights: the training clients' validation accuracy
+    (``key``, in percent) at chance (at most 1/C + 5 points, the product's rule,
+    :func:`fl_server.diagnostics.collapse_warning`). Judged on validation, never on the new clients' test."""
+    ceiling = 100 * (1 / NUM_CLASSES[dataset] + CHANCE_MARGIN)
+    return [r["seed"] for r in records if r.get(key) is not None and r[key] <= ceiling]
 
 
 def _groups(records: list[dict]) -> list[tuple[dict[str, Any], list[float]]]:

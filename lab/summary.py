@@ -87,12 +87,19 @@ def table_command(experiment: str, rows: list[Row]) -> str:
 
 
 def _cell(r: Row) -> str:
-    """mean +- std (one seed: the value alone), then the paper's number and the seeds that diverged."""
+    """mean +- std (one seed: the value alone), then the paper's number and the seeds that diverged (weights not
+    finite) or trained to chance on validation."""
     paper = "" if r.get("paper") is None else f" (paper {r['paper']:.2f})"
     spread = f" +- {r['std']:.2f}" if r["seeds"] > 1 else ""
-    diverged = r.get("diverged_seeds")
-    bad = f" (diverged: seed {', '.join(map(str, diverged))})" if diverged else ""
-    return f"{r['mean']:.2f}{spread}{paper}{bad}"
+    return f"{r['mean']:.2f}{spread}{paper}{seed_marks(r)}"
+
+
+def seed_marks(r: Row) -> str:
+    """" (diverged: seed 0) (at chance: seed 1)": the row's seeds whose weights went non-finite or whose training
+    collapsed to chance on validation (the aggregate's ``diverged_seeds``, ``chance_seeds``); "" when none."""
+    return "".join(f" ({label}: seed {', '.join(map(str, seeds))})"
+                   for label, seeds in (("diverged", r.get("diverged_seeds")), ("at chance", r.get("chance_seeds")))
+                   if seeds)
 
 
 def _joined(values: Iterable[Any], sep: str = "/") -> str:

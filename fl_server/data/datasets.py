@@ -59,6 +59,7 @@ __all__ = [
 ]
 
 DATASETS: tuple[str, ...] = ("digits", "mnist", "fashion_mnist", "cifar10")
+NUM_CLASSES: dict[str, int] = {name: 10 for name in DATASETS}  # each built-in data set has ten classes
 SPLITS: tuple[str, ...] = ("train", "test", "all")
 DATA_DIR_ENV = "FL_DATA_DIR"
 DEFAULT_DATA_DIR = Path("~/.cache/fl-edge/data")

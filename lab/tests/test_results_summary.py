@@ -100,3 +100,25 @@ def test_a_seed_whose_record_says_it_diverged_is_named_by_its_rows(tmp_path: Pat
     rows = aggregate(get_experiment("odpfl-dp"), tmp_path)
     assert {tuple(r.get("diverged_seeds", ())) for r in rows if r["method"] == "ODPFL-HN"} == {(0,)}
     assert all("diverged_seeds" not in r for r in rows if r["method"] == "FedAvg")
+
+
+def test_a_seed_that_trained_to_chance_is_named_by_its_rows(tmp_path: Path) -> None:
+    """odpfl-dirichlet-noise's seed 1 collapsed with finite weights (validation 14.3% on ten classes): the
+    aggregate names it on its method's rows, the table's cells say so, and a seed just above chance is not
+    named."""
+    import shutil
+
+    from lab.experiments import get_experiment
+    from lab.runner import aggregate
+
+    raw = tmp_path / "raw" / "odpfl-dirichlet-noise"
+    shutil.copytree(RESULTS / "raw" / "odpfl-dirichlet-noise", raw)
+    rows = aggregate(get_experiment("odpfl-dirichlet-noise"), tmp_path)
+    hn = [r for r in rows if r["method"] == "ODPFL-HN"]
+    assert hn and {tuple(r.get("chance_seeds", ())) for r in hn} == {(1,)}
+    assert all("chance_seeds" not in r for r in rows if r["method"] != "ODPFL-HN")
+    line = next(ln for ln in summary_section("odpfl-dirichlet-noise", rows).splitlines() if "| ODPFL-HN |" in ln)
+    assert "(at chance: seed 1)" in line
+    seed1 = raw / "fashion_mnist-a1" / "ODPFL-HN" / "seed1.json"
+    seed1.write_text(json.dumps({**json.loads(seed1.read_text()), "val": 15.01}))  # chance 10% + 5 points
+    assert all("chance_seeds" not in r for r in aggregate(get_experiment("odpfl-dirichlet-noise"), tmp_path))
