@@ -13,9 +13,11 @@
 #  4. rows until BUDGET_S seconds after the start, LANES at a time (default 1: a row alone has the GPU). A row cut
 #     off leaves its checkpoint: ckpt-<run>.tgz holds what resuming needs of its run folder
 #     (lab/research/lease_checkpoints.py: 6 MB when the best round is the checkpoint's, else 12 MB; split into
-#     ckpt-<run>.tgz.partNN where it exceeds what a lease returns per file, `cat` them back). Put the archives of an
-#     earlier lease into .gpu_ckpt/ (carried) and the rows resume from them (the convolution path is not part of a
-#     run's identity). Finished rows send their best states back (best-states.tgz[.partNN]) for the CPU probes.
+#     ckpt-<run>.tgz.partNN where it exceeds what a lease returns per file). `lease_checkpoints.py keep` joins them
+#     into lab/research/lease-checkpoints/ (tracked: commit it with the results, as the machine is gone after the
+#     lease); the next call carries them with the tree and the rows resume from them (the convolution path is not
+#     part of a run's identity). Finished rows send their best states back (best-states.tgz[.partNN]) for the CPU
+#     probes.
 # ROWS_FILE, DEVICE and EXTRA_ARGS (more `python -m lab bench` flags) serve the CPU dry run at smoke size
 # (lab/tests/test_gpu_session_dry_run.py).
 # Everything lands in $OUT: log.txt, gpu-engine.json, rows.tgz (logs, results, metrics), ckpt-*.tgz[.partNN],
@@ -23,10 +25,11 @@
 # with up to 50 adaptation steps), 16-20 s for a row's upfl-data-size step.
 #
 #   bash lab/research/lease_carry.sh prepare --tests   # here, first: .gpu_data, docs/results aside (64 MiB carried)
-#   bash lab/research/gpu_engine_session.sh              # the call, carry [".gpu_data", ".gpu_ckpt"]
+#   bash lab/research/gpu_engine_session.sh              # the call, carry [".gpu_data"]
 #   bash lab/research/lease_carry.sh restore             # here, after
 # Merge here (DIR: the call's files_at): python lab/research/merge_device_results.py DIR/rows.tgz for finished
-# rows; the benchmark rows with lab.rows.merge_rows into docs/benchmarks/gpu-engine.json.
+# rows and the checkpoints (lease_checkpoints.py keep DIR); the benchmark rows with lab.rows.merge_rows into
+# docs/benchmarks/gpu-engine.json. Commit all of it at once.
 set -uo pipefail
 O=${OUT:-$PWD/runs/device-out}
 mkdir -p "$O"
@@ -61,7 +64,7 @@ say "rows take batched_conv=$FL_BATCHED_CONV"
 
 Q=${QUEUE_DIR:-$PWD/runs/device-rows}
 mkdir -p "$Q"/{logs,results,runs}
-for a in "${CKPT_DIR:-$PWD/.gpu_ckpt}"/ckpt-*.tgz; do [ -e "$a" ] && tar xzf "$a" -C "$Q/runs" && say "resumes $a"; done
+for a in "${CKPT_DIR:-$PWD/lab/research/lease-checkpoints}"/ckpt-*.tgz; do [ -e "$a" ] && tar xzf "$a" -C "$Q/runs" && say "resumes $a"; done
 python3 lab/research/lease_checkpoints.py restore "$Q/runs" >> "$LOG" 2>&1 || say "restore exit $?"
 run_row() {  # one row of device_rows.tsv (both its steps), cut off at the deadline
     local name=$1 line cmd left

@@ -13,6 +13,12 @@ not improve again still has its best.npz.
     python lab/research/lease_checkpoints.py pack RUNS REL OUT.tgz   # a cut-off run folder RUNS/REL, slim
     python lab/research/lease_checkpoints.py restore RUNS           # after unpacking: best files put back
     python lab/research/lease_checkpoints.py bests RUNS RESULTS OUT.tgz  # finished rows' best.npz (probes)
+    python lab/research/lease_checkpoints.py keep DIR                # a lease's ckpt-*.tgz[.partNN] -> STORE
+
+A lease's machine and its files are gone with the lease, and so is this machine's ignored folder by the next
+session: ``keep`` joins a call's checkpoint archives into :data:`STORE`, a tracked folder committed with the call's
+results, which the next call carries as part of the tree (gpu_engine_session.sh resumes from it) and drops every
+archive whose run has its raw result in docs/results.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from fl_server.rundir import (BEST, BEST_AT_CHECKPOINT, CHECKPOINT, CHECKPOINT_J
                               METRICS, RUN)
 
 RUN_FILES = (METRICS, CHECKPOINT_JSON, RUN, CHECKPOINT)
+STORE = Path("lab/research/lease-checkpoints")  # from the repository's root
 
 
 def read_npz(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any] | None]:
@@ -112,6 +119,33 @@ def bests(runs: Path, results: Path, out: Path) -> list[str]:
     return members
 
 
+def archive_run(archive: Path) -> str:
+    """The run folder an archive of :func:`pack` holds: <experiment>/<dataset>/<method>/seedK."""
+    with tarfile.open(archive) as tar:
+        runs = {str(Path(name).parent) for name in tar.getnames() if Path(name).name == CHECKPOINT}
+    if len(runs) != 1 or ".." in Path(next(iter(runs))).parts:
+        raise ValueError(f"{archive}: not one run folder's checkpoint archive ({sorted(runs)})")
+    return runs.pop()
+
+
+def keep(lease: Path, store: Path, results: Path) -> tuple[list[str], list[str]]:
+    """Join ``lease``'s ckpt-*.tgz (and split ckpt-*.tgz.partNN) into ``store``, replacing an older archive of the
+    same run, then drop the store's archives whose run has a raw result in ``results``; returns (kept, dropped)."""
+    kept = []
+    for name in sorted({p.name.split(".tgz")[0] + ".tgz" for p in lease.glob("ckpt-*.tgz*")}):
+        store.mkdir(parents=True, exist_ok=True)
+        parts = [lease / name] if (lease / name).exists() else sorted(lease.glob(f"{name}.part*"))
+        (store / name).write_bytes(b"".join(p.read_bytes() for p in parts))
+        archive_run(store / name)  # refuses what is not one run's checkpoint
+        kept.append(name)
+    dropped = []
+    for archive in sorted(store.glob("ckpt-*.tgz")):
+        if (results / "raw" / archive_run(archive)).with_suffix(".json").exists():
+            archive.unlink()
+            dropped.append(archive.name)
+    return kept, dropped
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
@@ -125,8 +159,15 @@ def main() -> None:
     b.add_argument("runs", type=Path)
     b.add_argument("results", type=Path)
     b.add_argument("out", type=Path)
+    k = sub.add_parser("keep")
+    k.add_argument("lease", type=Path, help="a lease's files (its files_at)")
+    k.add_argument("--store", type=Path, default=STORE)
+    k.add_argument("--results", type=Path, default=Path("docs/results"))
     args = ap.parse_args()
-    if args.what == "pack":
+    if args.what == "keep":
+        kept, dropped = keep(args.lease, args.store, args.results)
+        print(f"kept {', '.join(kept) or 'nothing'}; dropped (row finished) {', '.join(dropped) or 'nothing'}")
+    elif args.what == "pack":
         print(f"{args.out.name}: {', '.join(pack(args.runs, args.rel, args.out))}")
     elif args.what == "restore":
         for run in restore(args.runs):

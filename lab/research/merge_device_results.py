@@ -4,6 +4,9 @@ table command covers every method), records already present are kept, the touche
 re-aggregated and docs/RESULTS.md is rewritten.
 
     python lab/research/merge_device_results.py DIR/results.tgz [--docs docs]
+
+The archive's folder (a lease's files) may hold checkpoints of rows cut off (ckpt-*.tgz[.partNN]): they are kept
+for the next lease (``lab/research/lease_checkpoints.py keep``), and the kept ones of rows now merged are dropped.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: lab/ is not installed
 from lab.experiments import get_experiment  # noqa: E402
 from lab.report import write_report  # noqa: E402
+from lab.research.lease_checkpoints import STORE, keep  # noqa: E402
 from lab.rows import write_atomic  # noqa: E402
 from lab.runner import aggregate_experiment  # noqa: E402
 
@@ -42,6 +46,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("archive")
     ap.add_argument("--docs", default="docs")
+    ap.add_argument("--store", type=Path, default=STORE, help="where the lease's checkpoints are kept")
     args = ap.parse_args()
     results = Path(args.docs) / "results"
     touched: set[str] = set()
@@ -65,6 +70,9 @@ def main() -> None:
     for name in sorted(touched):
         aggregate_experiment(get_experiment(name), results)
     print(f"re-aggregated {', '.join(sorted(touched)) or 'nothing'}; wrote {write_report(Path(args.docs))}")
+    kept, dropped = keep(Path(args.archive).parent, args.store, results)
+    print(f"checkpoints kept in {args.store}: {', '.join(kept) or 'none'}; dropped (row finished): "
+          f"{', '.join(dropped) or 'none'}")
 
 
 if __name__ == "__main__":

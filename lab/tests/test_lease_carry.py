@@ -13,7 +13,7 @@ def _repo(tmp_path: Path, data_bytes: int) -> tuple[Path, dict[str, str]]:
     repo, data = tmp_path / "repo", tmp_path / "data"
     (repo / "docs" / "results").mkdir(parents=True)
     (repo / "docs" / "results" / "table.json").write_text("[]")
-    (repo / ".gitignore").write_text(".gpu_data/\n.gpu_ckpt/\n")
+    (repo / ".gitignore").write_text(".gpu_data/\n")
     for name in ("fashion-mnist", "mnist"):
         (data / name).mkdir(parents=True)
         (data / name / "images.gz").write_bytes(b"\0" * data_bytes)

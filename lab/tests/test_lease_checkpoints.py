@@ -120,3 +120,34 @@ def test_restore_leaves_a_folder_whose_best_is_older_than_its_checkpoint(tmp_pat
              **{lease.META_KEY: np.frombuffer(json.dumps(ckpt_meta).encode(), dtype=np.uint8)})
     assert lease.restore(tmp_path) == []
     assert not (run / "best.ckpt.npz").exists()
+
+
+def test_keep_joins_a_leases_archives_and_drops_those_of_finished_rows(tmp_path: Path) -> None:
+    """A lease's checkpoint archives (one split into parts, as the call splits what exceeds a returned file) land
+    joined in the store; once a row's raw result is merged its archive is dropped; an archive that is not one run
+    folder's checkpoint is refused."""
+    other = "upfl-table1/digits/FedTTA/seed1"
+    calls, store, results = tmp_path / "call", tmp_path / "store", tmp_path / "results"
+    calls.mkdir()
+    for rel, name in ((REL, "ckpt-a.tgz"), (other, "ckpt-b.tgz")):
+        (tmp_path / rel).mkdir(parents=True)
+        (tmp_path / rel / "checkpoint.npz").write_bytes(np.random.default_rng(0).bytes(50_000))
+        with tarfile.open(calls / name, "w:gz") as tar:
+            tar.add(tmp_path / rel / "checkpoint.npz", arcname=f"{rel}/checkpoint.npz")
+    whole = (calls / "ckpt-b.tgz").read_bytes()
+    (calls / "ckpt-b.tgz").unlink()
+    (calls / "ckpt-b.tgz.part00").write_bytes(whole[:20_000])
+    (calls / "ckpt-b.tgz.part01").write_bytes(whole[20_000:])
+    assert lease.keep(calls, store, results) == (["ckpt-a.tgz", "ckpt-b.tgz"], [])
+    assert (store / "ckpt-b.tgz").read_bytes() == whole and lease.archive_run(store / "ckpt-b.tgz") == other
+
+    (results / "raw" / REL).parent.mkdir(parents=True)
+    (results / "raw" / f"{REL}.json").write_text("{}")
+    assert lease.keep(tmp_path / "nothing", store, results) == ([], ["ckpt-a.tgz"])
+    assert sorted(p.name for p in store.iterdir()) == ["ckpt-b.tgz"]
+
+    with tarfile.open(calls / "ckpt-c.tgz", "w:gz") as tar:
+        for rel in (REL, other):
+            tar.add(tmp_path / rel / "checkpoint.npz", arcname=f"{rel}/checkpoint.npz")
+    with pytest.raises(ValueError, match="not one run folder's checkpoint archive"):
+        lease.keep(calls, store, results)
