@@ -70,7 +70,9 @@ run_row() {  # one row of device_rows.tsv (both its steps), cut off at the deadl
     local name=$1 line cmd left
     line=$(grep -P "^$name\t" "${ROWS_FILE:-lab/research/device_rows.tsv}") || { say "no row $name"; return 1; }
     cmd=${line#*$'\t'}
-    for step in "${cmd%%&&*}" "${cmd#*&&}"; do
+    local steps=("${cmd%%&&*}")  # one step, or two joined by &&
+    [[ "$cmd" != *"&&"* ]] || steps+=("${cmd#*&&}")
+    for step in "${steps[@]}"; do
         eval "set -- $step"
         left=$(( deadline - $(date +%s) ))
         [ "$left" -gt 20 ] || { say "no time left for $name"; return 1; }

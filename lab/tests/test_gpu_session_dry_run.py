@@ -28,6 +28,7 @@ def _session(tmp_path: Path, data_root: Path, rows: str, budget_s: int, extra: s
 def test_a_stacked_row_trains_and_comes_back_packed(tmp_path: Path, data_root: Path) -> None:
     out, log = _session(tmp_path, data_root, f"dry\t{STACKED}\n", 300, "--quick --mode vmap")
     assert "row dry done" in log and log.rstrip().endswith("done"), log
+    assert log.count("row dry: bench") == 1, log  # a row without && is one step, run once
     with tarfile.open(out / "rows.tgz") as tar:
         names = tar.getnames()
     for seed in (1, 2):
