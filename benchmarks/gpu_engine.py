@@ -1,8 +1,10 @@
-"""The engine's vmapped round in four variants, side by side in one run: ``eager`` (today's default path without
+"""The engine's vmapped round in five variants, side by side in one run: ``eager`` (today's default path without
 CUDA graphs: every kernel launched from Python, vmap's grouped convolutions), ``graphed`` (the round replayed as one
 CUDA graph, ``RunConfig(cuda_graphs=True)``), ``gemm_graphed`` (graphed, with the clients' convolutions as
-unfold plus one batched matrix product, ``RunConfig(batched_conv="gemm")``) and ``graphed_stacked`` (graphed, the
-rounds of ``--stack`` seeds stepped together as one round over all their clients,
+unfold plus one batched matrix product, ``RunConfig(batched_conv="gemm")``), ``bf16_graphed`` (graphed, the
+clients' convolutions in bfloat16, ``RunConfig(batched_conv="bf16")``: other arithmetic, so its float64
+difference is bf16's rounding, not a parity check, and the lease script never picks it for rows) and
+``graphed_stacked`` (graphed, the rounds of ``--stack`` seeds stepped together as one round over all their clients,
 :mod:`fl_server.engine.stacked`: what ``python -m lab bench ... --stack-seeds`` runs). On a GPU: the UPFL Table-1
 Fashion-MNIST round (ConvNet, 50 clients x 20 second-order meta-steps of batch 64) of FedTTA and FedTTA++; on the
 CPU, where graphs do not apply, the MNIST MLP FedTTA round.
@@ -48,6 +50,7 @@ from lab.runner import build_federated, build_simulation  # noqa: E402
 VARIANTS = {"eager": {"cuda_graphs": False, "batched_conv": "native"},  # explicit: not $FL_BATCHED_CONV's default
             "graphed": {"cuda_graphs": True, "batched_conv": "native"},
             "gemm_graphed": {"cuda_graphs": True, "batched_conv": "gemm"},
+            "bf16_graphed": {"cuda_graphs": True, "batched_conv": "bf16"},
             "graphed_stacked": {"cuda_graphs": True, "batched_conv": "native"}}  # with --stack seeds
 
 

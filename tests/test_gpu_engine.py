@@ -1,5 +1,6 @@
 """The engine's fast paths for vmapped rounds: CUDA-graph replay of the local steps (fl_server/engine/graphs.py) and
-convolutions as unfold plus a batched matrix product (fl_server/engine/gemm_conv.py). On a GPU the graphed rounds
+convolutions as unfold plus a batched matrix product (fl_server/engine/gemm_conv.py) or in bfloat16
+(fl_server/engine/bf16_conv.py). On a GPU the graphed rounds
 equal the eager ones in float64; elsewhere the engine takes the eager path and the graph runner passes rounds
 through. The GEMM convolution equals torch's, also under vmap and second-order gradients."""
 from __future__ import annotations
@@ -90,6 +91,28 @@ def test_gemm_convolution_engine_round_equals_native(small_fed) -> None:  # type
     assert sum(calls) == 2  # the ConvNet's two convolutions went through the GEMM form
 
 
+def test_bf16_convolutions_round_the_update_and_are_part_of_the_runs_identity(small_fed) -> None:  # type: ignore[no-untyped-def]
+    """FedTTA's second-order round on the ConvNet with the clients' convolutions in bfloat16: every tensor's update
+    is the native round's up to bf16 rounding (within a quarter of the update's size; measured: at most a tenth),
+    not equal to it (the path is taken), and a bf16 run does not resume a float32 run's checkpoint."""
+    native, bf16 = (_sim(small_fed, "FedTTA", "convnet_small", "cpu", False, conv, steps=1, batch=4, lr=0.05,
+                         inner_lr=0.1) for conv in ("native", "bf16"))
+    start = {key: {n: t.clone() for n, t in native.server_state[key].items()} for key in ("params", "phi")}
+    native.run_round(0)
+    bf16.run_round(0)
+    diffs = []
+    for key in ("params", "phi"):
+        for name, ref in native.server_state[key].items():
+            got = bf16.server_state[key][name]
+            assert got.dtype == torch.float64 and bool(torch.isfinite(got).all())
+            diff, step = float((got - ref).abs().max()), float((ref - start[key][name]).abs().max())
+            assert diff <= 0.25 * step, (key, name, diff, step)
+            diffs.append(diff)
+    assert max(diffs) > 1e-7
+    assert bf16.cfg.identity()["batched_conv"] == "bf16" and "batched_conv" not in native.cfg.identity()
+    assert bf16.fingerprint != native.fingerprint
+
+
 def test_batched_conv_default_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FL_BATCHED_CONV", raising=False)
     assert RunConfig().batched_conv == "native"
@@ -117,7 +140,7 @@ def test_gemm_matrix_products_take_the_convolutions_precision() -> None:
 
 def test_unknown_batched_conv_is_refused(small_fed) -> None:  # type: ignore[no-untyped-def]
     sim = _sim(small_fed, "FedAvg", "mlp", "cpu", False, "winograd")
-    with pytest.raises(ValueError, match="unknown batched_conv 'winograd'; use 'native' or 'gemm'"):
+    with pytest.raises(ValueError, match="unknown batched_conv 'winograd'; use 'native', 'gemm', 'bf16'"):
         sim.run_round(0)
 
 
@@ -126,12 +149,14 @@ def test_unknown_batched_conv_is_refused(small_fed) -> None:  # type: ignore[no-
     ("FedTTA-Prox", "mlp", "native", {"mu": 0.1}),
     ("FedTTA", "convnet", "native", {"lr": 0.05, "inner_lr": 0.1}),
     ("FedTTA", "convnet", "gemm", {"lr": 0.05, "inner_lr": 0.1}),
+    ("FedTTA", "convnet", "bf16", {"lr": 0.05, "inner_lr": 0.1}),
     ("FedAvg", "convnet", "native", {"lr": 0.1})])
 def test_graphed_rounds_equal_eager_rounds_on_cuda(small_fed, method: str, model: str, conv: str, hp: dict) -> None:  # type: ignore[no-untyped-def]
-    """Three rounds (the first records the graph, the next two replay it) equal the eager engine's in float64."""
+    """Three rounds (the first records the graph, the next two replay it) equal the eager engine's in float64 (the
+    native eager round; a bf16 graph, which rounds otherwise, the eager bf16 round)."""
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
-    eager = _sim(small_fed, method, model, "cuda", False, **hp)
+    eager = _sim(small_fed, method, model, "cuda", False, "bf16" if conv == "bf16" else "native", **hp)
     graphed = _sim(small_fed, method, model, "cuda", True, conv, **hp)
     assert eager.graphed is None and graphed.graphed is not None
     for r in range(3):

@@ -28,6 +28,7 @@ from fl_server.atomic import atomic_link, atomic_write_json, atomic_write_text
 from fl_server.data.federated import FederatedData
 from fl_server.diagnostics import NONFINITE_FIX, describe_nonfinite, nonfinite_weights
 from fl_server.torch_device import pick_device
+from fl_server.engine.bf16_conv import Bf16Conv
 from fl_server.engine.gemm_conv import GemmConv
 from fl_server.engine.graphs import GraphedLocalSteps, vmapped_round
 from fl_server.functional import State, make_forward, stack, tree_map, unstack
@@ -39,6 +40,10 @@ from fl_server.rundir import (BEST, BEST_AT_CHECKPOINT, CHECKPOINT, CHECKPOINT_J
                               checkpoint_meta, complete_rows, load_state, save_state, write_device, write_run)
 
 RNG_SAMPLE, RNG_BATCHES, RNG_EVAL = 0, 1, 2  # rng purposes
+
+
+# RunConfig.batched_conv -> the context a vmapped round's local steps run in
+CONV_PATHS: dict[str, Callable[[], Any]] = {"native": contextlib.nullcontext, "gemm": GemmConv, "bf16": Bf16Conv}
 
 
 @dataclass
@@ -76,8 +81,9 @@ class RunConfig:
     cuda_graphs: bool = True
     # how a vmapped round computes its clients' convolutions: "native" (vmap's grouped convolution) or "gemm"
     # (patch extraction plus one batched matrix product, fl_server/engine/gemm_conv.py); equal up to rounding, so
-    # not part of the run's identity either. The default comes from $FL_BATCHED_CONV (else "native"): how the
-    # harness's commands (`fl-server bench`, `train`) are switched to the faster path on a given GPU.
+    # not part of the run's identity either. "bf16" (fl_server/engine/bf16_conv.py) computes them in bfloat16:
+    # other arithmetic, so it is part of the identity. The default comes from $FL_BATCHED_CONV (else "native"):
+    # how the harness's commands (`fl-server bench`, `train`) are switched to the faster path on a given GPU.
     batched_conv: str = field(default_factory=lambda: os.environ.get("FL_BATCHED_CONV", "native"))
     # evaluate new (and validation) clients as a device does: after personalisation, the method's declared
     # safeguard rule (``Algorithm.safeguard``) may keep the received model. False: the method as its paper
@@ -91,6 +97,8 @@ class RunConfig:
         out = {k: getattr(self, k) for k in keep}
         if self.batch_stream != "shared":
             out["batch_stream"] = self.batch_stream
+        if self.batched_conv == "bf16":  # changes the arithmetic, not only its rounding
+            out["batched_conv"] = self.batched_conv
         return out
 
 
@@ -152,14 +160,15 @@ def run_local_steps(step_fn: StepFn, states: State, server_state: State, x: torc
     ``step_fn``, or ``step_at(t)`` at iteration t when given (``Algorithm.local_step_at``). ``graphed``: in vmap
     mode, replay the round as a CUDA graph (:class:`~fl_server.engine.graphs.GraphedLocalSteps`); ``batched_conv``:
     "gemm" computes the vmapped convolutions as unfold plus a batched matrix product
-    (:class:`~fl_server.engine.gemm_conv.GemmConv`); ``seed_axis``: several runs at once, vmap mode only
+    (:class:`~fl_server.engine.gemm_conv.GemmConv`), "bf16" in bfloat16
+    (:class:`~fl_server.engine.bf16_conv.Bf16Conv`); ``seed_axis``: several runs at once, vmap mode only
     (:func:`~fl_server.engine.graphs.vmapped_round`)."""
     at = step_at or (lambda t: step_fn)
     if mode == "vmap":
-        if batched_conv not in ("native", "gemm"):
-            raise ValueError(f"unknown batched_conv {batched_conv!r}; use 'native' or 'gemm'")
+        if batched_conv not in CONV_PATHS:
+            raise ValueError(f"unknown batched_conv {batched_conv!r}; use {', '.join(map(repr, CONV_PATHS))}")
         steps = tuple(at(t) for t in range(batches.shape[-2]))
-        with GemmConv() if batched_conv == "gemm" else contextlib.nullcontext():
+        with CONV_PATHS[batched_conv]():
             if graphed is not None:
                 return graphed(steps, states, server_state, x, y, batches, chunk_size, seed_axis)
             return vmapped_round(steps, states, server_state, x, y, batches, chunk_size, seed_axis)
