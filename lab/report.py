@@ -122,7 +122,9 @@ def experiment_section(name: str, rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-_BENCH_SKIP = {"benchmark", "what", "method", "variant", "metric", "value", "device", "command"}
+# not details of a row's table cell: named elsewhere in the row, or too long for a cell (a probe's validation curve
+# stays in its JSON file)
+_BENCH_SKIP = {"benchmark", "what", "method", "variant", "metric", "value", "device", "command", "curve"}
 
 
 def benchmark_section(name: str, rows: list[dict[str, Any]]) -> str:

@@ -6,7 +6,8 @@
 #   bash lab/research/device_queue.sh start JOBS    # copy the tree to $QUEUE_DIR, start MPS, start the queue, return
 #   bash lab/research/device_queue.sh status        # progress of every row; packs $OUT/results.tgz (raw results, logs)
 #
-# JOBS holds one row per line, "NAME<TAB>bench ARGS [&& bench ARGS ...]", in priority order, e.g.
+# JOBS holds one row per line, "NAME<TAB>bench ARGS [&& bench ARGS ...]" (or a research script's step,
+# lab/research/SCRIPT.py ARGS: rows_lib.sh step_runner), in priority order, e.g.
 #   t1-fedttapp-s0	bench upfl-table1 --dataset fashion_mnist --methods FedTTA++ --seed 0 && bench upfl-data-size ...
 # (steps of one row run in turn: upfl-data-size then reuses the upfl-table1 run it shares instead of racing it).
 # Every row gets --device cuda (DEVICE=cpu for a smoke test of this script) --no-progress and the queue's own --results-dir / --runs-dir appended.
@@ -21,6 +22,7 @@
 # Merge here: python lab/research/merge_device_results.py results.tgz (adds the new raw files to docs/results,
 # re-aggregates the touched tables and rewrites docs/RESULTS.md).
 set -uo pipefail
+source "$(dirname "$0")/rows_lib.sh"
 Q=${QUEUE_DIR:-$HOME/fl-edge-queue}
 MAX_JOBS=${MAX_JOBS:-16}
 MIN_FREE_MB=${MIN_FREE_MB:-14000}
@@ -37,7 +39,8 @@ run_row() {  # one row ("bench A && bench B": in turn, stopping at a failure): i
         step=${rest%%&&*}
         if [ "$step" = "$rest" ]; then rest=""; else rest=${rest#*&&}; fi
         eval "set -- $step"  # shell quoting inside a row, e.g. --methods 'HeteroFedTTA (no KD)'
-        (cd "$Q/repo" && python3 -m lab "$@" --device "${DEVICE:-cuda}" --no-progress \
+        step_runner "$1"
+        (cd "$Q/repo" && "${STEP[@]}" "$@" --device "${DEVICE:-cuda}" --no-progress \
             --results-dir "$Q/results" --runs-dir "$Q/runs") >> "$Q/logs/$name.log" 2>&1
         rc=$?
     done
@@ -52,7 +55,7 @@ queue() {  # launch rows in order, gated by running count and free GPU memory
         [ -e "$Q/done/$name" ] && [ "$(cut -d' ' -f1 "$Q/done/$name")" = 0 ] && continue
         rm -f "$Q/done/$name"
         while :; do
-            running=$(pgrep -c -f "^python3 -m lab bench" || true)
+            running=$(pgrep -c -f "^python3 (-m lab bench|lab/research/)" || true)
             [ "$running" -lt "$MAX_JOBS" ] && [ "$(gpu_free_mb)" -gt "$MIN_FREE_MB" ] && break
             sleep 10
         done

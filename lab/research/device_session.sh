@@ -51,7 +51,8 @@ for name in $ROWS; do
     left=$(( deadline - $(date +%s) ))
     [ "$left" -gt 30 ] || { say "no time left for $name"; continue; }
     say "row $name: $step (cut off after $left s)"
-    timeout "$left" python3 -m lab "$@" --device cuda --no-progress --results-dir "$Q/results" \
+    step_runner "$1"
+    timeout "$left" "${STEP[@]}" "$@" --device cuda --no-progress --results-dir "$Q/results" \
         --runs-dir "$Q/runs" > "$Q/logs/$name.log" 2>&1 &
 done
 watch_rows 15

@@ -10,7 +10,10 @@
 #     docs/research/gpu-engine.md);
 #  3. FL_BATCHED_CONV (the engine's convolution path for the rows): as given, else the faster of graphed and
 #     gemm_graphed in step 2's row, else native;
-#  4. rows until BUDGET_S seconds after the start, LANES at a time (default 1: a row alone has the GPU). A row cut
+#  4. rows until BUDGET_S seconds after the start, LANES at a time (default 1: a row alone has the GPU). A row's
+#     steps are `python -m lab` commands (bench ...) or research scripts (lab/research/*.py: the gap-* rows,
+#     probe_family_training.py, validation only), each given --device, --no-progress, --results-dir and
+#     --runs-dir. A row cut
 #     off leaves its checkpoint: ckpt-<run>.tgz holds what resuming needs of its run folder
 #     (lab/research/lease_checkpoints.py: 6 MB when the best round is the checkpoint's, else 12 MB; split into
 #     ckpt-<run>.tgz.partNN where it exceeds what a lease returns per file). `lease_checkpoints.py keep` joins them
@@ -77,8 +80,10 @@ run_row() {  # one row of device_rows.tsv (both its steps), cut off at the deadl
         left=$(( deadline - $(date +%s) ))
         [ "$left" -gt 20 ] || { say "no time left for $name"; return 1; }
         say "row $name: $step (cut off after $left s)"
-        timeout "$left" python3 -m lab "$@" --device "${DEVICE:-cuda}" ${EXTRA_ARGS:-} --no-progress --results-dir "$Q/results" \
-            --runs-dir "$Q/runs" >> "$Q/logs/$name.log" 2>&1 || { say "row $name exit $?"; return 1; }
+        local STEP; step_runner "$1"
+        timeout "$left" "${STEP[@]}" "$@" --device "${DEVICE:-cuda}" ${EXTRA_ARGS:-} --no-progress \
+            --results-dir "$Q/results" --runs-dir "$Q/runs" >> "$Q/logs/$name.log" 2>&1 ||
+            { say "row $name exit $?"; return 1; }
     done
     say "row $name done"
 }
@@ -97,7 +102,7 @@ split_big() { [ ! -e "$1" ] || [ "$(stat -c %s "$1")" -le 15000000 ] || { split 
 # run folders whose row has no result yet: their checkpoints, to resume in a later lease
 for d in $(find "$Q/runs" -name checkpoint.npz -printf '%h\n' | sort); do
     rel=${d#"$Q/runs/"}  # <experiment>/<dataset>/<method>/seedK, as the raw result's path
-    if [ ! -e "$Q/results/raw/$rel.json" ]; then
+    if [ ! -e "$Q/results/raw/$rel.json" ] && [ ! -e "$d/probe-row.json" ]; then  # unfinished (a probe: no row yet)
         f="$O/ckpt-$(echo "$rel" | tr '/+ ' '_pp_').tgz"
         python3 lab/research/lease_checkpoints.py pack "$Q/runs" "$rel" "$f" >> "$LOG" 2>&1 ||
             { say "slim pack of $rel failed: the whole folder instead"; rm -f "$f"; (cd "$Q/runs" && tar czf "$f" "$rel"); }

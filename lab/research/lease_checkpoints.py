@@ -18,7 +18,7 @@ not improve again still has its best.npz.
 A lease's machine and its files are gone with the lease, and so is this machine's ignored folder by the next
 session: ``keep`` joins a call's checkpoint archives into :data:`STORE`, a tracked folder committed with the call's
 results, which the next call carries as part of the tree (gpu_engine_session.sh resumes from it) and drops every
-archive whose run has its raw result in docs/results.
+archive whose run has its raw result in docs/results (a probe's run: its row).
 """
 from __future__ import annotations
 
@@ -130,7 +130,8 @@ def archive_run(archive: Path) -> str:
 
 def keep(lease: Path, store: Path, results: Path) -> tuple[list[str], list[str]]:
     """Join ``lease``'s ckpt-*.tgz (and split ckpt-*.tgz.partNN) into ``store``, replacing an older archive of the
-    same run, then drop the store's archives whose run has a raw result in ``results``; returns (kept, dropped)."""
+    same run, then drop the store's archives whose run has a raw result in ``results``, or a row (``run``) in one
+    of its ``*-probe.json`` files; returns (kept, dropped)."""
     kept = []
     for name in sorted({p.name.split(".tgz")[0] + ".tgz" for p in lease.glob("ckpt-*.tgz*")}):
         store.mkdir(parents=True, exist_ok=True)
@@ -138,9 +139,13 @@ def keep(lease: Path, store: Path, results: Path) -> tuple[list[str], list[str]]
         (store / name).write_bytes(b"".join(p.read_bytes() for p in parts))
         archive_run(store / name)  # refuses what is not one run's checkpoint
         kept.append(name)
+    probed = {row.get("run") for path in results.glob("*-probe.json")  # probes' rows name their run folder
+              for row in (lambda rows: rows if isinstance(rows, list) else [])(json.loads(path.read_text()))
+              if isinstance(row, dict)}
     dropped = []
     for archive in sorted(store.glob("ckpt-*.tgz")):
-        if (results / "raw" / archive_run(archive)).with_suffix(".json").exists():
+        run = archive_run(archive)
+        if (results / "raw" / run).with_suffix(".json").exists() or run in probed:
             archive.unlink()
             dropped.append(archive.name)
     return kept, dropped

@@ -5,6 +5,9 @@ re-aggregated and docs/RESULTS.md is rewritten.
 
     python lab/research/merge_device_results.py DIR/results.tgz [--docs docs]
 
+Rows of research probes the lease ran (``results/<name>-probe.json``, e.g. probe_family_training.py's) are merged
+into docs/results/<name>-probe.json by their ``what``, their command cleaned likewise.
+
 The archive's folder (a lease's files) may hold checkpoints of rows cut off (ckpt-*.tgz[.partNN]): they are kept
 for the next lease (``lab/research/lease_checkpoints.py keep``), and the kept ones of rows now merged are dropped.
 """
@@ -21,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from lab.experiments import get_experiment  # noqa: E402
 from lab.report import write_report  # noqa: E402
 from lab.research.lease_checkpoints import STORE, keep  # noqa: E402
-from lab.rows import write_atomic  # noqa: E402
+from lab.rows import merge_rows, write_atomic  # noqa: E402
 from lab.runner import aggregate_experiment  # noqa: E402
 
 
@@ -53,10 +56,16 @@ def main() -> None:
     with tarfile.open(args.archive) as tar:
         for member in tar.getmembers():
             parts = Path(member.name).parts
-            if not (member.isfile() and parts[:2] == ("results", "raw") and member.name.endswith(".json")):
-                continue
             if ".." in parts:
                 raise ValueError(f"unsafe path in archive: {member.name}")
+            if member.isfile() and len(parts) == 2 and parts[0] == "results" and parts[1].endswith("-probe.json"):
+                rows = json.loads(tar.extractfile(member).read())  # type: ignore[union-attr]
+                merge_rows(results / parts[1], [{**r, "command": table_command(r.get("command", ""))} for r in rows],
+                           key=("what",))
+                print(f"merged {len(rows)} row(s) into {results / parts[1]}")
+                continue
+            if not (member.isfile() and parts[:2] == ("results", "raw") and member.name.endswith(".json")):
+                continue
             out = results.joinpath(*parts[1:])
             if out.exists():
                 print(f"kept (already present): {out}")

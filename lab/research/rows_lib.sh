@@ -1,5 +1,12 @@
-# Sourced by device_session.sh and gpu_engine_session.sh: the end of a lease's rows. Reads the caller's start,
-# Q (the rows' folder), O (the call's $OUT), LOG and say.
+# Sourced by device_queue.sh, device_session.sh and gpu_engine_session.sh: how a row's step runs, and the end of a
+# lease's rows. The latter read the caller's start, Q (the rows' folder), O (the call's $OUT), LOG and say.
+
+# the interpreter of a row's step (its words, after `eval "set -- $step"`) into the array STEP: `python3 -m lab` for
+# a lab command (bench ...), `python3` for a research script's (lab/research/*.py ..., the gap-* rows); the callers
+# append the same flags to either (--device, --no-progress, --results-dir, --runs-dir)
+step_runner() {
+    if [[ "$1" == lab/research/*.py ]]; then STEP=(python3); else STEP=(python3 -m lab); fi
+}
 
 # wait for the background rows, logging GPU use every $1 seconds (default 15) into $Q/logs/gpu.log
 watch_rows() {

@@ -35,3 +35,25 @@ def test_a_stacked_row_trains_and_comes_back_packed(tmp_path: Path, data_root: P
         assert f"results/raw/upfl-table1/mnist/FedAvg/seed{seed}.json" in names, names
     assert (out / "best-states.tgz").exists() and not list(out.glob("ckpt-*"))
 
+
+
+def test_a_gap_probe_row_trains_and_its_row_merges(tmp_path: Path, data_root: Path) -> None:
+    """A research script's row (the gap study's validation-only probe) runs with the lease's flags, its finished run
+    sends no checkpoint back, and the merge adds its row to the docs folder's probe file with a clean command."""
+    import json
+
+    row = "dry\tlab/research/probe_family_training.py --method FedTTA --dataset mnist --seed 0 --rounds 2\n"
+    out, log = _session(tmp_path, data_root, row, 300, "--quick --mode loop")
+    assert "row dry done" in log and log.count("row dry: lab/research/probe_family_training.py") == 1, log
+    with tarfile.open(out / "rows.tgz") as tar:
+        assert "results/fedtta-family-gap-probe.json" in tar.getnames()
+    assert not list(out.glob("ckpt-*"))  # finished: nothing to resume
+    docs = tmp_path / "docs"
+    merged = subprocess.run([sys.executable, "lab/research/merge_device_results.py", str(out / "rows.tgz"), "--docs",
+                             str(docs), "--store", str(tmp_path / "store")], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert merged.returncode == 0, merged.stderr
+    rows = json.loads((docs / "results" / "fedtta-family-gap-probe.json").read_text())
+    assert [r["setting"] for r in rows] == ["rounds=2"] and rows[0]["run"].startswith("probe-family/mnist/FedTTA/")
+    assert "--results-dir" not in rows[0]["command"] and "--runs-dir" not in rows[0]["command"]
+    assert rows[0]["command"].startswith("python lab/research/probe_family_training.py --method FedTTA")

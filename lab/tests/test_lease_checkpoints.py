@@ -143,8 +143,17 @@ def test_keep_joins_a_leases_archives_and_drops_those_of_finished_rows(tmp_path:
 
     (results / "raw" / REL).parent.mkdir(parents=True)
     (results / "raw" / f"{REL}.json").write_text("{}")
+    (results / "other-probe.json").write_text(json.dumps({"not": "rows"}))  # a probe file that is no list of rows
     assert lease.keep(tmp_path / "nothing", store, results) == ([], ["ckpt-a.tgz"])
     assert sorted(p.name for p in store.iterdir()) == ["ckpt-b.tgz"]
+    # a probe's run is finished once its row (naming the run) is in a *-probe.json file
+    (results / "fedtta-family-gap-probe.json").write_text(json.dumps([{"what": "x", "run": "elsewhere"}]))
+    assert lease.keep(tmp_path / "nothing", store, results) == ([], [])
+    (results / "fedtta-family-gap-probe.json").write_text(json.dumps([{"what": "x", "run": other}]))
+    assert lease.keep(tmp_path / "nothing", store, results) == ([], ["ckpt-b.tgz"])
+    (calls / "ckpt-a.tgz").unlink()
+    for part in calls.glob("ckpt-b.tgz.part*"):
+        part.unlink()
 
     with tarfile.open(calls / "ckpt-c.tgz", "w:gz") as tar:
         for rel in (REL, other):
