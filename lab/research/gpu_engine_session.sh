@@ -5,9 +5,9 @@
 #  1. tests/test_gpu_engine.py (graphed, GEMM and stacked rounds equal eager rounds in float64 on the GPU; NO_TESTS=1
 #     skips it, and then mnist/ need not be carried);
 #  2. with BENCH=1 only: benchmarks/gpu_engine.py --device cuda $BENCH_ARGS (default: FedTTA at torch's default
-#     precision, as rows run, eager against graphed_stacked: three seeds' rounds as one, per row): rounds, kernels
-#     per round, parity (run it when a variant is new; gemm_graphed measured 0.27x on an H200,
-#     docs/research/gpu-engine.md);
+#     precision, as rows run, eager against graphed, bf16_graphed and graphed_stacked: three seeds' rounds as one,
+#     per row; gemm_graphed, 0.27x on an H200, is left out, docs/research/gpu-engine.md): rounds, kernels per
+#     round, parity (run it when a variant is new);
 #  3. FL_BATCHED_CONV (the engine's convolution path for the rows): as given, else the faster of graphed and
 #     gemm_graphed in step 2's row, else native;
 #  4. rows until BUDGET_S seconds after the start, LANES at a time (default 1: a row alone has the GPU). A row's
@@ -53,7 +53,8 @@ timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_engine.py >>
 fi
 if [ -n "${BENCH:-}" ]; then
 say "benchmarks/gpu_engine.py"
-timeout 240 python3 benchmarks/gpu_engine.py --device cuda ${BENCH_ARGS:---repeats 2 --tf32 --methods FedTTA} \
+timeout 240 python3 benchmarks/gpu_engine.py --device cuda \
+    ${BENCH_ARGS:---repeats 2 --tf32 --methods FedTTA --variants graphed bf16_graphed graphed_stacked} \
     --out "$O/gpu-engine.json" >> "$LOG" 2>&1 || say "gpu_engine exit $?"
 fi
 if [ -z "${FL_BATCHED_CONV:-}" ]; then  # the faster path of the benchmark's first row, native without one
