@@ -40,8 +40,9 @@ Accuracies in %, mean +- sample std over the seeds in the row, the paper's numbe
 paper reports one. "test" = new clients (never trained on), "val" = training clients' validation
 split; test accuracy is taken at the round of best validation accuracy, as in UPFL. Each data set's line names
 the command that reproduces its rows and the devices they ran on. A cell names the seeds whose weights went
-non-finite ("diverged") or whose training clients' validation stayed at chance, at most 1/C + 5 points ("at
-chance"); their numbers are in the mean. Every row with its note, the probe tables
+non-finite ("diverged") or whose validation (the run's own: the training clients' split or held-out validation
+clients, never the new clients) stayed at chance, at most 1/C + 5 points ("at chance"); their numbers are in the
+mean. Every row with its note, the probe tables
 and the protocols in full: [research/results-detail.md](research/results-detail.md); the lab's checklist of
 which paper targets are met: [research/status.md](research/status.md).
 """

@@ -298,8 +298,8 @@ def aggregate(exp: Experiment, results_dir: Path, command: str = "") -> list[dic
 
 
 def chance_seeds(records: list[dict], dataset: str, key: str = "val") -> list[int]:
-    """The seeds whose training collapsed with finite weights: the training clients' validation accuracy
-    (``key``, in percent) at chance (at most 1/C + 5 points, the product's rule,
+    """The seeds whose training collapsed with finite weights: the run's validation accuracy (``key``, in
+    percent: the training clients' split, or held-out validation clients) at chance (at most 1/C + 5 points, the product's rule,
     :func:`fl_server.diagnostics.collapse_warning`). Judged on validation, never on the new clients' test."""
     ceiling = 100 * (1 / NUM_CLASSES[dataset] + CHANCE_MARGIN)
     return [r["seed"] for r in records if r.get(key) is not None and r[key] <= ceiling]

@@ -14,6 +14,7 @@ from fl_server.data.federated import make_federated
 import torch.nn.functional as F
 
 from fl_server.engine import RunConfig, Simulation
+from fl_server.engine.bf16_conv import Bf16Conv
 from fl_server.engine.gemm_conv import GemmConv, conv2d_gemm
 from fl_server.engine.graphs import GraphedLocalSteps, vmapped_round
 from fl_server.models import build_model
@@ -91,6 +92,24 @@ def test_gemm_convolution_engine_round_equals_native(small_fed) -> None:  # type
     assert sum(calls) == 2  # the ConvNet's two convolutions went through the GEMM form
 
 
+@pytest.mark.parametrize("call", ["positional", "keywords", "bias keyword", "module", "string padding"])
+def test_bf16_convolution_takes_every_form_of_the_call(call: str) -> None:
+    """However torch.conv2d is called, Bf16Conv computes it in bfloat16 and returns the input's dtype."""
+    gen = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in ((2, 3, 8, 8), (4, 3, 3, 3), (4,)))
+    module = torch.nn.Conv2d(3, 4, 3, padding=1).double()
+    calls = {"positional": lambda: F.conv2d(x, w, b, 1, 1), "keywords": lambda: F.conv2d(input=x, weight=w, bias=b,
+                                                                                        padding=1),
+             "bias keyword": lambda: F.conv2d(x, w, bias=b, padding=1), "module": lambda: module(x),
+             "string padding": lambda: F.conv2d(x, w, b, 1, "same")}
+    want = calls[call]()
+    with Bf16Conv():
+        got = calls[call]()
+    assert got.dtype == torch.float64 and got.shape == want.shape
+    rel = float(((got - want).abs().max() / want.abs().max()).detach())
+    assert 1e-6 < rel < 2e-2  # bf16's rounding: not float64's, and not more
+
+
 def test_bf16_convolutions_round_the_update_and_are_part_of_the_runs_identity(small_fed) -> None:  # type: ignore[no-untyped-def]
     """FedTTA's second-order round on the ConvNet with the clients' convolutions in bfloat16: every tensor's update
     is the native round's up to bf16 rounding (within a quarter of the update's size; measured: at most a tenth),
@@ -156,6 +175,15 @@ def test_graphed_rounds_equal_eager_rounds_on_cuda(small_fed, method: str, model
     native eager round; a bf16 graph, which rounds otherwise, the eager bf16 round)."""
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
+    # cuDNN may pick non-deterministic (atomic) kernels for bf16 gradients: the same kernels twice must agree
+    deterministic, torch.backends.cudnn.deterministic = torch.backends.cudnn.deterministic, conv == "bf16"
+    try:
+        _graphed_equals_eager(small_fed, method, model, conv, hp)
+    finally:
+        torch.backends.cudnn.deterministic = deterministic
+
+
+def _graphed_equals_eager(small_fed, method: str, model: str, conv: str, hp: dict) -> None:  # type: ignore[no-untyped-def]
     eager = _sim(small_fed, method, model, "cuda", False, "bf16" if conv == "bf16" else "native", **hp)
     graphed = _sim(small_fed, method, model, "cuda", True, conv, **hp)
     assert eager.graphed is None and graphed.graphed is not None

@@ -32,8 +32,7 @@ class Bf16Conv(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func is torch.conv2d:  # F.conv2d is the same builtin
-            x, weight, *rest = args
-            bias = rest[0] if rest else kwargs.pop("bias", None)
-            half = [t.to(torch.bfloat16) if t is not None else None for t in (x, weight, bias)]
-            return torch.conv2d(*half, *rest[1:], **kwargs).to(x.dtype)
+            dtype = (args[0] if args else kwargs["input"]).dtype
+            half = lambda t: t.to(torch.bfloat16) if isinstance(t, torch.Tensor) else t  # noqa: E731
+            return torch.conv2d(*map(half, args), **{k: half(v) for k, v in kwargs.items()}).to(dtype)
         return func(*args, **kwargs)

@@ -1,26 +1,26 @@
 #!/usr/bin/env bash
-# One device call sized for a 15-minute lease: the engine's GPU paths checked, optionally timed, then the
-# Fashion-MNIST UPFL Table-1 rows of the FedTTA family (lab/research/device_rows.tsv) one at a time (each followed
-# by its upfl-data-size step), all cut off at the deadline.
+# One device call sized for a 15-minute lease: the engine's GPU paths checked, optionally timed, then rows of
+# lab/research/device_rows.tsv one at a time (the Fashion-MNIST UPFL Table-1 rows of the FedTTA family, each followed
+# by its upfl-data-size step; the hetero rows; the gap study's probes), all cut off at the deadline.
 #  1. tests/test_gpu_engine.py (graphed, GEMM and stacked rounds equal eager rounds in float64 on the GPU; NO_TESTS=1
 #     skips it, and then mnist/ need not be carried);
 #  2. with BENCH=1 only: benchmarks/gpu_engine.py --device cuda $BENCH_ARGS (default: FedTTA at torch's default
 #     precision, as rows run, eager against graphed, bf16_graphed and graphed_stacked: three seeds' rounds as one,
 #     per row; gemm_graphed, 0.27x on an H200, is left out, docs/research/gpu-engine.md): rounds, kernels per
 #     round, parity (run it when a variant is new);
-#  3. FL_BATCHED_CONV (the engine's convolution path for the rows): as given, else the faster of graphed and
-#     gemm_graphed in step 2's row, else native;
+#  3. FL_BATCHED_CONV (the engine's convolution path for the rows): as given, else "gemm" where step 2 timed
+#     gemm_graphed faster than graphed (only with BENCH_ARGS naming it), else native; never bf16 (other arithmetic:
+#     its rows must first match the float32 rows on validation);
 #  4. rows until BUDGET_S seconds after the start, LANES at a time (default 1: a row alone has the GPU). A row's
 #     steps are `python -m lab` commands (bench ...) or research scripts (lab/research/*.py: the gap-* rows,
 #     probe_family_training.py, validation only), each given --device, --no-progress, --results-dir and
-#     --runs-dir. A row cut
-#     off leaves its checkpoint: ckpt-<run>.tgz holds what resuming needs of its run folder
+#     --runs-dir. A row cut off leaves its checkpoint: ckpt-<run>.tgz holds what resuming needs of its run folder
 #     (lab/research/lease_checkpoints.py: 6 MB when the best round is the checkpoint's, else 12 MB; split into
 #     ckpt-<run>.tgz.partNN where it exceeds what a lease returns per file). `lease_checkpoints.py keep` joins them
 #     into lab/research/lease-checkpoints/ (tracked: commit it with the results, as the machine is gone after the
-#     lease); the next call carries them with the tree and the rows resume from them (the convolution path is not
-#     part of a run's identity). Finished rows send their best states back (best-states.tgz[.partNN]) for the CPU
-#     probes.
+#     lease); the next call carries them with the tree and the rows resume from them (graphs and the GEMM path are
+#     not part of a run's identity, bf16 convolutions are). Finished rows send their best states back
+#     (best-states.tgz[.partNN]) for the CPU probes.
 # ROWS_FILE, DEVICE and EXTRA_ARGS (more `python -m lab bench` flags) serve the CPU dry run at smoke size
 # (lab/tests/test_gpu_session_dry_run.py).
 # Everything lands in $OUT: log.txt, gpu-engine.json, rows.tgz (logs, results, metrics), ckpt-*.tgz[.partNN],

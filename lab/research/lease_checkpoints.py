@@ -25,8 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tarfile
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -120,9 +122,13 @@ def bests(runs: Path, results: Path, out: Path) -> list[str]:
 
 
 def archive_run(archive: Path) -> str:
-    """The run folder an archive of :func:`pack` holds: <experiment>/<dataset>/<method>/seedK."""
-    with tarfile.open(archive) as tar:
-        runs = {str(Path(name).parent) for name in tar.getnames() if Path(name).name == CHECKPOINT}
+    """The run folder an archive of :func:`pack` holds: <experiment>/<dataset>/<method>/seedK; ValueError for an
+    archive that cannot be read (a missing part) or holds other than one run's checkpoint."""
+    try:
+        with tarfile.open(archive) as tar:
+            runs = {str(Path(name).parent) for name in tar.getnames() if Path(name).name == CHECKPOINT}
+    except (tarfile.TarError, EOFError, OSError) as e:
+        raise ValueError(f"{archive}: not a readable checkpoint archive ({e})") from e
     if len(runs) != 1 or ".." in Path(next(iter(runs))).parts:
         raise ValueError(f"{archive}: not one run folder's checkpoint archive ({sorted(runs)})")
     return runs.pop()
@@ -132,13 +138,17 @@ def keep(lease: Path, store: Path, results: Path) -> tuple[list[str], list[str]]
     """Join ``lease``'s ckpt-*.tgz (and split ckpt-*.tgz.partNN) into ``store``, replacing an older archive of the
     same run, then drop the store's archives whose run has a raw result in ``results``, or a row (``run``) in one
     of its ``*-probe.json`` files; returns (kept, dropped)."""
-    kept = []
-    for name in sorted({p.name.split(".tgz")[0] + ".tgz" for p in lease.glob("ckpt-*.tgz*")}):
-        store.mkdir(parents=True, exist_ok=True)
-        parts = [lease / name] if (lease / name).exists() else sorted(lease.glob(f"{name}.part*"))
-        (store / name).write_bytes(b"".join(p.read_bytes() for p in parts))
-        archive_run(store / name)  # refuses what is not one run's checkpoint
-        kept.append(name)
+    joined = {}  # every archive of the call is joined and checked before the store changes: all or nothing
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in sorted({p.name.split(".tgz")[0] + ".tgz" for p in lease.glob("ckpt-*.tgz*")}):
+            parts = [lease / name] if (lease / name).exists() else sorted(lease.glob(f"{name}.part*"))
+            (Path(tmp) / name).write_bytes(b"".join(p.read_bytes() for p in parts))
+            archive_run(Path(tmp) / name)  # refuses a missing part, or what is not one run's checkpoint
+            joined[name] = Path(tmp) / name
+        for name, path in joined.items():
+            store.mkdir(parents=True, exist_ok=True)
+            shutil.move(path, store / name)
+    kept = list(joined)
     probed = {row.get("run") for path in results.glob("*-probe.json")  # probes' rows name their run folder
               for row in (lambda rows: rows if isinstance(rows, list) else [])(json.loads(path.read_text()))
               if isinstance(row, dict)}

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from lab.experiments import get_experiment  # noqa: E402
 from lab.report import write_report  # noqa: E402
 from lab.research.lease_checkpoints import STORE, keep  # noqa: E402
+from lab.research.probe_family_training import OUT_NAME as PROBE_OUT, fill_table_val  # noqa: E402
 from lab.rows import merge_rows, write_atomic  # noqa: E402
 from lab.runner import aggregate_experiment  # noqa: E402
 
@@ -60,8 +61,10 @@ def main() -> None:
                 raise ValueError(f"unsafe path in archive: {member.name}")
             if member.isfile() and len(parts) == 2 and parts[0] == "results" and parts[1].endswith("-probe.json"):
                 rows = json.loads(tar.extractfile(member).read())  # type: ignore[union-attr]
-                merge_rows(results / parts[1], [{**r, "command": table_command(r.get("command", ""))} for r in rows],
-                           key=("what",))
+                rows = [{**r, "command": table_command(r.get("command", ""))} for r in rows]
+                if parts[1] == PROBE_OUT:  # the table's validation, aside during the lease call
+                    rows = [fill_table_val(r, results) for r in rows]
+                merge_rows(results / parts[1], rows, key=("what",))
                 print(f"merged {len(rows)} row(s) into {results / parts[1]}")
                 continue
             if not (member.isfile() and parts[:2] == ("results", "raw") and member.name.endswith(".json")):

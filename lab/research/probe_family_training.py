@@ -68,6 +68,13 @@ def probe_protocol(base: Protocol, method: str, changes: dict[str, Any], rounds:
     return protocol
 
 
+def fill_table_val(row: dict[str, Any], results: Path) -> dict[str, Any]:
+    """``row`` with its ``table_val`` read from ``results`` where it is missing (not for a --quick row)."""
+    if row.get("table_val") is not None or row["what"].endswith("(--quick)"):
+        return row
+    return {**row, "table_val": table_val(results, row["dataset"], row["method"], row["seed"])}
+
+
 def table_val(results: Path, dataset: str, method: str, seed: int) -> float | None:
     """The committed table row's validation accuracy at ``seed`` (docs/results/raw/upfl-table1), if present."""
     path = raw_path(results, "upfl-table1", dataset, method, seed)
@@ -87,9 +94,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--mode", default="auto", choices=("auto", "vmap", "loop"))
     ap.add_argument("--runs-dir", type=Path, default=Path("runs/probe"))
-    ap.add_argument("--results-dir", type=Path, default=Path("docs/results"))
+    ap.add_argument("--results-dir", type=Path, help="default: docs/results (runs/quick/results with --quick)")
     ap.add_argument("--table-results", type=Path, default=REPO / "docs" / "results",
-                    help="where the table's raw records are read from (its validation at the same seed)")
+                    help="where the table's raw records are read from (its validation at the same seed; a lease "
+                         "call has them aside, and merge_device_results.py fills it in)")
     ap.add_argument("--data-dir")
     ap.add_argument("--no-progress", action="store_true")
     return ap
@@ -104,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     label = setting_label(changes, args.rounds)
     fed = build_federated(protocol, args.seed, args.data_dir)
     fed = dataclasses.replace(fed, new=[])  # validation only: the new clients never enter the run
-    run = f"probe-family/{args.dataset}/{safe_name(args.method)}/{safe_name(label).replace(',', '')}/seed{args.seed}"
+    results = args.results_dir or Path("runs/quick/results" if args.quick else "docs/results")
+    setting = safe_name(label).replace(",", "") + ("-quick" if args.quick else "")  # a smoke run is another run
+    run = f"probe-family/{args.dataset}/{safe_name(args.method)}/{setting}/seed{args.seed}"
     run_dir = args.runs_dir / run
     sim = build_simulation(protocol, args.method, args.seed, run_dir, args.device, args.mode, not args.no_progress,
                            args.data_dir, fed)
@@ -120,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
            "command": "python lab/research/probe_family_training.py "
                       + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])
                                  if a not in ("--no-progress",))}
-    merge_rows(args.results_dir / OUT_NAME, [row], key=("what",))
+    merge_rows(results / OUT_NAME, [row], key=("what",))
     (run_dir / DONE).write_text(json.dumps(row, indent=1))  # finished: the lease script packs no checkpoint of it
     print(json.dumps({k: v for k, v in row.items() if k not in ("curve", "hyper")}))
     return 0

@@ -155,8 +155,14 @@ def test_keep_joins_a_leases_archives_and_drops_those_of_finished_rows(tmp_path:
     for part in calls.glob("ckpt-b.tgz.part*"):
         part.unlink()
 
+    (store / "ckpt-b.tgz").write_bytes(whole)  # an archive kept from an earlier call
     with tarfile.open(calls / "ckpt-c.tgz", "w:gz") as tar:
         for rel in (REL, other):
             tar.add(tmp_path / rel / "checkpoint.npz", arcname=f"{rel}/checkpoint.npz")
-    with pytest.raises(ValueError, match="not one run folder's checkpoint archive"):
+    (calls / "ckpt-d.tgz.part00").write_bytes(whole[:20_000])  # its other part did not come back
+    with pytest.raises(ValueError, match="ckpt-c.tgz: not one run folder's checkpoint archive"):
         lease.keep(calls, store, results)
+    (calls / "ckpt-c.tgz").unlink()
+    with pytest.raises(ValueError, match="ckpt-d.tgz: not a readable checkpoint archive"):
+        lease.keep(calls, store, results)
+    assert [p.name for p in store.iterdir()] == ["ckpt-b.tgz"]  # a refused call leaves the store as it was

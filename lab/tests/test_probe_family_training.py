@@ -36,7 +36,7 @@ def test_the_protocols_setting_is_the_table_runs_validation_without_its_new_clie
     assert [c["val"] for c in rows[0]["curve"]] == [round(100 * c["val"], 2) for c in record["curve"]]
     assert rows[0]["value"] == round(record["val"], 2) and rows[0]["best_round"] == record["best_round"]
     assert record["test"] is not None  # the table run scores its new clients; the probe never does
-    run = tmp_path / "runs" / "probe-family" / "mnist" / "FedTTA" / "protocol" / "seed0"
+    run = tmp_path / "runs" / "probe-family" / "mnist" / "FedTTA" / "protocol-quick" / "seed0"  # not a real run's
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert metrics and all(m.get("test") is None for m in metrics)
 
@@ -48,7 +48,7 @@ def test_a_changed_setting_trains_with_it_in_its_own_folder_and_row(tmp_path: Pa
     changed = rows[1]
     assert changed["hyper"]["lr"] == 0.5 and changed["hyper"]["adapt_lr"] == 0.02 and changed["rounds"] == 2
     assert changed["curve"] != rows[0]["curve"]
-    assert (tmp_path / "runs" / "probe-family" / "mnist" / "FedTTA" / "adapt_lr0.02_lr0.5_rounds2" / "seed0"
+    assert (tmp_path / "runs" / "probe-family" / "mnist" / "FedTTA" / "adapt_lr0.02_lr0.5_rounds2-quick" / "seed0"
             / "checkpoint.npz").exists()
     assert "--set lr=0.5 --set adapt_lr=0.02" in changed["command"] and "--no-progress" not in changed["command"]
 
@@ -56,3 +56,14 @@ def test_a_changed_setting_trains_with_it_in_its_own_folder_and_row(tmp_path: Pa
 def test_a_set_without_a_value_is_refused() -> None:
     with pytest.raises(SystemExit, match="--set takes KEY=VALUE, got 'lr'"):
         probe.parse_sets(["lr"])
+
+
+def test_the_merge_fills_in_the_tables_validation_of_a_lease_row() -> None:
+    """A lease call has docs/results aside, so its rows come back without the table's validation; the merge reads it
+    from the committed raw record of the same data set, method and seed (never for a --quick row)."""
+    results = Path(__file__).resolve().parents[2] / "docs" / "results"
+    committed = json.loads((results / "raw" / "upfl-table1" / "mnist" / "FedTTA" / "seed0.json").read_text())["val"]
+    row = {"what": "FedTTA mnist seed 0: lr=0.2", "dataset": "mnist", "method": "FedTTA", "seed": 0, "table_val": None}
+    assert probe.fill_table_val(row, results)["table_val"] == committed
+    quick = {**row, "what": row["what"] + " (--quick)"}
+    assert probe.fill_table_val(quick, results)["table_val"] is None
