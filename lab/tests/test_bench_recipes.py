@@ -96,6 +96,7 @@ def test_map_incomplete_runs_are_the_runs_before_recipes(data_root: Path) -> Non
 
 
 def test_hetero_groups_are_the_runs_before_recipes(data_root: Path) -> None:
+    from fl_server.algorithms.fedtta import FedTTA
     from fl_server.algorithms.hetero_fedtta import SIZE_GROUPS
     from lab.hetero import HeteroRun, split_by_size
 
@@ -103,12 +104,14 @@ def test_hetero_groups_are_the_runs_before_recipes(data_root: Path) -> None:
     protocol = replace(protocol, options={**protocol.options, "public_size": 64})
     fed = tiny(protocol, data_root, clients=24, samples=2400)
     hp = protocol.method_hp.get("HeteroFedTTA", {})
+    method = FedTTA.family_member(hp)  # FedTTA++: the protocol's patience (lab/hetero.py names it so)
+    assert method == "FedTTA++"
     short = replace(protocol, local_iterations=1)  # the first round of all three sizes, at one local step
     for p in (protocol, short):
         run = HeteroRun(p, fed, 0, 0.1, "cpu", "loop", str(data_root))
         for name, group in split_by_size(fed, 0).items():
             arch, width = SIZE_GROUPS[name]
-            old = legacy(p, "FedTTA", group, model=arch, hyper={**hp, "adapt_width": width})
+            old = legacy(p, method, group, model=arch, hyper={**hp, "adapt_width": width})
             assert run.sims[name].cfg.progress is False
             if p is short:
                 same_first_round(old, run.sims[name])
