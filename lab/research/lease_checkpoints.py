@@ -134,6 +134,16 @@ def archive_run(archive: Path) -> str:
     return runs.pop()
 
 
+def probe_runs(results: Path) -> set[str]:
+    """The run folders named by the rows (``run``) of ``results``' *-probe.json files: those runs are finished."""
+    runs = set()
+    for path in results.glob("*-probe.json"):
+        rows = json.loads(path.read_text())
+        rows = rows if isinstance(rows, list) else []
+        runs |= {row["run"] for row in rows if isinstance(row, dict) and "run" in row}
+    return runs
+
+
 def keep(lease: Path, store: Path, results: Path) -> tuple[list[str], list[str]]:
     """Join ``lease``'s ckpt-*.tgz (and split ckpt-*.tgz.partNN) into ``store``, replacing an older archive of the
     same run, then drop the store's archives whose run has a raw result in ``results``, or a row (``run``) in one
@@ -145,13 +155,12 @@ def keep(lease: Path, store: Path, results: Path) -> tuple[list[str], list[str]]
             (Path(tmp) / name).write_bytes(b"".join(p.read_bytes() for p in parts))
             archive_run(Path(tmp) / name)  # refuses a missing part, or what is not one run's checkpoint
             joined[name] = Path(tmp) / name
-        for name, path in joined.items():
+        if joined:
             store.mkdir(parents=True, exist_ok=True)
+        for name, path in joined.items():
             shutil.move(path, store / name)
     kept = list(joined)
-    probed = {row.get("run") for path in results.glob("*-probe.json")  # probes' rows name their run folder
-              for row in (lambda rows: rows if isinstance(rows, list) else [])(json.loads(path.read_text()))
-              if isinstance(row, dict)}
+    probed = probe_runs(results)
     dropped = []
     for archive in sorted(store.glob("ckpt-*.tgz")):
         run = archive_run(archive)
