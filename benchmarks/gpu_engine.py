@@ -1,7 +1,7 @@
 """The engine's vmapped round in five variants, side by side in one run: ``eager`` (today's default path without
 CUDA graphs: every kernel launched from Python, vmap's grouped convolutions), ``graphed`` (the round replayed as one
 CUDA graph, ``RunConfig(cuda_graphs=True)``), ``gemm_graphed`` (graphed, with the clients' convolutions as
-unfold plus one batched matrix product, ``RunConfig(batched_conv="gemm")``), ``bf16_graphed`` (graphed, the
+gathered patches plus one batched matrix product, ``RunConfig(batched_conv="gemm")``), ``bf16_graphed`` (graphed, the
 clients' convolutions in bfloat16, ``RunConfig(batched_conv="bf16")``: other arithmetic, so its float64
 difference is bf16's rounding, not a parity check, and the lease script never picks it for rows) and
 ``graphed_stacked`` (graphed, the rounds of ``--stack`` seeds stepped together as one round over all their clients,

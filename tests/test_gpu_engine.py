@@ -1,9 +1,12 @@
 """The engine's fast paths for vmapped rounds: CUDA-graph replay of the local steps (fl_server/engine/graphs.py) and
-convolutions as unfold plus a batched matrix product (fl_server/engine/gemm_conv.py) or in bfloat16
+convolutions as gathered patches plus a batched matrix product (fl_server/engine/gemm_conv.py) or in bfloat16
 (fl_server/engine/bf16_conv.py). On a GPU the graphed rounds
 equal the eager ones in float64; elsewhere the engine takes the eager path and the graph runner passes rounds
 through. The GEMM convolution equals torch's, also under vmap and second-order gradients."""
 from __future__ import annotations
+
+import collections
+import warnings
 
 import numpy as np
 import pytest
@@ -72,9 +75,39 @@ def test_gemm_convolution_equals_torch(kwargs: dict) -> None:
     assert float((conv2d_gemm(x[0], w, None, **kwargs) - F.conv2d(x[0], w, None, **kwargs)).abs().max()) <= 1e-12
 
 
+def _vmapped_second_order_ops(batch: int) -> collections.Counter:
+    """The operators of a vmapped GEMM convolution's forward, gradient and gradient of the gradient (3 clients)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, batch, 2, 10, 10, generator=gen, requires_grad=True)
+    w = torch.randn(3, 4, 2, 3, 3, generator=gen, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        y = torch.vmap(lambda a, b: conv2d_gemm(a, b, None, 1, 1))(x, w)
+        grads = torch.autograd.grad(y.square().sum(), (x, w), create_graph=True)
+        torch.autograd.grad(sum(g.square().sum() for g in grads), (x, w))
+    return collections.Counter(e.name for e in prof.events())
+
+
+def test_gemm_convolution_launches_do_not_grow_with_the_batch_or_the_clients() -> None:
+    """The patches are one gather and their gradient one scatter, with vmap batching rules: no operator runs once
+    per image (F.unfold's im2col/col2im loop over the batch) or once per client (vmap's fallback, as for
+    Tensor.unfold's gradient), so ten times the images run no more operators."""
+    set_warning = torch._C._functorch._set_vmap_fallback_warning_enabled
+    set_warning(True)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*performance drop.*")
+            few, many = _vmapped_second_order_ops(4), _vmapped_second_order_ops(40)
+    finally:
+        set_warning(False)
+    assert "aten::im2col" not in many and "aten::col2im" not in many
+    assert sum(many.values()) <= sum(few.values()) + 20, (few, many)
+
+
 def test_gemm_convolution_engine_round_equals_native(small_fed) -> None:  # type: ignore[no-untyped-def]
     """FedTTA's second-order meta-step on the ConvNet, vmapped over the clients: one round with the convolutions as
-    unfold + matmul equals the round with vmap's grouped convolution in float64."""
+    gathered patches + matmul equals the round with vmap's grouped convolution in float64."""
     native, gemm = (_sim(small_fed, "FedTTA", "convnet_small", "cpu", False, conv, steps=1, batch=4, lr=0.05,
                          inner_lr=0.1) for conv in ("native", "gemm"))
     native.run_round(0)

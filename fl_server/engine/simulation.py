@@ -80,7 +80,7 @@ class RunConfig:
     # so it is not part of the run's identity. False: launch every kernel from Python (the reference).
     cuda_graphs: bool = True
     # how a vmapped round computes its clients' convolutions: "native" (vmap's grouped convolution) or "gemm"
-    # (patch extraction plus one batched matrix product, fl_server/engine/gemm_conv.py); equal up to rounding, so
+    # (gathered patches plus one batched matrix product, fl_server/engine/gemm_conv.py); equal up to rounding, so
     # not part of the run's identity either. "bf16" (fl_server/engine/bf16_conv.py) computes them in bfloat16:
     # other arithmetic, so it is part of the identity. The default comes from $FL_BATCHED_CONV (else "native"):
     # how the harness's commands (`fl-server bench`, `train`) are switched to the faster path on a given GPU.
@@ -159,7 +159,7 @@ def run_local_steps(step_fn: StepFn, states: State, server_state: State, x: torc
     """Apply the local step for every client (leading axis of ``states``) over its batches [K, T, B]:
     ``step_fn``, or ``step_at(t)`` at iteration t when given (``Algorithm.local_step_at``). ``graphed``: in vmap
     mode, replay the round as a CUDA graph (:class:`~fl_server.engine.graphs.GraphedLocalSteps`); ``batched_conv``:
-    "gemm" computes the vmapped convolutions as unfold plus a batched matrix product
+    "gemm" computes the vmapped convolutions as gathered patches plus a batched matrix product
     (:class:`~fl_server.engine.gemm_conv.GemmConv`), "bf16" in bfloat16
     (:class:`~fl_server.engine.bf16_conv.Bf16Conv`); ``seed_axis``: several runs at once, vmap mode only
     (:func:`~fl_server.engine.graphs.vmapped_round`)."""

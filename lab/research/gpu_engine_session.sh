@@ -5,11 +5,11 @@
 #  1. tests/test_gpu_engine.py (graphed, GEMM and stacked rounds equal eager rounds in float64 on the GPU; NO_TESTS=1
 #     skips it, and then mnist/ need not be carried);
 #  2. with BENCH=1 only: benchmarks/gpu_engine.py --device cuda $BENCH_ARGS (default: FedTTA at torch's default
-#     precision, as rows run, eager against graphed, bf16_graphed and graphed_stacked: three seeds' rounds as one,
-#     per row; gemm_graphed, 0.27x on an H200, is left out, docs/research/gpu-engine.md): rounds, kernels per
-#     round, parity (run it when a variant is new);
+#     precision, as rows run, eager against graphed, gemm_graphed (the gather form; the im2col form measured
+#     0.27x, docs/research/gpu-engine.md), bf16_graphed and graphed_stacked: three seeds' rounds as one, per row;
+#     one float64 parity round, tests/test_gpu_engine.py checks two): rounds, kernels per round, parity;
 #  3. FL_BATCHED_CONV (the engine's convolution path for the rows): as given, else "gemm" where step 2 timed
-#     gemm_graphed faster than graphed (only with BENCH_ARGS naming it), else native; never bf16 (other arithmetic:
+#     gemm_graphed faster than graphed, else native; never bf16 (other arithmetic:
 #     its rows must first match the float32 rows on validation);
 #  4. rows until BUDGET_S seconds after the start, LANES at a time (default 1: a row alone has the GPU). A row's
 #     steps are `python -m lab` commands (bench ...) or research scripts (lab/research/*.py: the gap-* rows,
@@ -54,7 +54,7 @@ fi
 if [ -n "${BENCH:-}" ]; then
 say "benchmarks/gpu_engine.py"
 timeout 240 python3 benchmarks/gpu_engine.py --device cuda \
-    ${BENCH_ARGS:---repeats 2 --tf32 --methods FedTTA --variants graphed bf16_graphed graphed_stacked} \
+    ${BENCH_ARGS:---repeats 2 --parity-rounds 1 --tf32 --methods FedTTA --variants graphed gemm_graphed bf16_graphed graphed_stacked} \
     --out "$O/gpu-engine.json" >> "$LOG" 2>&1 || say "gpu_engine exit $?"
 fi
 if [ -z "${FL_BATCHED_CONV:-}" ]; then  # the faster path of the benchmark's first row, native without one
