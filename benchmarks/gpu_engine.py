@@ -11,7 +11,8 @@ CPU, where graphs do not apply, the MNIST MLP FedTTA round.
 
 Per case and variant: seconds per round of one run (median over ``--repeats`` rounds after the first, which records
 a graph and is reported apart; a stacked round's seconds divided by its seeds, the cost of a table row's round),
-the host's kernel launches and the kernels run per round (CUDA profiler), and parity: the server state after
+the host's kernel launches and the kernels run per round (CUDA profiler), the GPU memory peak of that profiled round
+with every variant's state resident (``_peak_gib``), and parity: the server state after
 ``--parity-rounds`` rounds in float64 against the eager variant's (max abs difference; a stacked variant's first
 seed). The row's value is eager seconds over the fastest variant's of the same arithmetic (bf16 aside). Rows merge
 into docs/benchmarks/gpu-engine.json by (what, device).
@@ -171,7 +172,9 @@ def main() -> int:
             if n > 1:
                 row[f"{v}_seeds"], row[f"{v}_round_s"] = n, round(median, 4)
             if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
                 row[f"{v}_launches"] = launches(sims[v], args.repeats + 1)
+                row[f"{v}_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
         del sims
         if device.type == "cuda":
             torch.cuda.empty_cache()
