@@ -131,6 +131,9 @@ def main() -> int:
                     help="time with torch's default precision, as the engine's runs go: convolutions in TF32 (the "
                          "GEMM variant's too, fl_server/engine/gemm_conv.py), other matrix products in float32; "
                          "default: TF32 off everywhere")
+    ap.add_argument("--dataset", choices=["fashion_mnist", "mnist"],
+                    help="the UPFL Table-1 row whose round is timed (default: fashion_mnist's ConvNet on a GPU, "
+                         "mnist's MLP on the CPU)")
     ap.add_argument("--out", default="docs/benchmarks/gpu-engine.json")
     args = ap.parse_args()
     args.variants = ["eager", *[v for v in args.variants if v != "eager"]]
@@ -138,7 +141,7 @@ def main() -> int:
     if not args.tf32:  # the same arithmetic in every variant; parity (float64) is about the engine either way
         torch.backends.cudnn.allow_tf32 = False
         torch.backends.cuda.matmul.allow_tf32 = False
-    dataset = "fashion_mnist" if device.type == "cuda" else "mnist"
+    dataset = args.dataset or ("fashion_mnist" if device.type == "cuda" else "mnist")
     protocol = get_experiment("upfl-table1").protocols[dataset]
     if args.smoke:
         protocol = replace(protocol, num_clients=10, local_iterations=3)
