@@ -11,8 +11,8 @@ CPU, where graphs do not apply, the MNIST MLP FedTTA round.
 
 Per case and variant: seconds per round of one run (median over ``--repeats`` rounds after the first, which records
 a graph and is reported apart; a stacked round's seconds divided by its seeds, the cost of a table row's round),
-the host's kernel launches and the kernels run per round (CUDA profiler), the GPU memory peak of that profiled round
-with every variant's state resident (``_peak_gib``), and parity: the server state after
+the GPU memory peak of the first round (when a graphed variant records its graph), with every variant's state
+resident, the host's kernel launches and the kernels run per round (CUDA profiler), and parity: the server state after
 ``--parity-rounds`` rounds in float64 against the eager variant's (max abs difference; a stacked variant's first
 seed). The row's value is eager seconds over the fastest variant's of the same arithmetic (bf16 aside). Rows merge
 into docs/benchmarks/gpu-engine.json by (what, device).
@@ -84,18 +84,25 @@ def state_diff(a: dict, b: dict) -> float:
     return max(float((a[k][n] - b[k][n]).abs().max()) for k in ("params", "phi") if k in a for n in a[k])
 
 
-def time_rounds(sims: dict[str, Simulation], repeats: int) -> dict[str, tuple[float, float]]:
-    """Per variant: (first round's seconds, median seconds of the next ``repeats`` rounds), the variants' rounds
-    alternating (A B C A B C ...) so that load changes on a shared machine hit every variant alike."""
+def time_rounds(sims: dict[str, Simulation], repeats: int) -> dict[str, tuple[float, float, float | None]]:
+    """Per variant: (first round's seconds, median seconds of the next ``repeats`` rounds, the GPU memory peak of
+    the first round in GiB, None off CUDA), the variants' rounds alternating (A B C A B C ...) so that load changes
+    on a shared machine hit every variant alike. The peak is the first round's because a graphed variant records
+    its graph then (every later round replays it without allocating); it counts every variant's resident state."""
     times: dict[str, list[float]] = {v: [] for v in sims}
+    peaks: dict[str, float | None] = {v: None for v in sims}
     for r in range(repeats + 1):
         for v, sim in sims.items():
             sync(sim.device)
+            if r == 0 and sim.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(sim.device)
             t0 = time.perf_counter()
             sim.run_round(r)
             sync(sim.device)
             times[v].append(time.perf_counter() - t0)
-    return {v: (t[0], statistics.median(t[1:])) for v, t in times.items()}
+            if r == 0 and sim.device.type == "cuda":
+                peaks[v] = round(torch.cuda.max_memory_allocated(sim.device) / 2**30, 2)
+    return {v: (t[0], statistics.median(t[1:]), peaks[v]) for v, t in times.items()}
 
 
 def launches(sim: Simulation, round_: int) -> dict[str, int]:
@@ -148,7 +155,6 @@ def main() -> int:
     feds = [build_federated(protocol, seed) for seed in range(max(1, args.stack))]
     fed = feds[0]
     command = "python benchmarks/gpu_engine.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    rows = []
     for method in args.methods:
         what = (f"{method} round, UPFL Table 1 {dataset} ({protocol.model}, {fed.num_train_clients} clients x "
                 f"{protocol.local_iterations} steps of {protocol.batch_size})"
@@ -167,20 +173,15 @@ def main() -> int:
         del sims
         sims = {v: make_sim(protocol, method, feds, str(device), "float32", v) for v in args.variants}
         secs = {}
-        for v, (first, median) in time_rounds(sims, args.repeats).items():
+        for v, (first, median, peak) in time_rounds(sims, args.repeats).items():
             n = runs_per_round(sims[v])
             secs[v] = median / n  # a table row's round
             row[f"{v}_s"] = round(median / n, 4)
             row[f"{v}_first_round_s"] = round(first / n, 4)
             if n > 1:
                 row[f"{v}_seeds"], row[f"{v}_round_s"] = n, round(median, 4)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-                row[f"{v}_launches"] = launches(sims[v], args.repeats + 1)
-                row[f"{v}_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-        del sims
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+            if peak is not None:
+                row[f"{v}_first_round_peak_gib"] = peak
         # the headline compares paths of the same arithmetic; bf16_graphed keeps its own speedup key
         fastest = min((v for v in secs if v not in ("eager", "bf16_graphed")), key=secs.__getitem__, default="eager")
         row.update({"value": round(secs["eager"] / secs[fastest], 2), "fastest": fastest,
@@ -188,9 +189,15 @@ def main() -> int:
         row.update({"graphs_used": device.type == "cuda", "repeats": args.repeats, "device": describe(device),
                     "load_average_1min": round(os.getloadavg()[0], 2), "torch": torch.__version__,
                     "command": command})
+        merge_rows(args.out, [row])  # the timings are kept if the kernel counts below are cut off
+        if device.type == "cuda":
+            for v in secs:
+                row[f"{v}_launches"] = launches(sims[v], args.repeats + 1)
+            merge_rows(args.out, [row])
+        del sims
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         print(json.dumps(row), flush=True)
-        rows.append(row)
-    merge_rows(args.out, rows)
     print(f"wrote {args.out}")
     return 0
 

@@ -6,8 +6,8 @@ layout transposes and, for single-channel inputs, the depthwise fallback took ab
 UPFL Fashion-MNIST FedTTA round (docs/research/gpu-engine.md). Written as patches and a matrix product, the same
 convolution is K independent matrix products, one batched GEMM:
 
-    out[n, o, y, x] = sum_{c,i,j} W[o, c, i, j] * P[n, y, x, i, j, c],
-    P[n, y, x, i, j, c] = x_padded[n, c, y s + i d, x s + j d]   (stride s, dilation d)
+    out[n, o, u, v] = sum_{c,i,j} W[o, c, i, j] * P[n, u, v, i, j, c],
+    P[n, u, v, i, j, c] = input_padded[n, c, u s + i d, v s + j d]   (stride s, dilation d)
 
 ``P`` is gathered from the (padded) input by one ``index_select`` over its flattened pixels, channels last, so
 that the patch matrix is built by one kernel whatever the batch and its gradient by one ``index_add``, both with
@@ -15,8 +15,9 @@ vmap batching rules. (``F.unfold``, im2col, is not used: its CUDA kernel loops o
 image and one per image again for its gradient, ``col2im``; on a Fashion-MNIST round of 50 clients x 64 images
 that made 5.5 times as many kernels as the grouped convolutions. ``Tensor.unfold``'s gradient has no vmap
 batching rule and would loop over the clients.) The first and second derivatives are those of the gather and of
-the product, so FedTTA's second-order meta-step goes through unchanged. :class:`GemmConv` routes ``torch.conv2d`` (what ``nn.Conv2d`` calls) to
-:func:`conv2d_gemm` while it is active; grouped convolutions and string paddings keep the native kernel.
+the product, so FedTTA's second-order meta-step goes through unchanged. :class:`GemmConv` routes ``torch.conv2d``
+(what ``nn.Conv2d`` calls) to :func:`conv2d_gemm` while it is active; grouped convolutions, string paddings and
+arguments torch refuses keep the native kernel (which raises torch's error for the latter).
 
 Example::
 
@@ -36,16 +37,28 @@ _Pair = int | tuple[int, int]
 
 
 def _pair(v: _Pair) -> tuple[int, int]:
-    return (v, v) if isinstance(v, int) else (int(v[0]), int(v[1]))
+    if isinstance(v, int):
+        return v, v
+    return (int(v[0]), int(v[0])) if len(v) == 1 else (int(v[0]), int(v[1]))
 
 
-@functools.lru_cache(maxsize=64)
 def _patch_index(h: int, w: int, kh: int, kw: int, stride: tuple[int, int], dilation: tuple[int, int],
                  device: torch.device) -> tuple[torch.Tensor, int, int]:
     """Flat pixel indices of every output position's patch of an h x w image, ordered [H_out, W_out, kh, kw].
 
-    A constant of the shapes, built outside any functorch transform (``vmap``, ``grad``) so that the cached tensor
-    is a plain one wherever it is used next."""
+    A constant of the shapes, cached and built outside any functorch transform (``vmap``, ``grad``), so that the
+    cached tensor is a plain one wherever it is used next. Not cached while a CUDA graph is being captured (the
+    tensor would be recorded, not computed, and live in the graph's pool) or under inference mode (an inference
+    tensor cannot be saved for a later backward); the cache is unbounded, so a captured graph never reads an
+    evicted index (a model has a handful of convolution shapes)."""
+    if torch.is_inference_mode_enabled() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return _patch_index_plain(h, w, kh, kw, stride, dilation, device)
+    return _cached_patch_index(h, w, kh, kw, stride, dilation, device)
+
+
+@functools.cache
+def _cached_patch_index(h: int, w: int, kh: int, kw: int, stride: tuple[int, int], dilation: tuple[int, int],
+                        device: torch.device) -> tuple[torch.Tensor, int, int]:
     with torch._C._DisableFuncTorch():
         return _patch_index_plain(h, w, kh, kw, stride, dilation, device)
 
@@ -63,18 +76,22 @@ def _patch_index_plain(h: int, w: int, kh: int, kw: int, stride: tuple[int, int]
 
 def conv2d_gemm(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride: _Pair = 1,
                 padding: _Pair | str = 0, dilation: _Pair = 1, groups: int = 1) -> torch.Tensor:
-    """``torch.conv2d`` computed as gathered patches plus a matrix product (same arguments, same result up to rounding);
-    grouped convolutions and string paddings ("same", "valid") use ``torch.conv2d`` itself."""
-    if groups != 1 or isinstance(padding, str):
+    """``torch.conv2d`` computed as gathered patches plus a matrix product (same arguments, same result up to
+    rounding); grouped convolutions, string paddings ("same", "valid") and arguments torch refuses (an empty output,
+    negative padding, stride or dilation below 1) go to ``torch.conv2d`` itself."""
+    if groups != 1 or isinstance(padding, str) or input.dim() not in (3, 4) or weight.dim() != 4:
+        return torch.conv2d(input, weight, bias, stride, padding, dilation, groups)
+    out_ch, _, kh, kw = weight.shape
+    (ph, pw), (sh, sw), (dh, dw) = _pair(padding), _pair(stride), _pair(dilation)
+    h, w = input.shape[-2] + 2 * ph, input.shape[-1] + 2 * pw
+    if min(ph, pw) < 0 or min(sh, sw, dh, dw) < 1 or h < dh * (kh - 1) + 1 or w < dw * (kw - 1) + 1:
         return torch.conv2d(input, weight, bias, stride, padding, dilation, groups)
     unbatched = input.dim() == 3
     x = input.unsqueeze(0) if unbatched else input
-    out_ch, _, kh, kw = weight.shape
-    (ph, pw) = _pair(padding)
     if ph or pw:
         x = F.pad(x, (pw, pw, ph, ph))
-    n, c, h, w = x.shape
-    index, h_out, w_out = _patch_index(h, w, kh, kw, _pair(stride), _pair(dilation), x.device)
+    n, c = x.shape[:2]
+    index, h_out, w_out = _patch_index(h, w, kh, kw, (sh, sw), (dh, dw), x.device)
     pixels = x.reshape(n, c, h * w).transpose(1, 2)  # [N, H W, C]
     cols = pixels.index_select(1, index).reshape(n, h_out * w_out, kh * kw * c)  # [N, L, kh kw C]
     out = cols @ weight.permute(0, 2, 3, 1).reshape(out_ch, -1).t()  # [N, L, O]
