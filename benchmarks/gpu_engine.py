@@ -1,11 +1,12 @@
-"""The engine's vmapped round in five variants, side by side in one run: ``eager`` (today's default path without
+"""The engine's vmapped round in six variants, side by side in one run: ``eager`` (today's default path without
 CUDA graphs: every kernel launched from Python, vmap's grouped convolutions), ``graphed`` (the round replayed as one
 CUDA graph, ``RunConfig(cuda_graphs=True)``), ``gemm_graphed`` (graphed, with the clients' convolutions as
-gathered patches plus one batched matrix product, ``RunConfig(batched_conv="gemm")``), ``bf16_graphed`` (graphed, the
-clients' convolutions in bfloat16, ``RunConfig(batched_conv="bf16")``: other arithmetic, so its float64
-difference is bf16's rounding, not a parity check, and the lease script never picks it for rows) and
+gathered patches plus one batched matrix product, ``RunConfig(batched_conv="gemm")``), ``bf16_graphed`` (graphed,
+the clients' convolutions in bfloat16, ``RunConfig(batched_conv="bf16")``: other arithmetic, so its float64
+difference is bf16's rounding, not a parity check, and the lease script never picks it for rows),
 ``graphed_stacked`` (graphed, the rounds of ``--stack`` seeds stepped together as one round over all their clients,
-:mod:`fl_server.engine.stacked`: what ``python -m lab bench ... --stack-seeds`` runs). On a GPU: the UPFL Table-1
+:mod:`fl_server.engine.stacked`: what ``python -m lab bench ... --stack-seeds`` runs) and ``gemm_graphed_stacked``
+(both: a stacked row on the GEMM path). On a GPU: the UPFL Table-1
 Fashion-MNIST round (ConvNet, 50 clients x 20 second-order meta-steps of batch 64) of FedTTA and FedTTA++; on the
 CPU, where graphs do not apply, the MNIST MLP FedTTA round.
 
@@ -15,7 +16,8 @@ the GPU memory peak of the first round (when a graphed variant records its graph
 resident, the host's kernel launches and the kernels run per round (CUDA profiler), and parity: the server state after
 ``--parity-rounds`` rounds in float64 against the eager variant's (max abs difference; a stacked variant's first
 seed). The row's value is eager seconds over the fastest variant's of the same arithmetic (bf16 aside). Rows merge
-into docs/benchmarks/gpu-engine.json by (what, device).
+into docs/benchmarks/gpu-engine.json by (what, device), each time a part is measured (timings, then parity, then
+kernel counts), so that a run cut off keeps what it measured.
 
     python benchmarks/gpu_engine.py --device cuda            # on a GPU
     python benchmarks/gpu_engine.py --device cuda --tf32     # ... at torch's default precision, as runs go
@@ -52,7 +54,8 @@ VARIANTS = {"eager": {"cuda_graphs": False, "batched_conv": "native"},  # explic
             "graphed": {"cuda_graphs": True, "batched_conv": "native"},
             "gemm_graphed": {"cuda_graphs": True, "batched_conv": "gemm"},
             "bf16_graphed": {"cuda_graphs": True, "batched_conv": "bf16"},
-            "graphed_stacked": {"cuda_graphs": True, "batched_conv": "native"}}  # with --stack seeds
+            "graphed_stacked": {"cuda_graphs": True, "batched_conv": "native"},  # with --stack seeds
+            "gemm_graphed_stacked": {"cuda_graphs": True, "batched_conv": "gemm"}}  # both, as a stacked row on gemm
 
 
 class Stacked:
@@ -73,7 +76,7 @@ def make_sim(protocol: Any, method: str, feds: list[Any], device: str, dtype: st
     def one(seed: int) -> Simulation:
         return build_simulation(protocol, method, seed, None, device, "vmap", False, None, feds[seed], dtype=dtype,
                                 **VARIANTS[variant])
-    return Stacked([one(k) for k in range(len(feds))]) if variant == "graphed_stacked" else one(0)
+    return Stacked([one(k) for k in range(len(feds))]) if variant.endswith("_stacked") else one(0)
 
 
 def runs_per_round(sim: Any) -> int:
@@ -133,7 +136,7 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="10 clients, 3 local steps (CI)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
                     help="eager (the reference) is always run")
-    ap.add_argument("--stack", type=int, default=3, help="seeds stepped together in graphed_stacked")
+    ap.add_argument("--stack", type=int, default=3, help="seeds stepped together in the *_stacked variants")
     ap.add_argument("--tf32", action="store_true",
                     help="time with torch's default precision, as the engine's runs go: convolutions in TF32 (the "
                          "GEMM variant's too, fl_server/engine/gemm_conv.py), other matrix products in float32; "
@@ -160,17 +163,7 @@ def main() -> int:
                 f"{protocol.local_iterations} steps of {protocol.batch_size})"
                 + (", torch's default precision (TF32 convolutions)" if args.tf32 and device.type == "cuda" else ""))
         row: dict[str, Any] = {"benchmark": "gpu-engine", "what": what, "metric": "speedup"}
-        # parity in float64: the same rounds in every variant, against the eager one
-        sims = {v: make_sim(protocol, method, feds, str(device), "float64", v) for v in args.variants}
-        for r in range(args.parity_rounds):
-            for sim in sims.values():
-                sim.run_round(r)
-        for v, sim in sims.items():
-            if v != "eager":
-                row[f"{v}_max_abs_diff_float64"] = state_diff(sims["eager"].server_state, sim.server_state)
-                row[f"{v}_graph_captures_replays"] = [sim.graphed.captures, sim.graphed.replays] \
-                    if sim.graphed else None
-        del sims
+        # timings first (float32, as rows run), written at once: a lease may cut the later parts off
         sims = {v: make_sim(protocol, method, feds, str(device), "float32", v) for v in args.variants}
         secs = {}
         for v, (first, median, peak) in time_rounds(sims, args.repeats).items():
@@ -189,8 +182,20 @@ def main() -> int:
         row.update({"graphs_used": device.type == "cuda", "repeats": args.repeats, "device": describe(device),
                     "load_average_1min": round(os.getloadavg()[0], 2), "torch": torch.__version__,
                     "command": command})
-        merge_rows(args.out, [row])  # the timings are kept if the kernel counts below are cut off
-        if device.type == "cuda":
+        merge_rows(args.out, [row])
+        # parity in float64: the same rounds in every variant, against the eager one
+        exact = {v: make_sim(protocol, method, feds, str(device), "float64", v) for v in args.variants}
+        for r in range(args.parity_rounds):
+            for sim in exact.values():
+                sim.run_round(r)
+        for v, sim in exact.items():
+            if v != "eager":
+                row[f"{v}_max_abs_diff_float64"] = state_diff(exact["eager"].server_state, sim.server_state)
+                row[f"{v}_graph_captures_replays"] = [sim.graphed.captures, sim.graphed.replays] \
+                    if sim.graphed else None
+        del exact
+        merge_rows(args.out, [row])
+        if device.type == "cuda":  # kernels per round, on the float32 runs timed above
             for v in secs:
                 row[f"{v}_launches"] = launches(sims[v], args.repeats + 1)
             merge_rows(args.out, [row])

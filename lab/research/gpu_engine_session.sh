@@ -6,9 +6,10 @@
 #     skips it, and then mnist/ need not be carried);
 #  2. with BENCH=1 only: benchmarks/gpu_engine.py --device cuda $BENCH_ARGS (default: FedTTA at torch's default
 #     precision, as rows run, eager against graphed, gemm_graphed (the gather form; the im2col form measured
-#     0.27x, docs/research/gpu-engine.md), bf16_graphed and graphed_stacked: two seeds' rounds as one, as the
-#     s12 rows run them, per row): rounds, first-round memory peaks, parity over two float64 rounds (a capture and
-#     a replay), kernels per round; the timings are written before the kernels are counted;
+#     0.27x, docs/research/gpu-engine.md), bf16_graphed, graphed_stacked and gemm_graphed_stacked (two seeds'
+#     rounds as one, as the s12 rows run them, on either path)): per variant s/round, first-round memory peak,
+#     parity over two float64 rounds (a capture and a replay), kernels per round, written in that order as each
+#     is measured, so that the timeout keeps what was measured;
 #  3. FL_BATCHED_CONV (the engine's convolution path for the rows): as given, else "gemm" where step 2 timed
 #     gemm_graphed faster than graphed, else native; never bf16 (other arithmetic:
 #     its rows must first match the float32 rows on validation);
@@ -55,7 +56,7 @@ fi
 if [ -n "${BENCH:-}" ]; then
 say "benchmarks/gpu_engine.py"
 timeout 300 python3 benchmarks/gpu_engine.py --device cuda \
-    ${BENCH_ARGS:---repeats 2 --stack 2 --tf32 --methods FedTTA --variants graphed gemm_graphed bf16_graphed graphed_stacked} \
+    ${BENCH_ARGS:---repeats 2 --stack 2 --tf32 --methods FedTTA --variants graphed gemm_graphed bf16_graphed graphed_stacked gemm_graphed_stacked} \
     --out "$O/gpu-engine.json" >> "$LOG" 2>&1 || say "gpu_engine exit $?"
 fi
 if [ -z "${FL_BATCHED_CONV:-}" ]; then  # the faster path of the benchmark's first row, native without one
