@@ -110,11 +110,12 @@ def test_gemm_convolution_launches_do_not_grow_with_the_batch_or_the_clients() -
     assert sum(clients.values()) <= sum(base.values()) + 5, (base, clients)
 
 
-@pytest.mark.parametrize("kwargs", [{"padding": -1}, {"stride": 0}, {"dilation": 6}])
+@pytest.mark.parametrize("kwargs", [{"padding": -1}, {"stride": 0}, {"dilation": 6}, {"in_channels": 2}])
 def test_gemm_convolution_refuses_what_torch_refuses(kwargs: dict) -> None:
-    """Arguments torch.conv2d refuses (negative padding, stride 0, a kernel wider than the padded input) raise
-    torch's own error, not a cropped or empty result."""
-    x, w = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3)
+    """Arguments torch.conv2d refuses (negative padding, stride 0, a kernel wider than the padded input, weights
+    of other input channels) raise torch's own error, not a cropped or empty result."""
+    kwargs = dict(kwargs)
+    x, w = torch.randn(2, 3, 8, 8), torch.randn(4, kwargs.pop("in_channels", 3), 3, 3)
     with pytest.raises(RuntimeError) as want:
         F.conv2d(x, w, **kwargs)
     with pytest.raises(RuntimeError, match=re.escape(str(want.value).splitlines()[0])):

@@ -78,8 +78,9 @@ def conv2d_gemm(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                 padding: _Pair | str = 0, dilation: _Pair = 1, groups: int = 1) -> torch.Tensor:
     """``torch.conv2d`` computed as gathered patches plus a matrix product (same arguments, same result up to
     rounding); grouped convolutions, string paddings ("same", "valid") and arguments torch refuses (an empty output,
-    negative padding, stride or dilation below 1) go to ``torch.conv2d`` itself."""
-    if groups != 1 or isinstance(padding, str) or input.dim() not in (3, 4) or weight.dim() != 4:
+    negative padding, stride or dilation below 1, weights of other input channels) go to ``torch.conv2d`` itself."""
+    if groups != 1 or isinstance(padding, str) or input.dim() not in (3, 4) or weight.dim() != 4 \
+            or weight.shape[1] != input.shape[-3]:
         return torch.conv2d(input, weight, bias, stride, padding, dilation, groups)
     out_ch, _, kh, kw = weight.shape
     (ph, pw), (sh, sw), (dh, dw) = _pair(padding), _pair(stride), _pair(dilation)
