@@ -74,19 +74,29 @@ def _patch_index_plain(h: int, w: int, kh: int, kw: int, stride: tuple[int, int]
     return (rows * w + cols).reshape(-1), h_out, w_out
 
 
+def _gemm_form_applies(input: torch.Tensor, weight: torch.Tensor, padding: _Pair | str, stride: _Pair,
+                       dilation: _Pair, groups: int) -> bool:
+    """Whether :func:`conv2d_gemm` computes this call itself: an ungrouped convolution with numeric padding whose
+    arguments torch accepts (the rest go to ``torch.conv2d``, which computes them or raises its own error)."""
+    if groups != 1 or isinstance(padding, str) or input.dim() not in (3, 4) or weight.dim() != 4 \
+            or weight.shape[1] != input.shape[-3]:
+        return False
+    (ph, pw), (sh, sw), (dh, dw) = _pair(padding), _pair(stride), _pair(dilation)
+    kh, kw = weight.shape[-2:]
+    return min(ph, pw) >= 0 and min(sh, sw, dh, dw) >= 1 and input.shape[-2] + 2 * ph >= dh * (kh - 1) + 1 \
+        and input.shape[-1] + 2 * pw >= dw * (kw - 1) + 1
+
+
 def conv2d_gemm(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, stride: _Pair = 1,
                 padding: _Pair | str = 0, dilation: _Pair = 1, groups: int = 1) -> torch.Tensor:
     """``torch.conv2d`` computed as gathered patches plus a matrix product (same arguments, same result up to
     rounding); grouped convolutions, string paddings ("same", "valid") and arguments torch refuses (an empty output,
     negative padding, stride or dilation below 1, weights of other input channels) go to ``torch.conv2d`` itself."""
-    if groups != 1 or isinstance(padding, str) or input.dim() not in (3, 4) or weight.dim() != 4 \
-            or weight.shape[1] != input.shape[-3]:
+    if not _gemm_form_applies(input, weight, padding, stride, dilation, groups):
         return torch.conv2d(input, weight, bias, stride, padding, dilation, groups)
     out_ch, _, kh, kw = weight.shape
     (ph, pw), (sh, sw), (dh, dw) = _pair(padding), _pair(stride), _pair(dilation)
     h, w = input.shape[-2] + 2 * ph, input.shape[-1] + 2 * pw
-    if min(ph, pw) < 0 or min(sh, sw, dh, dw) < 1 or h < dh * (kh - 1) + 1 or w < dw * (kw - 1) + 1:
-        return torch.conv2d(input, weight, bias, stride, padding, dilation, groups)
     unbatched = input.dim() == 3
     x = input.unsqueeze(0) if unbatched else input
     if ph or pw:
