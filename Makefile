@@ -23,14 +23,16 @@ setup: $(STAMP)
 run: $(STAMP)
 	BIN=$(BIN) bash scripts/run_default.sh
 
-## the whole test suite (real MNIST / Fashion-MNIST from ../shared/data when present)
+## the whole test suite (real MNIST / Fashion-MNIST from ../shared/data when present); one worker per core, at most
+## four, each taking whole test files (a file's fixtures are built once); PYTEST_WORKERS=0 runs it in one process
+PYTEST_WORKERS ?= auto
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --maxprocesses 4 --dist loadfile
 
 ## the fast lane for development: the tests under ~5 s each (leaves out those marked slow: tests/slow_tests.txt)
 ## it skips only what make test skips where both run (what the machine lacks: docs/cli.md, Tests)
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow" -n $(PYTEST_WORKERS) --maxprocesses 4 --dist loadfile
 
 ## the results lab's own tests (lab/: the paper-reproduction harness, outside the package; CI runs them after make test)
 test-lab: $(STAMP)
