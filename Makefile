@@ -26,13 +26,14 @@ run: $(STAMP)
 ## the whole test suite (real MNIST / Fashion-MNIST from ../shared/data when present); one worker per core, at most
 ## four, each taking whole test files (a file's fixtures are built once); PYTEST_WORKERS=0 runs it in one process
 PYTEST_WORKERS ?= auto
+WORKERS := -n $(PYTEST_WORKERS) --maxprocesses 4 --dist loadfile
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --maxprocesses 4 --dist loadfile
+	$(BIN)/python -m pytest -q $(WORKERS)
 
 ## the fast lane for development: the tests under ~5 s each (leaves out those marked slow: tests/slow_tests.txt)
 ## it skips only what make test skips where both run (what the machine lacks: docs/cli.md, Tests)
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow" -n $(PYTEST_WORKERS) --maxprocesses 4 --dist loadfile
+	$(BIN)/python -m pytest -q -m "not slow" $(WORKERS)
 
 ## the results lab's own tests (lab/: the paper-reproduction harness, outside the package; CI runs them after make test)
 test-lab: $(STAMP)
