@@ -27,6 +27,7 @@ def train_recipe(args: argparse.Namespace):  # -> fl_server.recipes.Recipe
 
     from fl_server.recipes import load_recipe
     from fl_server.recipes.presets import builtin_recipe
+    from fl_server.recipes.recipe import refuse_idle_overrides
 
     if args.recipe is None:
         changes = {k: v for k, v in {"rounds": args.rounds, "num_clients": args.clients, "model": args.model}.items()
@@ -38,7 +39,8 @@ def train_recipe(args: argparse.Namespace):  # -> fl_server.recipes.Recipe
         changes.update(method=args.method, hyper={})  # the recipe's hyperparameters belong to its own method
     if args.clients is not None:
         changes["federation"] = dataclasses.replace(recipe.federation, num_clients=args.clients)
-    return recipe.replace(**changes) if changes else recipe
+    recipe = recipe.replace(**changes) if changes else recipe
+    return refuse_idle_overrides(recipe, {"num_clients"} if args.clients is not None else set())
 
 
 def cmd_train(args: argparse.Namespace) -> int:

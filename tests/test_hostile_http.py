@@ -332,6 +332,12 @@ def test_job_numbers_are_strict(bare: Coordinator, field: str, value: object, ty
     assert [(e["loc"], e["type"]) for e in r.json()["detail"]] == [(["body", field], type_)]
 
 
+def test_alpha_for_a_partition_it_does_not_shape_is_refused(bare: Coordinator) -> None:
+    body = {"method": "TENT", "partition": "iid", "alpha": 0.5}
+    r = httpx.post(f"{bare.url}/v1/jobs", json=body, headers=auth(ADMIN), timeout=10)
+    assert (r.status_code, r.json()["detail"]) == (422, "alpha shapes the dirichlet partition only, not 'iid'")
+
+
 def test_embedding_and_dle_numbers_are_strict(served: Coordinator) -> None:
     client = join(served.url, "ODPFL-HN")
     dim = int(client["manifest"]["hyperparameters"]["embed_dim"])

@@ -154,6 +154,14 @@ class WideNet(SmallNet):
         self.body = nn.Sequential(nn.Flatten(), nn.Linear(784, 4096), nn.ReLU(), nn.Linear(4096, 32), nn.ReLU())
 
 
+class DropoutNet(SmallNet):
+    """Dropout before the head: random in training mode, where the engine validates; off on the device."""
+
+    def __init__(self, input_shape: tuple[int, int, int], num_classes: int) -> None:
+        super().__init__(input_shape, num_classes)
+        self.body.append(nn.Dropout(0.5))
+
+
 def _bad(case: str, tmp_path: Path, x: np.ndarray, y: np.ndarray) -> None:  # noqa: C901 - one branch per case
     from PIL import Image
 
@@ -180,6 +188,14 @@ def _bad(case: str, tmp_path: Path, x: np.ndarray, y: np.ndarray) -> None:  # no
         else:
             (root / "02").mkdir()
         DataSpec.from_image_folder(root)
+    elif case == "dropout in the model":
+        Recipe(model=ModelSpec(DropoutNet, head="fc"), data=data)
+    elif case == "16-bit image":
+        root = _write_folder(tmp_path / "images", x[:4], np.array([0, 0, 1, 1]))
+        Image.fromarray(x[2, :, :, 0].astype(np.uint16) * 257).save(root / "01" / "00002.png")
+        DataSpec.from_image_folder(root)
+    elif case == "NCHW arrays read as NHWC":
+        DataSpec.from_arrays(x.transpose(0, 3, 1, 2), y)
     elif case == "method cannot serve the model":
         Recipe(model=ModelSpec(WideNet), data=data, method="ODPFL-HN")
     del Image
@@ -206,6 +222,13 @@ BAD = {
                       "FedTTA, FedTTA-Prox, FedTTA++, ODPFL-HN, BTFL, FedICON, FedICON w/o TTA, MAP, FedRS, FedPHP",
     "unreadable image": "data: cannot read image {root}/01/00002.png (UnidentifiedImageError); replace or remove it",
     "empty class folder": "data: class folder {root}/02 holds no PNG/JPEG images; add images or remove the folder",
+    "dropout in the model": "model: Dropout at features.body.8 draws random numbers in training mode, where the "
+                            "engine validates and tests the model, and a device runs it in eval mode: the accuracy "
+                            "training reports would not be the device's; remove it",
+    "16-bit image": "data: image {root}/01/00002.png has I;16 pixels (16-bit or float), which 8-bit images would "
+                    "clip; convert the folder to 8-bit PNG/JPEG or load the pixels with DataSpec.from_arrays",
+    "NCHW arrays read as NHWC": "data: images of shape [40, 1, 28, 28] read as NHWC would have 28 channels; they "
+                                "look like [N, C, H, W]: pass layout='NCHW'",
     "method cannot serve the model": "method: ODPFL-HN cannot serve this model: its hypernetwork generates all "
                                      "3,346,794 weights, about 338,026,194 parameters at hn_width 100 (limit "
                                      "200,000,000); use a smaller model (e.g. 'lenet') or another method",

@@ -175,3 +175,27 @@ def test_a_recipe_job_without_a_method_is_not_checked_against_the_default_one(tm
         assert httpx.delete(f"{url}/{own.json()['id']}", headers=auth(ADMIN), timeout=10).status_code in (200, 204)
     finally:
         coord.stop()
+
+
+NATURAL_RECIPE = '''
+import numpy as np
+from fl_server.recipes import DataSpec, Recipe
+
+rng = np.random.default_rng(0)
+mine = Recipe(model="mlp", data=DataSpec.from_arrays(rng.integers(0, 256, (60, 8, 8, 1), dtype=np.uint8),
+                                                     np.arange(60) % 3, client_ids=np.arange(60) % 6), rounds=1)
+'''
+
+
+def test_a_flag_that_would_change_nothing_is_refused_in_one_line(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """--clients on a recipe whose clients are the data's own (the natural partition) would train the same
+    federation as without it: refused before any training, the run folder never made."""
+    file = tmp_path / "natural.py"
+    file.write_text(NATURAL_RECIPE)
+    assert main(["train", "--recipe", f"{file}:mine", "--clients", "5", "--out", str(tmp_path / "run"),
+                 "--no-progress", "--device", "cpu"]) == 2
+    assert _one_line_error(capsys) == (
+        "error: federation: the natural partition's clients are the data's client_ids, so a number of clients "
+        "(--clients, num_clients) would change nothing; drop it or choose a partition\n")
+    assert not (tmp_path / "run").exists()

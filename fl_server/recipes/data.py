@@ -24,6 +24,7 @@ from fl_server.data.federated import FederatedData
 from fl_server.recipes.errors import RecipeError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+WIDE_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")  # Pillow modes of 16-bit and float pixels
 # (C, H, W) and classes of the built-in data sets: a recipe is checked without loading them
 BUILTINS: dict[str, tuple[tuple[int, int, int], int]] = {
     "digits": ((1, 8, 8), 10), "mnist": ((1, 28, 28), 10), "fashion_mnist": ((1, 28, 28), 10),
@@ -76,6 +77,10 @@ class DataSpec:
             bad = np.flatnonzero(~finite)
             raise RecipeError(f"data: {len(bad)} image(s) hold NaN or infinite values (first: sample {bad[0]}); "
                               f"drop or repair them before building the recipe")
+        if (layout == "NHWC" and not isinstance(images, list) and images.ndim == 4 and images.shape[3] > 4
+                and images.shape[1] in (1, 3)):
+            raise RecipeError(f"data: images of shape {list(images.shape)} read as NHWC would have "
+                              f"{images.shape[3]} channels; they look like [N, C, H, W]: pass layout='NCHW'")
         if not isinstance(images, list) and images.ndim not in (3, 4):
             raise RecipeError(f"data: images must be [N, H, W, C] or [N, C, H, W] ({layout}) or [N, H, W], got "
                               f"shape {list(images.shape)}")
@@ -120,10 +125,15 @@ class DataSpec:
                 try:
                     with Image.open(file) as im:
                         im.load()
+                        mode = im.mode
                         arr = np.asarray(im if im.mode in ("L", "RGB") else im.convert("RGB"))
                 except (UnidentifiedImageError, OSError, ValueError) as exc:
                     raise RecipeError(f"data: cannot read image {file} ({type(exc).__name__}); replace or remove "
                                       f"it") from None
+                if mode in WIDE_MODES:  # convert("RGB") would clip them to 0..255
+                    raise RecipeError(f"data: image {file} has {mode} pixels (16-bit or float), which 8-bit images "
+                                      f"would clip; convert the folder to 8-bit PNG/JPEG or load the pixels with "
+                                      f"DataSpec.from_arrays")
                 images.append(arr if arr.ndim == 3 else arr[:, :, None])
                 labels.append(label)
         if len({im.shape[2] for im in images}) > 1:  # a mix of grayscale and colour images: all RGB

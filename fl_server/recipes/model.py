@@ -150,12 +150,18 @@ def build_classifier(model: Union[str, ModelSpec], input_shape: InputShape, num_
 
 def check_classifier(clf: Classifier, input_shape: InputShape) -> None:
     """Raise :class:`RecipeError` unless ``clf`` reads a batch of ``input_shape`` and its features are
-    ``[N, D]`` with D the head's input width, and it keeps no buffers (the engine's state is parameters only)."""
+    ``[N, D]`` with D the head's input width, and it keeps no buffers (the engine's state is parameters only) and no
+    layer that is random in training mode (dropout)."""
     for name, buf in clf.named_buffers():
         owner = clf.get_submodule(name.rpartition(".")[0]) if "." in name else clf
         raise RecipeError(f"model: {type(owner).__name__} at {name.rpartition('.')[0] or 'the top'} keeps buffer "
                           f"{name.rpartition('.')[2]!r} (e.g. BatchNorm running statistics), which the functional "
                           f"engine cannot carry; use nn.BatchNorm2d (converted), fl_server.models.norm.StatBatchNorm2d or nn.GroupNorm")
+    for name, module in clf.named_modules():
+        if isinstance(module, (nn.modules.dropout._DropoutNd, nn.RReLU)):  # random in training mode only
+            raise RecipeError(f"model: {type(module).__name__} at {name or 'the top'} draws random numbers in "
+                              f"training mode, where the engine validates and tests the model, and a device runs it "
+                              f"in eval mode: the accuracy training reports would not be the device's; remove it")
     shape = [2, *input_shape]
     try:
         with torch.no_grad():

@@ -171,6 +171,24 @@ class Recipe:
         return dataclasses.replace(self, **changes)
 
 
+def refuse_idle_overrides(recipe: Recipe, names: Any) -> Recipe:
+    """``recipe``, unless one of the federation fields ``names`` that a flag or a job set has no effect on its
+    partition (a number of clients for the natural partition, alpha for any but dirichlet): then one line.
+
+    >>> refuse_idle_overrides(Recipe(model="mlp", data=DataSpec.builtin("digits")), {"alpha"})
+    Traceback (most recent call last):
+    fl_server.recipes.errors.RecipeError: federation: alpha shapes the dirichlet partition only, and this one is ...
+    """
+    partition = recipe.federation.partition
+    if "num_clients" in names and partition == "natural":
+        raise RecipeError("federation: the natural partition's clients are the data's client_ids, so a number of "
+                          "clients (--clients, num_clients) would change nothing; drop it or choose a partition")
+    if "alpha" in names and partition != "dirichlet":
+        raise RecipeError(f"federation: alpha shapes the dirichlet partition only, and this one is {partition}; "
+                          f"drop alpha or choose partition 'dirichlet'")
+    return recipe
+
+
 def _canonical(method: Any) -> str:
     if isinstance(method, str):
         if method in ALGORITHMS:

@@ -292,6 +292,8 @@ def create_job(body: S.JobRequest, _: Principal = Depends(require_admin), svc: S
                                  f"{', '.join(svc.cfg.methods)} (FL_SERVE_METHODS)")
     if body.partition == "dirichlet" and body.alpha is None:
         raise HTTPException(422, "partition 'dirichlet' needs alpha")
+    if body.alpha is not None and body.partition not in (None, "dirichlet"):
+        raise HTTPException(422, f"alpha shapes the dirichlet partition only, not {body.partition!r}")
     if body.recipe is not None:
         try:
             resolve_in_dir(svc.cfg.recipes_dir, body.recipe)  # the file must exist now; the worker loads it

@@ -47,6 +47,7 @@ def job_recipe(spec: dict[str, Any]) -> Recipe:
     recipe's own), or the built-in recipe of ``spec["dataset"]`` with the request's."""
     from fl_server.recipes import RecipeError, load_recipe
     from fl_server.recipes.presets import builtin_recipe
+    from fl_server.recipes.recipe import refuse_idle_overrides
     from fl_server.service.config import served_methods
 
     fed_changes = {k: spec[k] for k in ("num_clients", "partition", "alpha") if spec.get(k) is not None}
@@ -57,10 +58,12 @@ def job_recipe(spec: dict[str, Any]) -> Recipe:
             raise RecipeError(f"the recipe's method {method} is not served by the coordinator; name one of "
                               f"{', '.join(served)} in the job's method")
         federation = dataclasses.replace(recipe.federation, **fed_changes) if fed_changes else recipe.federation
-        return recipe.replace(method=method, rounds=int(spec.get("rounds") or recipe.rounds), federation=federation,
-                              hyper=recipe.hyper if recipe.method == method else {})
+        return refuse_idle_overrides(recipe.replace(
+            method=method, rounds=int(spec.get("rounds") or recipe.rounds), federation=federation,
+            hyper=recipe.hyper if recipe.method == method else {}), fed_changes)
     changes = {**fed_changes, **({"rounds": spec["rounds"]} if spec.get("rounds") is not None else {})}
-    return builtin_recipe(spec["dataset"], spec["method"], spec.get("data_dir"), **changes)
+    return refuse_idle_overrides(builtin_recipe(spec["dataset"], spec["method"], spec.get("data_dir"), **changes),
+                                 fed_changes)
 
 
 def run_job(job_dir: Path) -> None:
