@@ -199,3 +199,26 @@ def test_a_flag_that_would_change_nothing_is_refused_in_one_line(tmp_path: Path,
         "error: federation: the natural partition's clients are the data's client_ids, so a number of clients "
         "(--clients, num_clients) would change nothing; drop it or choose a partition\n")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_recipe_edited_after_training_is_refused_not_resumed_or_exported(tmp_path: Path) -> None:
+    """Other preprocessing than the run's: training into the same folder would resume the old run and report its
+    accuracy, export would ship a bundle that normalises otherwise; both refuse in one line."""
+    from fl_server.export.run import export_run
+
+    recipe = Recipe(model="mlp", data=DataSpec.builtin("digits"), rounds=1, local_iterations=2, batch_size=16,
+                    federation=Federation(partition="iid", num_clients=4))
+    run_dir = tmp_path / "run"
+    train(recipe, run_dir, device="cpu", progress=False)
+    assert recipe.preprocess is not None
+    edited = recipe.replace(preprocess=dataclasses.replace(recipe.preprocess, mean=(0.5,)))
+    with pytest.raises(RecipeError) as info:
+        train(edited, run_dir, device="cpu", progress=False)
+    assert str(info.value) == (f"{run_dir} holds a run trained with other preprocessing than this recipe's; train "
+                               f"into another folder (--out), or delete it to start over")
+    with pytest.raises(ValueError, match=r"the recipe's preprocessing is not the one the run trained with "
+                                         r"\(run.json: .*'mean': \[0.0\].*; the recipe now: .*'mean': \[0.5\]"):
+        export_run(run_dir, tmp_path / "bundle", recipe=edited)
+    assert not (tmp_path / "bundle").exists()
+    train(recipe, run_dir, device="cpu", progress=False)  # the recipe as trained: resumes
+    export_run(run_dir, tmp_path / "bundle", recipe=recipe)

@@ -9,6 +9,7 @@ True
 from __future__ import annotations
 
 import dataclasses
+import json
 import platform
 import shlex
 import sys
@@ -82,7 +83,25 @@ def simulation(recipe: Recipe, seed: int = 0, run_dir: str | Path | None = None,
                     client_fraction=recipe.federation.client_fraction, eval_every=recipe.eval_every, seed=seed,
                     mode=mode, device=device, out_dir=str(run_dir) if run_dir else None, progress=progress,
                     test_at_best_only=test_at_best_only, checkpoint_every=checkpoint_every, **engine)
-    return Simulation(algorithm, fed, cfg, {**describe_run(recipe, algorithm, fed, seed), **(description or {})})
+    described = {**describe_run(recipe, algorithm, fed, seed), **(description or {})}
+    if run_dir is not None:
+        refuse_other_run(Path(run_dir), described)
+    return Simulation(algorithm, fed, cfg, described)
+
+
+def refuse_other_run(run_dir: Path, described: dict[str, Any]) -> None:
+    """RecipeError (one line) when ``run_dir`` already holds a run whose preprocessing or new clients differ from
+    ``described``'s (a recipe edited since): resuming it would report the old run's accuracy for a bundle that
+    preprocesses, or a split that holds out, otherwise."""
+    path = run_dir / rundir.RUN
+    if not path.is_file():
+        return
+    old = json.loads(path.read_text())
+    new = json.loads(json.dumps(described, default=str))
+    for key, what in (("preprocess", "preprocessing"), ("new_clients", "new clients")):
+        if isinstance(old.get(key), dict) and key in new and any(old[key][k] != new[key].get(k) for k in old[key]):
+            raise RecipeError(f"{run_dir} holds a run trained with other {what} than this recipe's; train into "
+                              f"another folder (--out), or delete it to start over")
 
 
 def train(recipe: Recipe, run_dir: str | Path, seed: int = 0, device: str = "auto", progress: bool = True,
