@@ -304,6 +304,17 @@ EXPERIMENTS["fedicon-shift"] = Experiment(
 # in docs/results/odpfl-hn-probe.json).
 ODPFL_PAPER_HP: dict[str, float | bool] = {"local_lr": 0.1, "encoder_lr": 1e-5, "hn_lr": 0.05,
                                           "standardize_init": True}
+# The clients' local SGD on the generated model is clipped (clip_norm 5; FedAvg, the reference, is not): without it
+# a client's local step now and then blows up, the chain rule carries that into gamma's gradient (tens in most
+# steps, thousands in a spike) and a few such steps in a row end the run: odpfl-dp seed 0's weights turned
+# non-finite at step 24, odpfl-dirichlet-noise seed 1's hypernetwork lost every unit of its second layer within 25
+# steps. Chosen on the training clients' validation at odpfl-dp seed 0 over the first 100 steps
+# (lab/research/probe_odpfl_hn.py --experiment odpfl-dp --seed 0 --rounds 100 --set clip_norm=..., rows in
+# docs/results/odpfl-hn-probe.json): no clip diverges; 5 / 10 / 20 reach 92.28 / 92.22 / 91.97. On
+# odpfl-dirichlet-noise seed 1 (10 held-out clients, 50 steps) it turns the collapse into a run that trains
+# (held-out 6.59 -> 83.07 at step 50; probe rows clip_norm=null / 5). odpfl-dp and odpfl-dirichlet-noise run with it;
+# odpfl-dirichlet's rows were trained without it (every seed trained) and have not been rerun with it.
+ODPFL_LOCAL_CLIP = {"clip_norm": 5.0}
 # ODPFL-HN paper protocol (Sec. 6, CIFAR-10 there): 100 clients, Dir(alpha) labels, 10% new clients, 500 steps
 # with 10% of the training clients per step. Target model: LeNet (the paper's and pFedHN's target is a LeNet-style
 # CNN; the McMahan ConvNet's 1.6M-weight FC layer would need a 160M-parameter hypernetwork head).
@@ -320,9 +331,10 @@ _ODPFL_DIRICHLET = replace(_ODPFL_PROTOCOL, options={"val_clients": 10, "quick":
 # Dir(1) with noise of std 1 on the training clients' (standardized) embeddings, the best of 0 / 0.5 / 1 / 2 on the
 # held-out validation clients at seed 0 (lab/research/probe_odpfl_hn.py, 500 steps: 0.5 / 1 / 2 -> 87.85 / 88.74 /
 # 88.05, no noise 87.44; rows in docs/results/odpfl-hn-probe.json and the protocol's raw seed-0 row).
-# Not adopted: seed 1 collapses (docs/research/odpfl-hn-diagnosis.md).
-_ODPFL_NOISE_HP = {**_ODPFL_HP, "ODPFL-HN": {**ODPFL_PAPER_HP, "embedding_noise": 1.0}}
-_ODPFL_NOISE_NOTE = "; ODPFL-HN embedding_noise 1.0"
+# Not adopted: its unclipped run's seed 1 collapsed (docs/research/odpfl-hn-diagnosis.md); the variant's runs now clip
+# the clients' local steps (ODPFL_LOCAL_CLIP).
+_ODPFL_NOISE_HP = {**_ODPFL_HP, "ODPFL-HN": {**ODPFL_PAPER_HP, **ODPFL_LOCAL_CLIP, "embedding_noise": 1.0}}
+_ODPFL_NOISE_NOTE = "; ODPFL-HN local gradient clip 5, embedding_noise 1.0"
 # Dir(1): the hypernetwork starts at the target model's own init (heads' biases = LeNet's init, heads' weights x 0.1:
 # hn_head_init "target") with the noise above. Chosen on the 10 held-out validation clients at seed 0
 # (lab/research/probe_odpfl_hn.py, 500 steps, hn_lr 0.05; rows in docs/results/odpfl-hn-probe.json): best held-out
@@ -369,16 +381,12 @@ EXPERIMENTS["odpfl-dirichlet-noise"] = Experiment(
     description="A variant of odpfl-dirichlet Dir(1), ODPFL-HN only, with pFedHN's default hypernetwork init: "
                 "noise of std 1 on the training clients' embeddings (embedding_noise), the best of 0.5 / 1 / 2 on "
                 "the held-out clients at seed 0. Same clients and FedAvg as odpfl-dirichlet fashion_mnist-a1, "
-                "which adds the target-model init (hn_head_init \"target\") to the same noise. Not adopted alone: "
-                "seed 1 collapses to one class within 25 steps (docs/research/odpfl-hn-diagnosis.md).",
+                "which adds the target-model init (hn_head_init \"target\") to the same noise. The clients' local "
+                "gradients are clipped to norm 5, as on odpfl-dp (odpfl-dirichlet's own rows are not, yet): "
+                "without the clip seed 1 collapsed to one class within 25 steps "
+                "(docs/research/odpfl-hn-diagnosis.md).",
 )
-# ODPFL-HN's clients' local SGD on the generated model is clipped (clip_norm 5; FedAvg, the reference, is not): without
-# it a client's local step now and then blows up, the chain rule carries that into gamma's gradient (tens in most
-# steps, up to ~24,000 in the steps before seed 0's weights turned non-finite at step 24) and a few such steps in a
-# row end the run. Chosen on the training clients' validation at seed 0 over the first 100 steps (lab/research/probe_odpfl_hn.py
-# --experiment odpfl-dp --seed 0 --rounds 100 --set clip_norm=..., rows in docs/results/odpfl-hn-probe.json): no clip
-# diverges; 5 / 10 / 20 reach 92.28 / 92.22 / 91.97.
-_ODPFL_DP_HP = {**_ODPFL_HP, "ODPFL-HN": {**_ODPFL_HP["ODPFL-HN"], "dp": True, "clip_norm": 5.0}}
+_ODPFL_DP_HP = {**_ODPFL_HP, "ODPFL-HN": {**_ODPFL_HP["ODPFL-HN"], **ODPFL_LOCAL_CLIP, "dp": True}}
 EXPERIMENTS["odpfl-dp"] = Experiment(
     name="odpfl-dp", methods=("FedAvg", "ODPFL-HN"),
     protocols={"fashion_mnist": replace(
