@@ -15,18 +15,18 @@ PROG = "python -m lab"
 
 def _table_argv(argv: list[str], seed_numbers: list[int] | None) -> list[str]:
     """The arguments that reproduce the whole table: ``--seed N`` runs (one process per seed) are recorded as
-    ``--seeds max(N)+1``, since the resumable harness then runs every seed that is missing."""
-    if not seed_numbers:
-        return argv
+    ``--seeds max(N)+1``, since the resumable harness then runs every seed that is missing; ``--threads`` (how
+    this process ran, not what) is left out."""
+    dropped = ("--seed", "--seeds", "--threads") if seed_numbers else ("--threads",)
     kept, i = [], 0
     while i < len(argv):
-        if argv[i] in ("--seed", "--seeds"):
+        if argv[i] in dropped:
             i += 2  # the flag and its value
             continue
-        if not argv[i].startswith(("--seed=", "--seeds=")):
+        if not argv[i].startswith(tuple(f"{flag}=" for flag in dropped)):
             kept.append(argv[i])
         i += 1
-    return [*kept, "--seeds", str(max(seed_numbers) + 1)]
+    return [*kept, "--seeds", str(max(seed_numbers) + 1)] if seed_numbers else kept
 
 
 def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
@@ -42,6 +42,12 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
             print(f"{name:<22} {', '.join(e.protocols)}")
         return 0
     exp = get_experiment(args.experiment)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        import torch
+
+        torch.set_num_threads(args.threads)
     datasets = args.dataset or [d for d in exp.protocols if d != "digits"]
     methods = args.methods or list(exp.methods)
     results = Path(args.results_dir or ("runs/quick/results" if args.quick else "docs/results"))
@@ -100,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train the named methods of each seed together in this process where the experiment's "
                         "variants share their round shapes (upfl-hetero's lambda variants: one vmapped round per size "
                         "group over every variant's clients); each keeps its own run folder and result")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch's CPU threads for this process (default: torch's, one per core): with several bench "
+                        "processes on one machine, give each cores / processes, else they slow each other down")
     add_run_flags(p)
     p.set_defaults(func=cmd_bench)
 

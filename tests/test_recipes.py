@@ -162,6 +162,21 @@ class DropoutNet(SmallNet):
         self.body.append(nn.Dropout(0.5))
 
 
+class FunctionalDropoutNet(SmallNet):
+    """F.dropout in forward with its default training=True: random in either mode, invisible as a module."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(nn.functional.dropout(self.body(x), 0.3))
+
+
+class TrainingBranchNet(SmallNet):
+    """A branch on self.training: the engine's (training-mode) numbers are not the exported eval-mode graph's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = self.body(x)
+        return self.fc(features if self.training else 0.5 * features)
+
+
 def _bad(case: str, tmp_path: Path, x: np.ndarray, y: np.ndarray) -> None:  # noqa: C901 - one branch per case
     from PIL import Image
 
@@ -190,6 +205,10 @@ def _bad(case: str, tmp_path: Path, x: np.ndarray, y: np.ndarray) -> None:  # no
         DataSpec.from_image_folder(root)
     elif case == "dropout in the model":
         Recipe(model=ModelSpec(DropoutNet, head="fc"), data=data)
+    elif case == "functional dropout in forward":
+        Recipe(model=ModelSpec(FunctionalDropoutNet, head="fc"), data=data)
+    elif case == "a branch on self.training":
+        Recipe(model=ModelSpec(TrainingBranchNet, head="fc"), data=data)
     elif case == "16-bit image":
         root = _write_folder(tmp_path / "images", x[:4], np.array([0, 0, 1, 1]))
         Image.fromarray(x[2, :, :, 0].astype(np.uint16) * 257).save(root / "01" / "00002.png")
@@ -225,6 +244,14 @@ BAD = {
     "dropout in the model": "model: Dropout at features.body.8 draws random numbers in training mode, where the "
                             "engine validates and tests the model, and a device runs it in eval mode: the accuracy "
                             "training reports would not be the device's; remove it",
+    "functional dropout in forward": "model: the forward gives one batch other logits each time in training mode "
+                                     "(it draws random numbers: F.dropout, added noise?), where the engine validates "
+                                     "and tests the model, while a device runs it in eval mode: the accuracy training "
+                                     "reports would not be the device's; make forward deterministic",
+    "a branch on self.training": "model: the forward computes otherwise in training and in eval mode (a branch on "
+                                 "self.training, F.dropout(training=self.training)?): the engine validates and tests "
+                                 "the model in training mode, a device runs it in eval mode, so the accuracy training "
+                                 "reports would not be the device's; compute the same in both modes",
     "16-bit image": "data: image {root}/01/00002.png has I;16 pixels (16-bit or float), which 8-bit images would "
                     "clip; convert the folder to 8-bit PNG/JPEG or load the pixels with DataSpec.from_arrays",
     "NCHW arrays read as NHWC": "data: images of shape [40, 1, 28, 28] read as NHWC would have 28 channels; they "

@@ -201,24 +201,40 @@ def test_a_flag_that_would_change_nothing_is_refused_in_one_line(tmp_path: Path,
     assert not (tmp_path / "run").exists()
 
 
+class TinyTanh(Tiny):
+    """Tiny with a tanh between body and head: the same parameter shapes, another function."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.tanh(self.body(x)))
+
+
 def test_a_recipe_edited_after_training_is_refused_not_resumed_or_exported(tmp_path: Path) -> None:
-    """Other preprocessing than the run's: training into the same folder would resume the old run and report its
-    accuracy, export would ship a bundle that normalises otherwise; both refuse in one line."""
+    """Other preprocessing than the run's, or model code that computes otherwise with the same parameter shapes:
+    training into the same folder would resume the old run and report its accuracy, export would ship the run's
+    weights in a pipeline that normalises or computes otherwise; both refuse in one line."""
     from fl_server.export.run import export_run
 
-    recipe = Recipe(model="mlp", data=DataSpec.builtin("digits"), rounds=1, local_iterations=2, batch_size=16,
-                    federation=Federation(partition="iid", num_clients=4))
+    recipe = Recipe(model=ModelSpec(Tiny), data=DataSpec.builtin("digits"), rounds=1, local_iterations=2,
+                    batch_size=16, federation=Federation(partition="iid", num_clients=4))
     run_dir = tmp_path / "run"
     train(recipe, run_dir, device="cpu", progress=False)
     assert recipe.preprocess is not None
     edited = recipe.replace(preprocess=dataclasses.replace(recipe.preprocess, mean=(0.5,)))
-    with pytest.raises(RecipeError) as info:
-        train(edited, run_dir, device="cpu", progress=False)
-    assert str(info.value) == (f"{run_dir} holds a run trained with other preprocessing than this recipe's; train "
-                               f"into another folder (--out), or delete it to start over")
-    with pytest.raises(ValueError, match=r"the recipe's preprocessing is not the one the run trained with "
-                                         r"\(run.json: .*'mean': \[0.0\].*; the recipe now: .*'mean': \[0.5\]"):
+    recoded = recipe.replace(model=ModelSpec(TinyTanh))
+    for other, what in ((edited, "preprocessing"), (recoded, "model code (the same weights compute other outputs)")):
+        with pytest.raises(RecipeError) as info:
+            train(other, run_dir, device="cpu", progress=False)
+        assert str(info.value) == (f"{run_dir} holds a run trained with other {what} than this recipe's; train "
+                                   f"into another folder (--out), or delete it to start over")
+    with pytest.raises(RecipeError, match=r"^the recipe's preprocessing is not the run's \(run.json: .*\"mean\": "
+                                          r"\[0.0\].*; the recipe now: .*\"mean\": \[0.5\].*\); restore the recipe"):
         export_run(run_dir, tmp_path / "bundle", recipe=edited)
+    with pytest.raises(RecipeError) as info:
+        export_run(run_dir, tmp_path / "bundle", recipe=recoded)
+    assert str(info.value) == ("the recipe's model code (the same weights compute other outputs) is not the run's; "
+                               "restore the recipe the run was trained with, or train again")
     assert not (tmp_path / "bundle").exists()
     train(recipe, run_dir, device="cpu", progress=False)  # the recipe as trained: resumes
     export_run(run_dir, tmp_path / "bundle", recipe=recipe)
+    manifest = json.loads((tmp_path / "bundle" / "manifest.json").read_text())
+    assert manifest["model_forward"] == json.loads((run_dir / "run.json").read_text())["model_forward"]

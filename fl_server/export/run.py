@@ -41,13 +41,10 @@ def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_r
     run = rundir.read_run(run_dir)
     recipe, model, algorithm = rebuild(run, data_root, recipe=recipe)
     preprocess = json.loads(json.dumps(recipe.preprocess.to_dict()))  # type: ignore[union-attr]
-    if run.get("preprocess") not in (None, preprocess):  # the recipe was edited after training
-        raise ValueError(f"{run_dir}: the recipe's preprocessing is not the one the run trained with "
-                         f"(run.json: {run['preprocess']}; the recipe now: {preprocess}); restore it, or train again")
     device = rundir.read_device(run_dir)
     extra = {"model": run["model"], "dataset": run["dataset"], "seed": run["seed"],
              "input_shape": run["input_shape"], "num_classes": run["num_classes"], "preprocess": preprocess,
-             **{k: run[k] for k in ("recipe", "federation", "protocol", "data", "new_clients")
+             **{k: run[k] for k in ("recipe", "federation", "protocol", "data", "new_clients", "model_forward")
                 if run.get(k) is not None}}
     best = rundir.load_best(run_dir)
     diverged = nonfinite_weights(best)

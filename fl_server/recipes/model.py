@@ -16,8 +16,9 @@
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Callable, Iterator, Union
 
 import torch
 from torch import nn
@@ -101,7 +102,7 @@ def _probe(net: nn.Module, input_shape: InputShape) -> tuple[torch.Tensor, torch
     forward fails on it (:func:`check_classifier` reports that). The global torch RNG is untouched."""
     x = torch.rand((2, *input_shape), generator=torch.Generator().manual_seed(0))
     try:
-        with torch.no_grad(), _eval(net):
+        with torch.no_grad(), _eval(net), _same_draws():
             return x, net(x)
     except Exception:  # noqa: BLE001 - any failure of the user's forward is reported by check_classifier
         return x, None
@@ -110,7 +111,7 @@ def _probe(net: nn.Module, input_shape: InputShape) -> tuple[torch.Tensor, torch
 def _same_output(clf: Classifier, x: torch.Tensor, whole: torch.Tensor) -> bool:
     """Whether ``head(features(x))`` is what the user's forward gave: the engine trains and serves the former."""
     try:
-        with torch.no_grad(), _eval(clf):
+        with torch.no_grad(), _eval(clf), _same_draws():
             split = clf(x)
     except Exception:  # noqa: BLE001 - a split that fails is reported by check_classifier
         return True
@@ -118,19 +119,36 @@ def _same_output(clf: Classifier, x: torch.Tensor, whole: torch.Tensor) -> bool:
         torch.allclose(whole, split, rtol=1e-4, atol=1e-5))
 
 
+@contextlib.contextmanager
+def _same_draws() -> Iterator[None]:
+    """The global torch RNG at a fixed seed inside the block and as it was after: a forward that draws random
+    numbers draws the same ones in the whole model and in its split (:func:`_check_deterministic` refuses it)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        yield
+
+
 class _eval:
     """Eval mode (dropout off, no running-statistics updates) inside the block; the modes are restored after."""
+
+    training = False
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
         self.modes = [m.training for m in module.modules()]
 
     def __enter__(self) -> None:
-        self.module.eval()
+        self.module.train(self.training)
 
     def __exit__(self, *exc: object) -> None:
         for m, mode in zip(self.module.modules(), self.modes):
             m.training = mode
+
+
+class _train(_eval):
+    """Training mode inside the block; the modes are restored after."""
+
+    training = True
 
 
 def _where(head: Union[str, HeadSplit]) -> str:
@@ -151,7 +169,8 @@ def build_classifier(model: Union[str, ModelSpec], input_shape: InputShape, num_
 def check_classifier(clf: Classifier, input_shape: InputShape) -> None:
     """Raise :class:`RecipeError` unless ``clf`` reads a batch of ``input_shape`` and its features are
     ``[N, D]`` with D the head's input width, and it keeps no buffers (the engine's state is parameters only) and no
-    layer that is random in training mode (dropout)."""
+    layer that is random in training mode (dropout), and that its forward is deterministic and the same in training
+    and eval mode."""
     for name, buf in clf.named_buffers():
         owner = clf.get_submodule(name.rpartition(".")[0]) if "." in name else clf
         raise RecipeError(f"model: {type(owner).__name__} at {name.rpartition('.')[0] or 'the top'} keeps buffer "
@@ -175,3 +194,27 @@ def check_classifier(clf: Classifier, input_shape: InputShape) -> None:
         raise RecipeError(f"model: the features (everything before the head) give shape {list(z.shape)} but the head "
                           f"reads {clf.feature_dim} values per sample; flatten the features to [N, "
                           f"{clf.feature_dim}] before the head")
+    _check_deterministic(clf, input_shape)
+
+
+def _check_deterministic(clf: Classifier, input_shape: InputShape) -> None:
+    """RecipeError unless the forward gives the same batch the same logits twice in training mode and once in eval
+    mode: the engine validates and tests in training mode, the device runs the exported eval-mode graph, so
+    randomness in ``forward`` (``F.dropout``, added noise) or a branch on ``self.training`` would make the accuracy
+    training reports not the device's. Batch normalisation does not depend on the mode here (StatBatchNorm2d)."""
+    x = torch.rand((4, *input_shape), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with _train(clf):
+            first, second = clf(x), clf(x)
+        with _eval(clf):
+            evaluated = clf(x)
+    if not torch.allclose(first, second, rtol=1e-5, atol=1e-6):
+        raise RecipeError("model: the forward gives one batch other logits each time in training mode (it draws "
+                          "random numbers: F.dropout, added noise?), where the engine validates and tests the model, "
+                          "while a device runs it in eval mode: the accuracy training reports would not be the "
+                          "device's; make forward deterministic")
+    if not torch.allclose(first, evaluated, rtol=1e-5, atol=1e-6):
+        raise RecipeError("model: the forward computes otherwise in training and in eval mode (a branch on "
+                          "self.training, F.dropout(training=self.training)?): the engine validates and tests the "
+                          "model in training mode, a device runs it in eval mode, so the accuracy training reports "
+                          "would not be the device's; compute the same in both modes")

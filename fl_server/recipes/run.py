@@ -29,6 +29,7 @@ from fl_server.recipes.data import DataSpec, new_clients_identity
 from fl_server.recipes.errors import RecipeError
 from fl_server.recipes.loader import load_recipe
 from fl_server.recipes.recipe import Federation, Recipe
+from fl_server.recipes.same_run import changed, model_forward
 
 
 def federate(recipe: Recipe, seed: int = 0, data_root: str | None = None) -> FederatedData:
@@ -58,12 +59,14 @@ def describe_run(recipe: Recipe, algorithm: Algorithm, fed: FederatedData | None
     """``run.json``: what ``fl-server export`` needs to rebuild the model around ``best.npz`` (``recipe``: the
     recipe's ``FILE.py:NAME``, null when it was built in Python), and ``new_clients``: the held-out clients'
     identity (:func:`~fl_server.recipes.data.new_clients_identity`; absent when the clients are not known
-    here, a Flower run's)."""
+    here, a Flower run's), and ``model_forward``: what the model computes (:func:`~fl_server.recipes.same_run.
+    model_forward`), by which a resumed or exported run knows its model code unchanged."""
     return {"method": recipe.method, "hyper": dataclasses.asdict(algorithm.hp), "model": recipe.model_name,
             "dataset": recipe.data.name, "input_shape": list(recipe.input_shape), "num_classes": recipe.num_classes,
             "seed": seed, "recipe": recipe.source, "data": recipe.data.describe(),
             "federation": dataclasses.asdict(recipe.federation),
             "preprocess": recipe.preprocess.to_dict(),  # type: ignore[union-attr]
+            "model_forward": model_forward(recipe.build_model(seed)),
             **({"new_clients": new_clients_identity(fed)} if fed is not None else {}),
             "command": invocation()}
 
@@ -90,18 +93,20 @@ def simulation(recipe: Recipe, seed: int = 0, run_dir: str | Path | None = None,
 
 
 def refuse_other_run(run_dir: Path, described: dict[str, Any]) -> None:
-    """RecipeError (one line) when ``run_dir`` already holds a run whose preprocessing or new clients differ from
-    ``described``'s (a recipe edited since): resuming it would report the old run's accuracy for a bundle that
-    preprocesses, or a split that holds out, otherwise."""
+    """RecipeError (one line) when ``run_dir`` already holds a run whose preprocessing, new clients or model
+    differ from ``described``'s (a recipe edited since): resuming it would report the old run's accuracy for a
+    bundle that preprocesses, a split that holds out, or a model that computes, otherwise."""
     path = run_dir / rundir.RUN
     if not path.is_file():
         return
-    old = json.loads(path.read_text())
-    new = json.loads(json.dumps(described, default=str))
-    for key, what in (("preprocess", "preprocessing"), ("new_clients", "new clients")):
-        if isinstance(old.get(key), dict) and key in new and any(old[key][k] != new[key].get(k) for k in old[key]):
-            raise RecipeError(f"{run_dir} holds a run trained with other {what} than this recipe's; train into "
-                              f"another folder (--out), or delete it to start over")
+    differs = changed(json.loads(path.read_text()), json.loads(json.dumps(described, default=str)))
+    if differs:
+        raise RecipeError(f"{run_dir} holds a run trained with other {_WHAT[differs[0]]} than this recipe's; train "
+                          f"into another folder (--out), or delete it to start over")
+
+
+_WHAT = {"preprocess": "preprocessing", "new_clients": "new clients",
+         "model_forward": "model code (the same weights compute other outputs)"}
 
 
 def train(recipe: Recipe, run_dir: str | Path, seed: int = 0, device: str = "auto", progress: bool = True,
@@ -164,11 +169,24 @@ def rebuild(run: dict[str, Any], data_root: str | None = None, num_train_clients
     if list(model.input_shape or ()) != list(run["input_shape"]):  # type: ignore[arg-type]
         raise RecipeError(f"the recipe {run.get('recipe')} now builds inputs {list(model.input_shape or ())}, the "
                           f"run trained on {run['input_shape']}; restore the recipe the run was trained with")
+    now = {"preprocess": json.loads(json.dumps(recipe.preprocess.to_dict())),  # type: ignore[union-attr]
+           "model_forward": model_forward(model)}
+    differs = changed(run, now)
+    if differs:  # the recipe was edited after training: the run's weights would be shipped in another pipeline
+        key = differs[0]
+        shown = "" if key == "model_forward" else f" (run.json: {_brief(run[key])}; the recipe now: {_brief(now[key])})"
+        raise RecipeError(f"the recipe's {_WHAT[key]} is not the run's{shown}; restore the recipe the run was trained "
+                          f"with, or train again")
     hyper = {k: v for k, v in run["hyper"].items() if not (k == "encoder_model" and v == "recipe")}
     factory = None if isinstance(recipe.model, str) else recipe.model_factory()
     algorithm = build_algorithm(recipe.method, model, num_train_clients, seed=run["seed"], model_factory=factory,
                                 **hyper)
     return recipe, model, algorithm
+
+
+def _brief(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def client_data(run: dict[str, Any], data_root: str | None = None, recipe: Recipe | None = None) -> FederatedData:

@@ -37,7 +37,7 @@ def test_bench_quick_writes_schema_rows(tmp_path: Path, data_root: Path) -> None
     assert again.returncode == 0 and "FedAvg" in again.stdout
     # --seed runs one chosen seed (e.g. one process per seed); the table aggregates every seed file present
     one = run_lab("bench", "upfl-table1", "--quick", "--dataset", "mnist", "--seed", "1", "--methods", "FedAvg",
-                  "--results-dir", str(tmp_path / "res"), "--runs-dir", str(tmp_path / "runs"), "--no-progress",
+                  "--threads", "1", "--results-dir", str(tmp_path / "res"), "--runs-dir", str(tmp_path / "runs"), "--no-progress",
                   env={"FL_DATA_DIR": str(data_root)})
     assert one.returncode == 0, one.stderr
     raw = tmp_path / "res" / "raw" / "upfl-table1" / "mnist"
@@ -47,7 +47,9 @@ def test_bench_quick_writes_schema_rows(tmp_path: Path, data_root: Path) -> None
     assert {r["method"]: r["seeds"] for r in rows} == {"FedAvg": 2, "TENT": 1}
     # the recorded command reproduces the table (every seed), not just the one seed this process ran
     command = next(r["command"] for r in rows if r["method"] == "FedAvg")
-    assert command.endswith("--seeds 2") and "--seed 1" not in command
+    assert command.endswith("--seeds 2") and "--seed 1" not in command and "--threads" not in command
+    zero = run_lab("bench", "upfl-table1", "--quick", "--threads", "0", "--no-progress")
+    assert zero.returncode == 2 and zero.stderr == "error: --threads must be >= 1, got 0\n", zero.stderr
 
 
 def test_bench_quick_keeps_its_run_dirs_apart_from_full_runs(tmp_path: Path, data_root: Path) -> None:
