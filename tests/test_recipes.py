@@ -177,6 +177,14 @@ class TrainingBranchNet(SmallNet):
         return self.fc(features if self.training else 0.5 * features)
 
 
+class BatchNorm1dNet(SmallNet):
+    """BatchNorm1d on the flat features: running statistics in buffers, not converted (only BatchNorm2d is)."""
+
+    def __init__(self, input_shape: tuple[int, int, int], num_classes: int) -> None:
+        super().__init__(input_shape, num_classes)
+        self.body.append(nn.BatchNorm1d(32))
+
+
 def _bad(case: str, tmp_path: Path, x: np.ndarray, y: np.ndarray) -> None:  # noqa: C901 - one branch per case
     from PIL import Image
 
@@ -205,6 +213,8 @@ def _bad(case: str, tmp_path: Path, x: np.ndarray, y: np.ndarray) -> None:  # no
         DataSpec.from_image_folder(root)
     elif case == "dropout in the model":
         Recipe(model=ModelSpec(DropoutNet, head="fc"), data=data)
+    elif case == "BatchNorm1d in the model":
+        Recipe(model=ModelSpec(BatchNorm1dNet, head="fc"), data=data)
     elif case == "functional dropout in forward":
         Recipe(model=ModelSpec(FunctionalDropoutNet, head="fc"), data=data)
     elif case == "a branch on self.training":
@@ -244,6 +254,9 @@ BAD = {
     "dropout in the model": "model: Dropout at features.body.8 draws random numbers in training mode, where the "
                             "engine validates and tests the model, and a device runs it in eval mode: the accuracy "
                             "training reports would not be the device's; remove it",
+    "BatchNorm1d in the model": "model: BatchNorm1d at features.body.8 keeps buffer 'running_mean' (e.g. BatchNorm "
+                                "running statistics), which the functional engine cannot carry; use nn.LayerNorm "
+                                "for features of shape [N, C] (nn.BatchNorm2d is converted, BatchNorm1d/3d are not)",
     "functional dropout in forward": "model: the forward gives one batch other logits each time in training mode "
                                      "(it draws random numbers: F.dropout, added noise?), where the engine validates "
                                      "and tests the model, while a device runs it in eval mode: the accuracy training "

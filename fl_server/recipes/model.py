@@ -173,9 +173,12 @@ def check_classifier(clf: Classifier, input_shape: InputShape) -> None:
     and eval mode."""
     for name, buf in clf.named_buffers():
         owner = clf.get_submodule(name.rpartition(".")[0]) if "." in name else clf
+        fix = ("use nn.LayerNorm for features of shape [N, C] (nn.BatchNorm2d is converted, BatchNorm1d/3d are not)"
+               if isinstance(owner, (nn.BatchNorm1d, nn.BatchNorm3d)) else
+               "use nn.BatchNorm2d (converted), fl_server.models.norm.StatBatchNorm2d or nn.GroupNorm")
         raise RecipeError(f"model: {type(owner).__name__} at {name.rpartition('.')[0] or 'the top'} keeps buffer "
                           f"{name.rpartition('.')[2]!r} (e.g. BatchNorm running statistics), which the functional "
-                          f"engine cannot carry; use nn.BatchNorm2d (converted), fl_server.models.norm.StatBatchNorm2d or nn.GroupNorm")
+                          f"engine cannot carry; {fix}")
     for name, module in clf.named_modules():
         if isinstance(module, (nn.modules.dropout._DropoutNd, nn.RReLU)):  # random in training mode only
             raise RecipeError(f"model: {type(module).__name__} at {name or 'the top'} draws random numbers in "
