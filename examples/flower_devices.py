@@ -154,12 +154,15 @@ def device(argv: list[str]) -> int:
                             == y[held]).mean())
             result = dev.personalize(x[own], y[own] if method == "BTFL" else None)
             after = float((dev.predict(x[held]).argmax(1) == y[held]).mean())
+            decision = result.safeguard  # the bundle's label-free rule (None for BTFL's labeled stream)
             results.append({"method": method, "bundle_id": info.manifest["bundle_id"], "steps": result.steps,
+                            "safeguard": None if decision is None else decision.action,
                             "accuracy_received": round(100 * before, 2),
                             "accuracy_personalized": round(100 * after, 2)})
             print(f"device (node3), {method}: personalised on {len(own)} of its images "
-                  f"({'with' if method == 'BTFL' else 'without'} labels, {result.steps} step(s)); accuracy on its "
-                  f"other {len(held)}: {100 * before:.1f}% (received) -> {100 * after:.1f}% (personalised)", flush=True)
+                  f"({'with' if method == 'BTFL' else 'without'} labels, {result.steps} step(s)"
+                  f"{'' if decision is None else '; ' + decision.message}); accuracy on its other {len(held)}: "
+                  f"{100 * before:.1f}% (received) -> {100 * after:.1f}% (personalised)", flush=True)
     summary = {"results": results, "torch_imported": "torch" in sys.modules,
                "fl_server_imported": "fl_server" in sys.modules}
     print(f"device: torch imported: {summary['torch_imported']}; fl_server imported: {summary['fl_server_imported']}")

@@ -52,11 +52,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     record.pop("curve")
     print(json.dumps(record, indent=1))
     test = "n/a" if record["test"] is None else f"{record['test']:.2f}%"
+    if record["test"] is not None and record["test_of"] == "received":
+        test += " (the received model, before each device's labeled personalisation)"
     print(f"{recipe.method} on {recipe.data.name}: best val {record['val']:.2f}% at round {record['best_round']}, "
           f"new-client test {test}, {record['wall_s']:.1f}s on {record['device']}; run files in {args.out} "
           f"(bundle: fl-server export {args.out} --out BUNDLE)")
-    if record["warning"]:
-        print(record["warning"])
+    for line in (record["warning"], record["adaptation_note"]):
+        if line:
+            print(line)
     return 0
 
 

@@ -65,9 +65,15 @@ OVER_LABEL_SHARE = 0.05  # ... and that class's share of the labels is lower by 
 CHANCE_MARGIN = 0.05  # accuracy at most 1/C + this: chance
 
 
+# a method whose devices personalise on labeled data (Algorithm.device_labels): what training scores is the model
+# a device receives, before that
+RECEIVED_SUBJECT = "the received model's (before each device's labeled personalisation) new-client"
+
+
 def collapse_warning(counts: Sequence[int] | np.ndarray, num_classes: int, accuracy: float | None = None,
-                     labels: Sequence[int] | np.ndarray | None = None) -> str | None:
-    """One line when the new clients' predictions collapsed, else None.
+                     labels: Sequence[int] | np.ndarray | None = None, subject: str = "new-client") -> str | None:
+    """One line when the new clients' predictions collapsed, else None (``subject``: whose predictions, as the
+    line names them).
 
     ``counts``: how many of the new clients' samples were predicted as each class; ``accuracy``: their mean
     accuracy in [0, 1] (None: not checked); ``labels``: how many samples of each class they hold (None: not
@@ -93,11 +99,11 @@ def collapse_warning(counts: Sequence[int] | np.ndarray, num_classes: int, accur
     chance = 1 / num_classes
     acc = "" if accuracy is None else f"accuracy {100 * accuracy:.1f}%, "
     if share > ONE_CLASS_SHARE and share > label_share + OVER_LABEL_SHARE:
-        return (f"warning: new-client predictions collapsed to one class (class {top} takes {100 * share:.0f}% of "
+        return (f"warning: {subject} predictions collapsed to one class (class {top} takes {100 * share:.0f}% of "
                 f"them; {acc}chance {100 * chance:.1f}%): the model learnt no classifier; lower the learning rate "
                 f"or check the labels, and do not ship this bundle")
     if accuracy is not None and accuracy <= chance + CHANCE_MARGIN:
-        return (f"warning: new-client accuracy {100 * accuracy:.1f}% is at chance ({100 * chance:.1f}% for "
+        return (f"warning: {subject} accuracy {100 * accuracy:.1f}% is at chance ({100 * chance:.1f}% for "
                 f"{num_classes} classes): the model learnt (almost) nothing; train longer, lower the learning rate "
                 f"or check the labels before shipping this bundle")
     return None
@@ -135,6 +141,40 @@ def new_client_predictions(sim: Simulation, state: dict | None = None) -> NewCli
     return NewClientPredictions(counts, labels, float(np.mean(accs)))
 
 
+ADAPTATION_COST = 0.01  # a new client that personalising costs more than a point of accuracy
+
+
+def adaptation_note(sim: Simulation, state: dict | None = None) -> dict[str, Any] | None:
+    """What personalising did to each new client against the model it received (``state``'s, default the best):
+    ``received`` (the mean accuracy of the received model, a fraction), ``clients``, ``worse`` (how many lost
+    more than a point, :data:`ADAPTATION_COST`), ``worst`` (the largest loss, a fraction) and ``line`` (one line
+    saying so, None when no client lost more than a point). The declared safeguard bounds a validation shift's
+    mean over clients, not each device; this is how far each device of this run got. None for a method that
+    does not personalise, or a run without new clients."""
+    if not sim.fed.new or not sim.algorithm.adapts_at_test_time:
+        return None
+    state = _best_state(sim, state)
+    if state is None or "params" not in state:
+        return None
+    try:
+        with torch.random.fork_rng(devices=[]):
+            personalised = sim.personalized_accuracies(sim.fed.new, state)
+    except NotApplicable:
+        return None
+    with torch.no_grad(), sim.device_semantics(state):
+        received = [float((sim.predict(state["params"], idx).argmax(-1) == sim.y[torch.from_numpy(idx)])
+                          .double().mean()) for idx in sim.fed.new]
+    loss = np.asarray(received) - np.asarray(personalised)
+    worse = int((loss > ADAPTATION_COST + 1e-9).sum())
+    line = None if worse == 0 else (
+        f"note: personalising cost {worse} of {len(loss)} new clients more than a point against the model they "
+        f"received (worst {100 * loss.max():.1f} points; mean {100 * np.mean(personalised):.1f}% personalised, "
+        f"{100 * np.mean(received):.1f}% received); the safeguard bounds a shift's mean over clients, not each "
+        f"device: check the method's learning rate on your data, or open the bundle with method='none'")
+    return {"received": float(np.mean(received)), "clients": len(loss), "worse": worse,
+            "worst": float(loss.max()), "line": line}
+
+
 def _best_state(sim: Simulation, state: dict | None) -> dict | None:
     """``state``, else the run's best state (in memory, else from its run directory: a finished run, resumed)."""
     if state is None:
@@ -154,4 +194,5 @@ def run_warning(sim: Simulation, state: dict | None = None) -> str | None:
     seen = new_client_predictions(sim, best)
     if seen is None:
         return None
-    return collapse_warning(seen.counts, len(seen.counts), seen.accuracy, seen.labels)
+    return collapse_warning(seen.counts, len(seen.counts), seen.accuracy, seen.labels, subject=
+                            RECEIVED_SUBJECT if type(sim.algorithm).device_labels else "new-client")

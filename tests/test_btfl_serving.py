@@ -83,6 +83,17 @@ def test_dle_upload_changes_the_served_global_dle(server: Coordinator) -> None:
     wrong = np.full((base.shape[0] + 1, base.shape[1]), 1.0 / base.shape[1])
     bad = httpx.post(url, json={"freqs": wrong.tolist(), "num_samples": 5}, headers=_auth(a), timeout=10)
     assert bad.status_code == 422  # must match the bundle's [D, levels]
+    # a DLE that names its bundle (edge_sdk's do): the served one's is taken, another's would mix features
+    served = a["manifest"]["bundle_id"]
+    same = httpx.post(url, json={"freqs": dle_a.tolist(), "num_samples": 40, "bundle_id": served},
+                      headers=_auth(a), timeout=10)
+    assert same.status_code == 200 and same.json()["clients"] == 2, same.text
+    older = "0" * 64
+    other = httpx.post(url, json={"freqs": dle_a.tolist(), "num_samples": 40, "bundle_id": older},
+                       headers=_auth(a), timeout=10)
+    assert other.status_code == 409 and other.json()["detail"] == (
+        f"this coordinator serves BTFL bundle {served}; a DLE fitted on bundle {older}'s features would be "
+        f"averaged with its clients': download the served bundle and personalise again")
 
 
 def test_stream_example_runs_btfl(server: Coordinator, tmp_path: Path) -> None:

@@ -85,7 +85,8 @@ class InProcessHypernetwork:
         theta = {k: torch.from_numpy(v) for k, v in rundir.best_arrays(run_dir, "hn").items()}
         self.net = FusedHypernet(algorithm, theta)
 
-    def generate(self, embedding: np.ndarray) -> dict[str, np.ndarray]:
+    def generate(self, embedding: np.ndarray, bundle_id: str | None = None) -> dict[str, np.ndarray]:
+        """The run's own hypernetwork (``bundle_id``, the device's bundle, names it already)."""
         return self.net.split(self.net(np.asarray(embedding, np.float32)[None])[0])
 
 
@@ -96,15 +97,16 @@ def _recipe(arch: str, method: str, data_root: Path) -> Recipe:
                   rounds=2, local_iterations=8, batch_size=32, hyper=HYPER.get(method, {}))
 
 
-def _device_accuracies(bundle: Path, run_dir: Path, recipe: Recipe, method: str) -> tuple[float, float]:
-    """(whole client, one sample at a time): the mean over new clients of the device's accuracy."""
+def _device_accuracies(bundle: Path, run_dir: Path, recipe: Recipe, method: str,
+                       received: bool) -> tuple[float, float]:
+    """(whole client, one sample at a time): the mean over new clients of the device's accuracy; ``received``:
+    of the model a device receives (``method="none"``), where training says it scored that one."""
     fed = federate(recipe, 0)
     client = InProcessHypernetwork(run_dir, recipe) if ALGORITHMS[method].device_step == "encoder" else None
-    stream = ALGORITHMS[method].device_step == "btfl"
     whole, single = [], []
     for idx in fed.new:
         x, y = fed.dataset.x[idx], fed.dataset.y[idx]
-        device = edge_sdk.open_bundle(bundle, client=client, method="none" if stream else None)  # type: ignore[arg-type]
+        device = edge_sdk.open_bundle(bundle, client=client, method="none" if received else None)  # type: ignore[arg-type]
         device.personalize(x)
         whole.append(float((device.predict(x).argmax(1) == y).mean()))
         single.append(float((np.stack(list(device.stream(x))).argmax(1) == y).mean()))
@@ -120,6 +122,8 @@ def test_device_gets_what_training_reports(method: str, arch: str, data_root: Pa
     recipe = _recipe(arch, method, data_root)
     record = train(recipe, tmp_path / "run", progress=False, device="cpu", data_root=str(data_root))
     bundle = export_run(tmp_path / "run", tmp_path / "bundle", recipe=recipe)
-    whole, single = _device_accuracies(bundle, tmp_path / "run", recipe, method)
+    # what training scored, as its record says: the received model only where a device personalises on labels
+    assert record["test_of"] == ("received" if ALGORITHMS[method].device_labels else "device")
+    whole, single = _device_accuracies(bundle, tmp_path / "run", recipe, method, record["test_of"] == "received")
     assert abs(whole - record["test"]) <= 0.1, (method, arch, whole, record["test"])
     assert abs(single - whole) <= 0.1, (method, arch, single, whole)

@@ -39,6 +39,7 @@ def test_wait_join_download(server: Coordinator, tmp_path: Path) -> None:
         assert info.manifest["bundle_id"] == m["bundle_id"] and "TENT" in info.methods
         bundle = c.download(info.manifest)
         assert bundle.method == "TENT" and (bundle.root / "manifest.json").is_file()
+        assert bundle.id == m["bundle_id"]  # what the device names when it asks for its own bundle's answers
         psi = bundle.weights("params")
         forward = bundle.session("forward")
         x = np.random.default_rng(0).random((3, 1, 8, 8), dtype=np.float32)

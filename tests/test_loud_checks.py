@@ -131,6 +131,16 @@ def test_collapse_thresholds(counts: list[int], accuracy: float | None, labels: 
     assert (line is None) if expected is None else (expected in line and "\n" not in line)
 
 
+def test_a_btfl_runs_warning_names_the_received_model() -> None:
+    """BTFL's devices personalise on labeled data, which training does not score: its chance line says whose
+    accuracy it is (the received model's), not that the bundle's devices get it."""
+    from fl_server.diagnostics import RECEIVED_SUBJECT
+
+    line = collapse_warning([30, 25, 25, 20], 4, 0.30, None, subject=RECEIVED_SUBJECT)
+    assert line is not None and line.startswith("warning: the received model's (before each device's labeled "
+                                                "personalisation) new-client accuracy 30.0% is at chance")
+
+
 def _mnist_raw(data_root: Path) -> tuple[np.ndarray, np.ndarray]:
     from fl_server.data import load_dataset
 
@@ -140,7 +150,8 @@ def _mnist_raw(data_root: Path) -> tuple[np.ndarray, np.ndarray]:
 
 def test_device_refuses_raw_images_unlike_the_recipes(runs: dict, data_root: Path) -> None:
     """The bundle records uint8 [0, 255] images of 28x28 (NHW): raw uint8 and float 0..255 pass and agree;
-    normalised floats (scaled twice, silently, before) and another size are refused in the user's own terms."""
+    normalised floats or 0/1 integers (scaled twice, silently, before) and another size are refused in the user's
+    own terms."""
     from edge_sdk import open_bundle
 
     device = open_bundle(runs["healthy"]["bundle"])
@@ -153,6 +164,9 @@ def test_device_refuses_raw_images_unlike_the_recipes(runs: dict, data_root: Pat
     with pytest.raises(ValueError, match=r"^this bundle expects raw pixels in \[0, 255\] \(uint8\); got float32 "
                                          r"values in \[0, 1\]: pass the raw images, not normalised ones$"):
         device.predict(x.astype(np.float32) / 255)
+    with pytest.raises(ValueError, match=r"^this bundle expects raw pixels in \[0, 255\] \(uint8\); got uint8 "
+                                         r"values in \[0, 1\]: pass the raw images, not normalised ones$"):
+        device.predict((x > 127).astype(np.uint8))  # 0/1 integers (a thresholded mask, x / 255 cast back)
     with pytest.raises(ValueError, match=r"^expected raw images \[N, 28, 28\] \(uint8, layout NHW\), got \[4, 32, 32, "
                                          r"3\]: pass images of that size and channels \(the recipe's data\)$"):
         device.personalize(np.zeros((4, 32, 32, 3), np.uint8))
@@ -167,3 +181,38 @@ def test_device_refuses_raw_images_unlike_the_recipes(runs: dict, data_root: Pat
     finally:
         manifest["preprocess"]["raw"] = {"dtype": "uint8", "range": [0.0, 255.0], "shape": [28, 28]}
         manifest_file.write_text(json.dumps(manifest))
+
+
+def test_training_says_which_new_clients_personalising_cost_more_than_a_point(tmp_path: Path) -> None:
+    """TENT on the embedded digits (Dir(0.5), 20 new clients): the safeguard bounds a shift's mean, not each
+    device, and here some devices end below the model they received. Training says how many, and its figures
+    are the devices': the received model's accuracy (``method="none"``) and, per client, whether personalising
+    (the bundle's method, its safeguard on) cost more than a point."""
+    from edge_sdk import open_bundle
+    from fl_server.device_samples import client_samples
+    from fl_server.export.run import export_run
+    from fl_server.recipes import DataSpec, Federation, Recipe, train
+
+    recipe = Recipe(model="mlp", data=DataSpec.builtin("digits"), method="TENT", rounds=10, local_iterations=10,
+                    batch_size=32, hyper={"lr": 0.1, "tent_lr": 0.1},
+                    federation=Federation(partition="dirichlet", alpha=0.5, num_clients=40, new_fraction=0.5))
+    record = train(recipe, tmp_path / "run", device="cpu", progress=False)
+    bundle = export_run(tmp_path / "run", tmp_path / "bundle", recipe=recipe)
+    samples = client_samples(json.loads((bundle / "manifest.json").read_text()), recipe=recipe)
+    received, personalised = [], []
+    for lo, hi in zip(samples["offsets"][:-1], samples["offsets"][1:]):
+        x, y = samples["x"][lo:hi], samples["y"][lo:hi]
+        received.append(float((open_bundle(bundle, method="none").predict(x).argmax(1) == y).mean()))
+        device = open_bundle(bundle)
+        device.personalize(x)
+        personalised.append(float((device.predict(x).argmax(1) == y).mean()))
+    loss = np.asarray(received) - np.asarray(personalised)
+    worse = int((loss > 0.01 + 1e-9).sum())
+    assert worse >= 1, loss  # the case this line exists for
+    assert abs(100 * np.mean(received) - record["received_test"]) <= 0.1
+    assert abs(100 * np.mean(personalised) - record["test"]) <= 0.1
+    assert record["adaptation_note"] == (
+        f"note: personalising cost {worse} of {len(loss)} new clients more than a point against the model they "
+        f"received (worst {100 * loss.max():.1f} points; mean {100 * np.mean(personalised):.1f}% personalised, "
+        f"{100 * np.mean(received):.1f}% received); the safeguard bounds a shift's mean over clients, not each "
+        f"device: check the method's learning rate on your data, or open the bundle with method='none'")

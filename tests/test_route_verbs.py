@@ -28,7 +28,7 @@ def test_the_scan_sees_a_route_that_reaches_into_the_store() -> None:
                         "def g(svc, sha):\n    return svc.artifacts.path(sha), svc.runner.cancel(sha)\n")
     assert _speaks_http(planted)
     assert _store_uses(planted) == ["line 3: svc.store", "line 5: svc.artifacts", "line 5: svc.runner"]
-    assert _store_uses(ast.parse("svc.job_warning(job)\nb['manifest']['artifacts']\n")) == []
+    assert _store_uses(ast.parse("svc.job_outcome(job)\nb['manifest']['artifacts']\n")) == []
     assert not _speaks_http(ast.parse("from fl_server.service.store import Store\n"))
 
 

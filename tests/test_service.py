@@ -271,6 +271,7 @@ def test_jobs_need_admin(server: Coordinator, client: dict) -> None:
     assert all(j["status"] == "done" and j["rounds_done"] == 1 and j["is_default"] for j in jobs)
     one = httpx.get(f"{url}/{jobs[0]['id']}", headers=auth(ADMIN), timeout=10).json()
     assert len(one["rounds"]) == 1 and 0 <= one["rounds"][0]["val"] <= 1
+    assert one["best_round"] == 0 and 0 <= one["new_client_accuracy"] <= 1
     assert httpx.get(f"{url}/nope", headers=auth(ADMIN), timeout=10).status_code == 404
     bad = httpx.post(url, json={"method": "NoSuch"}, headers=auth(ADMIN), timeout=10)
     assert bad.status_code == 422
@@ -296,10 +297,39 @@ def test_metrics_and_dashboard(server: Coordinator) -> None:
             "/v1/btfl/dle", "/v1/jobs", "/v1/jobs/{job_id}", "/metrics"} <= set(paths)
 
 
+def test_a_jobs_new_client_accuracy_is_what_a_device_gets_from_its_bundle(server: Coordinator,
+                                                                          tmp_path: Path) -> None:
+    """GET /v1/jobs/{id}'s new_client_accuracy (a job tests its best round only, so its rounds carry none) is the
+    mean over the run's new clients of what the torch-free device gets from the job's served bundle (TENT: each
+    client personalises on its own samples, the safeguard on)."""
+    from edge_sdk import EdgeClient, open_bundle
+    from fl_server.device_samples import client_samples
+
+    jobs = httpx.get(f"{server.url}/v1/jobs", headers=auth(ADMIN), timeout=10).json()
+    job = next(j for j in jobs if j["spec"]["method"] == "TENT" and j["is_default"])
+    assert job["new_client_accuracy"] is not None and all(r["test"] is None for r in
+                                                          httpx.get(f"{server.url}/v1/jobs/{job['id']}",
+                                                                    headers=auth(ADMIN), timeout=10).json()["rounds"])
+    with EdgeClient(server.url, cache_dir=tmp_path) as c:
+        bundle = c.download(c.manifest("TENT"))
+    assert bundle.id == job["bundle_id"]
+    samples = client_samples(bundle.manifest)
+    accuracies = []
+    for lo, hi in zip(samples["offsets"][:-1], samples["offsets"][1:]):
+        x, y = samples["x"][lo:hi], samples["y"][lo:hi]
+        device = open_bundle(bundle)
+        device.personalize(x)
+        accuracies.append(float((device.predict(x).argmax(1) == y).mean()))
+    assert abs(float(np.mean(accuracies)) - job["new_client_accuracy"]) <= 1e-3, (accuracies, job)
+    page = httpx.get(f"{server.url}/", timeout=10).text
+    assert f"{100 * job['new_client_accuracy']:.1f}%" in page  # the dashboard shows the same number
+
+
 def test_new_client_request_carries_only_the_embedding(server: Coordinator, tmp_path: Path) -> None:
     """A new ODPFL-HN client personalises on its device through edge_sdk; every byte it sends is recorded on the
-    wire. The only body with data is the generate request, and it holds exactly the embedding e = g_gamma(D):
-    no samples, no labels, nothing of size |D|."""
+    wire. Under ODPFL-HN's declared safeguard (rollback: the received model whatever comes back) nothing is sent
+    but the join. Without it, the only other body with data is the generate request, and it holds exactly the
+    embedding e = g_gamma(D) and the id of the device's bundle: no samples, no labels, nothing of size |D|."""
     from edge_sdk import EdgeClient, open_bundle
     from fl_server.data import load_dataset
 
@@ -315,7 +345,10 @@ def test_new_client_request_carries_only_the_embedding(server: Coordinator, tmp_
     with EdgeClient(server.url, cache_dir=tmp_path, transport=RecordingTransport()) as device:
         info = device.join("ODPFL-HN")
         bundle = device.download(info.manifest)
-        model = open_bundle(bundle, client=device)
+        declared = open_bundle(bundle, client=device)
+        assert declared.personalize(x).safeguard.action == "received"  # type: ignore[union-attr]
+        assert [(m, p) for m, p, b in sent if b] == [("POST", "/v1/clients")]  # no embedding left the device
+        model = open_bundle(bundle, client=device, safeguard=False)
         model.personalize(x)
         embedding = model.runner.embed(x)
     assert (model.predict(x).argmax(1) == y).mean() > 0.2  # a working model came back
@@ -323,7 +356,7 @@ def test_new_client_request_carries_only_the_embedding(server: Coordinator, tmp_
     assert [(m, p) for m, p, _ in bodies] == [("POST", "/v1/clients"), ("POST", "/v1/hypernetwork/generate")]
     assert json.loads(bodies[0][2]) == {"method": "ODPFL-HN"}
     gen = json.loads(bodies[1][2])
-    assert set(gen) <= {"embedding", "bundle_id"} and gen.get("bundle_id") is None
+    assert set(gen) == {"embedding", "bundle_id"} and gen["bundle_id"] == bundle.id == info.manifest["bundle_id"]
     assert len(gen["embedding"]) == len(embedding) == 32  # E floats, whatever |D| is (here 300 x 64 pixels)
     np.testing.assert_allclose(gen["embedding"], embedding, rtol=1e-6)
     assert len(bodies[1][2]) < 2_000 < x.nbytes
@@ -354,4 +387,37 @@ def test_restart_keeps_state(server: Coordinator, client: dict, tmp_path: Path) 
         assert len(httpx.get(f"{again.url}/v1/jobs", headers=auth(ADMIN), timeout=10).json()) == 3
     finally:
         again.stop()
+
+
+
+def test_a_device_keeps_its_own_bundles_hypernetwork_after_a_newer_release(trained_store: Path,
+                                                                           tmp_path: Path) -> None:
+    """ODPFL-HN: the coordinator releases a newer ODPFL-HN bundle (a retrain, another seed) while a device keeps
+    the one it downloaded. Personalising again, the device gets its own bundle's hypernetwork's weights, not the
+    newer one's: the same shapes for another encoder, which nothing on the device could tell apart."""
+    from edge_sdk import EdgeClient, open_bundle
+
+    coord = start_copy(trained_store, tmp_path / "store")
+    try:
+        with EdgeClient(coord.url, cache_dir=tmp_path / "device") as c:
+            c.join("ODPFL-HN")
+            old = c.download(c.manifest("ODPFL-HN"))
+            raw = old.manifest["preprocess"]["raw"]
+            x = np.random.default_rng(0).integers(int(raw["range"][0]), int(raw["range"][1]) + 1,
+                                                  (24, *raw["shape"])).astype(raw["dtype"])
+            device = open_bundle(old, client=c, safeguard=False)
+            device.personalize(x)
+            own = dict(device.runner.weights)
+            job = httpx.post(f"{coord.url}/v1/jobs", json={"method": "ODPFL-HN", "rounds": 1, "seed": 1},
+                             headers=auth(ADMIN), timeout=30)
+            assert job.status_code == 201, job.text
+            coord.wait_bundles(3)
+            assert c.manifest("ODPFL-HN")["bundle_id"] != old.id  # a newer ODPFL-HN bundle is served now
+            device.personalize(x)
+            for name, w in own.items():
+                np.testing.assert_array_equal(device.runner.weights[name], w)
+            newest = c.generate(device.runner.embed(x))  # no bundle named: the served one's hypernetwork
+            assert any(not np.allclose(newest[f"psi.{name}"], w) for name, w in own.items())
+    finally:
+        coord.stop()
 

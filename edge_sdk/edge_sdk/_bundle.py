@@ -213,6 +213,9 @@ class Bundle:
     verified: dict[str, bytes] = field(default_factory=dict, repr=False)  # artifact name -> the hashed bytes
     # graph -> {initializer: (weights artifact, array)}: its frozen weights, checked by load_bundle (module docstring)
     frozen: dict[str, dict[str, tuple[str, str]]] = field(default_factory=dict, repr=False)
+    # the sha256 of manifest.json's bytes: the coordinator's id of this bundle (what a device names when it asks
+    # for something only this bundle's server side can answer: ODPFL-HN's weights)
+    id: str = ""
 
     @property
     def method(self) -> str:
@@ -401,7 +404,7 @@ def load_bundle(root: str | os.PathLike, public_key: PublicKey | None = None) ->
             except ValueError as exc:
                 raise BundleError(f"{path}: not an ONNX model ({exc})") from None
         verified[str(a.get("name"))] = data
-    bundle = Bundle(root, manifest, trusted, release, verified)
+    bundle = Bundle(root, manifest, trusted, release, verified, id=hashlib.sha256(raw).hexdigest())
     bundle.frozen = _frozen_references(bundle, external)
     return bundle
 

@@ -90,7 +90,8 @@ class Device:
         The safeguard (:attr:`safeguard`, the bundle's declared rule unless ``open_bundle(..., safeguard=...)``
         says otherwise) then compares the received and the personalised model on ``x`` without labels and keeps
         the received one when its rule says adaptation looks harmful; ``Adaptation.safeguard`` holds the decision
-        and its evidence (``.message`` is one line for a person)."""
+        and its evidence (``.message`` is one line for a person). A rule that always keeps the received model
+        (``rollback``, not partial) adapts nothing: no steps run and nothing is sent to the coordinator."""
         try:
             return self._personalize(self.prepare(x), y, **options)
         finally:
@@ -101,6 +102,11 @@ class Device:
         if rule is None or rule.kind == "off":
             return replace(self.runner.personalize(x, y, **options), method=self.method)
         runner = self.runner
+        if rule.kind == "rollback" and not rule.partial:  # it keeps the received model whatever adaptation does:
+            runner.logits(x, runner.base)  # so nothing is adapted (no steps, no embedding sent to the coordinator);
+            runner.roll_back()  # the batch is checked all the same (a bad one fails as adapting would fail)
+            return Adaptation(self.method, 0, len(x), {"skipped": f"the safeguard rule {rule.name} always keeps "
+                                                                  f"the received model"}, rule.decide({}))
         received = runner.logits(x, runner.base)
         received_shifted = runner.logits(xs, runner.base) if rule.needs_shift and (xs := shifted(x)) is not None \
             else None

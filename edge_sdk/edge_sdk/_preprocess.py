@@ -82,9 +82,10 @@ class RawInput:
 
     def check(self, x: np.ndarray, layout: str) -> None:
         """Raise ValueError (one line, saying what to pass) unless the raw batch ``x`` in ``layout`` has this
-        shape and lies in this range. Values: a float batch whose largest value is at most 1 (and not all zero)
-        given where the data was 0..255 is refused as already normalised (it would be scaled twice); any batch
-        outside the range (plus a 0.1% margin) is refused. Integer batches inside the range always pass."""
+        shape and lies in this range. Values: a batch whose largest value is at most 1 (and not all zero) given
+        where the data was 0..255 is refused as already normalised (it would be scaled twice), integers too
+        (``(x / 255).astype(np.uint8)``, a thresholded mask); any batch outside the range (plus a 0.1% margin) is
+        refused."""
         if self.shape is not None and not self._shape_fits(x, layout):
             raise ValueError(f"expected raw images {self._shape_text(layout)} ({self.dtype}, layout "
                              f"{'NHW' if len(self.shape) == 2 else layout}), got {list(x.shape)}: pass images of that "
@@ -95,7 +96,7 @@ class RawInput:
         x_lo, x_hi = float(x.min()), float(x.max())
         got = f"got {x.dtype} values in [{x_lo:.4g}, {x_hi:.4g}]"
         expects = f"expects raw pixels in [{lo:g}, {hi:g}] ({self.dtype})"
-        if x.dtype.kind == "f" and hi > 1 and x_hi <= 1 and (x_hi > 0 or x_lo < 0):
+        if hi > 1 and x_hi <= 1 and (x_hi > 0 or x_lo < 0):
             raise ValueError(f"this bundle {expects}; {got}: pass the raw images, not normalised ones")
         margin = 1e-3 * (hi - lo)
         if x_lo < lo - margin or x_hi > hi + margin:

@@ -88,7 +88,8 @@ class ModelRunner(Runner):
         """Logits [N, C] of the model with ``weights`` (default: the received model) and population statistics
         ``stats`` (default: :attr:`current_stats`). A weight set is validated and copied on its first use here;
         pass a new dict to predict with changed weights."""
-        if weights is None and self.frozen_int8 is not None:
+        # the received model (also after a rollback, which sets the weights back to it) runs its int8 graph
+        if (weights is None or weights is self.base) and stats is None and self.frozen_int8 is not None:
             x = check_batch(x, self.frozen_int8)
             return check_logits(self.frozen_int8.run(["logits"], {"x": x})[0], x)
         x = check_batch(x, self.forward)
@@ -257,7 +258,10 @@ class EncoderRunner(ModelRunner):
     def adapt(self, x: np.ndarray, *, epsilon: float = math.inf, delta: float = 0.01,
               rng: np.random.Generator | None = None, **options: Any) -> tuple[Weights, int, dict[str, Any]]:
         assert self.client is not None
-        return self.generated(self.client.generate(self.embed(x, epsilon, delta, rng))), 1, {"entropy_history": []}
+        # this bundle's hypernetwork, not whichever the coordinator serves now: another release's (a retrain, another
+        # seed) generates weights of the same shapes for another encoder, which nothing could tell apart
+        weights = self.client.generate(self.embed(x, epsilon, delta, rng), bundle_id=self.bundle.id)
+        return self.generated(weights), 1, {"entropy_history": []}
 
     def generated(self, w: object) -> Weights:
         """The coordinator's reply {"psi.<name>": array}, checked against the forward graph."""
@@ -306,7 +310,7 @@ class BTFLRunner(Runner):
         if self.client is not None:  # the coordinator re-aggregates the DLEs (everyone else's is ours to use)
             fit = self.btfl.fit_result
             assert fit is not None
-            reply = self.client.upload_dle(fit.local_dle, fit.samples)
+            reply = self.client.upload_dle(fit.local_dle, fit.samples, bundle_id=self.bundle.id)
             global_dle = reply["others_dle"] if reply.get("others_dle") is not None else reply["global_dle"]
             details["dle_clients"], details["dle_base"] = reply.get("clients"), reply.get("base")
         self.btfl.start(global_dle)

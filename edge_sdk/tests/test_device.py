@@ -54,10 +54,15 @@ def test_the_bundles_safeguard_decides_after_personalising(sdk_fixture: Path, ke
     rule = device.bundle.safeguard
     assert rule is not None and device.safeguard == rule
     received = device.predict(ref["x"])
-    decision = device.personalize(ref["x"]).safeguard
+    result = device.personalize(ref["x"])
+    decision = result.safeguard
     assert decision is not None and decision.rule == rule.name
     assert decision.action == rule.action(decision.evidence)
-    assert 0.0 <= decision.evidence["disagreement"] <= 1.0 and decision.message.startswith("safeguard: ")
+    if rule.kind == "rollback" and not rule.partial:  # keeps the received model whatever: nothing is adapted
+        assert decision.evidence == {} and result.steps == 0 and "always keeps" in result.details["skipped"]
+        assert decision.message == "safeguard: kept the received model (rule rollback)"
+    else:
+        assert 0.0 <= decision.evidence["disagreement"] <= 1.0 and decision.message.startswith("safeguard: ")
     unguarded = edge_sdk.open_bundle(sdk_fixture / name, public_key=key, safeguard=False)
     unguarded.personalize(ref["x"])
     adapted = unguarded.predict(ref["x"])
@@ -78,10 +83,17 @@ def test_method_none_is_the_received_model(sdk_fixture: Path, key: str, ref: dic
 
 
 def test_odpfl_hn_needs_the_coordinator(sdk_fixture: Path, key: str, ref: dict[str, np.ndarray]) -> None:
-    device = edge_sdk.open_bundle(sdk_fixture / "odpfl_hn", public_key=key)
+    device = edge_sdk.open_bundle(sdk_fixture / "odpfl_hn", public_key=key, safeguard=False)
     assert device.method == "ODPFL-HN"
     with pytest.raises(BundleError, match=r"open_bundle\(bundle, client=EdgeClient\)"):
         device.personalize(ref["x"])
+    # its declared rule (rollback) keeps the received model whatever the weights: no embedding leaves the device
+    declared = edge_sdk.open_bundle(sdk_fixture / "odpfl_hn", public_key=key)
+    assert declared.safeguard is not None and declared.safeguard.name == "rollback"
+    before = declared.predict(ref["x"])
+    result = declared.personalize(ref["x"])
+    assert result.steps == 0 and result.safeguard is not None and result.safeguard.action == "received"
+    np.testing.assert_array_equal(declared.predict(ref["x"]), before)
 
 
 def test_btfl_and_fedthe_on_a_served_btfl_bundle(sdk_fixture: Path, key: str, ref: dict[str, np.ndarray]) -> None:

@@ -73,11 +73,16 @@ def test_int8_forward_is_smaller_and_agrees(sdk_fixture: Path, ref: dict[str, np
     fp32, int8 = open_bundle(bundle, safeguard=False), open_bundle(bundle, int8=True, safeguard=False)
     size = {a["name"]: a["size"] for a in bundle.manifest["artifacts"]}
     assert size["forward_int8"] < 0.3 * (size["forward"] + size["params"])
-    agree = (fp32.predict(ref["x"]).argmax(-1) == int8.predict(ref["x"]).argmax(-1)).mean()
+    received = int8.predict(ref["x"])
+    agree = (fp32.predict(ref["x"]).argmax(-1) == received.argmax(-1)).mean()
     assert agree >= 0.95, agree
+    assert np.abs(received - fp32.predict(ref["x"])).max() > 1e-4  # the int8 graph ran, not the float one
     # personalised weights always run on the fp32 graph (the int8 graph has the received weights baked in)
     int8.personalize(ref["x"])
     np.testing.assert_allclose(int8.predict(ref["x"]), ref["fedtta_pp_logits"], atol=TOL)
+    # back on the received model (the safeguard's rollback): its int8 graph again, not the float one
+    int8.runner.roll_back()
+    np.testing.assert_array_equal(int8.predict(ref["x"]), received)
 
 
 def test_odpfl_embeddings_match_torch(sdk_fixture: Path, ref: dict[str, np.ndarray]) -> None:

@@ -132,6 +132,9 @@ class Algorithm:
     # weight sets that the run's finalize step computes from the clients' data (:meth:`finalize`, BTFL's global
     # DLE "btfl"); the run directory holds them, so export needs no data set
     finalize_weights: ClassVar[tuple[str, ...]] = ()
+    # whether a device personalises on its own labeled data (BTFL's local head): the engine holds no labels out
+    # for that, so the new-client accuracy training reports is the received model's, before it (and says so)
+    device_labels: ClassVar[bool] = False
     # whether a coordinator can train this method as a job and serve its bundles (it has a device path)
     servable: ClassVar[bool] = False
     # whether a coordinator with an empty store trains it by default (``FL_SERVE_DEFAULT_METHODS`` overrides; the

@@ -77,6 +77,7 @@ class BTFL(Algorithm):
     name = "BTFL"
     default_job = True  # trained by a coordinator with an empty store
     device_step = "btfl"  # the device's two-head stream (edge_sdk), on the frozen ``features`` graph
+    device_labels = True  # a device fits its local head on its own labeled samples
     finalize_weights = ("btfl",)  # the training clients' global DLE and mean feature (:meth:`finalize`)
     servable = True
     per_client_keys = ("local_heads",)

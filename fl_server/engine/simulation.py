@@ -337,6 +337,10 @@ class Simulation:
                      for s in range(0, len(idx), self.cfg.eval_chunk)]
         return torch.cat(parts)
 
+    def predict(self, params: State, idx: np.ndarray) -> torch.Tensor:
+        """Logits of the model ``params`` on the samples ``idx`` (index array into the data set), in chunks."""
+        return self._logits(params, idx)
+
     def _accuracy(self, params: State, idx: np.ndarray) -> float:
         pred = self._logits(params, idx).argmax(-1)
         return float((pred == self.y[torch.from_numpy(idx)]).double().mean())

@@ -22,7 +22,7 @@ from fl_server.data.federated import (FederatedData, hold_out_validation_clients
                                      natural_federated, random_subset)
 from fl_server import rundir
 from fl_server.torch_device import describe
-from fl_server.diagnostics import run_warning
+from fl_server.diagnostics import adaptation_note, run_warning
 from fl_server.engine import RunConfig, Simulation
 from fl_server.models import MODELS, Classifier
 from fl_server.recipes.data import DataSpec, new_clients_identity
@@ -113,18 +113,27 @@ def train(recipe: Recipe, run_dir: str | Path, seed: int = 0, device: str = "aut
           mode: str = "auto", data_root: str | None = None, test_at_best_only: bool = False,
           checkpoint_every: int = 10) -> dict[str, Any]:
     """Train ``recipe`` into ``run_dir`` (resumable; ``fl-server export RUN_DIR`` makes its bundle); returns the
-    record: best validation accuracy and round, the new clients' accuracy there, wall time, device, and
+    record: best validation accuracy and round, the new clients' accuracy there (``test``; ``test_of``: "device",
+    each new client's model as its device personalises it, or "received", the model a device receives, for a
+    method whose devices personalise on labeled data: BTFL), ``received_test`` (the received model's, for a
+    method that personalises; :func:`fl_server.diagnostics.adaptation_note`) and ``adaptation_note`` (one line
+    when personalising cost a new client more than a point, else None), wall time, device, and
     ``warning``: one line when the new clients' predictions collapsed or sit at chance
     (:func:`fl_server.diagnostics.collapse_warning`), else None."""
     sim = simulation(recipe, seed, run_dir, device, mode, progress, data_root, None, test_at_best_only,
                      checkpoint_every)
     result = sim.run()
     warning = run_warning(sim)  # predictions collapsed to one class, or chance: run.json keeps it for export
-    rundir.write_run(Path(run_dir), {**rundir.read_run(run_dir), "warning": warning})
+    cost = adaptation_note(sim)  # what personalising did to each new client against the model it received
+    rundir.write_run(Path(run_dir), {**rundir.read_run(run_dir), "warning": warning, "best_round": result.best_round,
+                                     "new_client_accuracy": result.test_at_best})
     return {"recipe": recipe.name or recipe.source or recipe.model_name, "dataset": recipe.data.name,
             "method": recipe.method, "seed": seed, "model": recipe.model_name, "rounds": recipe.rounds,
             "best_round": result.best_round, "val": 100 * result.best_val,
-            "test": None if result.test_at_best is None else 100 * result.test_at_best, "warning": warning,
+            "test": None if result.test_at_best is None else 100 * result.test_at_best,
+            "test_of": "received" if type(sim.algorithm).device_labels else "device",
+            "received_test": None if cost is None else 100 * cost["received"],
+            "adaptation_note": None if cost is None else cost["line"], "warning": warning,
             "diverged_round": result.diverged_round,
             "wall_s": round(result.wall_s, 2), "device": describe(sim.device), "mode": sim.mode,
             "hyper": sim.algorithm.hp.__dict__, "eval_every": recipe.eval_every, "host": platform.node(),

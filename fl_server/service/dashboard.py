@@ -48,11 +48,13 @@ def dashboard(svc: Service = Depends(service)) -> HTMLResponse:
         rounds = svc.job_rounds(j["id"])
         spec = j["spec"]  # a recipe job holds only the fields it set: the rest is its recipe's
         data = "a recipe" if spec.get("recipe") else spec["dataset"]  # public page: no recipe file names
+        accuracy = svc.job_outcome(j)["new_client_accuracy"]  # what a device gets from the job's bundle
         rows.append(f'<tr><td><code>{e(j["id"])}</code>{" (default)" if j["is_default"] else ""}</td>'
                     f'<td>{e(spec.get("method", "its own"))}</td><td>{e(data)} / '
                     f'{e(spec.get("partition", "its own"))}</td><td class="{e(j["status"])}">{e(j["status"])}</td>'
                     f'<td>{len(rounds)} / {spec.get("rounds", "?")}</td>'
                     f'<td>{curve_svg(rounds, spec.get("rounds", len(rounds)))}</td>'
+                    f'<td>{"-" if accuracy is None else f"{100 * accuracy:.1f}%"}</td>'
                     # the page is public: a failure's log tail (paths, tracebacks) is for the admin API only
                     f'<td>{"see GET /v1/jobs/" + e(j["id"]) + " (admin)" if j["error"] else ""}</td></tr>')
     bundles = [f'<tr><td><code>{e(b["id"][:16])}</code></td><td>{e(b["method"])}</td><td>{e(b["dataset"])}</td>'
@@ -71,7 +73,7 @@ def dashboard(svc: Service = Depends(service)) -> HTMLResponse:
 {totals["dles"]} BTFL DLEs &middot; <a href="/docs">API docs</a> &middot; <a href="/metrics">metrics</a></p>
 {'<h2>Degraded</h2><table><tr><th>method</th><th>why</th></tr>' + degraded + '</table>' if degraded else ''}
 <h2>Jobs</h2><table><tr><th>id</th><th>method</th><th>data / partition</th><th>status</th><th>rounds</th>
-<th>validation accuracy per round</th><th>error</th></tr>{''.join(rows)}</table>
+<th>validation accuracy per round</th><th>new clients' accuracy (the bundle's)</th><th>error</th></tr>{''.join(rows)}</table>
 <h2>Bundles</h2><table><tr><th>bundle</th><th>method</th><th>data set</th><th>artifacts</th><th>bytes</th>
 <th>created</th></tr>{''.join(bundles)}</table>
 <h2>Clients (latest 50)</h2><table><tr><th>method</th><th>joined</th>

@@ -64,15 +64,19 @@ class JobRunner:
         self._cancelled: set[str] = set()
         self._lock = threading.Lock()
 
-    def warning(self, job: dict[str, Any]) -> str | None:
-        """A finished job's training warning (collapsed or chance-level new-client predictions, recorded in its
-        run.json by :func:`fl_server.recipes.train`), else None."""
+    def outcome(self, job: dict[str, Any]) -> dict[str, Any]:
+        """A finished job's result as its run.json records it (:func:`fl_server.recipes.train`): ``warning``
+        (collapsed or chance-level new-client predictions, else None), ``best_round`` and
+        ``new_client_accuracy`` (its new clients' accuracy at that round, a fraction: what a device gets from
+        the job's bundle); all None before the job is done."""
+        empty = {"warning": None, "best_round": None, "new_client_accuracy": None}
         if job["status"] != "done":
-            return None
+            return empty
         try:
-            return rundir.read_run(self.jobs_dir / job["id"] / "run").get("warning")
+            run = rundir.read_run(self.jobs_dir / job["id"] / "run")
         except (FileNotFoundError, ValueError):
-            return None
+            return empty
+        return {key: run.get(key) for key in empty}
 
     def start(self) -> None:
         self.store.requeue_interrupted()

@@ -239,8 +239,9 @@ def _dle_view(svc: Service, who: Principal) -> dict[str, Any]:
 
 
 @router.post("/v1/btfl/dle", response_model=S.DLEResponse, tags=["methods"],
-             responses=documented(*AUTH, *BODY, 507, e422="not a [D, levels] frequency table, or its shape differs "
-                                                     "from the other clients' DLEs",
+             responses=documented(*AUTH, *BODY, 409, 507, e422="not a [D, levels] frequency table, or its shape "
+                                                          "differs from the other clients' DLEs",
+                                  e409="the DLE names another BTFL bundle than the one served",
                                   e403="not a client token, or FL_SERVE_DLE_PER_SOURCE clients of this client's "
                                        "enrollment (or join address) have a DLE already"))
 def upload_dle(body: S.DLEUpload, who: Principal = Depends(require_client),
@@ -258,6 +259,11 @@ def upload_dle(body: S.DLEUpload, who: Principal = Depends(require_client),
         raise HTTPException(422, f"invalid DLE: {exc}") from None
     if freqs.shape[1] > S.MAX_DLE_LEVELS:
         raise HTTPException(422, f"a DLE has at most {S.MAX_DLE_LEVELS} levels, got {freqs.shape[1]}")
+    base = svc.btfl_base() if body.bundle_id is not None else None
+    if base is not None and base[0] != body.bundle_id:  # fitted on another bundle's features: it would mix
+        raise HTTPException(409, f"this coordinator serves BTFL bundle {base[0]}; a DLE fitted on bundle "
+                                 f"{body.bundle_id}'s features would be averaged with its clients': download the "
+                                 f"served bundle and personalise again")
     try:
         svc.upload_dle(who.client_id, body.freqs, body.num_samples, who.source)
     except ShapeMismatch as exc:
@@ -278,7 +284,7 @@ def global_dle(who: Principal = Depends(require_client), svc: Service = Depends(
 def _job_view(svc: Service, job: dict[str, Any], with_rounds: bool) -> dict[str, Any]:
     rounds = svc.job_rounds(job["id"])
     return {**job, "rounds_done": len(rounds), "rounds": rounds if with_rounds else None,
-            "warning": svc.job_warning(job)}
+            **svc.job_outcome(job)}
 
 
 @router.post("/v1/jobs", response_model=S.Job, status_code=201, tags=["jobs"],

@@ -119,6 +119,10 @@ class DLEUpload(Strict):
                                             "sums to 1; D and levels must match the other clients' DLEs")
     num_samples: int = Field(ge=1, le=10**9, description="samples the DLE was fitted on (recorded; not a weight: "
                                                           "every client weighs the same in the global DLE)")
+    bundle_id: str | None = Field(None, pattern=r"^[0-9a-f]{64}$",
+                                  description="the BTFL bundle whose features the DLE was fitted on (edge_sdk sends "
+                                              "it): refused with 409 when another BTFL bundle is served, whose "
+                                              "clients' DLEs it would be averaged with")
 
 
 class DLEBase(BaseModel):
@@ -177,8 +181,9 @@ class JobRequest(Strict):
 
 class RoundRow(BaseModel):
     round: int
-    val: float | None = None
-    test: float | None = None
+    val: float | None = Field(None, description="validation accuracy, a fraction in [0, 1]")
+    test: float | None = Field(None, description="new-client accuracy, a fraction; null in a job's rounds (a job "
+                                                 "tests its best round only: the job's new_client_accuracy)")
     wall_s: float | None = None
 
 
@@ -195,10 +200,16 @@ class Job(BaseModel):
     error: str | None = None
     bundle_id: str | None = None
     rounds_done: int = 0
-    rounds: list[RoundRow] | None = Field(None, description="the round curve (validation / new-client accuracy per "
-                                                             "round): in GET /v1/jobs/{id}; null in the job list. "
+    rounds: list[RoundRow] | None = Field(None, description="the round curve (validation accuracy per round): in "
+                                                             "GET /v1/jobs/{id}; null in the job list. "
                                                              "The planned number of rounds is spec.rounds (a "
                                                              "recipe job's own when it does not set it)")
+    best_round: int | None = Field(None, description="a finished job's best validation round: its bundle's model")
+    new_client_accuracy: float | None = Field(None, description="a finished job's new clients' accuracy at its best "
+                                                                "round (a fraction, as rounds[].val): what a device "
+                                                                "gets from the job's bundle (BTFL: the received "
+                                                                "model's, before a device's labeled "
+                                                                "personalisation); null before it is done")
     warning: str | None = Field(None, description="a finished job whose new-client predictions collapsed to one "
                                                   "class or sit at chance: one line saying so (its bundle is served "
                                                   "all the same); null otherwise")

@@ -352,9 +352,9 @@ class Service:
         unknown."""
         return self.runner.cancel(job_id)
 
-    def job_warning(self, job: dict[str, Any]) -> str | None:
-        """A finished job's training warning (collapsed or chance-level new-client predictions), else None."""
-        return self.runner.warning(job)
+    def job_outcome(self, job: dict[str, Any]) -> dict[str, Any]:
+        """A finished job's ``warning``, ``best_round`` and ``new_client_accuracy`` (None before it is done)."""
+        return self.runner.outcome(job)
 
     def job_counts(self) -> dict[str, int]:
         """How many jobs are in each state (every state of :data:`JOB_STATES`, 0 included)."""
