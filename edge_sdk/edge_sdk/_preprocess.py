@@ -100,7 +100,8 @@ class RawInput:
             raise ValueError(f"this bundle {expects}; {got}: pass the raw images, not normalised ones")
         margin = 1e-3 * (hi - lo)
         if x_lo < lo - margin or x_hi > hi + margin:
-            fix = ("scale them as the recipe's data was (e.g. x / 255)" if hi <= 1 < x_hi else
+            eight_bit = " (8-bit pixels: x / 255)" if x.dtype == np.uint8 else ""
+            fix = (f"scale them into [{lo:g}, {hi:g}] as the recipe's data was{eight_bit}" if hi <= 1 < x_hi else
                    "pass images in the value range of the recipe's data")
             raise ValueError(f"this bundle {expects}; {got}: {fix}")
 

@@ -49,8 +49,12 @@ def test_raw_input_refuses_images_unlike_the_recipes_in_one_line() -> None:
     assert Preprocess.from_dict(floats.to_dict()) == floats and floats.is_identity
     floats.apply(np.full((2, 1, 28, 28), 0.5, np.float32))
     with pytest.raises(ValueError, match=r"^this bundle expects raw pixels in \[0, 1\] \(float32\); got uint8 values "
-                                         r"in \[0, 255\]: scale them as the recipe's data was \(e\.g\. x / 255\)$"):
+                                         r"in \[0, 255\]: scale them into \[0, 1\] as the recipe's data was \(8-bit "
+                                         r"pixels: x / 255\)$"):
         floats.apply(np.array([0, 255], np.uint8).repeat(392).reshape(1, 1, 28, 28))
+    with pytest.raises(ValueError, match=r"^this bundle expects raw pixels in \[0, 1\] \(float32\); got int64 values "
+                                         r"in \[0, 16\]: scale them into \[0, 1\] as the recipe's data was$"):
+        floats.apply(np.array([0, 16]).repeat(392).reshape(1, 1, 28, 28))  # 0..16 (scikit-learn's digits): not / 255
     resized = Preprocess(layout="NHWC", size=(32, 32), scale=1 / 255, raw=RawInput("uint8", (0, 255), (None, None, 3)))
     assert resized.apply(np.zeros((1, 40, 20, 3), np.uint8)).shape == (1, 3, 32, 32)  # any size: resized
     with pytest.raises(ValueError, match=r"^expected raw images \[N, H, W, 3\] \(uint8, layout NHWC\), got "
