@@ -111,11 +111,17 @@ def collapse_warning(counts: Sequence[int] | np.ndarray, num_classes: int, accur
 
 @dataclass(frozen=True)
 class NewClientPredictions:
-    """The new clients' predictions pooled: per-class counts of predictions and of labels, mean accuracy."""
+    """The new clients' predictions pooled (per-class counts of predictions and of labels) and each client's
+    accuracy."""
 
     counts: np.ndarray
     labels: np.ndarray
-    accuracy: float
+    accuracies: np.ndarray
+
+    @property
+    def accuracy(self) -> float:
+        """The mean over new clients (what training reports)."""
+        return float(np.mean(self.accuracies))
 
 
 def new_client_predictions(sim: Simulation, state: dict | None = None) -> NewClientPredictions | None:
@@ -138,33 +144,25 @@ def new_client_predictions(sim: Simulation, state: dict | None = None) -> NewCli
         counts += np.bincount(pred.cpu().numpy(), minlength=num_classes)[:num_classes]
         labels += np.bincount(y.cpu().numpy(), minlength=num_classes)[:num_classes]
         accs.append(float((pred == y).double().mean()))
-    return NewClientPredictions(counts, labels, float(np.mean(accs)))
+    return NewClientPredictions(counts, labels, np.asarray(accs))
 
 
 ADAPTATION_COST = 0.01  # a new client that personalising costs more than a point of accuracy
 
 
-def adaptation_note(sim: Simulation, state: dict | None = None) -> dict[str, Any] | None:
-    """What personalising did to each new client against the model it received (``state``'s, default the best):
-    ``received`` (the mean accuracy of the received model, a fraction), ``clients``, ``worse`` (how many lost
-    more than a point, :data:`ADAPTATION_COST`), ``worst`` (the largest loss, a fraction) and ``line`` (one line
-    saying so, None when no client lost more than a point). The declared safeguard bounds a validation shift's
-    mean over clients, not each device; this is how far each device of this run got. None for a method that
-    does not personalise, or a run without new clients."""
-    if not sim.fed.new or not sim.algorithm.adapts_at_test_time:
-        return None
-    state = _best_state(sim, state)
-    if state is None or "params" not in state:
-        return None
-    try:
-        with torch.random.fork_rng(devices=[]):
-            personalised = sim.personalized_accuracies(sim.fed.new, state)
-    except NotApplicable:
+def adaptation_note(sim: Simulation, state: dict, seen: NewClientPredictions) -> dict[str, Any] | None:
+    """What personalising did to each new client against the model it received (``state``'s; ``seen``: the
+    clients' personalised predictions from it): ``received`` (the mean accuracy of the received model, a
+    fraction), ``clients``, ``worse`` (how many lost more than a point, :data:`ADAPTATION_COST`), ``worst`` (the
+    largest loss, a fraction) and ``line`` (one line saying so, None when no client lost more than a point). The
+    declared safeguard bounds a validation shift's mean over clients, not each device; this is how far each device
+    of this run got. None for a method that does not personalise."""
+    if not sim.algorithm.adapts_at_test_time or "params" not in state:
         return None
     with torch.no_grad(), sim.device_semantics(state):
-        received = [float((sim.predict(state["params"], idx).argmax(-1) == sim.y[torch.from_numpy(idx)])
-                          .double().mean()) for idx in sim.fed.new]
-    loss = np.asarray(received) - np.asarray(personalised)
+        received = np.asarray([sim.accuracy(state["params"], idx) for idx in sim.fed.new])
+    personalised = seen.accuracies
+    loss = received - personalised
     worse = int((loss > ADAPTATION_COST + 1e-9).sum())
     line = None if worse == 0 else (
         f"note: personalising cost {worse} of {len(loss)} new clients more than a point against the model they "
@@ -184,15 +182,17 @@ def _best_state(sim: Simulation, state: dict | None) -> dict | None:
     return state
 
 
-def run_warning(sim: Simulation, state: dict | None = None) -> str | None:
-    """:func:`nonfinite_warning` of a finished simulation's best state (or ``state``), else :func:`collapse_warning`
-    of its new clients (None when it has none)."""
+def run_report(sim: Simulation, state: dict | None = None) -> tuple[str | None, dict[str, Any] | None]:
+    """(warning, adaptation) of a finished simulation's best state (or ``state``), its new clients personalised
+    once: the warning is :func:`nonfinite_warning`, else :func:`collapse_warning` of the new clients (None when it
+    has none); the adaptation is :func:`adaptation_note` (None for a diverged run or one without new clients)."""
     best = _best_state(sim, state)
     diverged = nonfinite_warning(best) if best is not None else None
     if diverged:
-        return diverged  # its predictions (NaN logits) would only add a misleading "collapsed" line
+        return diverged, None  # its predictions (NaN logits) would only add a misleading "collapsed" line
     seen = new_client_predictions(sim, best)
-    if seen is None:
-        return None
-    return collapse_warning(seen.counts, len(seen.counts), seen.accuracy, seen.labels, subject=
-                            RECEIVED_SUBJECT if type(sim.algorithm).device_labels else "new-client")
+    if seen is None or best is None:
+        return None, None
+    warning = collapse_warning(seen.counts, len(seen.counts), seen.accuracy, seen.labels, subject=
+                               RECEIVED_SUBJECT if type(sim.algorithm).device_labels else "new-client")
+    return warning, adaptation_note(sim, best, seen)

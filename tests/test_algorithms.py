@@ -34,7 +34,7 @@ def test_fedavg_learns_mnist(mnist_fed) -> None:
 
 def test_tent_lowers_entropy_and_helps_pathological_new_clients(mnist_fed) -> None:
     sim, res = _run(mnist_fed, "TENT", rounds=15)
-    fedavg_acc = np.mean([sim._accuracy(sim.server_state["params"], idx) for idx in mnist_fed.new])
+    fedavg_acc = np.mean([sim.accuracy(sim.server_state["params"], idx) for idx in mnist_fed.new])
     assert res.last["test"] > fedavg_acc  # adaptation on 2-class clients beats the global model
     x = sim.x[torch.from_numpy(mnist_fed.new[0])]
     adapted = sim.algorithm.personalize(sim.server_state, x)

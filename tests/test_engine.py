@@ -189,8 +189,8 @@ def test_validation_clients_choose_the_round(small_fed) -> None:
     sim = _sim(fed, "FedAvg", "vmap", rounds=1)
     sim.run()
     params = sim.server_state["params"]
-    expected = np.mean([sim._accuracy(params, idx) for idx in fed.val_clients])
-    per_sample = np.mean([sim._accuracy(params, idx) for idx in fed.val])
+    expected = np.mean([sim.accuracy(params, idx) for idx in fed.val_clients])
+    per_sample = np.mean([sim.accuracy(params, idx) for idx in fed.val])
     assert sim.evaluate_val(0) == pytest.approx(expected, abs=1e-12)
     assert abs(expected - per_sample) > 1e-3  # the two validations differ, so the test can tell them apart
 

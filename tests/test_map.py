@@ -135,7 +135,7 @@ def test_map_personalises_above_the_global_model(fashion_all) -> None:  # type: 
     result = sim.run()
     personal = result.best_val
     idx = np.concatenate(fed.val)
-    global_acc = sim._accuracy(sim.server_state["params"], idx)
+    global_acc = sim.accuracy(sim.server_state["params"], idx)
     assert personal > global_acc + 0.05  # clients see 2..10 classes: local models beat the global one
     assert float(sim.server_state["count"].sum()) == 6 * 5
     heads = algo.local_heads(sim.server_state)

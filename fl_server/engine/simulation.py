@@ -337,11 +337,8 @@ class Simulation:
                      for s in range(0, len(idx), self.cfg.eval_chunk)]
         return torch.cat(parts)
 
-    def predict(self, params: State, idx: np.ndarray) -> torch.Tensor:
-        """Logits of the model ``params`` on the samples ``idx`` (index array into the data set), in chunks."""
-        return self._logits(params, idx)
-
-    def _accuracy(self, params: State, idx: np.ndarray) -> float:
+    def accuracy(self, params: State, idx: np.ndarray) -> float:
+        """Accuracy of the model ``params`` on the samples ``idx`` (index array into the data set)."""
         pred = self._logits(params, idx).argmax(-1)
         return float((pred == self.y[torch.from_numpy(idx)]).double().mean())
 
@@ -415,7 +412,7 @@ class Simulation:
         rng = self._rng(round_, RNG_EVAL)
         params = self.algorithm.val_params(self.server_state, ids, self.trainer(rng))
         if self._is_stacked(params):
-            accs = [self._accuracy(p, self.fed.val[k]) for k, p in enumerate(unstack(params))]
+            accs = [self.accuracy(p, self.fed.val[k]) for k, p in enumerate(unstack(params))]
             return float(np.mean(accs))
         # one shared model: a single batched forward over all validation samples
         idx = np.concatenate(self.fed.val)

@@ -22,7 +22,7 @@ from fl_server.data.federated import (FederatedData, hold_out_validation_clients
                                      natural_federated, random_subset)
 from fl_server import rundir
 from fl_server.torch_device import describe
-from fl_server.diagnostics import adaptation_note, run_warning
+from fl_server.diagnostics import run_report
 from fl_server.engine import RunConfig, Simulation
 from fl_server.models import MODELS, Classifier
 from fl_server.recipes.data import DataSpec, new_clients_identity
@@ -123,8 +123,9 @@ def train(recipe: Recipe, run_dir: str | Path, seed: int = 0, device: str = "aut
     sim = simulation(recipe, seed, run_dir, device, mode, progress, data_root, None, test_at_best_only,
                      checkpoint_every)
     result = sim.run()
-    warning = run_warning(sim)  # predictions collapsed to one class, or chance: run.json keeps it for export
-    cost = adaptation_note(sim)  # what personalising did to each new client against the model it received
+    # predictions collapsed to one class or at chance (run.json keeps it for export), and what personalising did to
+    # each new client against the model it received
+    warning, cost = run_report(sim)
     rundir.write_run(Path(run_dir), {**rundir.read_run(run_dir), "warning": warning, "best_round": result.best_round,
                                      "new_client_accuracy": result.test_at_best})
     return {"recipe": recipe.name or recipe.source or recipe.model_name, "dataset": recipe.data.name,

@@ -54,7 +54,7 @@ def main() -> None:
             emb = alg.embed_clients(state["enc"], np.arange(fed.num_train_clients))
             mean_model = alg.generate(state["hn"], emb.mean(0))
             per_method["ODPFL-HN mean embedding"] = {
-                group: [round(100 * sim._accuracy(mean_model, c), 2) for c in clients]
+                group: [round(100 * sim.accuracy(mean_model, c), 2) for c in clients]
                 for group, clients in (("new", fed.new), ("validation", fed.val_clients))}
     command = "python lab/research/odpfl_client_breakdown.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     rows = []

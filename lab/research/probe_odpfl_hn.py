@@ -65,7 +65,7 @@ def hypernet_diagnostics(sim: Simulation, alg: ODPFLHN) -> dict:
     state = sim.server_state
     emb = alg.embed_clients(state["enc"], np.arange(sim.fed.num_train_clients))
     mean_model = alg.generate(state["hn"], emb.mean(0))
-    val_mean = float(np.mean([sim._accuracy(mean_model, v) for v in sim.fed.val]))
+    val_mean = float(np.mean([sim.accuracy(mean_model, v) for v in sim.fed.val]))
     h, alive = emb, []
     body = list(alg.hypernet.body)
     hn = state["hn"]
