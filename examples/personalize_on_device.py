@@ -43,7 +43,8 @@ def main() -> int:
         return 2
     m = bundle.manifest
     print(f"bundle {args.bundle}: {bundle.method} on {m.get('dataset', 'your data')} ({m.get('model', 'your model')}), "
-          f"{len(m['artifacts'])} artifacts verified{', signature checked' if bundle.signed_by else ''}")
+          f"{len(m['artifacts'])} artifacts verified"
+          f"{', signature checked' if bundle.signed_by else ' (sha256 only: no --public-key, so not who wrote them)'}")
     with np.load(args.data, allow_pickle=False) as arrays:
         x, y, offsets = arrays["x"], arrays["y"], arrays["offsets"]
     received = edge_sdk.open_bundle(bundle, method="none")

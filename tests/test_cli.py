@@ -80,7 +80,8 @@ def test_train_export_and_personalize_on_device(tmp_path: Path) -> None:
     device = subprocess.run([sys.executable, "examples/personalize_on_device.py", "--bundle", str(tmp_path / "bundle"),
                              "--data", str(tmp_path / "new.npz")], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert device.returncode == 0, device.stderr
-    assert "artifacts verified" in device.stdout
+    assert "artifacts verified (sha256 only: no --public-key" in device.stdout
+    assert "is not signed and no public key was given" in device.stderr  # an unsigned bundle is not silent
     assert "torch imported: False; fl_server imported: False" in device.stdout
     torch_acc = float(trained.stdout.split("new-client test ")[1].split("%")[0])  # at the best-val round
     summary = next(line for line in device.stdout.splitlines() if "new clients: mean accuracy" in line)

@@ -5,9 +5,9 @@ and weights and sessions are built from those bytes (a file changed in the cache
 reaches onnxruntime or numpy).
 
 Without a pinned key (``public_key=None``) only the sha256 hashes are checked: that catches corruption, not
-an attacker who rewrites the manifest too; a bundle that carries a signature then warns
-(:class:`UnverifiedSignatureWarning`), since its signature goes unchecked. ``EdgeClient`` always passes a key
-(pinned, or trusted on first use).
+an attacker who rewrites the manifest too, so every bundle loaded so warns (:class:`UnverifiedSignatureWarning`),
+signed or not (an unsigned one may be a signed one whose ``manifest.sig`` was deleted). ``EdgeClient`` always
+passes a key (pinned, or trusted on first use).
 
 A graph that names external data (a tensor whose bytes onnxruntime would read from a file beside the model, or,
 for a model given as bytes, relative to the process's working directory) is refused by :func:`load_bundle`, at any
@@ -68,7 +68,7 @@ _MAX_NESTING = 100  # protobuf's own parsers stop at 100 nested messages too
 
 
 class UnverifiedSignatureWarning(UserWarning):
-    """A signed bundle was loaded without a public key: only its hashes were checked, not its signature."""
+    """A bundle was loaded without a public key: only its hashes were checked, not who wrote it."""
 
 
 def sha256_file(path: Path) -> str:
@@ -359,10 +359,13 @@ def load_bundle(root: str | os.PathLike, public_key: PublicKey | None = None) ->
         sig_path = root / SIGNATURE_FILE
         release = verify_manifest(raw, sig_path.read_bytes() if sig_path.is_file() else None, trusted, str(root),
                                   candidate_ok=True)
-    elif (root / SIGNATURE_FILE).is_file():
+    else:  # unsigned warns too: deleting manifest.sig must not be the way to silence the warning
+        what = ("is signed, but no public key was given: its signature is not checked"
+                if (root / SIGNATURE_FILE).is_file() else "is not signed and no public key was given")
         warnings.warn(UnverifiedSignatureWarning(
-            f"{root} is signed, but no public key was given: its signature is not checked (only its sha256 "
-            "hashes); pass public_key= (the coordinator's key, GET /v1/signing-key) to verify it"), stacklevel=2)
+            f"{root} {what}; only its sha256 hashes are, which catch corruption, not someone who rewrites the "
+            "manifest too. Pass public_key= (the coordinator's key, GET /v1/signing-key; an offline export's "
+            "fl-server export --signing-key) to verify it"), stacklevel=2)
     try:
         manifest = strictjson.loads(raw)
         artifacts = manifest["artifacts"]

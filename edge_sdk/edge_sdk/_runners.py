@@ -88,8 +88,10 @@ class ModelRunner(Runner):
         """Logits [N, C] of the model with ``weights`` (default: the received model) and population statistics
         ``stats`` (default: :attr:`current_stats`). A weight set is validated and copied on its first use here;
         pass a new dict to predict with changed weights."""
-        # the received model (also after a rollback, which sets the weights back to it) runs its int8 graph
-        if (weights is None or weights is self.base) and stats is None and self.frozen_int8 is not None:
+        # the received model (also after a rollback, which sets the weights back to it, and as the received half
+        # of a partial decision) runs its int8 graph: the received weights with the bundle's own statistics
+        if (weights is None or weights is self.base) and (stats is None or stats is self.stats) \
+                and self.frozen_int8 is not None:
             x = check_batch(x, self.frozen_int8)
             return check_logits(self.frozen_int8.run(["logits"], {"x": x})[0], x)
         x = check_batch(x, self.forward)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from edge_sdk import BundleError, Device, load_bundle, open_bundle
+from edge_sdk.safeguard import mix
 
 TOL = 1e-4  # float32 logits after several exported gradient steps
 
@@ -83,6 +84,10 @@ def test_int8_forward_is_smaller_and_agrees(sdk_fixture: Path, ref: dict[str, np
     # back on the received model (the safeguard's rollback): its int8 graph again, not the float one
     int8.runner.roll_back()
     np.testing.assert_array_equal(int8.predict(ref["x"]), received)
+    # a partial decision mixes the received model's int8 logits with the personalised float ones
+    int8.personalize(ref["x"])
+    int8.runner.keep_partially()
+    np.testing.assert_allclose(int8.predict(ref["x"]), mix(received, ref["fedtta_pp_logits"]), atol=TOL)
 
 
 def test_odpfl_embeddings_match_torch(sdk_fixture: Path, ref: dict[str, np.ndarray]) -> None:

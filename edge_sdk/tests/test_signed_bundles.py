@@ -43,13 +43,16 @@ def test_signed_bundles_load_with_the_pinned_key(sdk_fixture: Path, key: str) ->
         assert load_bundle(sdk_fixture / "tent").signed_by is None  # no key: hashes only, and a warning
 
 
-def test_a_signed_bundle_loaded_with_its_key_or_unsigned_does_not_warn(sdk_fixture: Path, key: str,
-                                                                       bundle: Path) -> None:
+def test_a_bundle_loaded_without_a_key_warns_even_with_its_signature_deleted(sdk_fixture: Path, key: str,
+                                                                              bundle: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        load_bundle(sdk_fixture / "tent", public_key=key)
-        (bundle / "manifest.sig").unlink()
-        assert load_bundle(bundle).signed_by is None  # nothing to check: no warning
+        load_bundle(sdk_fixture / "tent", public_key=key)  # verified: no warning
+    (bundle / "manifest.sig").unlink()
+    _edit_manifest(bundle)  # what deleting the signature would otherwise let through without a word
+    with pytest.warns(UnverifiedSignatureWarning, match=r"is not signed and no public key was given; only its "
+                                                        r"sha256 hashes are"):
+        assert load_bundle(bundle).manifest["hyperparameters"]["lr"] == 10.0
 
 
 def _edit_manifest(root: Path) -> None:
