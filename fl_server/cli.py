@@ -54,6 +54,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     test = "n/a" if record["test"] is None else f"{record['test']:.2f}%"
     if record["test"] is not None and record["test_of"] == "received":
         test += " (the received model, before each device's labeled personalisation)"
+    elif record["test"] is not None and record["safeguard"] == "rollback":
+        test += (f" (the received model: {recipe.method}'s safeguard rule 'rollback' keeps it on every device; "
+                 "edge_sdk.open_bundle(..., safeguard=False) personalises)")
     print(f"{recipe.method} on {recipe.data.name}: best val {record['val']:.2f}% at round {record['best_round']}, "
           f"new-client test {test}, {record['wall_s']:.1f}s on {record['device']}; run files in {args.out} "
           f"(bundle: fl-server export {args.out} --out BUNDLE)")

@@ -89,6 +89,17 @@ def test_train_export_and_personalize_on_device(tmp_path: Path) -> None:
     assert abs(device_acc - torch_acc) < 0.5  # the device reproduces the torch TENT evaluation
 
 
+def test_training_says_when_every_device_keeps_the_received_model(tmp_path: Path) -> None:
+    """FedTTA++ declares the safeguard rule 'rollback': its devices adapt nothing, so the new-client number is the
+    received model's, and the summary says so rather than pass it off as FedTTA++'s personalisation."""
+    trained = fl_server("train", "--dataset", "digits", "--method", "FedTTA++", "--rounds", "2", "--out",
+                        str(tmp_path / "run"), "--no-progress")
+    assert trained.returncode == 0, trained.stderr
+    assert '"safeguard": "rollback"' in trained.stdout
+    assert ("(the received model: FedTTA++'s safeguard rule 'rollback' keeps it on every device; "
+            "edge_sdk.open_bundle(..., safeguard=False) personalises)") in trained.stdout
+
+
 def test_export_without_a_run_is_one_clear_line(tmp_path: Path) -> None:
     out = fl_server("export", str(tmp_path), "--out", str(tmp_path / "b"))
     assert out.returncode == 2 and "run.json: not found" in out.stderr

@@ -124,6 +124,8 @@ def test_device_gets_what_training_reports(method: str, arch: str, data_root: Pa
     bundle = export_run(tmp_path / "run", tmp_path / "bundle", recipe=recipe)
     # what training scored, as its record says: the received model only where a device personalises on labels
     assert record["test_of"] == ("received" if ALGORITHMS[method].device_labels else "device")
+    rule = edge_sdk.load_bundle(bundle).safeguard
+    assert record["safeguard"] == (None if rule is None else rule.name)  # the rule its devices apply
     whole, single = _device_accuracies(bundle, tmp_path / "run", recipe, method, record["test_of"] == "received")
     assert abs(whole - record["test"]) <= 0.1, (method, arch, whole, record["test"])
     assert abs(single - whole) <= 0.1, (method, arch, single, whole)

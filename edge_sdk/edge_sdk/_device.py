@@ -102,7 +102,7 @@ class Device:
         if rule is None or rule.kind == "off":
             return replace(self.runner.personalize(x, y, **options), method=self.method)
         runner = self.runner
-        if rule.kind == "rollback" and not rule.partial:  # it keeps the received model whatever adaptation does:
+        if rule.keeps_received:  # it keeps the received model whatever adaptation does:
             runner.logits(x, runner.base)  # so nothing is adapted (no steps, no embedding sent to the coordinator);
             runner.roll_back()  # the batch is checked all the same (a bad one fails as adapting would fail)
             return Adaptation(self.method, 0, len(x), {"skipped": f"the safeguard rule {rule.name} always keeps "

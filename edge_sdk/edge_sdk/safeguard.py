@@ -200,6 +200,16 @@ class SafeguardRule:
         return base + ("+partial" if self.partial and self.kind != "off" else "")
 
     @property
+    def keeps_received(self) -> bool:
+        """Whether the rule keeps the received model whatever adaptation does (``rollback``, not partial): a
+        device then adapts nothing, and what it predicts with is the received model.
+
+        >>> SafeguardRule("rollback").keeps_received, SafeguardRule("rollback", partial=True).keeps_received
+        (True, False)
+        """
+        return self.kind == "rollback" and not self.partial
+
+    @property
     def needs_shift(self) -> bool:
         """Whether the rule reads ``shift_consistency_change`` (the device then predicts the shifted set too)."""
         return self.kind == "linear" and "shift_consistency_change" in self.weights

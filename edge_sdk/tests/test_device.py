@@ -58,7 +58,7 @@ def test_the_bundles_safeguard_decides_after_personalising(sdk_fixture: Path, ke
     decision = result.safeguard
     assert decision is not None and decision.rule == rule.name
     assert decision.action == rule.action(decision.evidence)
-    if rule.kind == "rollback" and not rule.partial:  # keeps the received model whatever: nothing is adapted
+    if rule.keeps_received:  # keeps the received model whatever: nothing is adapted
         assert decision.evidence == {} and result.steps == 0 and "always keeps" in result.details["skipped"]
         assert decision.message == "safeguard: kept the received model (rule rollback)"
     else:

@@ -362,15 +362,24 @@ class Simulation:
         with norm_mode(model, "population"):
             yield
 
+    @property
+    def device_safeguard(self) -> SafeguardRule | None:
+        """The safeguard rule new clients are scored with: the method's declared one (what its bundle's devices
+        apply), None when the run scores the method without it (``RunConfig.safeguard``) or it declares none."""
+        return declared_safeguard(self.algorithm) if self.cfg.safeguard else None
+
     def personalized_predictions(self, clients: list[np.ndarray], state: State | None = None) -> list[torch.Tensor]:
         """Per client (index array into the data set): the predicted classes after ``personalize`` of ``state``
         (default: the current server state) on the client's own unlabeled data, with the device's semantics
         (:meth:`device_semantics`): what a device gets from the bundle of ``state``."""
         state = self.server_state if state is None else state
-        rule = declared_safeguard(self.algorithm) if self.cfg.safeguard else None
+        rule = self.device_safeguard
         out = []
         with self.device_semantics(state):
             for idx in clients:
+                if rule is not None and rule.keeps_received:  # the device adapts nothing (Device.personalize)
+                    out.append(self._logits(state["params"], idx).argmax(-1))
+                    continue
                 with norm_mode(self.algorithm.model, self.algorithm.adapt_norm):
                     params = self.algorithm.personalize(state, self.x[torch.from_numpy(idx)])
                 adapted = self._logits(params, idx)

@@ -436,8 +436,10 @@ def client_validation(algorithm: Algorithm, server: State, data: ClientData, rec
         server = {**server, **own}
     if algorithm.adapts_at_test_time:
         x = torch.from_numpy(data.x_val).to(recipe.torch_dtype)
-        params = algorithm.personalize(server, x)
         rule = declared_safeguard(algorithm)
+        if rule is not None and rule.keeps_received:  # the device adapts nothing (Device.personalize)
+            return client_accuracy(algorithm, server["params"], data, recipe)
+        params = algorithm.personalize(server, x)
         if rule is not None:  # the device's safeguard, as the engine's evaluate_val applies it
             with torch.no_grad():
                 received, adapted = algorithm.predict(server["params"], x), algorithm.predict(params, x)

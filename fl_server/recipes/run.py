@@ -117,7 +117,9 @@ def train(recipe: Recipe, run_dir: str | Path, seed: int = 0, device: str = "aut
     each new client's model as its device personalises it, or "received", the model a device receives, for a
     method whose devices personalise on labeled data: BTFL), ``received_test`` (the received model's, for a
     method that personalises; :func:`fl_server.diagnostics.adaptation_note`) and ``adaptation_note`` (one line
-    when personalising cost a new client more than a point, else None), wall time, device, and
+    when personalising cost a new client more than a point, else None), ``safeguard`` (the name of the rule a
+    device applies after personalising, :attr:`Algorithm.safeguard`, or None; ``"rollback"``: every device keeps
+    the received model, so ``test`` is the received model's), wall time, device, and
     ``warning``: one line when the new clients' predictions collapsed or sit at chance
     (:func:`fl_server.diagnostics.collapse_warning`), else None."""
     sim = simulation(recipe, seed, run_dir, device, mode, progress, data_root, None, test_at_best_only,
@@ -135,6 +137,7 @@ def train(recipe: Recipe, run_dir: str | Path, seed: int = 0, device: str = "aut
             "test_of": "received" if type(sim.algorithm).device_labels else "device",
             "received_test": None if cost is None else 100 * cost["received"],
             "adaptation_note": None if cost is None else cost["line"], "warning": warning,
+            "safeguard": None if (rule := sim.device_safeguard) is None else rule.name,
             "diverged_round": result.diverged_round,
             "wall_s": round(result.wall_s, 2), "device": describe(sim.device), "mode": sim.mode,
             "hyper": sim.algorithm.hp.__dict__, "eval_every": recipe.eval_every, "host": platform.node(),
