@@ -272,6 +272,9 @@ def test_jobs_need_admin(server: Coordinator, client: dict) -> None:
     one = httpx.get(f"{url}/{jobs[0]['id']}", headers=auth(ADMIN), timeout=10).json()
     assert len(one["rounds"]) == 1 and 0 <= one["rounds"][0]["val"] <= 1
     assert one["best_round"] == 0 and 0 <= one["new_client_accuracy"] <= 1
+    # the rule the job's devices apply: ODPFL-HN's keeps the received model, so its number is that model's
+    assert {j["spec"]["method"]: j["safeguard"] for j in jobs} == {"TENT": "disagreement<=0.2",
+                                                                   "ODPFL-HN": "rollback"}
     assert httpx.get(f"{url}/nope", headers=auth(ADMIN), timeout=10).status_code == 404
     bad = httpx.post(url, json={"method": "NoSuch"}, headers=auth(ADMIN), timeout=10)
     assert bad.status_code == 422
@@ -290,6 +293,7 @@ def test_metrics_and_dashboard(server: Coordinator) -> None:
         assert f"\n{name}" in text, name  # prometheus_client's process and platform collectors
     page = httpx.get(f"{server.url}/", timeout=10)
     assert page.status_code == 200 and "<svg" in page.text and "ODPFL-HN" in page.text
+    assert page.text.count("% (received model: safeguard rollback)</td>") == 1  # ODPFL-HN's job, not TENT's
     assert "python-httpx" not in page.text  # public page: no client user agents (nor job log tails)
     assert "<th>first authenticated request</th>" in page.text
     paths = httpx.get(f"{server.url}/openapi.json", timeout=10).json()["paths"]

@@ -48,13 +48,15 @@ def dashboard(svc: Service = Depends(service)) -> HTMLResponse:
         rounds = svc.job_rounds(j["id"])
         spec = j["spec"]  # a recipe job holds only the fields it set: the rest is its recipe's
         data = "a recipe" if spec.get("recipe") else spec["dataset"]  # public page: no recipe file names
-        accuracy = svc.job_outcome(j)["new_client_accuracy"]  # what a device gets from the job's bundle
+        outcome = svc.job_outcome(j)
+        accuracy = outcome["new_client_accuracy"]  # what a device gets from the job's bundle
+        kept = " (received model: safeguard rollback)" if outcome["safeguard"] == "rollback" else ""
         rows.append(f'<tr><td><code>{e(j["id"])}</code>{" (default)" if j["is_default"] else ""}</td>'
                     f'<td>{e(spec.get("method", "its own"))}</td><td>{e(data)} / '
                     f'{e(spec.get("partition", "its own"))}</td><td class="{e(j["status"])}">{e(j["status"])}</td>'
                     f'<td>{len(rounds)} / {spec.get("rounds", "?")}</td>'
                     f'<td>{curve_svg(rounds, spec.get("rounds", len(rounds)))}</td>'
-                    f'<td>{"-" if accuracy is None else f"{100 * accuracy:.1f}%"}</td>'
+                    f'<td>{"-" if accuracy is None else f"{100 * accuracy:.1f}%{kept}"}</td>'
                     # the page is public: a failure's log tail (paths, tracebacks) is for the admin API only
                     f'<td>{"see GET /v1/jobs/" + e(j["id"]) + " (admin)" if j["error"] else ""}</td></tr>')
     bundles = [f'<tr><td><code>{e(b["id"][:16])}</code></td><td>{e(b["method"])}</td><td>{e(b["dataset"])}</td>'

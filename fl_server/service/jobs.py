@@ -71,8 +71,9 @@ class JobRunner:
         """A finished job's result as its run.json records it (:func:`fl_server.recipes.train`): ``warning``
         (collapsed or chance-level new-client predictions, else None), ``best_round`` and
         ``new_client_accuracy`` (its new clients' accuracy at that round, a fraction: what a device gets from
-        the job's bundle); all None before the job is done."""
-        empty = {"warning": None, "best_round": None, "new_client_accuracy": None}
+        the job's bundle) and ``safeguard`` (the rule its devices apply after personalising; ``"rollback"``: they
+        keep the received model); all None before the job is done."""
+        empty = {"warning": None, "best_round": None, "new_client_accuracy": None, "safeguard": None}
         if job["status"] != "done":
             return empty
         try:

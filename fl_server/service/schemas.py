@@ -209,7 +209,13 @@ class Job(BaseModel):
                                                                 "round (a fraction, as rounds[].val): what a device "
                                                                 "gets from the job's bundle (BTFL: the received "
                                                                 "model's, before a device's labeled "
-                                                                "personalisation); null before it is done")
+                                                                "personalisation; safeguard 'rollback': the "
+                                                                "received model's, which its devices keep); null "
+                                                                "before it is done")
+    safeguard: str | None = Field(None, description="a finished job's safeguard rule, the one its bundle's devices "
+                                                    "apply after personalising (edge_sdk.safeguard): 'rollback' "
+                                                    "keeps the received model on every device; null before it is "
+                                                    "done or for a method that declares none")
     warning: str | None = Field(None, description="a finished job whose new-client predictions collapsed to one "
                                                   "class or sit at chance: one line saying so (its bundle is served "
                                                   "all the same); null otherwise")
