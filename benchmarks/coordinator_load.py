@@ -52,8 +52,9 @@ TIMEOUT = {"timeout": httpx.Timeout(None).as_dict()}
 DEVICE_DEADLINE_S = 120.0
 
 
-def embeddings(url: str, n: int) -> tuple[str, list[list[float]]]:
-    """n real embeddings (disjoint digits subsets through the ODPFL-HN bundle's encoder graph)."""
+def embeddings(url: str, n: int) -> list[dict]:
+    """n generate requests of real embeddings (disjoint digits subsets through the ODPFL-HN bundle's encoder
+    graph), each naming that bundle."""
     from edge_sdk import EdgeClient
     from fl_server.data import load_dataset
 
@@ -63,7 +64,8 @@ def embeddings(url: str, n: int) -> tuple[str, list[list[float]]]:
     gamma = {f"gamma.{k}": v for k, v in bundle.weights("enc").items()}
     x = load_dataset("digits", split="all").x.astype(np.float32)
     sets = np.array_split(np.random.default_rng(0).permutation(len(x)), n)
-    return bundle.manifest["method"], [enc.run(["embedding"], {"x": x[s], **gamma})[0].tolist() for s in sets]
+    return [{"embedding": enc.run(["embedding"], {"x": x[s], **gamma})[0].tolist(), "bundle_id": bundle.id}
+            for s in sets]
 
 
 def _no_failing_sniffio_import() -> None:
@@ -144,7 +146,7 @@ async def _deadline(run: Coroutine[Any, Any, None], errors: list[str]) -> None:
         errors.append(f"device: not done after {DEVICE_DEADLINE_S:.0f} s")
 
 
-async def load(url: str, embs: list[list[float]], client: str,
+async def load(url: str, embs: list[dict], client: str,
                preconnect: bool = False) -> tuple[dict[str, list[float]], list[str], float]:
     """All devices at once; each has its own connection (as on real devices; a single shared pool of hundreds
     of connections costs the load generator O(n) per request). The TCP connect is part of each device's join
@@ -153,7 +155,7 @@ async def load(url: str, embs: list[list[float]], client: str,
     errors: list[str] = []
     tls = ssl.create_default_context()  # built once, not per connection
     conns: list[Connection] = [HttpxConnection(url, tls) if client == "httpx" else RawConnection(url) for _ in embs]
-    bodies = [json.dumps({"embedding": e}).encode() for e in embs]
+    bodies = [json.dumps(e).encode() for e in embs]
     try:
         await asyncio.gather(*(c.request("GET", "/healthz") for c in (conns if preconnect else conns[:1])))
         t0 = time.perf_counter()
@@ -249,7 +251,7 @@ def main() -> int:
     url = args.server or coord.url
     server_pid = coord.proc.pid if coord else args.server_pid
     try:
-        _, embs = embeddings(url, args.devices)
+        embs = embeddings(url, args.devices)
         if args.pin == "split":
             if server_pid is None or (os.cpu_count() or 1) < 2:
                 raise SystemExit("error: --pin split needs 2 cores and the server's pid")

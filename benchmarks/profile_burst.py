@@ -59,7 +59,7 @@ main()
 """
 
 
-async def burst(url: str, embs: list[list[float]]) -> list[tuple[str, float, float]]:
+async def burst(url: str, embs: list[dict]) -> list[tuple[str, float, float]]:
     """One burst: every device joins (connect included), fetches its manifest and artifacts, generates;
     -> (endpoint, start, end) per request, perf_counter seconds."""
     events: list[tuple[str, float, float]] = []
@@ -134,7 +134,7 @@ def main() -> int:
                     raise SystemExit(f"no trained coordinator at {url} (store {store}); server output:\n"
                                      + log.read()[-3000:])
                 time.sleep(0.5)
-            _, embs = load.embeddings(url, args.devices)
+            embs = load.embeddings(url, args.devices)
             for b in range(args.bursts):
                 events = asyncio.run(burst(url, embs))
                 proc.send_signal(signal.SIGUSR1)

@@ -97,13 +97,13 @@ def _targeted(op: schemathesis.APIOperation, context: dict[str, Any]) -> st.Sear
     """Bodies that satisfy what the schema cannot say, for the operations that need them."""
     if op.label == "POST /v1/hypernetwork/generate":
         value = st.floats(-1e6, 1e6, allow_nan=False, allow_infinity=False)
-        bundle = st.sampled_from([None, context["hn_bundle"], context["other_bundle"]])
-        return st.builds(lambda e, b: {"embedding": e, **({"bundle_id": b} if b else {})},
+        bundle = st.sampled_from([context["hn_bundle"], context["other_bundle"]])
+        return st.builds(lambda e, b: {"embedding": e, "bundle_id": b},
                          st.lists(value, min_size=context["embed_dim"], max_size=context["embed_dim"]), bundle)
     if op.label == "POST /v1/btfl/dle":
         def dle(dims: int, levels: int, seed: int, n: int) -> dict[str, Any]:
             p = np.random.default_rng(seed).dirichlet(np.full(levels, 0.3), size=dims)
-            return {"freqs": p.tolist(), "num_samples": n}
+            return {"freqs": p.tolist(), "num_samples": n, "bundle_id": "b" * 64}  # no BTFL bundle is served
         return st.builds(dle, st.integers(1, 64), st.integers(2, 16), st.integers(0, 2**32 - 1),
                          st.integers(1, 10**9))
     return None

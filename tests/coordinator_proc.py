@@ -16,6 +16,8 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 ADMIN = "test-admin-token-0123456789"
+# the BTFL bundle a DLE names on a store that serves none (a clients-only DLE exchange takes any)
+UNSERVED_BTFL = "b" * 64
 
 
 def free_port() -> int:

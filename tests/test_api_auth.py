@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from coordinator_proc import ADMIN, Coordinator, auth, join, start_copy
+from coordinator_proc import ADMIN, UNSERVED_BTFL, Coordinator, auth, join, start_copy
 from fl_server.service.store import Store
 
 pytestmark = pytest.mark.timeout(600)  # the first test of a session trains the shared store
@@ -62,8 +62,9 @@ def test_token_lookup_compares_in_constant_time(tmp_path: Path, monkeypatch: pyt
 
 def test_scopes(server: Coordinator) -> None:
     c = join(server.url)
-    client_only = [("POST", "/v1/hypernetwork/generate", {"embedding": [0.0]}), ("GET", "/v1/btfl/dle", None),
-                   ("POST", "/v1/btfl/dle", {"freqs": [[0.5, 0.5]], "num_samples": 1})]
+    client_only = [("POST", "/v1/hypernetwork/generate", {"embedding": [0.0], "bundle_id": UNSERVED_BTFL}),
+                   ("GET", "/v1/btfl/dle", None),
+                   ("POST", "/v1/btfl/dle", {"freqs": [[0.5, 0.5]], "num_samples": 1, "bundle_id": UNSERVED_BTFL})]
     admin_only = [("GET", "/v1/jobs", None), ("GET", "/v1/jobs/x", None), ("POST", "/v1/jobs", {"rounds": 1})]
     missing = {"detail": "missing bearer token (Authorization: Bearer <token>)"}
     for method, path, body in client_only + admin_only:
@@ -91,17 +92,17 @@ def test_a_client_cannot_touch_another_clients_dle(server: Coordinator) -> None:
     url = f"{server.url}/v1/btfl/dle"
     a, b = join(server.url), join(server.url)
     dle_a, dle_b = np.tile([0.25, 0.75], (8, 1)), np.tile([0.5, 0.5], (8, 1))
-    r = httpx.post(url, json={"freqs": dle_a.tolist(), "num_samples": 10, "client_id": b["client_id"]},
+    r = httpx.post(url, json={"freqs": dle_a.tolist(), "num_samples": 10, "client_id": b["client_id"], "bundle_id": UNSERVED_BTFL},
                    headers=auth(a["token"]), timeout=30)
     assert (r.status_code, r.json()["detail"][0]["loc"], r.json()["detail"][0]["type"]) == (
         422, ["body", "client_id"], "extra_forbidden")
-    assert httpx.post(url, json={"freqs": dle_a.tolist(), "num_samples": 10}, headers=auth(a["token"]),
+    assert httpx.post(url, json={"freqs": dle_a.tolist(), "num_samples": 10, "bundle_id": UNSERVED_BTFL}, headers=auth(a["token"]),
                       timeout=30).status_code == 200
-    r = httpx.post(url, json={"freqs": dle_b.tolist(), "num_samples": 30}, headers=auth(b["token"]), timeout=30)
+    r = httpx.post(url, json={"freqs": dle_b.tolist(), "num_samples": 30, "bundle_id": UNSERVED_BTFL}, headers=auth(b["token"]), timeout=30)
     assert r.json()["clients"] == 2
     np.testing.assert_allclose(r.json()["others_dle"], dle_a)
     # a uploads again: its own DLE is replaced, b's stays, the count stays 2
-    r = httpx.post(url, json={"freqs": dle_b.tolist(), "num_samples": 10}, headers=auth(a["token"]), timeout=30)
+    r = httpx.post(url, json={"freqs": dle_b.tolist(), "num_samples": 10, "bundle_id": UNSERVED_BTFL}, headers=auth(a["token"]), timeout=30)
     assert r.json()["clients"] == 2
     np.testing.assert_allclose(r.json()["others_dle"], dle_b)  # b's, untouched
     np.testing.assert_allclose(r.json()["global_dle"], dle_b)

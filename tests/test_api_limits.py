@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 import pytest
 
-from coordinator_proc import ADMIN, Coordinator, auth, join, start_copy
+from coordinator_proc import ADMIN, UNSERVED_BTFL, Coordinator, auth, join, start_copy
 
 pytestmark = pytest.mark.timeout(600)  # the first test of a session trains the shared store
 LIMIT = 1 << 20
@@ -47,44 +47,47 @@ def test_body_over_1_mib_is_413_by_length_and_when_streamed(server: Coordinator,
 
     r = httpx.post(url, content=chunks(), headers=headers, timeout=60)
     assert (r.status_code, r.json()) == (413, expected)  # was FastAPI's 400 "error parsing the body"
-    just_under = b'{"embedding": [' + b" " * (LIMIT - 100) + b"0.0]}"
+    named = b'{"bundle_id": "%s", "embedding": [' % client["manifest"]["bundle_id"].encode()
+    just_under = named + b" " * (LIMIT - 200) + b"0.0]}"
     r = httpx.post(url, content=just_under, headers=headers, timeout=60)
     assert r.status_code == 422 and "embedding must have" in r.json()["detail"]  # under the limit: parsed
 
 
 def test_embedding_must_match_the_hypernetwork(server: Coordinator, client: dict) -> None:
-    dim = int(client["manifest"]["hyperparameters"]["embed_dim"])
+    dim, own = int(client["manifest"]["hyperparameters"]["embed_dim"]), {"bundle_id": client["manifest"]["bundle_id"]}
     url, headers = f"{server.url}/v1/hypernetwork/generate", auth(client["token"])
-    r = httpx.post(url, json={"embedding": [0.1] * (dim - 1)}, headers=headers, timeout=30)
+    r = httpx.post(url, json={"embedding": [0.1] * (dim - 1), **own}, headers=headers, timeout=30)
     assert (r.status_code, r.json()) == (422, {"detail": f"embedding must have {dim} values (the bundle's encoder "
                                                          f"output), got {dim - 1}"})
-    r = httpx.post(url, json={"embedding": [0.1] * 4097}, headers=headers, timeout=30)
+    r = httpx.post(url, json={"embedding": [0.1] * 4097, **own}, headers=headers, timeout=30)
     assert (r.status_code, r.json()) == (422, field_error(
         ["body", "embedding"], "List should have at most 4096 items after validation, not 4097", "too_long"))
-    r = httpx.post(url, json={"embedding": []}, headers=headers, timeout=30)
+    r = httpx.post(url, json={"embedding": [], **own}, headers=headers, timeout=30)
     assert (r.status_code, r.json()) == (422, field_error(
         ["body", "embedding"], "List should have at least 1 item after validation, not 0", "too_short"))
     tent = httpx.get(f"{server.url}/v1/manifest", params={"method": "TENT"}, timeout=30).json()["bundle_id"]
     r = httpx.post(url, json={"embedding": [0.1] * dim, "bundle_id": tent}, headers=headers, timeout=30)
-    assert (r.status_code, r.json()) == (404, {"detail": f"no ODPFL-HN bundle {tent}"})
+    assert (r.status_code, r.json()) == (404, {"detail": f"no ODPFL-HN bundle {tent} is served here"})
+    r = httpx.post(url, json={"embedding": [0.1] * dim}, headers=headers, timeout=30)  # which bundle's encoder?
+    assert (r.status_code, r.json()) == (422, field_error(["body", "bundle_id"], "Field required", "missing"))
     r = httpx.post(url, json={"embedding": [0.1] * dim, "bundle_id": "../x"}, headers=headers, timeout=30)
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "bundle_id"]
 
 
 def test_embedding_values_finite_and_bounded(server: Coordinator, client: dict) -> None:
     """1e300 used to overflow float32 and come back as NaN weights with 200."""
-    dim = int(client["manifest"]["hyperparameters"]["embed_dim"])
+    dim, own = int(client["manifest"]["hyperparameters"]["embed_dim"]), {"bundle_id": client["manifest"]["bundle_id"]}
     url, headers = f"{server.url}/v1/hypernetwork/generate", auth(client["token"])
     for value, msg, type_ in ((1e300, "Input should be less than or equal to 1000000", "less_than_equal"),
                               (-2e6, "Input should be greater than or equal to -1000000", "greater_than_equal")):
-        r = httpx.post(url, json={"embedding": [value] + [0.0] * (dim - 1)}, headers=headers, timeout=30)
+        r = httpx.post(url, json={"embedding": [value] + [0.0] * (dim - 1), **own}, headers=headers, timeout=30)
         assert (r.status_code, r.json()) == (422, field_error(["body", "embedding", 0], msg, type_))
     for token in ("NaN", "Infinity", "-Infinity"):
-        body = f'{{"embedding": [0.0, {token}]}}'
+        body = '{"embedding": [0.0, %s], "bundle_id": "%s"}' % (token, own["bundle_id"])
         r = httpx.post(url, content=body, headers={**headers, "Content-Type": "application/json"}, timeout=30)
         assert (r.status_code, r.json()) == (422, field_error(["body", "embedding", 1],
                                                               "Input should be a finite number", "finite_number"))
-    r = httpx.post(url, json={"embedding": [1e6] * dim}, headers=headers, timeout=30)
+    r = httpx.post(url, json={"embedding": [1e6] * dim, **own}, headers=headers, timeout=30)
     assert r.status_code == 200  # the bound itself is accepted
 
 
@@ -92,7 +95,8 @@ def test_dle_shapes_and_values(server: Coordinator, client: dict) -> None:
     url, headers = f"{server.url}/v1/btfl/dle", auth(client["token"])
 
     def post(freqs: object, num_samples: object = 5) -> httpx.Response:
-        return httpx.post(url, json={"freqs": freqs, "num_samples": num_samples}, headers=headers, timeout=30)
+        return httpx.post(url, json={"freqs": freqs, "num_samples": num_samples, "bundle_id": UNSERVED_BTFL},
+                          headers=headers, timeout=30)
 
     cases = [
         (post([[0.5] * 17]), field_error(["body", "freqs", 0], "List should have at most 16 items after validation, "
@@ -122,12 +126,13 @@ def test_dle_shape_is_fixed_by_the_other_clients(server: Coordinator, client: di
     its own first upload."""
     url = f"{server.url}/v1/btfl/dle"
     a = auth(client["token"])
-    assert httpx.post(url, json={"freqs": [[0.5, 0.5]], "num_samples": 1}, headers=a, timeout=30).status_code == 200
+    one = {"num_samples": 1, "bundle_id": UNSERVED_BTFL}
+    assert httpx.post(url, json={"freqs": [[0.5, 0.5]], **one}, headers=a, timeout=30).status_code == 200
     dle = np.full((4, 2), 0.5).tolist()
-    r = httpx.post(url, json={"freqs": dle, "num_samples": 3}, headers=a, timeout=30)
+    r = httpx.post(url, json={"freqs": dle, **one}, headers=a, timeout=30)
     assert r.status_code == 200 and (r.json()["clients"], r.json()["dims"]) == (1, 4)
     other = join(server.url)["token"]
-    r = httpx.post(url, json={"freqs": [[0.5, 0.5]], "num_samples": 1}, headers=auth(other), timeout=30)
+    r = httpx.post(url, json={"freqs": [[0.5, 0.5]], **one}, headers=auth(other), timeout=30)
     assert (r.status_code, r.json()) == (422, {"detail": "DLE shape [1, 2] differs from the other clients' [4, 2]"})
 
 
@@ -212,7 +217,8 @@ def test_concurrent_first_dles_of_different_shapes(trained_store: Path, tmp_path
 
         def upload(i: int) -> int:
             dle = np.full((4 if i % 2 else 8, 2), 0.5).tolist()
-            return httpx.post(f"{server.url}/v1/btfl/dle", json={"freqs": dle, "num_samples": 1},
+            return httpx.post(f"{server.url}/v1/btfl/dle", json={"freqs": dle, "num_samples": 1,
+                                                                 "bundle_id": UNSERVED_BTFL},
                               headers=auth(tokens[i]), timeout=60).status_code
 
         with ThreadPoolExecutor(16) as pool:

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from coordinator_proc import ADMIN, REPO, Coordinator, auth, join, start, start_copy
+from coordinator_proc import ADMIN, REPO, UNSERVED_BTFL, Coordinator, auth, join, start, start_copy
 from edge_sdk import _btfl as btfl
 from fl_server.recipes.run import client_data
 
@@ -69,11 +69,14 @@ def test_dle_upload_changes_the_served_global_dle(server: Coordinator) -> None:
     dle_b = btfl.fit_dle(rng.exponential(0.3, size=(60, base.shape[0])))
     # a and b joined from one address (open mode: their source): together they weigh at most 0.02 * n_base
     cap = SHARE * n_base
-    r = httpx.post(url, json={"freqs": dle_a.tolist(), "num_samples": 40}, headers=_auth(a), timeout=10)
+    served = a["manifest"]["bundle_id"]  # the bundle whose features each DLE was fitted on
+    r = httpx.post(url, json={"freqs": dle_a.tolist(), "num_samples": 40, "bundle_id": served}, headers=_auth(a),
+                   timeout=10)
     assert r.status_code == 200, r.text
     np.testing.assert_allclose(r.json()["global_dle"], btfl.average_dles([base, dle_a], [n_base, cap]), atol=1e-12)
     np.testing.assert_allclose(r.json()["others_dle"], base, atol=1e-12)  # a's global DLE: everyone else's
-    r = httpx.post(url, json={"freqs": dle_b.tolist(), "num_samples": 60}, headers=_auth(b), timeout=10)
+    r = httpx.post(url, json={"freqs": dle_b.tolist(), "num_samples": 60, "bundle_id": served}, headers=_auth(b),
+                   timeout=10)
     assert r.json()["clients"] == 2
     np.testing.assert_allclose(r.json()["global_dle"],
                                btfl.average_dles([base, dle_a, dle_b], [n_base, cap / 2, cap / 2]), atol=1e-12)
@@ -81,10 +84,10 @@ def test_dle_upload_changes_the_served_global_dle(server: Coordinator) -> None:
     np.testing.assert_allclose(seen_by_a["others_dle"], btfl.average_dles([base, dle_b], [n_base, cap / 2]),
                                atol=1e-12)
     wrong = np.full((base.shape[0] + 1, base.shape[1]), 1.0 / base.shape[1])
-    bad = httpx.post(url, json={"freqs": wrong.tolist(), "num_samples": 5}, headers=_auth(a), timeout=10)
+    bad = httpx.post(url, json={"freqs": wrong.tolist(), "num_samples": 5, "bundle_id": served}, headers=_auth(a),
+                     timeout=10)
     assert bad.status_code == 422  # must match the bundle's [D, levels]
-    # a DLE that names its bundle (edge_sdk's do): the served one's is taken, another's would mix features
-    served = a["manifest"]["bundle_id"]
+    # the served bundle's DLE is taken, another's would mix features
     same = httpx.post(url, json={"freqs": dle_a.tolist(), "num_samples": 40, "bundle_id": served},
                       headers=_auth(a), timeout=10)
     assert same.status_code == 200 and same.json()["clients"] == 2, same.text
@@ -157,7 +160,8 @@ def test_a_dle_of_another_shape_stored_before_the_btfl_bundle_does_not_break_the
         early = join(coord.url)  # no BTFL bundle yet
         url = f"{coord.url}/v1/btfl/dle"
         odd = btfl.fit_dle(np.random.default_rng(0).exponential(size=(20, 3)))  # [3, 2]: not the bundle's shape
-        assert httpx.post(url, json={"freqs": odd.tolist(), "num_samples": 20}, headers=_auth(early),
+        assert httpx.post(url, json={"freqs": odd.tolist(), "num_samples": 20, "bundle_id": UNSERVED_BTFL},
+                          headers=_auth(early),
                           timeout=10).status_code == 200
         job = httpx.post(f"{coord.url}/v1/jobs", json={"method": "BTFL", "rounds": 2}, headers=auth(ADMIN), timeout=10)
         assert job.status_code == 201, job.text
@@ -168,7 +172,8 @@ def test_a_dle_of_another_shape_stored_before_the_btfl_bundle_does_not_break_the
         assert body["clients"] == 0 and body["base"] is not None and body["dims"] != 3  # the odd row is left out
         late = _join(coord)
         dle = btfl.fit_dle(np.random.default_rng(1).exponential(size=(40, body["dims"])))
-        r = httpx.post(url, json={"freqs": dle.tolist(), "num_samples": 40}, headers=_auth(late), timeout=10)
+        r = httpx.post(url, json={"freqs": dle.tolist(), "num_samples": 40, "bundle_id": body["base"]["bundle_id"]},
+                       headers=_auth(late), timeout=10)
         assert r.status_code == 200 and r.json()["clients"] == 1, r.text
     finally:
         coord.stop()
@@ -244,7 +249,8 @@ def test_with_the_defaults_one_token_or_one_address_moves_no_row_by_5_percent(
                               timeout=30).json() for _ in range(20)]
         dle_url = f"{url}/v1/btfl/dle"
         before = httpx.get(dle_url, headers=_auth(clients[0]), timeout=30).json()
-        poison = {"freqs": _poison(before["dims"], before["levels"]), "num_samples": 10**9}
+        poison = {"freqs": _poison(before["dims"], before["levels"]), "num_samples": 10**9,
+                  "bundle_id": before["base"]["bundle_id"]}
         codes = [httpx.post(dle_url, json=poison, headers=_auth(c), timeout=30).status_code for c in clients]
         assert codes == [200] * 16 + [403] * 4  # FL_SERVE_DLE_PER_SOURCE (16)
         after = httpx.get(dle_url, headers=_auth(clients[0]), timeout=30).json()
@@ -271,7 +277,8 @@ def test_with_the_defaults_one_token_or_one_address_moves_no_row_by_5_percent(
     dle_url = f"{server.url}/v1/btfl/dle"
     sybils = [_join(server) for _ in range(20)]
     before = httpx.get(dle_url, headers=_auth(sybils[0]), timeout=30).json()
-    poison = {"freqs": _poison(before["dims"], before["levels"]), "num_samples": 10**9}
+    poison = {"freqs": _poison(before["dims"], before["levels"]), "num_samples": 10**9,
+              "bundle_id": before["base"]["bundle_id"]}
     accepted = [c for c in sybils if httpx.post(dle_url, json=poison, headers=_auth(c), timeout=30).status_code == 200]
     after = httpx.get(dle_url, headers=_auth(sybils[0]), timeout=30).json()
     assert accepted and _moved(before["global_dle"], after["global_dle"]) < 0.05
@@ -298,14 +305,16 @@ def test_ten_tokens_together_move_no_row_by_5_percent_and_an_honest_upload_still
         sybils, honest = [enrolled() for _ in range(10)], enrolled()
         base = _bundle_dle(coord, honest["manifest"])[0].tolist()  # the training federation's DLE
         before = httpx.get(dle_url, headers=_auth(honest), timeout=30).json()  # (with the module's uploads)
-        poison = {"freqs": _poison(before["dims"], before["levels"]), "num_samples": 10**9}
+        poison = {"freqs": _poison(before["dims"], before["levels"]), "num_samples": 10**9,
+                  "bundle_id": before["base"]["bundle_id"]}
         codes = [httpx.post(dle_url, json=poison, headers=_auth(c), timeout=30).status_code for c in sybils]
         assert codes == [200] * 10
         after = httpx.get(dle_url, headers=_auth(honest), timeout=30).json()
         assert after["clients"] == before["clients"] + 10
         assert _moved(base, after["global_dle"]) < 0.05  # was 0.33 with ten tokens
         uniform = np.full((before["dims"], before["levels"]), 1.0 / before["levels"])
-        r = httpx.post(dle_url, json={"freqs": uniform.tolist(), "num_samples": 50}, headers=_auth(honest), timeout=30)
+        r = httpx.post(dle_url, json={"freqs": uniform.tolist(), "num_samples": 50,
+                                      "bundle_id": before["base"]["bundle_id"]}, headers=_auth(honest), timeout=30)
         assert r.status_code == 200 and r.json()["clients"] == before["clients"] + 11
         assert _moved(after["global_dle"], r.json()["global_dle"]) > 1e-4  # the honest upload has an effect
         assert _moved(base, r.json()["global_dle"]) < 0.05

@@ -85,7 +85,7 @@ class InProcessHypernetwork:
         theta = {k: torch.from_numpy(v) for k, v in rundir.best_arrays(run_dir, "hn").items()}
         self.net = FusedHypernet(algorithm, theta)
 
-    def generate(self, embedding: np.ndarray, bundle_id: str | None = None) -> dict[str, np.ndarray]:
+    def generate(self, embedding: np.ndarray, bundle_id: str) -> dict[str, np.ndarray]:
         """The run's own hypernetwork (``bundle_id``, the device's bundle, names it already)."""
         return self.net.split(self.net(np.asarray(embedding, np.float32)[None])[0])
 

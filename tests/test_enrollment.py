@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from coordinator_proc import ADMIN, Coordinator, auth, start_copy
+from coordinator_proc import ADMIN, UNSERVED_BTFL, Coordinator, auth, start_copy
 from edge_sdk._client import EdgeClient
 
 pytestmark = pytest.mark.timeout(600)
@@ -53,7 +53,7 @@ def test_enrollment_bounds_sybils(server: Coordinator, tmp_path: Path) -> None:
 
     dle_url = f"{url}/v1/btfl/dle"
     assert [httpx.get(dle_url, headers=auth(t), timeout=30).status_code for t in tokens] == [404] * 4
-    body = {"freqs": [[0.5, 0.5], [0.25, 0.75]], "num_samples": 4}
+    body = {"freqs": [[0.5, 0.5], [0.25, 0.75]], "num_samples": 4, "bundle_id": UNSERVED_BTFL}
     codes = [httpx.post(dle_url, json=body, headers=auth(t), timeout=30) for t in tokens[:3]]
     assert [r.status_code for r in codes] == [200, 200, 403]  # one enrollment's weight is bounded
     assert codes[2].json()["detail"] == ("2 clients of this enrollment have a DLE in the aggregate already "

@@ -108,7 +108,7 @@ def served_accuracy(root: Path, run_dir: Path, method: str, x: np.ndarray, y: np
         net = FusedHypernet(algorithm, {k: torch.from_numpy(v) for k, v in rundir.best_arrays(run_dir, "hn").items()})
 
         class Hypernetwork:
-            def generate(self, embedding: np.ndarray, bundle_id: str | None = None) -> dict[str, np.ndarray]:
+            def generate(self, embedding: np.ndarray, bundle_id: str) -> dict[str, np.ndarray]:
                 return net.split(net(np.asarray(embedding, np.float32)[None])[0])
         client = Hypernetwork()
     device = edge_sdk.open_bundle(bundle, client=client)  # type: ignore[arg-type]

@@ -340,15 +340,15 @@ def test_alpha_for_a_partition_it_does_not_shape_is_refused(bare: Coordinator) -
 
 def test_embedding_and_dle_numbers_are_strict(served: Coordinator) -> None:
     client = join(served.url, "ODPFL-HN")
-    dim = int(client["manifest"]["hyperparameters"]["embed_dim"])
+    dim, own = int(client["manifest"]["hyperparameters"]["embed_dim"]), {"bundle_id": client["manifest"]["bundle_id"]}
     url, headers = f"{served.url}/v1/hypernetwork/generate", auth(client["token"])
     for bad, type_ in (("1.0", "float_type"), (True, "float_type")):
-        r = httpx.post(url, json={"embedding": [bad] + [0.0] * (dim - 1)}, headers=headers, timeout=30)
+        r = httpx.post(url, json={"embedding": [bad] + [0.0] * (dim - 1), **own}, headers=headers, timeout=30)
         assert r.status_code == 422, r.text
         assert [(e["loc"], e["type"]) for e in r.json()["detail"]] == [(["body", "embedding", 0], type_)]
-    assert httpx.post(url, json={"embedding": [1] + [0.0] * (dim - 1)}, headers=headers,
+    assert httpx.post(url, json={"embedding": [1] + [0.0] * (dim - 1), **own}, headers=headers,
                       timeout=30).status_code == 200  # a JSON integer is a number
-    r = httpx.post(f"{served.url}/v1/btfl/dle", json={"freqs": [[0.5, 0.5]], "num_samples": "10"},
+    r = httpx.post(f"{served.url}/v1/btfl/dle", json={"freqs": [[0.5, 0.5]], "num_samples": "10", "bundle_id": "b" * 64},
                    headers=headers, timeout=30)
     assert [(e["loc"], e["type"]) for e in r.json()["detail"]] == [(["body", "num_samples"], "int_type")]
 

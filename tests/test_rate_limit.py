@@ -12,7 +12,7 @@ import httpx
 import pytest
 from fastapi import HTTPException
 
-from coordinator_proc import ADMIN, Coordinator, auth, join, start, start_copy
+from coordinator_proc import ADMIN, UNSERVED_BTFL, Coordinator, auth, join, start, start_copy
 from fl_server.service.config import ServiceConfig
 from fl_server.service.ratelimit import Buckets, Limit
 from fl_server.service.store import RECLAIM_BATCH, RegistryFull, Store
@@ -137,8 +137,8 @@ def test_token_is_limited_per_token_then_recovers(server: Coordinator) -> None:
     time.sleep(3)  # the joins of the previous test refill
     a, b = join(server.url)["token"], join(server.url)["token"]
     url = f"{server.url}/v1/btfl/dle"
-    body = {"freqs": [[0.5, 0.5]], "num_samples": 1}
-    httpx.post(url, json=body, headers=auth(a), timeout=30)
+    body = {"freqs": [[0.5, 0.5]], "num_samples": 1, "bundle_id": UNSERVED_BTFL}
+    assert httpx.post(url, json=body, headers=auth(a), timeout=30).status_code == 200
     r = until_limited(lambda: httpx.get(url, headers=auth(a), timeout=30))
     retry = int(r.headers["Retry-After"])
     assert r.json()["detail"].startswith("rate limit exceeded for this token (1 requests/s, burst 4)")

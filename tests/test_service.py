@@ -12,7 +12,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from coordinator_proc import ADMIN, Coordinator, auth, join, start, start_copy
+from coordinator_proc import ADMIN, UNSERVED_BTFL, Coordinator, auth, join, start, start_copy
 from edge_sdk import _btfl as btfl, _tensors as tensors
 
 pytestmark = pytest.mark.timeout(600)
@@ -179,10 +179,10 @@ def _embedding(server: Coordinator, manifest: dict) -> tuple[np.ndarray, np.ndar
 def test_generate(server: Coordinator, client: dict) -> None:
     m = client["manifest"]
     e, x, _ = _embedding(server, m)
-    url = f"{server.url}/v1/hypernetwork/generate"
-    assert httpx.post(url, json={"embedding": e.tolist()}, timeout=10).status_code == 401
-    assert httpx.post(url, json={"embedding": e.tolist()}, headers=auth(ADMIN), timeout=10).status_code == 403
-    r = httpx.post(url, json={"embedding": e.tolist()}, headers=auth(client["token"]), timeout=30)
+    url, bid = f"{server.url}/v1/hypernetwork/generate", {"bundle_id": m["bundle_id"]}
+    assert httpx.post(url, json={"embedding": e.tolist(), **bid}, timeout=10).status_code == 401
+    assert httpx.post(url, json={"embedding": e.tolist(), **bid}, headers=auth(ADMIN), timeout=10).status_code == 403
+    r = httpx.post(url, json={"embedding": e.tolist(), **bid}, headers=auth(client["token"]), timeout=30)
     assert r.status_code == 200, r.text
     params = r.json()["params"]
     forward = ort.InferenceSession(httpx.get(server.url + next(a["url"] for a in m["artifacts"]
@@ -195,19 +195,20 @@ def test_generate(server: Coordinator, client: dict) -> None:
         feeds[inp.name] = arr
     (logits,) = forward.run(["logits"], feeds)
     assert logits.shape == (len(x), 10) and np.isfinite(logits).all()
-    binary = httpx.post(url, json={"embedding": e.tolist()}, timeout=30,
+    binary = httpx.post(url, json={"embedding": e.tolist(), **bid}, timeout=30,
                         headers={**auth(client["token"]), "Accept": tensors.MEDIA_TYPE})
     assert binary.headers["content-type"] == tensors.MEDIA_TYPE and len(binary.content) < len(r.content)
     arrays, meta = tensors.decode(binary.content)
     assert meta == {"bundle_id": m["bundle_id"]} and set(arrays) == set(params)
     for name, arr in arrays.items():  # the same weights as the JSON reply, bit for bit
         assert arr.tobytes() == base64.b64decode(params[name]["data"])
-    other = httpx.post(url, json={"embedding": (e + 1.0).tolist()}, headers=auth(client["token"]), timeout=30)
+    other = httpx.post(url, json={"embedding": (e + 1.0).tolist(), **bid}, headers=auth(client["token"]), timeout=30)
     assert other.json()["params"] != params  # the weights depend on the embedding
-    for bad in ({"embedding": e.tolist()[:-1]}, {"embedding": []}, {"embedding": e.tolist(), "data": [1.0]}):
+    for bad in ({"embedding": e.tolist()[:-1], **bid}, {"embedding": [], **bid},
+                {"embedding": e.tolist(), "data": [1.0], **bid}, {"embedding": e.tolist()}):  # the last: no bundle
         r = httpx.post(url, json=bad, headers=auth(client["token"]), timeout=10)
         assert r.status_code == 422, bad
-    nan = '{"embedding": [NaN%s]}' % (", 0.0" * (len(e) - 1))
+    nan = '{"embedding": [NaN%s], "bundle_id": "%s"}' % (", 0.0" * (len(e) - 1), m["bundle_id"])
     r = httpx.post(url, content=nan, headers={**auth(client["token"]), "Content-Type": "application/json"})
     assert r.status_code == 422
     big = httpx.post(url, content=b"{" + b" " * (2 << 20) + b"}",
@@ -224,7 +225,8 @@ def test_concurrent_generates_are_batched_correctly(server: Coordinator, client:
     url, headers = f"{server.url}/v1/hypernetwork/generate", auth(client["token"])
 
     def call(emb: list[float]) -> dict:
-        return httpx.post(url, json={"embedding": emb}, headers=headers, timeout=60).json()["params"]
+        return httpx.post(url, json={"embedding": emb, "bundle_id": client["manifest"]["bundle_id"]}, headers=headers,
+                          timeout=60).json()["params"]
 
     with ThreadPoolExecutor(12) as pool:
         together = list(pool.map(call, embs))
@@ -244,12 +246,12 @@ def test_btfl_dle_upload_and_reaggregation(server: Coordinator) -> None:
     dle_a = btfl.fit_dle(rng.exponential(size=(50, 16)))
     dle_b = btfl.fit_dle(rng.exponential(0.2, size=(150, 16)))
     url = f"{server.url}/v1/btfl/dle"
-    r = httpx.post(url, json={"freqs": dle_a.tolist(), "num_samples": 50}, headers=auth(a["token"]), timeout=10)
+    r = httpx.post(url, json={"freqs": dle_a.tolist(), "num_samples": 50, "bundle_id": UNSERVED_BTFL}, headers=auth(a["token"]), timeout=10)
     assert r.status_code == 200, r.text
     assert r.json()["clients"] == 1 and r.json()["others_dle"] is None
     np.testing.assert_allclose(r.json()["global_dle"], dle_a)
     # b claims 10^9 samples: every client weighs the same (BTFL Sec. 4.1), so the claim cannot outweigh a
-    r = httpx.post(url, json={"freqs": dle_b.tolist(), "num_samples": 10**9}, headers=auth(b["token"]), timeout=10)
+    r = httpx.post(url, json={"freqs": dle_b.tolist(), "num_samples": 10**9, "bundle_id": UNSERVED_BTFL}, headers=auth(b["token"]), timeout=10)
     body = r.json()
     assert body["clients"] == 2 and (body["dims"], body["levels"]) == (16, 2)
     np.testing.assert_allclose(body["global_dle"], (dle_a + dle_b) / 2, atol=1e-12)
@@ -257,8 +259,12 @@ def test_btfl_dle_upload_and_reaggregation(server: Coordinator) -> None:
     bad_rows = np.full((16, 2), 0.7)
     for bad in ({"freqs": bad_rows.tolist(), "num_samples": 5}, {"freqs": dle_a[:8].tolist(), "num_samples": 5},
                 {"freqs": dle_a.tolist(), "num_samples": 0}, {"freqs": [[0.5]], "num_samples": 1}):
+        bad = {**bad, "bundle_id": UNSERVED_BTFL}
         assert httpx.post(url, json=bad, headers=auth(a["token"]), timeout=10).status_code == 422
-    assert httpx.post(url, json={"freqs": dle_a.tolist(), "num_samples": 5}, timeout=10).status_code == 401
+    unnamed = httpx.post(url, json={"freqs": dle_a.tolist(), "num_samples": 5}, headers=auth(a["token"]), timeout=10)
+    assert unnamed.status_code == 422 and unnamed.json()["detail"][0]["loc"] == ["body", "bundle_id"]
+    assert httpx.post(url, json={"freqs": dle_a.tolist(), "num_samples": 5, "bundle_id": UNSERVED_BTFL},
+                      timeout=10).status_code == 401
 
 
 def test_jobs_need_admin(server: Coordinator, client: dict) -> None:
@@ -420,7 +426,7 @@ def test_a_device_keeps_its_own_bundles_hypernetwork_after_a_newer_release(train
             device.personalize(x)
             for name, w in own.items():
                 np.testing.assert_array_equal(device.runner.weights[name], w)
-            newest = c.generate(device.runner.embed(x))  # no bundle named: the served one's hypernetwork
+            newest = c.generate(device.runner.embed(x), c.manifest("ODPFL-HN")["bundle_id"])  # the newer one's
             assert any(not np.allclose(newest[f"psi.{name}"], w) for name, w in own.items())
     finally:
         coord.stop()

@@ -139,7 +139,7 @@ def test_signed_manifests_are_strict_json(server: Coordinator, tmp_path: Path) -
         c.join("ODPFL-HN")
         bundle = c.download(method="ODPFL-HN")
         dim = int(bundle.hyperparameters["embed_dim"])
-        weights = c.generate(np.random.default_rng(0).standard_normal(dim))
+        weights = c.generate(np.random.default_rng(0).standard_normal(dim), bundle.id)
         assert weights and all(np.isfinite(w).all() for w in weights.values())
     # a manifest that is not strict JSON is refused on the device
     root = tmp_path / "nan-bundle"

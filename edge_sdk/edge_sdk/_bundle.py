@@ -359,13 +359,6 @@ def load_bundle(root: str | os.PathLike, public_key: PublicKey | None = None) ->
         sig_path = root / SIGNATURE_FILE
         release = verify_manifest(raw, sig_path.read_bytes() if sig_path.is_file() else None, trusted, str(root),
                                   candidate_ok=True)
-    else:  # unsigned warns too: deleting manifest.sig must not be the way to silence the warning
-        what = ("is signed, but no public key was given: its signature is not checked"
-                if (root / SIGNATURE_FILE).is_file() else "is not signed and no public key was given")
-        warnings.warn(UnverifiedSignatureWarning(
-            f"{root} {what}; only its sha256 hashes are, which catch corruption, not someone who rewrites the "
-            "manifest too. Pass public_key= (the coordinator's key, GET /v1/signing-key; an offline export's "
-            "fl-server export --signing-key) to verify it"), stacklevel=2)
     try:
         manifest = strictjson.loads(raw)
         artifacts = manifest["artifacts"]
@@ -409,6 +402,13 @@ def load_bundle(root: str | os.PathLike, public_key: PublicKey | None = None) ->
         verified[str(a.get("name"))] = data
     bundle = Bundle(root, manifest, trusted, release, verified, id=hashlib.sha256(raw).hexdigest())
     bundle.frozen = _frozen_references(bundle, external)
+    if trusted is None:  # unsigned warns too: deleting manifest.sig must not be the way to silence the warning
+        what = ("is signed, but no public key was given: its signature is not checked"
+                if (root / SIGNATURE_FILE).is_file() else "is not signed and no public key was given")
+        warnings.warn(UnverifiedSignatureWarning(
+            f"{root} {what}; only its sha256 hashes are, which catch corruption, not someone who rewrites the "
+            "manifest too. Pass public_key= (the coordinator's key, GET /v1/signing-key; an offline export's "
+            "fl-server export --signing-key) to verify it"), stacklevel=2)
     return bundle
 
 

@@ -402,11 +402,11 @@ class EdgeClient:
         raise EdgeClientError(f"GET {self.url}{url}: {last} (after {self.retries + 1} attempts without progress; "
                               f"{part.stat().st_size if part.exists() else 0} bytes kept for resuming)")
 
-    def generate(self, embedding: np.ndarray, bundle_id: str | None = None) -> dict[str, np.ndarray]:
+    def generate(self, embedding: np.ndarray, bundle_id: str) -> dict[str, np.ndarray]:
         """ODPFL-HN: send only the embedding e, receive the personalised weights {psi.<name>: array}.
-        ``bundle_id``: the bundle whose hypernetwork must answer (``Bundle.id``; a device's runner always names its
-        own), refused with 404 when the coordinator no longer serves it, and the reply must name it; None: the one
-        served now. Asks for the binary reply (:mod:`edge_sdk._tensors`) and still reads the JSON one of an older
+        ``bundle_id``: the bundle whose encoder computed e and whose hypernetwork must answer (``Bundle.id``; a
+        device's runner names its own), refused with 404 when the coordinator no longer serves it, and the reply
+        must name it. Asks for the binary reply (:mod:`edge_sdk._tensors`) and still reads the JSON one of an older
         coordinator."""
         e = np.asarray(embedding, dtype=np.float64).reshape(-1)
         if not np.isfinite(e).all():
@@ -431,21 +431,21 @@ class EdgeClient:
             except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:  # base64: ValueError
                 raise EdgeClientError(f"generate: malformed weights reply ({type(exc).__name__}: {exc})") from None
             replied = body.get("bundle_id")
-        if bundle_id is not None and replied != bundle_id:  # weights of another bundle's hypernetwork
+        if replied != bundle_id:  # weights of another bundle's hypernetwork
             raise EdgeClientError(f"generate: the coordinator answered for bundle {str(replied)[:80]!r}, not "
                                   f"{bundle_id}")
         return weights
 
-    def upload_dle(self, freqs: np.ndarray, num_samples: int, bundle_id: str | None = None) -> dict[str, Any]:
+    def upload_dle(self, freqs: np.ndarray, num_samples: int, bundle_id: str) -> dict[str, Any]:
         """BTFL: upload this client's local DLE [D, levels]; returns the re-aggregated global DLE. ``bundle_id``:
-        the bundle whose features the DLE was fitted on (``Bundle.id``; a device's runner always names its own):
-        the coordinator refuses it (409) while it serves another BTFL bundle, and a reply averaged with another
+        the bundle whose features the DLE was fitted on (``Bundle.id``; a device's runner names its own): the
+        coordinator refuses it (409) while it serves another BTFL bundle, and a reply averaged with another
         bundle's clients is refused here."""
         request = {"freqs": np.asarray(freqs, dtype=np.float64).tolist(), "num_samples": int(num_samples),
-                   **({"bundle_id": bundle_id} if bundle_id is not None else {})}
+                   "bundle_id": bundle_id}
         body = self._json("POST", "/v1/btfl/dle", headers=self._auth(), json=request)
         base = body.get("base")
-        if bundle_id is not None and isinstance(base, dict) and base.get("bundle_id") != bundle_id:
+        if isinstance(base, dict) and base.get("bundle_id") != bundle_id:
             raise EdgeClientError(f"upload_dle: the global DLE was averaged with bundle "
                                   f"{str(base.get('bundle_id'))[:80]!r}'s clients, not {bundle_id}'s")
         body["global_dle"] = np.asarray(body["global_dle"])

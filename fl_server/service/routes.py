@@ -196,7 +196,7 @@ def _file_chunks(path: Path, first: int, last: int, chunk: int = 1 << 20) -> Ite
 
 # ----------------------------------------------------------------- methods
 @router.post("/v1/hypernetwork/generate", response_model=S.GenerateResponse, tags=["methods"],
-             responses={**documented(*AUTH, *BODY, 404, 503, e404="no ODPFL-HN bundle with this bundle_id",
+             responses={**documented(*AUTH, *BODY, 404, 503, e404="no ODPFL-HN bundle with this bundle_id is served",
                                      e422="wrong embedding dimension, values outside [-1e6, 1e6] or not finite"),
                         200: {"description": "the weights: JSON (default) or, when the request's Accept names "
                                              f"{WEIGHTS_MEDIA_TYPE}, that binary format (safetensors layout: u64 "
@@ -207,15 +207,9 @@ async def generate(body: S.GenerateRequest, request: Request, _: Principal = Dep
                    svc: Service = Depends(service)) -> Response:
     """ODPFL-HN: personalised weights w = f_theta(e) from the client's embedding e (nothing else is accepted).
     ``Accept: application/vnd.fl-edge.weights`` selects the binary reply (what edge_sdk asks for)."""
-    if body.bundle_id is not None:
-        bundle = svc.bundle_by_id(body.bundle_id)
-        if bundle is None or "hn" not in bundle["server"]:
-            raise HTTPException(404, f"no ODPFL-HN bundle {body.bundle_id}")
-    else:
-        method = svc.step_method("encoder")  # the device step whose embeddings this route turns into weights
-        if method is None:
-            raise HTTPException(404, "no method with a hypernetwork is registered on this coordinator")
-        bundle = _bundle_or_503(svc, method)
+    bundle = svc.bundle_by_id(body.bundle_id)
+    if bundle is None or "hn" not in bundle["server"]:
+        raise HTTPException(404, f"no ODPFL-HN bundle {body.bundle_id} is served here")
     dim = svc.hypernets.embed_dim(bundle)
     if len(body.embedding) != dim:
         raise HTTPException(422, f"embedding must have {dim} values (the bundle's encoder output), "
@@ -259,7 +253,7 @@ def upload_dle(body: S.DLEUpload, who: Principal = Depends(require_client),
         raise HTTPException(422, f"invalid DLE: {exc}") from None
     if freqs.shape[1] > S.MAX_DLE_LEVELS:
         raise HTTPException(422, f"a DLE has at most {S.MAX_DLE_LEVELS} levels, got {freqs.shape[1]}")
-    base = svc.btfl_base() if body.bundle_id is not None else None
+    base = svc.btfl_base()
     if base is not None and base[0] != body.bundle_id:  # fitted on another bundle's features: it would mix
         raise HTTPException(409, f"this coordinator serves BTFL bundle {base[0]}; a DLE fitted on bundle "
                                  f"{body.bundle_id}'s features would be averaged with its clients': download the "

@@ -97,8 +97,10 @@ class GenerateRequest(Strict):
                                         description="the client's set embedding e = g_gamma(D) (only e is "
                                                     "accepted); its length must be the bundle's "
                                                     "hyperparameters.embed_dim")
-    bundle_id: str | None = Field(None, pattern=r"^[0-9a-f]{64}$",
-                                  description="ODPFL-HN bundle to use (default: the newest)")
+    bundle_id: str = Field(pattern=r"^[0-9a-f]{64}$",
+                           description="the ODPFL-HN bundle whose encoder computed the embedding (sha256 of its "
+                                       "manifest.json): its hypernetwork answers, so an embedding is never turned "
+                                       "into another release's weights; 404 when it is not served")
 
 
 class Tensor(BaseModel):
@@ -119,10 +121,10 @@ class DLEUpload(Strict):
                                             "sums to 1; D and levels must match the other clients' DLEs")
     num_samples: int = Field(ge=1, le=10**9, description="samples the DLE was fitted on (recorded; not a weight: "
                                                           "every client weighs the same in the global DLE)")
-    bundle_id: str | None = Field(None, pattern=r"^[0-9a-f]{64}$",
-                                  description="the BTFL bundle whose features the DLE was fitted on (edge_sdk sends "
-                                              "it): refused with 409 when another BTFL bundle is served, whose "
-                                              "clients' DLEs it would be averaged with")
+    bundle_id: str = Field(pattern=r"^[0-9a-f]{64}$",
+                           description="the BTFL bundle whose features the DLE was fitted on (sha256 of its "
+                                       "manifest.json): refused with 409 when another BTFL bundle is served, whose "
+                                       "clients' DLEs it would be averaged with")
 
 
 class DLEBase(BaseModel):

@@ -194,8 +194,8 @@ class Service:
         return self._by_method[(healthy or fallback)[0]] if fallback else None
 
     def step_method(self, step: str) -> str | None:
-        """The method whose bundles run the device step ``step``, for the routes that serve one kind of step
-        ("encoder": /v1/hypernetwork/generate, "btfl": /v1/btfl/dle): the method of the newest served bundle of
+        """The method whose bundles run the device step ``step``, for a route that serves one kind of step
+        ("btfl": /v1/btfl/dle): the method of the newest served bundle of
         that step (its manifest's ``device_step``), else the first registered method declaring it (a job of it
         may be training), else None."""
         self._refresh()
