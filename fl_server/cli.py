@@ -81,6 +81,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     warning = rundir.read_run(args.run_dir).get("warning")
     if warning:  # recorded by fl-server train (fl_server.diagnostics)
         print(warning)
+    if args.int8:  # what forward_int8 costs the new clients, measured on the bundle by the SDK
+        from fl_server.export.int8_cost import int8_cost
+        from fl_server.recipes import RecipeError
+
+        try:
+            print(int8_cost(path, args.data_dir)["line"])
+        except (ValueError, FileNotFoundError, RecipeError) as exc:  # the run's data is not here
+            print(f"int8: not measured on the new clients ({exc})")
     return 0
 
 
@@ -323,7 +331,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = add_parser("export", help="export a trained run's best model and device steps as an ONNX bundle")
     p.add_argument("run_dir", help="run directory of `fl-server train --out` (holds run.json and best.npz)")
     p.add_argument("--out", required=True, help="bundle directory to write (replaced atomically)")
-    p.add_argument("--int8", action="store_true", help="also ship forward_int8 (frozen, int8-quantized received model)")
+    p.add_argument("--int8", action="store_true", help="also ship forward_int8 (frozen, int8-quantized received model) "
+                                                       "and print its new-client accuracy against float32")
+    p.add_argument("--data-dir", default=None, help="with --int8: where the run's data set is, to measure it on the "
+                                                    "new clients (default: $FL_DATA_DIR, else ~/.cache/fl-edge/data)")
     p.add_argument("--signing-key", default=None,
                    help="Ed25519 private key (PEM, e.g. a coordinator store's signing_key.pem): write manifest.sig, "
                         "a signed candidate without a version (load_bundle verifies it; devices take releases only "

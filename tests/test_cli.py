@@ -73,8 +73,12 @@ def test_train_export_and_personalize_on_device(tmp_path: Path) -> None:
     trained = fl_server("train", "--dataset", "digits", "--method", "TENT", "--rounds", "8", "--out",
                         str(tmp_path / "run"), "--no-progress")
     assert trained.returncode == 0, trained.stderr
-    exported = fl_server("export", str(tmp_path / "run"), "--out", str(tmp_path / "bundle"))
+    exported = fl_server("export", str(tmp_path / "run"), "--out", str(tmp_path / "bundle"), "--int8")
     assert exported.returncode == 0 and (tmp_path / "bundle" / "manifest.json").exists(), exported.stderr
+    # what forward_int8 costs the new clients, from the bundle; its float32 figure is training's received model
+    line = next(s for s in exported.stdout.splitlines() if s.startswith("int8: "))
+    received = json.loads(trained.stdout[trained.stdout.index("{\n"):trained.stdout.index("\n}") + 2])["received_test"]
+    assert f", {received:.2f}% in float32 (" in line, (line, received)
     data = fl_server("device-data", str(tmp_path / "bundle"), "--kind", "clients", "--out", str(tmp_path / "new.npz"))
     assert data.returncode == 0, data.stderr
     device = subprocess.run([sys.executable, "examples/personalize_on_device.py", "--bundle", str(tmp_path / "bundle"),
