@@ -53,7 +53,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(json.dumps(record, indent=1))
     test = "n/a" if record["test"] is None else f"{record['test']:.2f}%"
     if record["test"] is not None and record["test_of"] == "received":
-        test += " (the received model, before each device's labeled personalisation)"
+        test += (" (the received model, before each device's labeled personalisation; fl-server export measures a "
+                 "device's)")
     elif record["test"] is not None and record["safeguard"] == "rollback":
         test += (f" (the received model: {recipe.method}'s safeguard rule 'rollback' keeps it on every device; "
                  "edge_sdk.open_bundle(..., safeguard=False) personalises)")
@@ -69,8 +70,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from fl_server.export.run import export_run
     from fl_server import rundir
+    from fl_server.algorithms import ALGORITHMS
+    from fl_server.export.run import export_run
+    from fl_server.recipes import RecipeError
     from fl_server.signing import ManifestSigner
 
     signer = ManifestSigner.from_pem(Path(args.signing_key)) if args.signing_key else None
@@ -78,12 +81,19 @@ def cmd_export(args: argparse.Namespace) -> int:
     how = f"load_bundle(dir, public_key='{signer.public_hex}')" if signer else "load_bundle (unsigned: hashes only)"
     print(f"bundle written to {path} (verify and use it on a device with edge_sdk.{how}; fl-server publish serves "
           "it as a release numbered by the coordinator)")
-    warning = rundir.read_run(args.run_dir).get("warning")
-    if warning:  # recorded by fl-server train (fl_server.diagnostics)
-        print(warning)
+    run = rundir.read_run(args.run_dir)
+    if run.get("warning"):  # recorded by fl-server train (fl_server.diagnostics)
+        print(run["warning"])
+    # what training could not score: the labeled personalisation of a method whose devices personalise on labels
+    if getattr(ALGORITHMS.get(run.get("method", "")), "device_labels", False):
+        from fl_server.export.labeled_score import labeled_score
+
+        try:
+            print(labeled_score(path, args.data_dir)["line"])
+        except (ValueError, FileNotFoundError, RecipeError) as exc:  # the run's data is not here
+            print(f"{run['method']} on a device: not measured on the new clients ({exc})")
     if args.int8:  # what forward_int8 costs the new clients, measured on the bundle by the SDK
         from fl_server.export.int8_cost import int8_cost
-        from fl_server.recipes import RecipeError
 
         try:
             print(int8_cost(path, args.data_dir)["line"])
@@ -333,8 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="bundle directory to write (replaced atomically)")
     p.add_argument("--int8", action="store_true", help="also ship forward_int8 (frozen, int8-quantized received model) "
                                                        "and print its new-client accuracy against float32")
-    p.add_argument("--data-dir", default=None, help="with --int8: where the run's data set is, to measure it on the "
-                                                    "new clients (default: $FL_DATA_DIR, else ~/.cache/fl-edge/data)")
+    p.add_argument("--data-dir", default=None, help="where the run's data set is, for what is measured on the new "
+                                                    "clients (--int8; BTFL's labeled personalisation) (default: "
+                                                    "$FL_DATA_DIR, else ~/.cache/fl-edge/data)")
     p.add_argument("--signing-key", default=None,
                    help="Ed25519 private key (PEM, e.g. a coordinator store's signing_key.pem): write manifest.sig, "
                         "a signed candidate without a version (load_bundle verifies it; devices take releases only "

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,6 +104,31 @@ def test_training_says_when_every_device_keeps_the_received_model(tmp_path: Path
     assert '"safeguard": "rollback"' in trained.stdout
     assert ("(the received model: FedTTA++'s safeguard rule 'rollback' keeps it on every device; "
             "edge_sdk.open_bundle(..., safeguard=False) personalises)") in trained.stdout
+
+
+def test_export_says_what_a_btfl_device_gets_after_its_labeled_personalisation(tmp_path: Path) -> None:
+    """Training scores BTFL's received model only (a device personalises on its own labels); export measures the
+    device: each new client personalises on the labeled first half of its samples and predicts the other half.
+    The line's figure is what the torch-free SDK gives from the bundle on the samples device-data hands out."""
+    import edge_sdk
+
+    trained = fl_server("train", "--dataset", "digits", "--method", "BTFL", "--rounds", "3", "--out",
+                        str(tmp_path / "run"), "--no-progress")
+    assert trained.returncode == 0 and "fl-server export measures a device's)" in trained.stdout, trained.stderr
+    exported = fl_server("export", str(tmp_path / "run"), "--out", str(tmp_path / "bundle"))
+    assert exported.returncode == 0, exported.stderr
+    line = next(s for s in exported.stdout.splitlines() if s.startswith("BTFL on a device: "))
+    data = fl_server("device-data", str(tmp_path / "bundle"), "--kind", "clients", "--out", str(tmp_path / "new.npz"))
+    assert data.returncode == 0, data.stderr
+    with np.load(tmp_path / "new.npz") as arrays:
+        x, y, offsets = arrays["x"], arrays["y"], arrays["offsets"]
+    accuracies = []
+    for lo, hi in zip(offsets[:-1], offsets[1:]):
+        half = lo + (hi - lo) // 2
+        device = edge_sdk.open_bundle(tmp_path / "bundle")
+        device.personalize(x[lo:half], y[lo:half])
+        accuracies.append((device.predict(x[half:hi]).argmax(1) == y[half:hi]).mean())
+    assert f"samples, {100 * np.mean(accuracies):.2f}% on the other half (" in line, (line, accuracies)
 
 
 def test_export_without_a_run_is_one_clear_line(tmp_path: Path) -> None:
