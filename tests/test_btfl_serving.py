@@ -55,6 +55,11 @@ def test_btfl_bundle_and_training_dle(server: Coordinator) -> None:
     np.testing.assert_allclose(dle.sum(1), 1.0, atol=1e-12)  # rows are level frequencies
     view = httpx.get(f"{server.url}/v1/btfl/dle", headers=_auth(c), timeout=10).json()
     assert view["base"] == {"bundle_id": m["bundle_id"], "clients": clients}
+    # the job's accuracy is the received model's (a device personalises on its own labels), and says so
+    job = next(j for j in httpx.get(f"{server.url}/v1/jobs", headers=auth(ADMIN), timeout=10).json()
+               if j["spec"]["method"] == "BTFL")
+    assert (job["test_of"], job["safeguard"]) == ("received", None), job
+    assert "% (received model, before labeled personalisation)</td>" in httpx.get(f"{server.url}/", timeout=10).text
 
 
 def test_dle_upload_changes_the_served_global_dle(server: Coordinator) -> None:

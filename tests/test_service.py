@@ -281,6 +281,7 @@ def test_jobs_need_admin(server: Coordinator, client: dict) -> None:
     # the rule the job's devices apply: ODPFL-HN's keeps the received model, so its number is that model's
     assert {j["spec"]["method"]: j["safeguard"] for j in jobs} == {"TENT": "disagreement<=0.2",
                                                                    "ODPFL-HN": "rollback"}
+    assert {j["test_of"] for j in jobs} == {"device"}
     assert httpx.get(f"{url}/nope", headers=auth(ADMIN), timeout=10).status_code == 404
     bad = httpx.post(url, json={"method": "NoSuch"}, headers=auth(ADMIN), timeout=10)
     assert bad.status_code == 422

@@ -128,15 +128,15 @@ def train(recipe: Recipe, run_dir: str | Path, seed: int = 0, device: str = "aut
     # predictions collapsed to one class or at chance (run.json keeps it for export), and what personalising did to
     # each new client against the model it received
     warning, cost = run_report(sim)
-    rule = sim.device_safeguard
+    rule, test_of = sim.device_safeguard, "received" if type(sim.algorithm).device_labels else "device"
     rundir.write_run(Path(run_dir), {**rundir.read_run(run_dir), "warning": warning, "best_round": result.best_round,
-                                     "new_client_accuracy": result.test_at_best,
+                                     "new_client_accuracy": result.test_at_best, "test_of": test_of,
                                      "safeguard": None if rule is None else rule.name})
     return {"recipe": recipe.name or recipe.source or recipe.model_name, "dataset": recipe.data.name,
             "method": recipe.method, "seed": seed, "model": recipe.model_name, "rounds": recipe.rounds,
             "best_round": result.best_round, "val": 100 * result.best_val,
             "test": None if result.test_at_best is None else 100 * result.test_at_best,
-            "test_of": "received" if type(sim.algorithm).device_labels else "device",
+            "test_of": test_of,
             "received_test": None if cost is None else 100 * cost["received"],
             "adaptation_note": None if cost is None else cost["line"], "warning": warning,
             "safeguard": None if rule is None else rule.name,

@@ -50,7 +50,8 @@ def dashboard(svc: Service = Depends(service)) -> HTMLResponse:
         data = "a recipe" if spec.get("recipe") else spec["dataset"]  # public page: no recipe file names
         outcome = svc.job_outcome(j)
         accuracy = outcome["new_client_accuracy"]  # what a device gets from the job's bundle
-        kept = " (received model: safeguard rollback)" if outcome["safeguard"] == "rollback" else ""
+        kept = (" (received model: safeguard rollback)" if outcome["safeguard"] == "rollback" else
+                " (received model, before labeled personalisation)" if outcome["test_of"] == "received" else "")
         rows.append(f'<tr><td><code>{e(j["id"])}</code>{" (default)" if j["is_default"] else ""}</td>'
                     f'<td>{e(spec.get("method", "its own"))}</td><td>{e(data)} / '
                     f'{e(spec.get("partition", "its own"))}</td><td class="{e(j["status"])}">{e(j["status"])}</td>'

@@ -71,9 +71,10 @@ class JobRunner:
         """A finished job's result as its run.json records it (:func:`fl_server.recipes.train`): ``warning``
         (collapsed or chance-level new-client predictions, else None), ``best_round`` and
         ``new_client_accuracy`` (its new clients' accuracy at that round, a fraction: what a device gets from
-        the job's bundle) and ``safeguard`` (the rule its devices apply after personalising; ``"rollback"``: they
-        keep the received model); all None before the job is done."""
-        empty = {"warning": None, "best_round": None, "new_client_accuracy": None, "safeguard": None}
+        the job's bundle), ``test_of`` (``"received"``: the received model's, for a method whose devices personalise
+        on labels) and ``safeguard`` (the rule its devices apply after personalising; ``"rollback"``: they keep the
+        received model); all None before the job is done."""
+        empty = {"warning": None, "best_round": None, "new_client_accuracy": None, "test_of": None, "safeguard": None}
         if job["status"] != "done":
             return empty
         try:

@@ -214,6 +214,10 @@ class Job(BaseModel):
                                                                 "personalisation; safeguard 'rollback': the "
                                                                 "received model's, which its devices keep); null "
                                                                 "before it is done")
+    test_of: Literal["device", "received"] | None = Field(
+        None, description="whose new_client_accuracy it is: 'device' (what each device gets from the bundle) or "
+                          "'received' (the received model's: a method whose devices personalise on their own "
+                          "labels, BTFL; fl-server export measures a device's)")
     safeguard: str | None = Field(None, description="a finished job's safeguard rule, the one its bundle's devices "
                                                     "apply after personalising (edge_sdk.safeguard): 'rollback' "
                                                     "keeps the received model on every device; null before it is "

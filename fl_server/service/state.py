@@ -353,8 +353,8 @@ class Service:
         return self.runner.cancel(job_id)
 
     def job_outcome(self, job: dict[str, Any]) -> dict[str, Any]:
-        """A finished job's ``warning``, ``best_round``, ``new_client_accuracy`` and ``safeguard`` (None before it is
-        done)."""
+        """A finished job's ``warning``, ``best_round``, ``new_client_accuracy``, ``test_of`` and ``safeguard`` (None
+        before it is done)."""
         return self.runner.outcome(job)
 
     def job_counts(self) -> dict[str, int]:
