@@ -92,17 +92,18 @@ def test_a_client_cannot_touch_another_clients_dle(server: Coordinator) -> None:
     url = f"{server.url}/v1/btfl/dle"
     a, b = join(server.url), join(server.url)
     dle_a, dle_b = np.tile([0.25, 0.75], (8, 1)), np.tile([0.5, 0.5], (8, 1))
-    r = httpx.post(url, json={"freqs": dle_a.tolist(), "num_samples": 10, "client_id": b["client_id"], "bundle_id": UNSERVED_BTFL},
+    named = {"bundle_id": UNSERVED_BTFL}
+    r = httpx.post(url, json={"freqs": dle_a.tolist(), "num_samples": 10, "client_id": b["client_id"], **named},
                    headers=auth(a["token"]), timeout=30)
     assert (r.status_code, r.json()["detail"][0]["loc"], r.json()["detail"][0]["type"]) == (
         422, ["body", "client_id"], "extra_forbidden")
-    assert httpx.post(url, json={"freqs": dle_a.tolist(), "num_samples": 10, "bundle_id": UNSERVED_BTFL}, headers=auth(a["token"]),
+    assert httpx.post(url, json={"freqs": dle_a.tolist(), "num_samples": 10, **named}, headers=auth(a["token"]),
                       timeout=30).status_code == 200
-    r = httpx.post(url, json={"freqs": dle_b.tolist(), "num_samples": 30, "bundle_id": UNSERVED_BTFL}, headers=auth(b["token"]), timeout=30)
+    r = httpx.post(url, json={"freqs": dle_b.tolist(), "num_samples": 30, **named}, headers=auth(b["token"]), timeout=30)
     assert r.json()["clients"] == 2
     np.testing.assert_allclose(r.json()["others_dle"], dle_a)
     # a uploads again: its own DLE is replaced, b's stays, the count stays 2
-    r = httpx.post(url, json={"freqs": dle_b.tolist(), "num_samples": 10, "bundle_id": UNSERVED_BTFL}, headers=auth(a["token"]), timeout=30)
+    r = httpx.post(url, json={"freqs": dle_b.tolist(), "num_samples": 10, **named}, headers=auth(a["token"]), timeout=30)
     assert r.json()["clients"] == 2
     np.testing.assert_allclose(r.json()["others_dle"], dle_b)  # b's, untouched
     np.testing.assert_allclose(r.json()["global_dle"], dle_b)

@@ -245,13 +245,14 @@ def test_btfl_dle_upload_and_reaggregation(server: Coordinator) -> None:
     b = httpx.post(f"{server.url}/v1/clients", json={}, timeout=10).json()
     dle_a = btfl.fit_dle(rng.exponential(size=(50, 16)))
     dle_b = btfl.fit_dle(rng.exponential(0.2, size=(150, 16)))
-    url = f"{server.url}/v1/btfl/dle"
-    r = httpx.post(url, json={"freqs": dle_a.tolist(), "num_samples": 50, "bundle_id": UNSERVED_BTFL}, headers=auth(a["token"]), timeout=10)
+    url, named = f"{server.url}/v1/btfl/dle", {"bundle_id": UNSERVED_BTFL}
+    r = httpx.post(url, json={"freqs": dle_a.tolist(), "num_samples": 50, **named}, headers=auth(a["token"]), timeout=10)
     assert r.status_code == 200, r.text
     assert r.json()["clients"] == 1 and r.json()["others_dle"] is None
     np.testing.assert_allclose(r.json()["global_dle"], dle_a)
     # b claims 10^9 samples: every client weighs the same (BTFL Sec. 4.1), so the claim cannot outweigh a
-    r = httpx.post(url, json={"freqs": dle_b.tolist(), "num_samples": 10**9, "bundle_id": UNSERVED_BTFL}, headers=auth(b["token"]), timeout=10)
+    r = httpx.post(url, json={"freqs": dle_b.tolist(), "num_samples": 10**9, **named}, headers=auth(b["token"]),
+                   timeout=10)
     body = r.json()
     assert body["clients"] == 2 and (body["dims"], body["levels"]) == (16, 2)
     np.testing.assert_allclose(body["global_dle"], (dle_a + dle_b) / 2, atol=1e-12)
