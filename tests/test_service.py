@@ -337,6 +337,27 @@ def test_a_jobs_new_client_accuracy_is_what_a_device_gets_from_its_bundle(server
     assert f"{100 * job['new_client_accuracy']:.1f}%" in page  # the dashboard shows the same number
 
 
+def test_the_stream_example_says_when_a_rule_keeps_the_received_model(server: Coordinator, tmp_path: Path) -> None:
+    """ODPFL-HN's rule keeps the received model whatever adaptation does: the device adapts nothing, and the
+    example says so rather than that it personalised."""
+    import os
+    import subprocess
+    import sys
+
+    from fl_server.cli import main as fl_server
+
+    repo = Path(__file__).resolve().parents[1]
+    data = tmp_path / "odpfl.npz"
+    assert fl_server(["device-data", server.url, "--method", "odpfl-hn", "--wait", "300", "--out", str(data)]) == 0
+    run = subprocess.run([sys.executable, str(repo / "examples" / "stream_inference.py"), "--server", server.url,
+                          "--method", "odpfl-hn", "--data", str(data), "--cache", str(tmp_path / "cache"),
+                          "--png", str(tmp_path / "s.png")], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), str(repo / "edge_sdk")])})
+    assert run.returncode == 0, run.stderr
+    assert ("did not personalise (the safeguard rule rollback always keeps the received model; --safeguard off "
+            "adapts) in ") in run.stdout and "(0 step(s))" in run.stdout, run.stdout
+
+
 def test_new_client_request_carries_only_the_embedding(server: Coordinator, tmp_path: Path) -> None:
     """A new ODPFL-HN client personalises on its device through edge_sdk; every byte it sends is recorded on the
     wire. Under ODPFL-HN's declared safeguard (rollback: the received model whatever comes back) nothing is sent
