@@ -32,6 +32,7 @@ def run(client: edge_sdk.EdgeClient, method: str, x: np.ndarray, y: np.ndarray, 
     predictions = np.array([int(logits.argmax()) for logits in device.stream(stream)])
     per_image_ms = 1e3 * (time.perf_counter() - t0) / len(stream)
     return {"method": device.method, "bundle_id": info.manifest["bundle_id"], "steps": adapted.steps,
+            "safeguard": None if adapted.safeguard is None else adapted.safeguard.message,  # e.g. kept the received
             "preprocess": device.bundle.manifest.get("preprocess"),
             "accuracy_received": round(100 * float((received.predict(stream).argmax(1) == labels).mean()), 2),
             "accuracy_personalized": round(100 * float((predictions == labels).mean()), 2),
@@ -56,7 +57,8 @@ def main() -> int:
             r = run(client, method, x, y, args.warmup)
             results.append(r)
             print(f"device, {r['method']}: personalised on {args.warmup} raw images in {r['personalize_ms']:.1f} ms "
-                  f"({r['steps']} step(s)); streamed {len(x) - args.warmup} raw images at "
+                  f"({r['steps']} step(s){'' if r['safeguard'] is None else '; ' + r['safeguard']}); streamed "
+                  f"{len(x) - args.warmup} raw images at "
                   f"{r['stream_ms_per_image']:.3f} ms each: accuracy {r['accuracy_received']:.1f}% (received) -> "
                   f"{r['accuracy_personalized']:.1f}% (personalised)", flush=True)
     summary = {"results": results, "torch_imported": "torch" in sys.modules,

@@ -178,6 +178,8 @@ def main() -> int:
                      "dle_base": result.details["dle_base"]}
         what = (f"trained its local head on {len(warm)} labeled samples (train acc {100 * acc:.1f}%), uploaded its "
                 f"DLE ({result.details['dle_clients']} client DLE(s) in the aggregate)")
+    elif device.method == "none":
+        what = "kept the received model as it is (--method none)"
     elif "skipped" in result.details:  # a rule that always keeps the received model: nothing was adapted
         what = f"did not personalise ({result.details['skipped']}; --safeguard off adapts)"
     else:
