@@ -53,6 +53,14 @@ from fl_server.algorithms.btfl import BTFL
 from fl_server.data import load_dataset
 from fl_server.engine.simulation import load_state
 from fl_server.models import build_model
+from fl_server.signing import ManifestSigner
+
+SIGNER = ManifestSigner.generate()  # signs the bundles this benchmark exports: a device loads only what it verifies
+
+
+def signed(bundle_dir: Path) -> Path:
+    SIGNER.sign_bundle(bundle_dir)
+    return bundle_dir
 
 
 def device_stream(bundle_dir: Path, x: np.ndarray, cpu: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -62,7 +70,7 @@ def device_stream(bundle_dir: Path, x: np.ndarray, cpu: np.ndarray | None = None
 
     Per sample: the features graph (features + global logits, float32), the local head in float64, then
     ``predict_one``, which takes the float32 rows as they come (it converts them itself, exactly)."""
-    bundle = load_bundle(bundle_dir)
+    bundle = load_bundle(bundle_dir, public_key=SIGNER.public_hex)
     sess = bundle.session("features", threads=1)
     state = bundle.weights("btfl")
     local_head = np.ascontiguousarray(state["local_head"], dtype=np.float64)
@@ -90,7 +98,7 @@ def device_stream(bundle_dir: Path, x: np.ndarray, cpu: np.ndarray | None = None
 def onnxruntime_alone(bundle_dir: Path, x: np.ndarray) -> np.ndarray:
     """CPU seconds per sample [N] of the features graph's call alone (same session options and feed as
     :func:`device_stream`): the part of the pipeline that is onnxruntime's."""
-    bundle = load_bundle(bundle_dir)
+    bundle = load_bundle(bundle_dir, public_key=SIGNER.public_hex)
     sess = bundle.session("features", threads=1)
     feed = graph_feeds(sess, {"x": x[:1], **{f"psi.{n}": v for n, v in bundle.weights("psi").items()}})
     outputs = ["features", "global_logits"]
@@ -128,8 +136,8 @@ def latency_only(args: argparse.Namespace, command: str) -> None:
     cpus: dict[int, list[np.ndarray]] = {1: [], 2: []}
     ort_cpus: dict[int, list[np.ndarray]] = {1: [], 2: []}
     with tempfile.TemporaryDirectory() as tmp:
-        dirs = {fmt: export_btfl_client(algorithm, state["params"], art, Path(tmp) / f"format{fmt}", frozen=fmt == 2)
-                for fmt in (1, 2)}
+        dirs = {fmt: signed(export_btfl_client(algorithm, state["params"], art, Path(tmp) / f"format{fmt}",
+                                               frozen=fmt == 2)) for fmt in (1, 2)}
         preds = {}
         for _ in range(args.repeats):
             for fmt, d in dirs.items():
@@ -200,7 +208,7 @@ def main() -> None:
     agree, secs = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for k, (art, streams) in enumerate(zip(arts, data.streams)):
-            bundle_dir = export_btfl_client(algorithm, state["params"], art, Path(tmp) / f"client{k}")
+            bundle_dir = signed(export_btfl_client(algorithm, state["params"], art, Path(tmp) / f"client{k}"))
             for col, idx in streams.items():
                 y = data.y_test[idx]
                 ref, _ = btgfl._probs_and_mean_e(art, g_all[idx], z_all[idx] @ art.local_head.T, z_all[idx], 1)

@@ -23,6 +23,7 @@ from fl_server.export.run import export_run
 from fl_server.engine.simulation import load_state
 from fl_server.recipes.run import rebuild
 from fl_server.rundir import rounds_done
+from fl_server.signing import ManifestSigner
 from run_dirs import measure_runs, run_clients
 
 
@@ -32,7 +33,8 @@ def measure(run_dir: Path, data_dir: str | None, work: Path, command: str) -> di
     _, _, algorithm = rebuild(run, data_dir)  # the run's own model and method (zoo or a recipe file)
     state = {k: {n: v.float() for n, v in d.items()} for k, d in load_state(run_dir / "best.npz").items()
              if isinstance(d, dict)}  # sub-states (FedICON's scalar round counter is not one)
-    device = open_bundle(export_run(run_dir, work / run_dir.name))
+    signer = ManifestSigner.generate()  # a device loads only what it verifies
+    device = open_bundle(export_run(run_dir, work / run_dir.name, signer=signer), public_key=signer.public_hex)
     acc_torch, acc_sdk, agree = [], [], []
     for idx in tqdm(fed.new, desc=f"{run_dir.name}: new clients", unit="client"):
         x, y = ds.x[idx], ds.y[idx]

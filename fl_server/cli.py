@@ -44,6 +44,7 @@ def train_recipe(args: argparse.Namespace):  # -> fl_server.recipes.Recipe
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from fl_server.diagnostics import scored_model
     from fl_server.recipes import federate, train
 
     recipe = train_recipe(args)  # built and checked before any data is read: a mistake fails at once
@@ -52,12 +53,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     record.pop("curve")
     print(json.dumps(record, indent=1))
     test = "n/a" if record["test"] is None else f"{record['test']:.2f}%"
-    if record["test"] is not None and record["test_of"] == "received":
-        test += (" (the received model, before each device's labeled personalisation; fl-server export measures a "
-                 "device's)")
-    elif record["test"] is not None and record["safeguard"] == "rollback":
-        test += (f" (the received model: {recipe.method}'s safeguard rule 'rollback' keeps it on every device; "
-                 "edge_sdk.open_bundle(..., safeguard=False) personalises)")
+    subject = scored_model(record["test_of"], record["safeguard"], recipe.method)
+    if record["test"] is not None and subject:
+        test += f" ({subject})"
     print(f"{recipe.method} on {recipe.data.name}: best val {record['val']:.2f}% at round {record['best_round']}, "
           f"new-client test {test}, {record['wall_s']:.1f}s on {record['device']}; run files in {args.out} "
           f"(bundle: fl-server export {args.out} --out BUNDLE)")
@@ -72,8 +70,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     from fl_server import rundir
     from fl_server.algorithms import ALGORITHMS
+    from fl_server.export.device_scores import export_scores
     from fl_server.export.run import export_run
-    from fl_server.recipes import RecipeError
     from fl_server.signing import ManifestSigner
 
     signer = ManifestSigner.from_pem(Path(args.signing_key)) if args.signing_key else None
@@ -84,21 +82,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     run = rundir.read_run(args.run_dir)
     if run.get("warning"):  # recorded by fl-server train (fl_server.diagnostics)
         print(run["warning"])
-    # what training could not score: the labeled personalisation of a method whose devices personalise on labels
-    if getattr(ALGORITHMS.get(run.get("method", "")), "device_labels", False):
-        from fl_server.export.labeled_score import labeled_score
-
-        try:
-            print(labeled_score(path, args.data_dir)["line"])
-        except (ValueError, FileNotFoundError, RecipeError) as exc:  # the run's data is not here
-            print(f"{run['method']} on a device: not measured on the new clients ({exc})")
-    if args.int8:  # what forward_int8 costs the new clients, measured on the bundle by the SDK
-        from fl_server.export.int8_cost import int8_cost
-
-        try:
-            print(int8_cost(path, args.data_dir)["line"])
-        except (ValueError, FileNotFoundError, RecipeError) as exc:  # the run's data is not here
-            print(f"int8: not measured on the new clients ({exc})")
+    # what training could not score, measured on the bundle by the SDK: a labeled personalisation, int8's cost
+    device_labels = bool(getattr(ALGORITHMS.get(run.get("method", "")), "device_labels", False))
+    for line in export_scores(path, device_labels, args.int8, args.data_dir,
+                              signer.public_hex if signer else None):
+        print(line)
     return 0
 
 

@@ -27,6 +27,24 @@ if TYPE_CHECKING:
 NONFINITE_FIX = "lower the learning rate or clip the gradients (hyper clip_norm)"
 
 
+def scored_model(test_of: str | None, safeguard: str | None, method: str) -> str | None:
+    """Whose model a run's new-client ``test`` scores where it is not each device's personalised one (the record's
+    ``test_of`` and ``safeguard``, :func:`fl_server.recipes.train`), in the words the train summary and the
+    dashboard both print; None where it is each device's.
+
+    >>> scored_model("device", "rollback", "FedTTA++")
+    "the received model: FedTTA++'s safeguard rule 'rollback' keeps it on every device; edge_sdk.open_bundle(..., safeguard=False) personalises"
+    >>> scored_model("device", "disagreement<=0.5", "TENT") is None
+    True
+    """
+    if test_of == "received":
+        return "the received model, before each device's labeled personalisation; fl-server export measures a device's"
+    if safeguard == "rollback":
+        return (f"the received model: {method}'s safeguard rule 'rollback' keeps it on every device; "
+                "edge_sdk.open_bundle(..., safeguard=False) personalises")
+    return None
+
+
 def nonfinite_weights(state: dict[str, Any]) -> list[str]:
     """The tensors of ``state`` (nested dicts of tensors or arrays, e.g. a run's best state) holding a NaN or an
     infinity, by their ``group/name`` paths."""

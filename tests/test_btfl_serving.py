@@ -3,6 +3,7 @@ bundle, aggregates DLE uploads with the bundle's training-time DLE, and the stre
 device (onnxruntime + numpy, no torch) against it."""
 from __future__ import annotations
 
+import html
 import io
 import json
 import subprocess
@@ -15,6 +16,7 @@ import pytest
 
 from coordinator_proc import ADMIN, REPO, UNSERVED_BTFL, Coordinator, auth, join, start, start_copy
 from edge_sdk import _btfl as btfl
+from fl_server.diagnostics import scored_model
 from fl_server.recipes.run import client_data
 
 pytestmark = pytest.mark.timeout(600)
@@ -59,7 +61,8 @@ def test_btfl_bundle_and_training_dle(server: Coordinator) -> None:
     job = next(j for j in httpx.get(f"{server.url}/v1/jobs", headers=auth(ADMIN), timeout=10).json()
                if j["spec"]["method"] == "BTFL")
     assert (job["test_of"], job["safeguard"]) == ("received", None), job
-    assert "% (received model, before labeled personalisation)</td>" in httpx.get(f"{server.url}/", timeout=10).text
+    kept = html.escape(scored_model("received", None, "BTFL"))  # the train summary's words
+    assert f"% ({kept})</td>" in httpx.get(f"{server.url}/", timeout=10).text
 
 
 def test_dle_upload_changes_the_served_global_dle(server: Coordinator) -> None:

@@ -111,12 +111,18 @@ def test_export_says_what_a_btfl_device_gets_after_its_labeled_personalisation(t
     device: each new client personalises on the labeled first half of its samples and predicts the other half.
     The line's figure is what the torch-free SDK gives from the bundle on the samples device-data hands out."""
     import edge_sdk
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     trained = fl_server("train", "--dataset", "digits", "--method", "BTFL", "--rounds", "3", "--out",
                         str(tmp_path / "run"), "--no-progress")
     assert trained.returncode == 0 and "fl-server export measures a device's)" in trained.stdout, trained.stderr
-    exported = fl_server("export", str(tmp_path / "run"), "--out", str(tmp_path / "bundle"))
-    assert exported.returncode == 0, exported.stderr
+    key = Ed25519PrivateKey.generate()  # a signed export measures the bundle it verified, and warns of nothing
+    (tmp_path / "key.pem").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                         serialization.NoEncryption()))
+    exported = fl_server("export", str(tmp_path / "run"), "--out", str(tmp_path / "bundle"), "--signing-key",
+                         str(tmp_path / "key.pem"))
+    assert exported.returncode == 0 and "Warning" not in exported.stderr, exported.stderr
     line = next(s for s in exported.stdout.splitlines() if s.startswith("BTFL on a device: "))
     data = fl_server("device-data", str(tmp_path / "bundle"), "--kind", "clients", "--out", str(tmp_path / "new.npz"))
     assert data.returncode == 0, data.stderr
@@ -125,7 +131,7 @@ def test_export_says_what_a_btfl_device_gets_after_its_labeled_personalisation(t
     accuracies = []
     for lo, hi in zip(offsets[:-1], offsets[1:]):
         half = lo + (hi - lo) // 2
-        device = edge_sdk.open_bundle(tmp_path / "bundle")
+        device = edge_sdk.open_bundle(tmp_path / "bundle", public_key=key.public_key().public_bytes_raw())
         device.personalize(x[lo:half], y[lo:half])
         accuracies.append((device.predict(x[half:hi]).argmax(1) == y[half:hi]).mean())
     assert f"samples, {100 * np.mean(accuracies):.2f}% on the other half (" in line, (line, accuracies)

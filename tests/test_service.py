@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import html
 import json
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 
 from coordinator_proc import ADMIN, UNSERVED_BTFL, Coordinator, auth, join, start, start_copy
 from edge_sdk import _btfl as btfl, _tensors as tensors
+from fl_server.diagnostics import scored_model
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -301,7 +303,8 @@ def test_metrics_and_dashboard(server: Coordinator) -> None:
         assert f"\n{name}" in text, name  # prometheus_client's process and platform collectors
     page = httpx.get(f"{server.url}/", timeout=10)
     assert page.status_code == 200 and "<svg" in page.text and "ODPFL-HN" in page.text
-    assert page.text.count("% (received model: safeguard rollback)</td>") == 1  # ODPFL-HN's job, not TENT's
+    kept = html.escape(scored_model("device", "rollback", "ODPFL-HN"))  # the train summary's words
+    assert page.text.count(f"% ({kept})</td>") == 1  # ODPFL-HN's job, not TENT's
     assert "python-httpx" not in page.text  # public page: no client user agents (nor job log tails)
     assert "<th>first authenticated request</th>" in page.text
     paths = httpx.get(f"{server.url}/openapi.json", timeout=10).json()["paths"]

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from fastapi.responses import HTMLResponse
 
+from fl_server.diagnostics import scored_model
 from fl_server.service.routes import service
 from fl_server.service.state import Service
 
@@ -50,8 +51,8 @@ def dashboard(svc: Service = Depends(service)) -> HTMLResponse:
         data = "a recipe" if spec.get("recipe") else spec["dataset"]  # public page: no recipe file names
         outcome = svc.job_outcome(j)
         accuracy = outcome["new_client_accuracy"]  # what a device gets from the job's bundle
-        kept = (" (received model: safeguard rollback)" if outcome["safeguard"] == "rollback" else
-                " (received model, before labeled personalisation)" if outcome["test_of"] == "received" else "")
+        subject = scored_model(outcome["test_of"], outcome["safeguard"], spec.get("method", "its method"))
+        kept = f" ({e(subject)})" if subject else ""
         rows.append(f'<tr><td><code>{e(j["id"])}</code>{" (default)" if j["is_default"] else ""}</td>'
                     f'<td>{e(spec.get("method", "its own"))}</td><td>{e(data)} / '
                     f'{e(spec.get("partition", "its own"))}</td><td class="{e(j["status"])}">{e(j["status"])}</td>'
