@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 import time
 from typing import Callable, NoReturn
 
@@ -35,6 +37,28 @@ def _poll_interval() -> float:
     if not 0.01 <= value <= 60:
         raise SystemExit(f"error: FLWR_SUPEREXEC_TASK_POLL_INTERVAL={raw!r}: give seconds between 0.01 and 60")
     return value
+
+
+def _end_with(parent_pid: int) -> None:
+    """Interrupt the main thread (KeyboardInterrupt) within 0.2 s of ``parent_pid``'s end. Flower's own monitor
+    (``flwr.supercore.app_utils.start_parent_process_monitor``) raises SIGINT in its watching thread, which the main
+    thread acts on only when its current wait ends: after a retry's backoff of up to 20 s against a Runtime API that
+    is gone with its SuperNode. Sent to the main thread, the signal cuts that wait short."""
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.2)
+            try:
+                os.kill(parent_pid, 0)
+            except ProcessLookupError:
+                break
+            except PermissionError:  # alive, under another user
+                continue
+        signal.pthread_kill(main, signal.SIGINT)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _reap() -> None:
@@ -66,7 +90,6 @@ def main(argv: list[str] | None = None) -> int:
     import torch._dynamo  # noqa: F401
     import fl_server.flower.client_app  # noqa: F401
     from flwr.proto.runtime_pb2 import AcquireTaskRequest  # pylint: disable=no-name-in-module
-    from flwr.supercore.app_utils import start_parent_process_monitor
     from flwr.supercore.constant import TaskType
     from flwr.supercore.interceptors import RuntimeVersionHttpInterceptor
     from flwr.supercore.retry import make_simple_http_retry_invoker
@@ -88,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     request = AcquireTaskRequest(supported_task_types=[TaskType.CLIENT_APP])
     try:
         if args.parent_pid is not None:
-            start_parent_process_monitor(args.parent_pid)  # SIGINT to this process when the SuperNode is gone
+            _end_with(args.parent_pid)  # KeyboardInterrupt here when the SuperNode is gone
         while True:
             _reap()
             res = client.AcquireTask(request)
