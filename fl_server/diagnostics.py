@@ -177,8 +177,7 @@ def adaptation_note(sim: Simulation, state: dict, seen: NewClientPredictions) ->
     of this run got. None for a method that does not personalise."""
     if not sim.algorithm.adapts_at_test_time or "params" not in state:
         return None
-    with torch.no_grad(), sim.device_semantics(state):
-        received = np.asarray([sim.accuracy(state["params"], idx) for idx in sim.fed.new])
+    received = _received_accuracies(sim, state, sim.fed.new)
     personalised = seen.accuracies
     loss = received - personalised
     worse = int((loss > ADAPTATION_COST + 1e-9).sum())
@@ -187,8 +186,37 @@ def adaptation_note(sim: Simulation, state: dict, seen: NewClientPredictions) ->
         f"received (worst {100 * loss.max():.1f} points; mean {100 * np.mean(personalised):.1f}% personalised, "
         f"{100 * np.mean(received):.1f}% received); the safeguard bounds a shift's mean over clients, not each "
         f"device: check the method's learning rate on your data, or open the bundle with method='none'")
+    rule = sim.device_safeguard
+    if rule is not None and rule.keeps_received:  # no device adapts: what adapting would do, on validation data
+        line = kept_received_note(sim, state)
     return {"received": float(np.mean(received)), "clients": len(loss), "worse": worse,
             "worst": float(loss.max()), "line": line}
+
+
+def _received_accuracies(sim: Simulation, state: dict, clients: list[np.ndarray]) -> np.ndarray:
+    with torch.no_grad(), sim.device_semantics(state):
+        return np.asarray([sim.accuracy(state["params"], idx) for idx in clients])
+
+
+def kept_received_note(sim: Simulation, state: dict) -> str:
+    """For a method whose safeguard rule keeps the received model on every device (``rollback``: its adaptation
+    hurt on the lab's validation shifts), what adapting without the rule would do on this run's own validation data
+    (its validation clients, else the training clients' held-out splits; never the new clients): one line, so that
+    a deployment can choose ``edge_sdk.open_bundle(..., safeguard=False)`` on evidence."""
+    clients = sim.fed.val_clients or sim.fed.val
+    where = (f"this run's {len(clients)} validation clients" if sim.fed.val_clients else
+             f"the held-out validation splits of this run's {len(clients)} training clients")
+    with torch.random.fork_rng(devices=[]):  # a method's random views leave the global RNG as it was
+        adapted = np.asarray(sim.personalized_accuracies(clients, state, safeguard=False))
+    received = _received_accuracies(sim, state, clients)
+    loss = received - adapted
+    worse = int((loss > ADAPTATION_COST + 1e-9).sum())
+    losers = (f"{worse} of {len(loss)} lose more than a point, worst {100 * loss.max():.1f} points" if worse else
+              f"none of the {len(loss)} loses more than a point")
+    return (f"note: {sim.algorithm.name}'s safeguard rule 'rollback' keeps the received model on every device; on "
+            f"{where}, adapting without it gives {100 * np.mean(adapted):.1f}% against "
+            f"{100 * np.mean(received):.1f}% received ({losers}); where that holds on your data, "
+            f"edge_sdk.open_bundle(..., safeguard=False) adapts")
 
 
 def _best_state(sim: Simulation, state: dict | None) -> dict | None:

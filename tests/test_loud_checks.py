@@ -216,3 +216,33 @@ def test_training_says_which_new_clients_personalising_cost_more_than_a_point(tm
         f"received (worst {100 * loss.max():.1f} points; mean {100 * np.mean(personalised):.1f}% personalised, "
         f"{100 * np.mean(received):.1f}% received); the safeguard bounds a shift's mean over clients, not each "
         f"device: check the method's learning rate on your data, or open the bundle with method='none'")
+
+
+def test_a_rollback_methods_note_says_what_adapting_would_do_on_its_validation_data(tmp_path: Path) -> None:
+    """FedTTA++ declares the rule 'rollback': no device adapts. Training says what adapting without the rule would
+    do on the run's own validation data (5 validation clients here; never the new clients), and its figures are
+    what the SDK gets from the bundle with ``safeguard=False`` and with ``method="none"`` on those clients."""
+    from edge_sdk import open_bundle
+    from fl_server.device_samples import bundle_clients
+    from fl_server.export.run import export_run
+    from fl_server.recipes import train
+    from fl_server.recipes.presets import builtin_recipe
+
+    recipe = builtin_recipe("digits", "FedTTA++", rounds=10, val_clients=5, partition="dirichlet", alpha=0.5)
+    record = train(recipe, tmp_path / "run", device="cpu", progress=False)
+    bundle = export_run(tmp_path / "run", tmp_path / "bundle", recipe=recipe)
+    fed, raw = bundle_clients(json.loads((bundle / "manifest.json").read_text()), recipe=recipe)
+    adapted, received = [], []
+    for idx in fed.val_clients:
+        x, y = raw[idx], fed.dataset.y[idx]
+        received.append((open_bundle(bundle, method="none").predict(x).argmax(1) == y).mean())
+        device = open_bundle(bundle, safeguard=False)
+        device.personalize(x)
+        adapted.append((device.predict(x).argmax(1) == y).mean())
+    note = record["adaptation_note"]
+    assert note.startswith("note: FedTTA++'s safeguard rule 'rollback' keeps the received model on every device; on "
+                           "this run's 5 validation clients, adapting without it gives "), note
+    figures = [float(f) for f in re.findall(r"(\d+\.\d)%", note)]
+    assert abs(np.mean(adapted) - np.mean(received)) > 0.02, (adapted, received)  # adapting changes something here
+    np.testing.assert_allclose(figures, [100 * np.mean(adapted), 100 * np.mean(received)], atol=0.051)
+    assert note.endswith("where that holds on your data, edge_sdk.open_bundle(..., safeguard=False) adapts")

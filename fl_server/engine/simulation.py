@@ -368,12 +368,14 @@ class Simulation:
         apply), None when the run scores the method without it (``RunConfig.safeguard``) or it declares none."""
         return declared_safeguard(self.algorithm) if self.cfg.safeguard else None
 
-    def personalized_predictions(self, clients: list[np.ndarray], state: State | None = None) -> list[torch.Tensor]:
+    def personalized_predictions(self, clients: list[np.ndarray], state: State | None = None,
+                                 safeguard: bool = True) -> list[torch.Tensor]:
         """Per client (index array into the data set): the predicted classes after ``personalize`` of ``state``
         (default: the current server state) on the client's own unlabeled data, with the device's semantics
-        (:meth:`device_semantics`): what a device gets from the bundle of ``state``."""
+        (:meth:`device_semantics`): what a device gets from the bundle of ``state``. ``safeguard=False``: without
+        the rule, what ``edge_sdk.open_bundle(..., safeguard=False)`` gets."""
         state = self.server_state if state is None else state
-        rule = self.device_safeguard
+        rule = self.device_safeguard if safeguard else None
         out = []
         with self.device_semantics(state):
             for idx in clients:
@@ -389,10 +391,11 @@ class Simulation:
                 out.append(adapted.argmax(-1))
         return out
 
-    def personalized_accuracies(self, clients: list[np.ndarray], state: State | None = None) -> list[float]:
+    def personalized_accuracies(self, clients: list[np.ndarray], state: State | None = None,
+                                safeguard: bool = True) -> list[float]:
         """Per client: the accuracy of :meth:`personalized_predictions`."""
         return [float((pred == self.y[torch.from_numpy(idx)]).double().mean())
-                for pred, idx in zip(self.personalized_predictions(clients, state), clients)]
+                for pred, idx in zip(self.personalized_predictions(clients, state, safeguard), clients)]
 
     def finalize(self, state: State, round_: int) -> dict[str, dict[str, np.ndarray]]:
         """What a bundle of ``state`` needs from the clients' data: the population statistics of a batch-normalised

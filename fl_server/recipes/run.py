@@ -117,7 +117,8 @@ def train(recipe: Recipe, run_dir: str | Path, seed: int = 0, device: str = "aut
     each new client's model as its device personalises it, or "received", the model a device receives, for a
     method whose devices personalise on labeled data: BTFL), ``received_test`` (the received model's, for a
     method that personalises; :func:`fl_server.diagnostics.adaptation_note`) and ``adaptation_note`` (one line
-    when personalising cost a new client more than a point, else None), ``safeguard`` (the name of the rule a
+    when personalising cost a new client more than a point, else None; under a rule that keeps the received model,
+    what adapting without it would do on the run's validation data, :func:`fl_server.diagnostics.kept_received_note`), ``safeguard`` (the name of the rule a
     device applies after personalising, :attr:`Algorithm.safeguard`, or None; ``"rollback"``: every device keeps
     the received model, so ``test`` is the received model's), wall time, device, and
     ``warning``: one line when the new clients' predictions collapsed or sit at chance
