@@ -175,7 +175,9 @@ def adaptation_note(sim: Simulation, state: dict, seen: NewClientPredictions) ->
     largest loss, a fraction) and ``line`` (one line saying so, None when no client lost more than a point). The
     declared safeguard bounds a validation shift's mean over clients, not each device; this is how far each device
     of this run got. None for a method that does not personalise."""
-    if not sim.algorithm.adapts_at_test_time or "params" not in state:
+    rule = sim.device_safeguard
+    kept = rule is not None and rule.keeps_received
+    if not (sim.algorithm.adapts_at_test_time or kept) or "params" not in state:
         return None
     received = _received_accuracies(sim, state, sim.fed.new)
     personalised = seen.accuracies
@@ -186,8 +188,7 @@ def adaptation_note(sim: Simulation, state: dict, seen: NewClientPredictions) ->
         f"received (worst {100 * loss.max():.1f} points; mean {100 * np.mean(personalised):.1f}% personalised, "
         f"{100 * np.mean(received):.1f}% received); the safeguard bounds a shift's mean over clients, not each "
         f"device: check the method's learning rate on your data, or open the bundle with method='none'")
-    rule = sim.device_safeguard
-    if rule is not None and rule.keeps_received:  # no device adapts: what adapting would do, on validation data
+    if kept:  # no device adapts: what adapting would do, on validation data
         line = kept_received_note(sim, state)
     return {"received": float(np.mean(received)), "clients": len(loss), "worse": worse,
             "worst": float(loss.max()), "line": line}
@@ -215,8 +216,8 @@ def kept_received_note(sim: Simulation, state: dict) -> str:
               f"none of the {len(loss)} loses more than a point")
     return (f"note: {sim.algorithm.name}'s safeguard rule 'rollback' keeps the received model on every device; on "
             f"{where}, adapting without it gives {100 * np.mean(adapted):.1f}% against "
-            f"{100 * np.mean(received):.1f}% received ({losers}); where that holds on your data, "
-            f"edge_sdk.open_bundle(..., safeguard=False) adapts")
+            f"{100 * np.mean(received):.1f}% received ({losers}); where that holds on your data, open the bundle "
+            f"with edge_sdk.open_bundle(..., safeguard=False)")
 
 
 def _best_state(sim: Simulation, state: dict | None) -> dict | None:

@@ -245,4 +245,5 @@ def test_a_rollback_methods_note_says_what_adapting_would_do_on_its_validation_d
     figures = [float(f) for f in re.findall(r"(\d+\.\d)%", note)]
     assert abs(np.mean(adapted) - np.mean(received)) > 0.02, (adapted, received)  # adapting changes something here
     np.testing.assert_allclose(figures, [100 * np.mean(adapted), 100 * np.mean(received)], atol=0.051)
-    assert note.endswith("where that holds on your data, edge_sdk.open_bundle(..., safeguard=False) adapts")
+    assert note.endswith("; where that holds on your data, open the bundle with "
+                         "edge_sdk.open_bundle(..., safeguard=False)")
