@@ -105,6 +105,28 @@ def test_an_offline_export_is_a_candidate_only_the_coordinator_numbers(server: C
     assert sideloaded.release is not None and sideloaded.release.candidate
 
 
+def test_a_signed_bundle_edited_after_signing_is_not_published(server: Coordinator, run_dir: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """A candidate whose manifest was edited after signing (here its safeguard rule loosened) fails its own
+    manifest.sig, whichever key signed it: publishing it is refused at both doors, rather than re-signed by the
+    coordinator and trusted by every device."""
+    signed = tmp_path / "signed"
+    assert cli(["export", str(run_dir), "--out", str(signed), "--signing-key",
+                str(server.store / "signing_key.pem")]) == 0
+    manifest = json.loads((signed / "manifest.json").read_text())
+    manifest["safeguard"] = {"rule": "off"}
+    (signed / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    r = httpx.post(f"{server.url}/v1/bundles", content=tar_bundle(signed), headers=auth(ADMIN), timeout=60)
+    assert r.status_code == 422, r.text
+    assert r.json()["detail"] == (
+        "bundle: manifest.json does not match its signature (the signed release names bundle "
+        f"{json.loads(json.loads((signed / SIGNATURE_FILE).read_text())['release'])['bundle_id'][:16]}...); it was "
+        "modified after signing: export it again from its run (its manifest.sig fails, so it is not the bundle "
+        "that was signed)")
+    assert cli(["publish", str(signed), "--store", str(server.store)]) == 2  # the other door: one line, exit 2
+    assert "modified after signing: export it again" in capsys.readouterr().err
+
+
 def test_republishing_an_earlier_bundle_issues_a_new_version(server: Coordinator, bundle: Path,
                                                              tmp_path: Path) -> None:
     """N4: re-publishing an earlier bundle is an operator's rollback: it is served under a new, higher version

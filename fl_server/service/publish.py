@@ -9,7 +9,8 @@ Two doors, one check (:func:`verify_bundle_dir`):
 * ``POST /v1/bundles`` (admin token): the bundle directory as a tar archive (plain or gzip), e.g.
   ``tar -C runs/bundle -cf - . | curl -H "Authorization: Bearer $T" --data-binary @- URL/v1/bundles``.
 
-What is refused, each with one line saying why: an archive that is not tar, members that are not regular
+What is refused, each with one line saying why: a ``manifest.sig`` that does not verify under the key it names
+(the manifest changed after signing), an archive that is not tar, members that are not regular
 files (links, devices), paths with directories or ``..``, more than ``MAX_FILES`` files or ``max_bytes`` in
 all, a file the manifest does not list, a malformed manifest, a file whose size or sha256 differs from the
 manifest, an ONNX graph that onnxruntime cannot load or whose inputs differ from the manifest, weights that
@@ -45,7 +46,8 @@ from typing import IO, Any
 
 import numpy as np
 
-from edge_sdk import Bundle, BundleError, UnverifiedSignatureWarning, load_bundle
+from edge_sdk import Bundle, BundleError, BundleSignatureError, UnverifiedSignatureWarning, load_bundle
+from edge_sdk.signing import parse_signature, verify_manifest
 from edge_sdk.shared import FROZEN_LOCATION, MANIFEST
 from fl_server.algorithms import ALGORITHMS
 from fl_server.service.artifacts import ArtifactStore
@@ -53,7 +55,8 @@ from fl_server.service.store import Store
 
 PUBLISHED_JOB = "published"  # the job id recorded for a published bundle
 MAX_FILES = 64
-SIGNATURE = "manifest.sig"  # a publisher's own signature is not needed: the coordinator signs what it serves
+SIGNATURE = "manifest.sig"  # a publisher's own signature is not needed (the coordinator signs what it serves); one
+# that is there must verify (check_own_signature)
 _NAME = re.compile(r"[A-Za-z0-9._+-]{1,64}")
 _METHOD = re.compile(r"[A-Za-z0-9 ._+()-]{1,64}")
 MAX_MEMBERS = MAX_FILES + 1  # archive members at most: the files and one directory entry
@@ -98,6 +101,22 @@ class PublishError(ValueError):
     """A bundle that cannot be published; the message says what is wrong and how to fix it."""
 
 
+def check_own_signature(root: Path) -> None:
+    """A publisher's ``manifest.sig`` must verify under the key it names: whoever signed the bundle, a signature
+    that fails means the manifest changed after signing (in transit, or by hand), which no release may hide under
+    the coordinator's signature. Raises :class:`edge_sdk.BundleSignatureError`; a bundle without one passes."""
+    sig = root / SIGNATURE
+    if not sig.is_file():
+        return
+    record = sig.read_bytes()
+    signer = parse_signature(record, "bundle")[0]
+    try:
+        verify_manifest((root / MANIFEST).read_bytes(), record, signer, "bundle", candidate_ok=True)
+    except BundleSignatureError as exc:
+        raise BundleSignatureError(f"{exc}: export it again from its run (its {SIGNATURE} fails, so it is not "
+                                   "the bundle that was signed)") from None
+
+
 def verify_bundle_dir(root: Path, max_bytes: int, publisher: bool = False) -> Bundle:
     """Check a bundle directory completely (module docstring) and return it loaded; raises :class:`PublishError`.
     ``publisher``: the pre-check on the publishing machine (:func:`upload`), which leaves the contract of a
@@ -113,9 +132,10 @@ def verify_bundle_dir(root: Path, max_bytes: int, publisher: bool = False) -> Bu
     if total > max_bytes:
         raise PublishError(f"the bundle has {total} bytes, over the limit of {max_bytes}")
     try:
-        with warnings.catch_warnings():  # the publisher's signature is not ours to check: we sign what we serve
+        with warnings.catch_warnings():  # the coordinator signs what it serves, whoever signed the candidate
             warnings.simplefilter("ignore", UnverifiedSignatureWarning)
             bundle = load_bundle(root)
+        check_own_signature(root)
     except BundleError as exc:
         raise PublishError(str(exc).replace(str(root), "bundle")) from None  # too deep to parse: strictjson says so
     m = bundle.manifest
