@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +84,14 @@ def test_train_export_and_personalize_on_device(tmp_path: Path) -> None:
     assert f", {received:.2f}% in float32 (" in line, (line, received)
     data = fl_server("device-data", str(tmp_path / "bundle"), "--kind", "clients", "--out", str(tmp_path / "new.npz"))
     assert data.returncode == 0, data.stderr
+    import edge_sdk
+
+    with np.load(tmp_path / "new.npz") as arrays, warnings.catch_warnings():  # its int8 figure: each client's device
+        warnings.simplefilter("ignore")  # (the unsigned bundle's warning: checked on the example's stderr below)
+        int8 = edge_sdk.open_bundle(tmp_path / "bundle", method="none", int8=True)
+        x, y, offsets = arrays["x"], arrays["y"], arrays["offsets"]
+        hits = [(int8.predict(x[lo:hi]).argmax(1) == y[lo:hi]).mean() for lo, hi in zip(offsets[:-1], offsets[1:])]
+    assert f"new-client accuracy {100 * np.mean(hits):.2f}% with forward_int8 (" in line, (line, hits)
     device = subprocess.run([sys.executable, "examples/personalize_on_device.py", "--bundle", str(tmp_path / "bundle"),
                              "--data", str(tmp_path / "new.npz")], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert device.returncode == 0, device.stderr

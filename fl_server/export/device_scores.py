@@ -10,6 +10,9 @@ bundle itself over the run's held-out new clients (:func:`fl_server.device_sampl
   weighs the uploads at most a few percent against it).
 * :func:`int8_cost`: the received model's new-client accuracy with ``forward_int8`` against the float32
   ``forward`` (``--int8``), so that the accuracy of ``open_bundle(..., int8=True)`` is known before a device runs it.
+  ``forward_int8`` scales a batch's activations by the batch's own range, so a sample's int8 prediction can change
+  with the batch it comes in: each client predicts its own samples as one batch, as its device does; a device
+  that predicts one sample at a time can get a few predictions otherwise.
 
     >>> int8_cost(own_bundle("runs/bundle"))["line"]  # doctest: +SKIP
     'int8: the received model's new-client accuracy 91.02% with forward_int8, 91.10% in float32 ...'
@@ -52,12 +55,16 @@ def int8_cost(bundle: Bundle, data_dir: str | None = None) -> dict[str, Any]:
     samples = client_samples(bundle.manifest, data_dir)
     x, y, offsets = samples["x"], samples["y"], samples["offsets"]
     fp32 = open_bundle(bundle, method="none").predict(x).argmax(1)
-    int8 = open_bundle(bundle, method="none", int8=True).predict(x).argmax(1)
+    # forward_int8 quantizes a batch's activations with that batch's own scale (dynamic quantization), so its
+    # predictions depend on the batch: each client predicts its own samples, as its device does
+    device = open_bundle(bundle, method="none", int8=True)
+    int8 = np.concatenate([device.predict(x[lo:hi]).argmax(1) for lo, hi in zip(offsets[:-1], offsets[1:])])
     out: dict[str, Any] = {"float32": _accuracy(fp32, y, offsets), "int8": _accuracy(int8, y, offsets),
                            "agreement": float(np.mean(fp32 == int8))}
     costly = out["float32"] - out["int8"] > INT8_COST + 1e-9
     out["line"] = (f"{'note: ' if costly else ''}int8: the received model's new-client accuracy "
-                   f"{100 * out['int8']:.2f}% with forward_int8, {100 * out['float32']:.2f}% in float32 "
+                   f"{100 * out['int8']:.2f}% with forward_int8 (each client's samples as one batch), "
+                   f"{100 * out['float32']:.2f}% in float32 "
                    f"({100 * out['agreement']:.1f}% of predictions agree); a device runs it with "
                    f"open_bundle(..., int8=True)")
     return out
