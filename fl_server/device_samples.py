@@ -16,7 +16,8 @@ must match it, else nothing is written (a changed recipe file or other data woul
   stream in three phases (``stream_x``, ``stream_y``, ``stream_phase``): the client's own unseen samples; its
   samples under an image corruption; samples of classes the client never had.
 * ``clients`` (examples/personalize_on_device.py): every new client's samples, ``x``, ``y`` and
-  ``offsets`` (client k holds rows ``offsets[k]:offsets[k + 1]``).
+  ``offsets`` (client k holds rows ``offsets[k]:offsets[k + 1]``), in the data set's order: an image folder's
+  class by class, so draw a warm-up window at random, not the first rows.
 """
 from __future__ import annotations
 

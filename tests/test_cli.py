@@ -117,7 +117,7 @@ def test_training_says_when_every_device_keeps_the_received_model(tmp_path: Path
 
 def test_export_says_what_a_btfl_device_gets_after_its_labeled_personalisation(tmp_path: Path) -> None:
     """Training scores BTFL's received model only (a device personalises on its own labels); export measures the
-    device: each new client personalises on the labeled first half of its samples and predicts the other half.
+    device: each new client personalises on a labeled random half of its samples and predicts the other half.
     The line's figure is what the torch-free SDK gives from the bundle on the samples device-data hands out."""
     import edge_sdk
     from cryptography.hazmat.primitives import serialization
@@ -137,13 +137,28 @@ def test_export_says_what_a_btfl_device_gets_after_its_labeled_personalisation(t
     assert data.returncode == 0, data.stderr
     with np.load(tmp_path / "new.npz") as arrays:
         x, y, offsets = arrays["x"], arrays["y"], arrays["offsets"]
-    accuracies = []
+    accuracies, rng = [], np.random.default_rng(0)  # a random half of each client's rows, drawn in client order
     for lo, hi in zip(offsets[:-1], offsets[1:]):
-        half = lo + (hi - lo) // 2
+        rows = lo + rng.permutation(hi - lo)
+        learn, score = rows[:(hi - lo) // 2], rows[(hi - lo) // 2:]
         device = edge_sdk.open_bundle(tmp_path / "bundle", public_key=key.public_key().public_bytes_raw())
-        device.personalize(x[lo:half], y[lo:half])
-        accuracies.append((device.predict(x[half:hi]).argmax(1) == y[half:hi]).mean())
+        device.personalize(x[learn], y[learn])
+        accuracies.append((device.predict(x[score]).argmax(1) == y[score]).mean())
     assert f"samples, {100 * np.mean(accuracies):.2f}% on the other half (" in line, (line, accuracies)
+
+
+def test_a_labeled_half_is_drawn_at_random_not_the_first_rows() -> None:
+    """A client's rows keep the data set's order (an image folder is read class by class): BTFL's export score
+    learns on a random half of each client, which meets every class of a class-sorted client, and scores the rest."""
+    from fl_server.export.device_scores import labeled_halves
+
+    y = np.repeat([0, 1, 0, 1, 2], [30, 30, 25, 25, 1])  # two class-sorted clients of 60 and 50 rows, one of 1
+    offsets = np.array([0, 60, 110, 111])
+    halves = labeled_halves(offsets)
+    assert len(halves) == 2  # a client of one row has no half to learn from
+    for (learn, score), lo, hi in zip(halves, offsets[:-1], offsets[1:]):
+        assert sorted([*learn, *score]) == list(range(lo, hi)) and len(learn) == (hi - lo) // 2
+        assert set(y[learn]) == set(y[score]) == {0, 1}  # the first rows would hold class 0 alone
 
 
 def test_export_without_a_run_is_one_clear_line(tmp_path: Path) -> None:

@@ -4,8 +4,8 @@ bundle itself over the run's held-out new clients (:func:`fl_server.device_sampl
 
 * :func:`labeled_score`: a method whose devices personalise on their own labels (``Algorithm.device_labels``: BTFL).
   Training holds no device's labels out, so its record scores the received model (``test_of`` ``"received"``).
-  Each new client personalises on the first half of its samples with their labels, as a device does with a labeled
-  warm-up window, and predicts the other half as a stream; the received model predicts the same half. The DLE is
+  Each new client personalises on a random half of its samples with their labels (:func:`labeled_halves`), as a
+  device does with a labeled warm-up window, and predicts the other half as a stream; the received model predicts the same half. The DLE is
   the bundle's training-time one (a device with no coordinator to exchange DLEs with; a coordinator's aggregate
   weighs the uploads at most a few percent against it).
 * :func:`int8_cost`: the received model's new-client accuracy with ``forward_int8`` against the float32
@@ -70,6 +70,22 @@ def int8_cost(bundle: Bundle, data_dir: str | None = None) -> dict[str, Any]:
     return out
 
 
+def labeled_halves(offsets: np.ndarray, seed: int = 0) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per client of ``offsets`` (client k holds rows ``offsets[k]:offsets[k + 1]``) with two samples or more: (the
+    rows it personalises on, the rows it is scored on), a random half each, drawn in client order from one
+    ``np.random.default_rng(seed)``. Random, not the first half: a client's rows keep the data set's order, which
+    for an image folder (read class by class) or a partition's sorted indices groups them by class, and a first half
+    would learn classes the second half never shows."""
+    rng = np.random.default_rng(seed)
+    halves = []
+    for lo, hi in zip(offsets[:-1], offsets[1:]):
+        if hi - lo < 2:
+            continue  # a client of one sample has no half to learn from
+        rows = lo + rng.permutation(hi - lo)
+        halves.append((rows[:(hi - lo) // 2], rows[(hi - lo) // 2:]))
+    return halves
+
+
 def labeled_score(bundle: Bundle, data_dir: str | None = None) -> dict[str, Any]:
     """``personalised`` and ``received`` (means over new clients of the accuracy on the second half of each
     client's samples, fractions), ``clients`` and ``line`` (one line for a person)."""
@@ -77,19 +93,16 @@ def labeled_score(bundle: Bundle, data_dir: str | None = None) -> dict[str, Any]
     x, y, offsets = samples["x"], samples["y"], samples["offsets"]
     received = open_bundle(bundle, method="none")
     personalised, kept = [], []
-    for lo, hi in zip(offsets[:-1], offsets[1:]):  # once per client at export: each needs its own device
-        half = lo + (hi - lo) // 2
-        if half == lo or half == hi:
-            continue  # a client of one sample has no half to learn from
+    for learn, score in labeled_halves(offsets):  # once per client at export: each needs its own device
         device = open_bundle(bundle)  # a fresh device per client: its own local head and stream
-        device.personalize(x[lo:half], y[lo:half])
-        personalised.append(float((device.predict(x[half:hi]).argmax(1) == y[half:hi]).mean()))
-        kept.append(float((received.predict(x[half:hi]).argmax(1) == y[half:hi]).mean()))
+        device.personalize(x[learn], y[learn])
+        personalised.append(float((device.predict(x[score]).argmax(1) == y[score]).mean()))
+        kept.append(float((received.predict(x[score]).argmax(1) == y[score]).mean()))
     if not personalised:
         raise ValueError("no new client has two samples or more to split")
     out: dict[str, Any] = {"personalised": float(np.mean(personalised)), "received": float(np.mean(kept)),
                            "clients": len(kept)}
-    out["line"] = (f"{bundle.method} on a device: personalised on the labeled first half of each new client's "
+    out["line"] = (f"{bundle.method} on a device: personalised on a labeled random half of each new client's "
                    f"samples, {100 * out['personalised']:.2f}% on the other half ({100 * out['received']:.2f}% with "
                    f"the received model; {len(kept)} new clients, the bundle's training DLE)")
     return out
