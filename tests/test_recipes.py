@@ -360,6 +360,17 @@ def test_cli_trains_and_exports_a_user_module(tmp_path: Path, capsys: pytest.Cap
                                                      "(name one as my_recipes.py:NAME)")
 
 
+def test_a_recipe_file_imports_the_modules_beside_it(tmp_path: Path) -> None:
+    """A model kept in its own file beside the recipe file imports, as it would under `python my_recipes.py`."""
+    from fl_server.recipes import load_recipe
+
+    model, recipes = RECIPE_FILE.split("small = ")
+    (tmp_path / "sibling_nets_of_a_recipe.py").write_text(model)
+    (tmp_path / "my_recipes.py").write_text("from fl_server.recipes import DataSpec, Federation, ModelSpec, Recipe\n"
+                                           "from sibling_nets_of_a_recipe import TinyNet\n\nsmall = " + recipes)
+    assert load_recipe(f"{tmp_path / 'my_recipes.py'}:small").model_name == "TinyNet"
+
+
 SPREAD_FILE = '''
 from fl_server.recipes import DataSpec, Federation, Recipe
 

@@ -32,7 +32,9 @@ def split_source(source: str) -> tuple[Path, str]:
 def import_file(path: str | Path) -> ModuleType:
     """Run the Python file ``path`` as a module, once per process for the same bytes (a file loaded again
     unchanged, e.g. by the training and then by the export of one run, is not run twice: the methods it
-    registers stay the same classes). Raises :class:`RecipeError` for a missing file."""
+    registers stay the same classes). Its folder goes on ``sys.path``, as ``python file.py`` puts it, so that it
+    can import the modules beside it (a model kept in its own ``models.py``). Raises :class:`RecipeError` for a
+    missing file."""
     path = Path(path)
     if path.suffix != ".py" or not path.is_file():
         raise RecipeError(f"{path}: no such Python file")
@@ -48,6 +50,8 @@ def import_file(path: str | Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     module.__fl_digest__ = digest  # type: ignore[attr-defined]
     sys.modules[module_name] = module  # dataclasses and pickling-free introspection want the module registered
+    if str(path.parent) not in sys.path:  # as `python file.py` runs it: the modules beside it import
+        sys.path.insert(0, str(path.parent))
     try:
         spec.loader.exec_module(module)
     except RecipeError as exc:
