@@ -227,6 +227,8 @@ def _bad(case: str, tmp_path: Path, x: np.ndarray, y: np.ndarray) -> None:  # no
         DataSpec.from_arrays(x.transpose(0, 3, 1, 2), y)
     elif case == "method cannot serve the model":
         Recipe(model=ModelSpec(WideNet), data=data, method="ODPFL-HN")
+    elif case == "too few local iterations for BTFL":
+        Recipe(model=ModelSpec(SmallNet), data=data, method="BTFL", local_iterations=5)
     del Image
 
 
@@ -272,6 +274,8 @@ BAD = {
     "method cannot serve the model": "method: ODPFL-HN cannot serve this model: its hypernetwork generates all "
                                      "3,346,794 weights, about 338,026,194 parameters at hn_width 100 (limit "
                                      "200,000,000); use a smaller model (e.g. 'lenet') or another method",
+    "too few local iterations for BTFL": "local_iterations: BTFL runs at least 6 local iterations a round with these "
+                                         "hyperparameters, got 5",
 }
 
 

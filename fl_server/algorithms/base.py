@@ -209,6 +209,12 @@ class Algorithm:
         return None
 
     @classmethod
+    def min_local_iterations(cls, hyper: dict[str, Any]) -> int:
+        """The fewest local iterations a round of this method can run with ``hyper`` (BTFL: its body steps and at
+        least one head step); a recipe with fewer is refused when built, the engine's rounds check it too."""
+        return 1
+
+    @classmethod
     def fit_hyper(cls, hyper: dict[str, Any], rounds: int) -> dict[str, Any]:
         """``hyper`` completed for a run of ``rounds`` rounds where a default depends on the run's length (FedICON's
         phase schedule); a recipe builds its method with it, so the run's ``run.json`` records the values used."""

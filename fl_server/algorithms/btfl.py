@@ -20,7 +20,7 @@ deployment they never leave the client.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -150,8 +150,15 @@ class BTFL(Algorithm):
             head = head - (1 - body) * head_lr * (g_head + wd * head)
         return {"params": params, "local_head": head, "step": client_state["step"] + 1}
 
+    @classmethod
+    def min_local_iterations(cls, hyper: dict[str, Any]) -> int:
+        """The body steps and one head step: 6 with the default alternation (five body steps, then a head step),
+        else ``body_iterations + 1``."""
+        body = hyper.get("body_iterations")
+        return 6 if body is None else int(body) + 1
+
     def aggregate(self, server_state: State, ids: np.ndarray, client_states: State, weights: torch.Tensor) -> State:
-        need = 6 if self.hp.body_iterations is None else self.hp.body_iterations + 1
+        need = self.min_local_iterations(asdict(self.hp))
         if bool((client_states["step"] < need).any()):
             raise ValueError(f"BTFL: a round must run at least {need} local iterations (body_iterations="
                              f"{self.hp.body_iterations}), or the local heads are never trained")

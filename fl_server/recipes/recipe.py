@@ -102,6 +102,10 @@ class Recipe:
             value = getattr(self, key)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise RecipeError(f"{key} must be an integer >= 1, got {value!r}")
+        fewest = ALGORITHMS[self.method].min_local_iterations(self.hyper)
+        if self.local_iterations < fewest:
+            raise RecipeError(f"local_iterations: {self.method} runs at least {fewest} local iterations a round "
+                              f"with these hyperparameters, got {self.local_iterations}")
         if self.preprocess is None:
             set_("preprocess", self.data.default_preprocess())
         elif not isinstance(self.preprocess, Preprocess):
