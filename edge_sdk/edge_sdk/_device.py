@@ -25,6 +25,7 @@ raw image batch (uint8 or float, the layout the recipe named) and the device app
 """
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
@@ -34,6 +35,7 @@ import numpy as np
 
 import edge_sdk._runners  # noqa: F401  (registers the SDK's own runners)
 from edge_sdk._bundle import Bundle, load_bundle
+from edge_sdk._dp import check_budget
 from edge_sdk._memory import release_free_heap
 from edge_sdk._preprocess import Preprocess
 from edge_sdk._registry import RECEIVED, Adaptation, resolve
@@ -93,9 +95,27 @@ class Device:
         and its evidence (``.message`` is one line for a person). A rule that always keeps the received model
         (``rollback``, not partial) adapts nothing: no steps run and nothing is sent to the coordinator."""
         try:
-            return self._personalize(self.prepare(x), y, **options)
+            x = self.prepare(x)
+            self._check_inputs(x, y, options)  # before the safeguard may skip the runner: never ignored
+            return self._personalize(x, y, **options)
         finally:
             release_free_heap()  # what the steps freed goes back to the system (edge_sdk._memory)
+
+    def _check_inputs(self, x: Any, y: np.ndarray | None, options: dict[str, Any]) -> None:
+        """Labels only for a runner that learns from them, one integer class per sample; a privacy budget
+        (``epsilon``, ``delta``) that is one, whether or not this call ends up sending anything. (``x`` itself is
+        the runner's to check: its graph's input.)"""
+        n = len(x) if isinstance(x, np.ndarray) and x.ndim else None
+        if y is not None:
+            if not self.needs_labels:
+                raise ValueError(f"{self.method} personalises without labels: call personalize(x) (y is for a "
+                                 f"method whose device learns from labels, Device.needs_labels: BTFL, FedTHE)")
+            labels = np.asarray(y)
+            if n is not None and (labels.shape != (n,) or labels.dtype.kind not in "iu"):
+                raise ValueError(f"y must be [N] integer class labels, one per sample of x (N={n}), got "
+                                 f"{labels.dtype} of shape {list(labels.shape)}")
+        if "epsilon" in options or "delta" in options:
+            check_budget(options.get("epsilon", math.inf), options.get("delta", 0.01))
 
     def _personalize(self, x: np.ndarray, y: np.ndarray | None, **options: Any) -> Adaptation:
         rule = self.safeguard

@@ -34,11 +34,16 @@ __all__ = ["analytic_gaussian_sigma", "classic_gaussian_sigma", "gaussian_sigma"
            "privatize_embedding", "privatize_pooled", "sensitivity", "unit_sphere"]
 
 
-def _check(epsilon: float, delta: float, set_size: int, bound: float, lipschitz: float) -> None:
-    if math.isnan(epsilon) or epsilon <= 0:
+def check_budget(epsilon: float, delta: float) -> None:
+    """ValueError (one line) unless ``epsilon`` > 0 (``math.inf``: no privacy) and ``delta`` lies in (0, 1)."""
+    if not isinstance(epsilon, (int, float)) or math.isnan(epsilon) or epsilon <= 0:
         raise ValueError(f"epsilon must be > 0 (math.inf for no privacy), got {epsilon!r}")
-    if not 0.0 < delta < 1.0:
+    if not isinstance(delta, (int, float)) or not 0.0 < delta < 1.0:
         raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
+
+
+def _check(epsilon: float, delta: float, set_size: int, bound: float, lipschitz: float) -> None:
+    check_budget(epsilon, delta)
     if int(set_size) != set_size or set_size < 1:
         raise ValueError(f"set_size (the client's number of samples |D|) must be an integer >= 1, got {set_size!r}")
     if not (bound >= 0 and math.isfinite(bound)):

@@ -142,6 +142,28 @@ def test_bad_input_is_refused(sdk_fixture: Path, key: str, ref: dict[str, np.nda
         device.personalize(ref["x"].astype(np.float64))
 
 
+def test_labels_and_a_privacy_budget_are_checked_never_ignored(sdk_fixture: Path, key: str,
+                                                               ref: dict[str, np.ndarray]) -> None:
+    """Labels for a method that learns without them, labels that are not one class per sample, and a privacy
+    budget that is none are refused with one line, also where the safeguard's rule would adapt nothing."""
+    x, y = ref["x"], ref["y"]
+    tent = edge_sdk.open_bundle(sdk_fixture / "tent", public_key=key)
+    with pytest.raises(ValueError, match=r"^TENT personalises without labels: call personalize\(x\)"):
+        tent.personalize(x, y)
+    with pytest.raises(ValueError, match=r"^epsilon must be > 0 \(math.inf for no privacy\), got -3$"):
+        tent.personalize(x, epsilon=-3)
+    rollback = edge_sdk.open_bundle(sdk_fixture / "odpfl_hn", public_key=key)  # rule 'rollback': no runner call
+    assert rollback.safeguard is not None and rollback.safeguard.keeps_received
+    with pytest.raises(ValueError, match=r"^delta must lie in \(0, 1\), got 2$"):
+        rollback.personalize(x, epsilon=1.0, delta=2)
+    btfl = edge_sdk.open_bundle(sdk_fixture / "btfl", public_key=key)
+    with pytest.raises(ValueError, match=rf"^y must be \[N\] integer class labels, one per sample of x \(N={len(x)}\), "
+                                         rf"got int64 of shape \[{len(x) - 1}\]$"):
+        btfl.personalize(x, y[:-1].astype(np.int64))
+    with pytest.raises(ValueError, match="got float32 of shape"):
+        btfl.personalize(x, y.astype(np.float32))
+
+
 def test_raw_images_go_through_the_manifests_preprocessing(sdk_fixture: Path, ref: dict[str, np.ndarray],
                                                            tmp_path: Path) -> None:
     """A bundle whose manifest carries a preprocess block takes raw uint8 NHWC images: the device applies it and
