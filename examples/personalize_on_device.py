@@ -9,7 +9,10 @@ The bundle (``fl-server export runs/train --out runs/bundle``) is verified befor
 their labels for scoring; a real device would use its own data. ``edge_sdk.open_bundle`` lets the bundle's
 method decide: TENT takes entropy steps, FedTTA one adaptation step, FedTTA++ steps with entropy early
 stopping, FedICON contrastive steps (Eq. 7) on two augmented views of each image, a bundle without a device step
-(FedAvg) predicts as received.
+(FedAvg) predicts as received. Then the method's safeguard rule (``--safeguard``) keeps the received model where
+label-free evidence says adapting hurt; each client's line says what it decided. BTFL learns its local head from
+labels: each client personalises on a random labeled half of its samples and is scored on the other half.
+ODPFL-HN's model comes from the coordinator's hypernetwork: use examples/stream_inference.py --server URL.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ import numpy as np
 
 import edge_sdk
 from edge_sdk import BundleError, load_bundle
+
+DECIDED = {"personalised": "personalised", "partial": "kept both models partially", "received": "kept the received model"}
 
 
 def accuracy(logits: np.ndarray, y: np.ndarray) -> float:
@@ -34,6 +39,8 @@ def main() -> int:
     ap.add_argument("--public-key", default=None,
                     help="hex Ed25519 key the manifest must be signed with (fl-server serve prints it)")
     ap.add_argument("--show", type=int, default=5, help="print this many clients individually")
+    ap.add_argument("--safeguard", choices=("bundle", "off"), default="bundle",
+                    help="'bundle': the rule the method declared (in the manifest); 'off': always the adapted model")
     args = ap.parse_args()
 
     try:
@@ -48,20 +55,40 @@ def main() -> int:
     with np.load(args.data, allow_pickle=False) as arrays:
         x, y, offsets = arrays["x"], arrays["y"], arrays["offsets"]
     received = edge_sdk.open_bundle(bundle, method="none")
-    device = edge_sdk.open_bundle(bundle)  # personalize() starts from the received model every time
-    before, after, ms = [], [], []
+    device = edge_sdk.open_bundle(bundle, safeguard=args.safeguard == "bundle")  # each personalize() starts afresh
+    rule = device.safeguard
+    if rule is not None and rule.keeps_received:
+        print(f"{bundle.method}'s safeguard rule '{rule.name}' keeps the received model on every device: nothing is "
+              "adapted (--safeguard off adapts)")
+    rng = np.random.default_rng(0)  # BTFL's labeled half: at random (a client's rows may come class by class)
+    before, after, ms, decided = [], [], [], {}
     for j in range(len(offsets) - 1):
-        xj, yj = x[offsets[j]:offsets[j + 1]], y[offsets[j]:offsets[j + 1]]
-        before.append(accuracy(received.predict(xj), yj))
+        rows = np.arange(offsets[j], offsets[j + 1])
+        learn = score = rows
+        if device.needs_labels:
+            rows = rng.permutation(rows)
+            learn, score = rows[:len(rows) // 2], rows[len(rows) // 2:]
+        before.append(accuracy(received.predict(x[score]), y[score]))
         t0 = time.perf_counter()
-        result = device.personalize(xj)
+        try:
+            result = device.personalize(x[learn], y[learn] if device.needs_labels else None)
+        except BundleError as exc:  # ODPFL-HN adapting without a coordinator
+            print(f"error: {exc}; this example runs without a coordinator: use examples/stream_inference.py "
+                  "--server URL", file=sys.stderr)
+            return 2
         ms.append(1e3 * (time.perf_counter() - t0))
-        after.append(accuracy(device.predict(xj), yj))
+        after.append(accuracy(device.predict(x[score]), y[score]))
+        action = result.safeguard.action if result.safeguard is not None else "personalised"
+        decided[action] = decided.get(action, 0) + 1
         if j < args.show:
-            print(f"  new client {j:>2}: {len(xj):>4} samples  accuracy {100 * before[-1]:5.1f}% -> "
-                  f"{100 * after[-1]:5.1f}%  ({result.steps} step(s), {ms[-1]:.1f} ms on the device)")
-    print(f"{len(before)} new clients: mean accuracy {100 * np.mean(before):.2f}% (received model) -> "
-          f"{100 * np.mean(after):.2f}% ({device.method} on onnxruntime), median {np.median(ms):.1f} ms per client")
+            kept = "" if result.safeguard is None else f", {DECIDED[action]}"
+            print(f"  new client {j:>2}: {len(score):>4} samples  accuracy {100 * before[-1]:5.1f}% -> "
+                  f"{100 * after[-1]:5.1f}%  ({result.steps} step(s){kept}, {ms[-1]:.1f} ms on the device)")
+    how = ", ".join(f"{DECIDED[a]} on {n}" for a, n in decided.items()) if rule is not None else "no safeguard"
+    scored = " (scored on the other half of a labeled random half)" if device.needs_labels else ""
+    print(f"{len(before)} new clients{scored}: mean accuracy {100 * np.mean(before):.2f}% (received model) -> "
+          f"{100 * np.mean(after):.2f}% ({device.method} on onnxruntime; {how}), median {np.median(ms):.1f} ms "
+          "per client")
     print(f"torch imported: {'torch' in sys.modules}; fl_server imported: {'fl_server' in sys.modules}")
     return 0
 

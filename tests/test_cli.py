@@ -98,6 +98,7 @@ def test_train_export_and_personalize_on_device(tmp_path: Path) -> None:
     assert "artifacts verified (sha256 only: no --public-key" in device.stdout
     assert "is not signed and no public key was given" in device.stderr  # an unsigned bundle is not silent
     assert "torch imported: False; fl_server imported: False" in device.stdout
+    assert "(TENT on onnxruntime; " in device.stdout  # with what the safeguard decided on how many clients
     torch_acc = float(trained.stdout.split("new-client test ")[1].split("%")[0])  # at the best-val round
     summary = next(line for line in device.stdout.splitlines() if "new clients: mean accuracy" in line)
     device_acc = float(summary.split("-> ")[1].split("%")[0])
@@ -145,6 +146,12 @@ def test_export_says_what_a_btfl_device_gets_after_its_labeled_personalisation(t
         device.personalize(x[learn], y[learn])
         accuracies.append((device.predict(x[score]).argmax(1) == y[score]).mean())
     assert f"samples, {100 * np.mean(accuracies):.2f}% on the other half (" in line, (line, accuracies)
+    example = subprocess.run([sys.executable, "examples/personalize_on_device.py", "--bundle", str(tmp_path / "bundle"),
+                              "--data", str(tmp_path / "new.npz"), "--public-key",
+                              key.public_key().public_bytes_raw().hex()], capture_output=True, text=True, cwd=ROOT,
+                             timeout=300)
+    assert example.returncode == 0, example.stderr  # the device example learns and scores the same halves
+    assert f"-> {100 * np.mean(accuracies):.2f}% (BTFL on onnxruntime; no safeguard)" in example.stdout, example.stdout
 
 
 def test_a_labeled_half_is_drawn_at_random_not_the_first_rows() -> None:
