@@ -227,6 +227,8 @@ def _bad(case: str, tmp_path: Path, x: np.ndarray, y: np.ndarray) -> None:  # no
         DataSpec.from_arrays(x.transpose(0, 3, 1, 2), y)
     elif case == "method cannot serve the model":
         Recipe(model=ModelSpec(WideNet), data=data, method="ODPFL-HN")
+    elif case == "feature vectors":
+        DataSpec.from_arrays(x.reshape(len(x), -1)[:, :16].astype(np.float32), y)
     elif case == "too few local iterations for BTFL":
         Recipe(model=ModelSpec(SmallNet), data=data, method="BTFL", local_iterations=5)
     del Image
@@ -274,6 +276,9 @@ BAD = {
     "method cannot serve the model": "method: ODPFL-HN cannot serve this model: its hypernetwork generates all "
                                      "3,346,794 weights, about 338,026,194 parameters at hn_width 100 (limit "
                                      "200,000,000); use a smaller model (e.g. 'lenet') or another method",
+    "feature vectors": "data: the samples are vectors of shape [40, 16], and the models take images: pass them as "
+                       "1x1 images with a channel per feature, x.reshape(N, 1, 1, D) (layout NHWC; Preprocess(mean=..., "
+                       "std=...) then normalises each feature)",
     "too few local iterations for BTFL": "local_iterations: BTFL runs at least 6 local iterations a round with these "
                                          "hyperparameters, got 5",
 }

@@ -78,9 +78,13 @@ class DataSpec:
             raise RecipeError(f"data: {len(bad)} image(s) hold NaN or infinite values (first: sample {bad[0]}); "
                               f"drop or repair them before building the recipe")
         if (layout == "NHWC" and not isinstance(images, list) and images.ndim == 4 and images.shape[3] > 4
-                and images.shape[1] in (1, 3)):
+                and images.shape[1] in (1, 3) and images.shape[2] > 1):  # [N, 1, 1, D]: D features, as NHWC
             raise RecipeError(f"data: images of shape {list(images.shape)} read as NHWC would have "
                               f"{images.shape[3]} channels; they look like [N, C, H, W]: pass layout='NCHW'")
+        if not isinstance(images, list) and images.ndim == 2:
+            raise RecipeError(f"data: the samples are vectors of shape {list(images.shape)}, and the models take "
+                              f"images: pass them as 1x1 images with a channel per feature, x.reshape(N, 1, 1, D) "
+                              f"(layout NHWC; Preprocess(mean=..., std=...) then normalises each feature)")
         if not isinstance(images, list) and images.ndim not in (3, 4):
             raise RecipeError(f"data: images must be [N, H, W, C] or [N, C, H, W] ({layout}) or [N, H, W], got "
                               f"shape {list(images.shape)}")
