@@ -27,10 +27,12 @@ if TYPE_CHECKING:
 NONFINITE_FIX = "lower the learning rate or clip the gradients (hyper clip_norm)"
 
 
-def scored_model(test_of: str | None, safeguard: str | None, method: str) -> str | None:
+def scored_model(test_of: str | None, safeguard: str | None, method: str,
+                 labeled: float | None = None) -> str | None:
     """Whose model a run's new-client ``test`` scores where it is not each device's personalised one (the record's
     ``test_of`` and ``safeguard``, :func:`fl_server.recipes.train`), in the words the train summary and the
-    dashboard both print; None where it is each device's.
+    dashboard both print; None where it is each device's. ``labeled``: a device's accuracy after its labeled
+    personalisation, where measured (a coordinator's job: ``labeled_device_accuracy``).
 
     >>> scored_model("device", "rollback", "FedTTA++")
     "the received model: FedTTA++'s safeguard rule 'rollback' keeps it on every device; edge_sdk.open_bundle(..., safeguard=False) personalises"
@@ -38,7 +40,10 @@ def scored_model(test_of: str | None, safeguard: str | None, method: str) -> str
     True
     """
     if test_of == "received":
-        return "the received model, before each device's labeled personalisation; fl-server export measures a device's"
+        device = ("fl-server export measures a device's" if labeled is None else
+                  f"a device after it: {100 * labeled:.1f}% (learning on a labeled random half of each new client, "
+                  "scored on the other)")
+        return f"the received model, before each device's labeled personalisation; {device}"
     if safeguard == "rollback":
         return (f"the received model: {method}'s safeguard rule 'rollback' keeps it on every device; "
                 "edge_sdk.open_bundle(..., safeguard=False) personalises")

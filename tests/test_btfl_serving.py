@@ -8,6 +8,7 @@ import io
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import httpx
@@ -15,7 +16,9 @@ import numpy as np
 import pytest
 
 from coordinator_proc import ADMIN, REPO, UNSERVED_BTFL, Coordinator, auth, join, start, start_copy
+import edge_sdk
 from edge_sdk import _btfl as btfl
+from fl_server.device_samples import client_samples
 from fl_server.diagnostics import scored_model
 from fl_server.recipes.run import client_data
 
@@ -61,7 +64,21 @@ def test_btfl_bundle_and_training_dle(server: Coordinator) -> None:
     job = next(j for j in httpx.get(f"{server.url}/v1/jobs", headers=auth(ADMIN), timeout=10).json()
                if j["spec"]["method"] == "BTFL")
     assert (job["test_of"], job["safeguard"]) == ("received", None), job
-    kept = html.escape(scored_model("received", None, "BTFL"))  # the train summary's words
+    # and the job measured a device's: labeled on a random half of each new client, scored on the other half
+    bundle = next(server.store.glob("jobs/*/bundle"))
+    samples = client_samples(json.loads((bundle / "manifest.json").read_text()))
+    x, y, offsets = samples["x"], samples["y"], samples["offsets"]
+    accuracies, rng = [], np.random.default_rng(0)
+    for lo, hi in zip(offsets[:-1], offsets[1:]):
+        rows = lo + rng.permutation(hi - lo)
+        with warnings.catch_warnings():  # the job's own export, unsigned (the store signs what it serves)
+            warnings.simplefilter("ignore")
+            device = edge_sdk.open_bundle(bundle)
+        device.personalize(x[rows[:(hi - lo) // 2]], y[rows[:(hi - lo) // 2]])
+        accuracies.append((device.predict(x[rows[(hi - lo) // 2:]]).argmax(1) == y[rows[(hi - lo) // 2:]]).mean())
+    assert abs(job["labeled_device_accuracy"] - np.mean(accuracies)) < 1e-9, (job, accuracies)
+    assert job["labeled_device_accuracy"] > job["new_client_accuracy"] + 0.1  # what the received model's hid
+    kept = html.escape(scored_model("received", None, "BTFL", job["labeled_device_accuracy"]))  # the summary's words
     assert f"% ({kept})</td>" in httpx.get(f"{server.url}/", timeout=10).text
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from edge_sdk import Bundle, UnverifiedSignatureWarning, load_bundle, open_bundle
 from fl_server.device_samples import client_samples
-from fl_server.recipes import RecipeError
+from fl_server.recipes import Recipe, RecipeError
 
 INT8_COST = 0.01  # an int8 graph that costs the new clients more than a point is pointed out
 
@@ -86,10 +86,11 @@ def labeled_halves(offsets: np.ndarray, seed: int = 0) -> list[tuple[np.ndarray,
     return halves
 
 
-def labeled_score(bundle: Bundle, data_dir: str | None = None) -> dict[str, Any]:
+def labeled_score(bundle: Bundle, data_dir: str | None = None, recipe: Recipe | None = None) -> dict[str, Any]:
     """``personalised`` and ``received`` (means over new clients of the accuracy on the second half of each
-    client's samples, fractions), ``clients`` and ``line`` (one line for a person)."""
-    samples = client_samples(bundle.manifest, data_dir)
+    client's samples, fractions), ``clients`` and ``line`` (one line for a person). ``recipe``: the run's, where
+    the manifest's recipe file is not in the working directory (a coordinator's job)."""
+    samples = client_samples(bundle.manifest, data_dir, recipe)
     x, y, offsets = samples["x"], samples["y"], samples["offsets"]
     received = open_bundle(bundle, method="none")
     personalised, kept = [], []

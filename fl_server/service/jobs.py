@@ -72,9 +72,12 @@ class JobRunner:
         (collapsed or chance-level new-client predictions, else None), ``best_round`` and
         ``new_client_accuracy`` (its new clients' accuracy at that round, a fraction: what a device gets from
         the job's bundle), ``test_of`` (``"received"``: the received model's, for a method whose devices personalise
-        on labels) and ``safeguard`` (the rule its devices apply after personalising; ``"rollback"``: they keep the
-        received model); all None before the job is done."""
-        empty = {"warning": None, "best_round": None, "new_client_accuracy": None, "test_of": None, "safeguard": None}
+        on labels), ``labeled_device_accuracy`` (for such a method, what a device gets after personalising on a
+        labeled random half of each new client, scored on the other half: :func:`fl_server.export.device_scores.
+        labeled_score`) and ``safeguard`` (the rule its devices apply after personalising; ``"rollback"``: they keep
+        the received model); all None before the job is done."""
+        empty = {"warning": None, "best_round": None, "new_client_accuracy": None, "test_of": None, "safeguard": None,
+                 "labeled_device_accuracy": None}
         if job["status"] != "done":
             return empty
         try:

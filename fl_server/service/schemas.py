@@ -217,7 +217,11 @@ class Job(BaseModel):
     test_of: Literal["device", "received"] | None = Field(
         None, description="whose new_client_accuracy it is: 'device' (what each device gets from the bundle) or "
                           "'received' (the received model's: a method whose devices personalise on their own "
-                          "labels, BTFL; fl-server export measures a device's)")
+                          "labels, BTFL; labeled_device_accuracy is a device's)")
+    labeled_device_accuracy: float | None = Field(
+        None, description="where test_of is 'received': what a device gets after personalising on a labeled random "
+                          "half of each new client's samples, scored on the other half (a fraction; the bundle's "
+                          "training DLE); null otherwise")
     safeguard: str | None = Field(None, description="a finished job's safeguard rule, the one its bundle's devices "
                                                     "apply after personalising (edge_sdk.safeguard): 'rollback' "
                                                     "keeps the received model on every device; null before it is "

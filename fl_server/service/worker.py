@@ -70,7 +70,9 @@ def run_job(job_dir: Path) -> None:
     import torch
 
     from fl_server import rundir
+    from fl_server.algorithms import ALGORITHMS
     from fl_server.atomic import atomic_write_npz
+    from fl_server.export.device_scores import labeled_score, own_bundle
     from fl_server.export.run import export_run
     from fl_server.recipes import train
 
@@ -81,7 +83,14 @@ def run_job(job_dir: Path) -> None:
     print(f"worker {os.getpid()}: training from round {rundir.rounds_done(run_dir)} of {recipe.rounds}", flush=True)
     train(recipe, run_dir, seed=int(spec.get("seed", 0)), device=spec.get("device", "auto"), progress=False,
           data_root=spec.get("data_dir"), test_at_best_only=True, checkpoint_every=int(spec.get("checkpoint_every", 1)))
-    export_run(run_dir, job_dir / "bundle", data_root=spec.get("data_dir"))
+    bundle = export_run(run_dir, job_dir / "bundle", data_root=spec.get("data_dir"))
+    if ALGORITHMS[recipe.method].device_labels:  # what training cannot score: a device's labeled personalisation
+        try:
+            score = labeled_score(own_bundle(bundle), spec.get("data_dir"), recipe)["personalised"]
+        except ValueError as exc:  # e.g. images of several sizes: no sample set to hand a device; the job stands
+            print(f"worker {os.getpid()}: a device's labeled personalisation not measured ({exc})", flush=True)
+        else:
+            rundir.write_run(run_dir, {**rundir.read_run(run_dir), "labeled_device_accuracy": score})
     hn = rundir.best_arrays(run_dir, "hn")
     if hn:
         (job_dir / "server").mkdir(exist_ok=True)
