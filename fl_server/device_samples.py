@@ -84,8 +84,9 @@ def stream_samples(manifest: dict[str, Any], client: int = 0, warmup: int = 32, 
     fed, x = bundle_clients(manifest, data_dir, recipe)
     if not 0 <= client < len(fed.new):
         raise ValueError(f"client must be in [0, {len(fed.new)}), got {client}")
-    if x.dtype != np.float32 or x.ndim != 4:
-        raise ValueError("the corrupted phase needs a built-in data set (float images); use --kind clients")
+    if x.dtype != np.float32 or x.ndim != 4 or x.shape[1] not in (1, 3):
+        raise ValueError("the corrupted phase needs a built-in data set (float grayscale or RGB images); use --kind "
+                         "clients")
     y = fed.dataset.y
     rng = np.random.default_rng(seed)
     own = rng.permutation(fed.new[client])
