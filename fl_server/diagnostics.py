@@ -86,6 +86,7 @@ def nonfinite_warning(state: dict[str, Any]) -> str | None:
 ONE_CLASS_SHARE = 0.9  # more of the predictions than this in one class: collapsed
 OVER_LABEL_SHARE = 0.05  # ... and that class's share of the labels is lower by more than this
 CHANCE_MARGIN = 0.05  # accuracy at most 1/C + this: chance
+FEW_CLIENTS = 5  # fewer new clients than this: their mean may sit at chance by the draw of which clients are new
 
 
 # a method whose devices personalise on labeled data (Algorithm.device_labels): what training scores is the model
@@ -94,9 +95,12 @@ RECEIVED_SUBJECT = "the received model's (before each device's labeled personali
 
 
 def collapse_warning(counts: Sequence[int] | np.ndarray, num_classes: int, accuracy: float | None = None,
-                     labels: Sequence[int] | np.ndarray | None = None, subject: str = "new-client") -> str | None:
+                     labels: Sequence[int] | np.ndarray | None = None, subject: str = "new-client",
+                     validation: float | None = None, clients: int | None = None) -> str | None:
     """One line when the new clients' predictions collapsed, else None (``subject``: whose predictions, as the
-    line names them).
+    line names them). ``validation`` (the run's best validation accuracy) and ``clients`` (how many new clients):
+    an accuracy at chance where validation is well above it says the new clients differ, not that the model
+    learnt nothing.
 
     ``counts``: how many of the new clients' samples were predicted as each class; ``accuracy``: their mean
     accuracy in [0, 1] (None: not checked); ``labels``: how many samples of each class they hold (None: not
@@ -126,8 +130,14 @@ def collapse_warning(counts: Sequence[int] | np.ndarray, num_classes: int, accur
                 f"them; {acc}chance {100 * chance:.1f}%): the model learnt no classifier; lower the learning rate "
                 f"or check the labels, and do not ship this bundle")
     if accuracy is not None and accuracy <= chance + CHANCE_MARGIN:
-        return (f"warning: {subject} accuracy {100 * accuracy:.1f}% is at chance ({100 * chance:.1f}% for "
-                f"{num_classes} classes): the model learnt (almost) nothing; train longer, lower the learning rate "
+        at_chance = (f"{subject} accuracy {100 * accuracy:.1f}% is at chance ({100 * chance:.1f}% for {num_classes} "
+                     "classes)")
+        if validation is not None and validation > chance + 2 * CHANCE_MARGIN:
+            few = "" if clients is None or clients >= FEW_CLIENTS else f", or too few new clients to tell: {clients}"
+            return (f"warning: {at_chance} while validation reached {100 * validation:.1f}%: what validation "
+                    f"scored does not carry over to the new clients (another domain, classes training rarely saw, "
+                    f"models of the training clients' own{few}); check them before shipping this bundle")
+        return (f"warning: {at_chance}: the model learnt (almost) nothing; train longer, lower the learning rate "
                 f"or check the labels before shipping this bundle")
     return None
 
@@ -234,10 +244,12 @@ def _best_state(sim: Simulation, state: dict | None) -> dict | None:
     return state
 
 
-def run_report(sim: Simulation, state: dict | None = None) -> tuple[str | None, dict[str, Any] | None]:
+def run_report(sim: Simulation, state: dict | None = None,
+               validation: float | None = None) -> tuple[str | None, dict[str, Any] | None]:
     """(warning, adaptation) of a finished simulation's best state (or ``state``), its new clients personalised
     once: the warning is :func:`nonfinite_warning`, else :func:`collapse_warning` of the new clients (None when it
-    has none); the adaptation is :func:`adaptation_note` (None for a diverged run or one without new clients)."""
+    has none; ``validation``: the run's best validation accuracy); the adaptation is :func:`adaptation_note` (None
+    for a diverged run or one without new clients)."""
     best = _best_state(sim, state)
     diverged = nonfinite_warning(best) if best is not None else None
     if diverged:
@@ -246,5 +258,6 @@ def run_report(sim: Simulation, state: dict | None = None) -> tuple[str | None, 
     if seen is None or best is None:
         return None, None
     warning = collapse_warning(seen.counts, len(seen.counts), seen.accuracy, seen.labels, subject=
-                               RECEIVED_SUBJECT if type(sim.algorithm).device_labels else "new-client")
+                               RECEIVED_SUBJECT if type(sim.algorithm).device_labels else "new-client",
+                               validation=validation, clients=len(seen.accuracies))
     return warning, adaptation_note(sim, best, seen)

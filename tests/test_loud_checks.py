@@ -131,6 +131,17 @@ def test_collapse_thresholds(counts: list[int], accuracy: float | None, labels: 
     assert (line is None) if expected is None else (expected in line and "\n" not in line)
 
 
+def test_new_clients_at_chance_under_a_good_validation_say_they_differ() -> None:
+    """At chance on the new clients while validation is well above it, the model did learn something: the line says
+    that what validation scored does not carry over, not that nothing was learnt; at chance on both, it says that."""
+    line = collapse_warning([30, 25, 25, 20], 4, 0.20, None, validation=0.64, clients=2)
+    assert line == ("warning: new-client accuracy 20.0% is at chance (25.0% for 4 classes) while validation reached "
+                    "64.0%: what validation scored does not carry over to the new clients (another domain, classes "
+                    "training rarely saw, models of the training clients' own, or too few new clients to tell: 2); "
+                    "check them before shipping this bundle")
+    assert "the model learnt (almost) nothing" in collapse_warning([30, 25, 25, 20], 4, 0.20, validation=0.30)
+
+
 def test_a_btfl_runs_warning_names_the_received_model() -> None:
     """BTFL's devices personalise on labeled data, which training does not score: its chance line says whose
     accuracy it is (the received model's), not that the bundle's devices get it."""

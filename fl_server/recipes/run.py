@@ -128,7 +128,7 @@ def train(recipe: Recipe, run_dir: str | Path, seed: int = 0, device: str = "aut
     result = sim.run()
     # predictions collapsed to one class or at chance (run.json keeps it for export), and what personalising did to
     # each new client against the model it received
-    warning, cost = run_report(sim)
+    warning, cost = run_report(sim, validation=result.best_val)
     rule, test_of = sim.device_safeguard, "received" if type(sim.algorithm).device_labels else "device"
     rundir.write_run(Path(run_dir), {**rundir.read_run(run_dir), "warning": warning, "best_round": result.best_round,
                                      "new_client_accuracy": result.test_at_best, "test_of": test_of,
