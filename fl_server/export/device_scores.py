@@ -5,9 +5,9 @@ bundle itself over the run's held-out new clients (:func:`fl_server.device_sampl
 * :func:`labeled_score`: a method whose devices personalise on their own labels (``Algorithm.device_labels``: BTFL).
   Training holds no device's labels out, so its record scores the received model (``test_of`` ``"received"``).
   Each new client personalises on a random half of its samples with their labels (:func:`labeled_halves`), as a
-  device does with a labeled warm-up window, and predicts the other half as a stream; the received model predicts the same half. The DLE is
-  the bundle's training-time one (a device with no coordinator to exchange DLEs with; a coordinator's aggregate
-  weighs the uploads at most a few percent against it).
+  device does with a labeled warm-up window, and predicts the other half as a stream; the received model predicts
+  the same half. The DLE is the bundle's training-time one (a device with no coordinator to exchange DLEs with; a
+  coordinator's aggregate weighs the uploads at most a few percent against it).
 * :func:`int8_cost`: the received model's new-client accuracy with ``forward_int8`` against the float32
   ``forward`` (``--int8``), so that the accuracy of ``open_bundle(..., int8=True)`` is known before a device runs it.
   ``forward_int8`` scales a batch's activations by the batch's own range, so a sample's int8 prediction can change
