@@ -25,7 +25,8 @@ import numpy as np
 import edge_sdk
 from edge_sdk import BundleError, load_bundle
 
-DECIDED = {"personalised": "personalised", "partial": "kept both models partially", "received": "kept the received model"}
+DECIDED = {"personalised": "personalised", "partial": "kept both models partially",
+           "received": "kept the received model"}
 
 
 def accuracy(logits: np.ndarray, y: np.ndarray) -> float:

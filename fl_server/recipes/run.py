@@ -118,11 +118,11 @@ def train(recipe: Recipe, run_dir: str | Path, seed: int = 0, device: str = "aut
     method whose devices personalise on labeled data: BTFL), ``received_test`` (the received model's, for a
     method that personalises; :func:`fl_server.diagnostics.adaptation_note`) and ``adaptation_note`` (one line
     when personalising cost a new client more than a point, else None; under a rule that keeps the received model,
-    what adapting without it would do on the run's validation data, :func:`fl_server.diagnostics.kept_received_note`), ``safeguard`` (the name of the rule a
-    device applies after personalising, :attr:`Algorithm.safeguard`, or None; ``"rollback"``: every device keeps
-    the received model, so ``test`` is the received model's), wall time, device, and
-    ``warning``: one line when the new clients' predictions collapsed or sit at chance
-    (:func:`fl_server.diagnostics.collapse_warning`), else None."""
+    what adapting without it would do on the run's validation data, :func:`fl_server.diagnostics.
+    kept_received_note`), ``safeguard`` (the name of the rule a device applies after personalising,
+    :attr:`Algorithm.safeguard`, or None; ``"rollback"``: every device keeps the received model, so ``test`` is the
+    received model's), wall time, device, and ``warning``: one line when the new clients' predictions collapsed or
+    sit at chance (:func:`fl_server.diagnostics.collapse_warning`), else None."""
     sim = simulation(recipe, seed, run_dir, device, mode, progress, data_root, None, test_at_best_only,
                      checkpoint_every)
     result = sim.run()
