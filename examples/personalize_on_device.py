@@ -10,7 +10,8 @@ their labels for scoring; a real device would use its own data. ``edge_sdk.open_
 method decide: TENT takes entropy steps, FedTTA one adaptation step, FedTTA++ steps with entropy early
 stopping, FedICON contrastive steps (Eq. 7) on two augmented views of each image, a bundle without a device step
 (FedAvg) predicts as received. Then the method's safeguard rule (``--safeguard``) keeps the received model where
-label-free evidence says adapting hurt; each client's line says what it decided. BTFL learns its local head from
+label-free evidence says adapting hurt; each client's line says what it decided. FedTTA, FedTTA++ and FedICON
+declare the rule 'rollback', which keeps the received model on every device: ``--safeguard off`` adapts. BTFL learns its local head from
 labels: each client personalises on a random labeled half of its samples and is scored on the other half.
 ODPFL-HN's model comes from the coordinator's hypernetwork: use examples/stream_inference.py --server URL.
 """
@@ -67,6 +68,8 @@ def main() -> int:
         rows = np.arange(offsets[j], offsets[j + 1])
         learn = score = rows
         if device.needs_labels:
+            if len(rows) < 2:
+                continue  # a client of one sample has no half to learn from
             rows = rng.permutation(rows)
             learn, score = rows[:len(rows) // 2], rows[len(rows) // 2:]
         before.append(accuracy(received.predict(x[score]), y[score]))
@@ -86,7 +89,7 @@ def main() -> int:
             print(f"  new client {j:>2}: {len(score):>4} samples  accuracy {100 * before[-1]:5.1f}% -> "
                   f"{100 * after[-1]:5.1f}%  ({result.steps} step(s){kept}, {ms[-1]:.1f} ms on the device)")
     how = ", ".join(f"{DECIDED[a]} on {n}" for a, n in decided.items()) if rule is not None else "no safeguard"
-    scored = " (scored on the other half of a labeled random half)" if device.needs_labels else ""
+    scored = " (each learns on a labeled random half, scored on the other half)" if device.needs_labels else ""
     print(f"{len(before)} new clients{scored}: mean accuracy {100 * np.mean(before):.2f}% (received model) -> "
           f"{100 * np.mean(after):.2f}% ({device.method} on onnxruntime; {how}), median {np.median(ms):.1f} ms "
           "per client")

@@ -82,9 +82,10 @@ def stream_samples(manifest: dict[str, Any], client: int = 0, warmup: int = 32, 
     """New client ``client``'s warm-up window and three-phase stream (module docstring; ``recipe``: as for
     :func:`bundle_clients`)."""
     fed, x = bundle_clients(manifest, data_dir, recipe)
+    builtin = (recipe if recipe is not None else recipe_of_run(manifest, data_dir)).data.builtin_name
     if not 0 <= client < len(fed.new):
         raise ValueError(f"client must be in [0, {len(fed.new)}), got {client}")
-    if x.dtype != np.float32 or x.ndim != 4 or x.shape[1] not in (1, 3):
+    if not builtin:  # the corruptions are defined on a built-in set's float NCHW images in [0, 1]
         raise ValueError("the corrupted phase needs a built-in data set (float grayscale or RGB images); use --kind "
                          "clients")
     y = fed.dataset.y

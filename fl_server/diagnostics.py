@@ -214,12 +214,15 @@ def _received_accuracies(sim: Simulation, state: dict, clients: list[np.ndarray]
         return np.asarray([sim.accuracy(state["params"], idx) for idx in clients])
 
 
-def kept_received_note(sim: Simulation, state: dict) -> str:
+def kept_received_note(sim: Simulation, state: dict) -> str | None:
     """For a method whose safeguard rule keeps the received model on every device (``rollback``: its adaptation
     hurt on the lab's validation shifts), what adapting without the rule would do on this run's own validation data
     (its validation clients, else the training clients' held-out splits; never the new clients): one line, so that
-    a deployment can choose ``edge_sdk.open_bundle(..., safeguard=False)`` on evidence."""
-    clients = sim.fed.val_clients or sim.fed.val
+    a deployment can choose ``edge_sdk.open_bundle(..., safeguard=False)`` on evidence. None without validation
+    data (every split empty)."""
+    clients = [c for c in (sim.fed.val_clients or sim.fed.val) if len(c)]
+    if not clients:
+        return None
     where = (f"this run's {len(clients)} validation clients" if sim.fed.val_clients else
              f"the held-out validation splits of this run's {len(clients)} training clients")
     with torch.random.fork_rng(devices=[]):  # a method's random views leave the global RNG as it was
@@ -229,10 +232,11 @@ def kept_received_note(sim: Simulation, state: dict) -> str:
     worse = int((loss > ADAPTATION_COST + 1e-9).sum())
     losers = (f"{worse} of {len(loss)} lose more than a point, worst {100 * loss.max():.1f} points" if worse else
               f"none of the {len(loss)} loses more than a point")
+    advice = ("where that holds on your data, open the bundle with edge_sdk.open_bundle(..., safeguard=False)"
+              if np.mean(adapted) > np.mean(received) else "the rule holds here too")
     return (f"note: {sim.algorithm.name}'s safeguard rule 'rollback' keeps the received model on every device; on "
             f"{where}, adapting without it gives {100 * np.mean(adapted):.1f}% against "
-            f"{100 * np.mean(received):.1f}% received ({losers}); where that holds on your data, open the bundle "
-            f"with edge_sdk.open_bundle(..., safeguard=False)")
+            f"{100 * np.mean(received):.1f}% received ({losers}); {advice}")
 
 
 def _best_state(sim: Simulation, state: dict | None) -> dict | None:

@@ -229,7 +229,9 @@ def test_training_says_which_new_clients_personalising_cost_more_than_a_point(tm
         f"device: check the method's learning rate on your data, or open the bundle with method='none'")
 
 
-def test_a_rollback_methods_note_says_what_adapting_would_do_on_its_validation_data(tmp_path: Path) -> None:
+@pytest.mark.parametrize("partition", ["dirichlet", "pathological"])  # adapting helps there, hurts here
+def test_a_rollback_methods_note_says_what_adapting_would_do_on_its_validation_data(tmp_path: Path,
+                                                                                    partition: str) -> None:
     """FedTTA++ declares the rule 'rollback': no device adapts. Training says what adapting without the rule would
     do on the run's own validation data (5 validation clients here; never the new clients), and its figures are
     what the SDK gets from the bundle with ``safeguard=False`` and with ``method="none"`` on those clients."""
@@ -239,7 +241,8 @@ def test_a_rollback_methods_note_says_what_adapting_would_do_on_its_validation_d
     from fl_server.recipes import train
     from fl_server.recipes.presets import builtin_recipe
 
-    recipe = builtin_recipe("digits", "FedTTA++", rounds=10, val_clients=5, partition="dirichlet", alpha=0.5)
+    recipe = builtin_recipe("digits", "FedTTA++", rounds=10, val_clients=5, partition=partition,
+                            **({"alpha": 0.5} if partition == "dirichlet" else {}))
     record = train(recipe, tmp_path / "run", device="cpu", progress=False)
     bundle = export_run(tmp_path / "run", tmp_path / "bundle", recipe=recipe)
     fed, raw = bundle_clients(json.loads((bundle / "manifest.json").read_text()), recipe=recipe)
@@ -256,5 +259,7 @@ def test_a_rollback_methods_note_says_what_adapting_would_do_on_its_validation_d
     figures = [float(f) for f in re.findall(r"(\d+\.\d)%", note)]
     assert abs(np.mean(adapted) - np.mean(received)) > 0.02, (adapted, received)  # adapting changes something here
     np.testing.assert_allclose(figures, [100 * np.mean(adapted), 100 * np.mean(received)], atol=0.051)
-    assert note.endswith("; where that holds on your data, open the bundle with "
-                         "edge_sdk.open_bundle(..., safeguard=False)")
+    helps = np.mean(adapted) > np.mean(received)
+    assert helps == (partition == "dirichlet"), (adapted, received)
+    assert note.endswith("; where that holds on your data, open the bundle with edge_sdk.open_bundle(..., "
+                         "safeguard=False)" if helps else "; the rule holds here too"), note

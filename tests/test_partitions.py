@@ -92,3 +92,14 @@ def test_validation_clients_leave_training_whole(mnist_all) -> None:
     assert len(training) + sum(map(len, held.val_clients)) == sum(map(len, fed.train + fed.val))
     with pytest.raises(ValueError, match=r"validation clients must be between 1 and 26 \(the training clients less one\), got 27"):
         hold_out_validation_clients(fed, 27)
+
+
+def test_pathological_with_fewer_shards_than_classes_says_so() -> None:
+    """4 clients make 8 single-class shards, too few for 10 classes: one line naming what works (before: numpy's
+    'number sections must be larger than 0')."""
+    labels = np.repeat(np.arange(10), 20)
+    with pytest.raises(ValueError, match=r"^the pathological partition cuts 2 single-class shards per client: 4 "
+                                         r"clients make 8 shards, fewer than the data's 10 classes; use at least 5 "
+                                         r"clients or another partition \(dirichlet, iid\)$"):
+        partitions.pathological(labels, 4, np.random.default_rng(0))
+    assert len(partitions.pathological(labels, 5, np.random.default_rng(0))) == 5

@@ -453,3 +453,21 @@ def test_coordinator_trains_a_recipe_from_its_recipe_directory(tmp_path: Path, m
         assert not written & {r.tobytes() for r in fed.dataset.x[np.concatenate([*fed.train, *fed.val])]}
     finally:
         coord.stop()
+
+
+def test_a_stream_with_a_corrupted_phase_needs_a_built_in_data_set(fashion_raw, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """device-data's stream corrupts a built-in set's [0, 1] images; a user's float images in the same layout are
+    refused with one line that names what works (before: they passed, as any float NCHW array did)."""
+    from fl_server.device_samples import stream_samples
+    from fl_server.export.run import export_run
+
+    x, y = fashion_raw
+    floats = (x.transpose(0, 3, 1, 2) / 255).astype(np.float32)
+    recipe = Recipe(model="mlp", data=DataSpec.from_arrays(floats, y, layout="NCHW"),
+                    method="FedAvg", rounds=1, local_iterations=2,
+                    federation=Federation(partition="iid", num_clients=4))
+    train(recipe, tmp_path / "run", device="cpu", progress=False)
+    bundle = export_run(tmp_path / "run", tmp_path / "bundle", recipe=recipe)
+    with pytest.raises(ValueError, match=r"^the corrupted phase needs a built-in data set \(float grayscale or RGB "
+                                         r"images\); use --kind clients$"):
+        stream_samples(json.loads((bundle / "manifest.json").read_text()), recipe=recipe)

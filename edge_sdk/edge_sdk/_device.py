@@ -108,8 +108,9 @@ class Device:
         n = len(x) if isinstance(x, np.ndarray) and x.ndim else None
         if y is not None:
             if not self.needs_labels:
-                raise ValueError(f"{self.method} personalises without labels: call personalize(x) (y is for a "
-                                 f"method whose device learns from labels, Device.needs_labels: BTFL, FedTHE)")
+                what = "the received model" if self.method == RECEIVED else self.method
+                raise ValueError(f"{what} takes no labels: call personalize(x) (y is for a runner that learns from "
+                                 f"them, Device.needs_labels, as BTFL's and FedTHE's do)")
             labels = np.asarray(y)
             if n is not None and (labels.shape != (n,) or labels.dtype.kind not in "iu"):
                 raise ValueError(f"y must be [N] integer class labels, one per sample of x (N={n}), got "

@@ -26,6 +26,7 @@ noise on e swamps every dimension; noise on m keeps each dimension's signal-to-n
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 
 import numpy as np
@@ -36,10 +37,15 @@ __all__ = ["analytic_gaussian_sigma", "classic_gaussian_sigma", "gaussian_sigma"
 
 def check_budget(epsilon: float, delta: float) -> None:
     """ValueError (one line) unless ``epsilon`` > 0 (``math.inf``: no privacy) and ``delta`` lies in (0, 1)."""
-    if not isinstance(epsilon, (int, float)) or math.isnan(epsilon) or epsilon <= 0:
+    if not _real(epsilon) or math.isnan(epsilon) or epsilon <= 0:
         raise ValueError(f"epsilon must be > 0 (math.inf for no privacy), got {epsilon!r}")
-    if not isinstance(delta, (int, float)) or not 0.0 < delta < 1.0:
+    if not _real(delta) or not 0.0 < delta < 1.0:
         raise ValueError(f"delta must lie in (0, 1), got {delta!r}")
+
+
+def _real(value: object) -> bool:
+    """A real number (numpy's scalars too), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 def _check(epsilon: float, delta: float, set_size: int, bound: float, lipschitz: float) -> None:

@@ -148,10 +148,13 @@ def test_labels_and_a_privacy_budget_are_checked_never_ignored(sdk_fixture: Path
     budget that is none are refused with one line, also where the safeguard's rule would adapt nothing."""
     x, y = ref["x"], ref["y"]
     tent = edge_sdk.open_bundle(sdk_fixture / "tent", public_key=key)
-    with pytest.raises(ValueError, match=r"^TENT personalises without labels: call personalize\(x\)"):
+    with pytest.raises(ValueError, match=r"^TENT takes no labels: call personalize\(x\)"):
         tent.personalize(x, y)
     with pytest.raises(ValueError, match=r"^epsilon must be > 0 \(math.inf for no privacy\), got -3$"):
         tent.personalize(x, epsilon=-3)
+    with pytest.raises(ValueError, match=r"^epsilon must be > 0 \(math.inf for no privacy\), got True$"):
+        tent.personalize(x, epsilon=True)
+    tent.personalize(x, epsilon=np.float32(1.0), delta=np.float64(1e-5))  # numpy's scalars are numbers
     rollback = edge_sdk.open_bundle(sdk_fixture / "odpfl_hn", public_key=key)  # rule 'rollback': no runner call
     assert rollback.safeguard is not None and rollback.safeguard.keeps_received
     with pytest.raises(ValueError, match=r"^delta must lie in \(0, 1\), got 2$"):

@@ -211,7 +211,7 @@ class Algorithm:
     @classmethod
     def min_local_iterations(cls, hyper: dict[str, Any]) -> int:
         """The fewest local iterations a round of this method can run with ``hyper`` (BTFL: its body steps and at
-        least one head step); a recipe with fewer is refused when built, the engine's rounds check it too."""
+        least one head step); a recipe with fewer is refused when built (BTFL's aggregate checks it too)."""
         return 1
 
     @classmethod

@@ -155,7 +155,9 @@ class BTFL(Algorithm):
         """The body steps and one head step: 6 with the default alternation (five body steps, then a head step),
         else ``body_iterations + 1``."""
         body = hyper.get("body_iterations")
-        return 6 if body is None else int(body) + 1
+        if body is not None and (not isinstance(body, int) or isinstance(body, bool) or body < 0):
+            raise ValueError(f"hyper: BTFL's body_iterations is a number of steps (an integer >= 0), got {body!r}")
+        return 6 if body is None else body + 1
 
     def aggregate(self, server_state: State, ids: np.ndarray, client_states: State, weights: torch.Tensor) -> State:
         need = self.min_local_iterations(asdict(self.hp))

@@ -32,6 +32,11 @@ def pathological(
     n_shards = num_clients * shards_per_client
     _check_clients(n_shards, len(labels))
     classes, counts = np.unique(labels, return_counts=True)
+    if n_shards < len(classes):
+        raise ValueError(f"the pathological partition cuts {shards_per_client} single-class shards per client: "
+                         f"{num_clients} clients make {n_shards} shards, fewer than the data's {len(classes)} "
+                         f"classes; use at least {-(-len(classes) // shards_per_client)} clients or another "
+                         f"partition (dirichlet, iid)")
     quota = counts / counts.sum() * n_shards
     per_class = np.floor(quota).astype(int)
     per_class[np.argsort(per_class - quota)[: n_shards - per_class.sum()]] += 1  # largest remainders

@@ -87,8 +87,8 @@ def labeled_halves(offsets: np.ndarray, seed: int = 0) -> list[tuple[np.ndarray,
 
 
 def labeled_score(bundle: Bundle, data_dir: str | None = None, recipe: Recipe | None = None) -> dict[str, Any]:
-    """``personalised`` and ``received`` (means over new clients of the accuracy on the second half of each
-    client's samples, fractions), ``clients`` and ``line`` (one line for a person). ``recipe``: the run's, where
+    """``personalised`` and ``received`` (means over new clients of the accuracy on the half of each client's
+    samples it is scored on, :func:`labeled_halves`; fractions), ``clients`` and ``line`` (one line for a person). ``recipe``: the run's, where
     the manifest's recipe file is not in the working directory (a coordinator's job)."""
     samples = client_samples(bundle.manifest, data_dir, recipe)
     x, y, offsets = samples["x"], samples["y"], samples["offsets"]

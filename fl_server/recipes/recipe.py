@@ -102,7 +102,10 @@ class Recipe:
             value = getattr(self, key)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
                 raise RecipeError(f"{key} must be an integer >= 1, got {value!r}")
-        fewest = ALGORITHMS[self.method].min_local_iterations(self.hyper)
+        try:
+            fewest = ALGORITHMS[self.method].min_local_iterations(self.hyper)
+        except ValueError as exc:  # a hyperparameter the count is made of, of the wrong kind
+            raise RecipeError(str(exc)) from None
         if self.local_iterations < fewest:
             raise RecipeError(f"local_iterations: {self.method} runs at least {fewest} local iterations a round "
                               f"with these hyperparameters, got {self.local_iterations}")

@@ -51,7 +51,7 @@ def dashboard(svc: Service = Depends(service)) -> HTMLResponse:
         data = "a recipe" if spec.get("recipe") else spec["dataset"]  # public page: no recipe file names
         outcome = svc.job_outcome(j)
         accuracy = outcome["new_client_accuracy"]  # what a device gets from the job's bundle
-        subject = scored_model(outcome["test_of"], outcome["safeguard"], spec.get("method", "its method"),
+        subject = scored_model(outcome["test_of"], outcome["safeguard"], svc.job_method(j) or "its method",
                                outcome["labeled_device_accuracy"])
         kept = f" ({e(subject)})" if subject else ""
         rows.append(f'<tr><td><code>{e(j["id"])}</code>{" (default)" if j["is_default"] else ""}</td>'

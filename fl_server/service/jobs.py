@@ -86,6 +86,15 @@ class JobRunner:
             return empty
         return {key: run.get(key) for key in empty}
 
+    def method(self, job: dict[str, Any]) -> str | None:
+        """The method a job trains: its request's, else (a recipe job that names none) its run's, once recorded."""
+        if job["spec"].get("method"):
+            return str(job["spec"]["method"])
+        try:
+            return rundir.read_run(self.jobs_dir / job["id"] / "run").get("method")
+        except (FileNotFoundError, ValueError):
+            return None
+
     def start(self) -> None:
         self.store.requeue_interrupted()
         for i in range(self.cfg.workers):

@@ -221,7 +221,7 @@ class Job(BaseModel):
     labeled_device_accuracy: float | None = Field(
         None, description="where test_of is 'received': what a device gets after personalising on a labeled random "
                           "half of each new client's samples, scored on the other half (a fraction; the bundle's "
-                          "training DLE); null otherwise")
+                          "training DLE); null for other jobs, and where the run's samples could not be rebuilt")
     safeguard: str | None = Field(None, description="a finished job's safeguard rule, the one its bundle's devices "
                                                     "apply after personalising (edge_sdk.safeguard): 'rollback' "
                                                     "keeps the received model on every device; null before it is "

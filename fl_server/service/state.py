@@ -357,6 +357,10 @@ class Service:
         before it is done)."""
         return self.runner.outcome(job)
 
+    def job_method(self, job: dict[str, Any]) -> str | None:
+        """The method a job trains (a recipe job's own where its request names none)."""
+        return self.runner.method(job)
+
     def job_counts(self) -> dict[str, int]:
         """How many jobs are in each state (every state of :data:`JOB_STATES`, 0 included)."""
         counts = dict.fromkeys(JOB_STATES, 0)
