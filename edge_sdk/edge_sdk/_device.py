@@ -110,7 +110,7 @@ class Device:
             if not self.needs_labels:
                 what = "the received model" if self.method == RECEIVED else self.method
                 raise ValueError(f"{what} takes no labels: call personalize(x) (y is for a runner that learns from "
-                                 f"them, Device.needs_labels, as BTFL's and FedTHE's do)")
+                                 f"them: Device.needs_labels)")
             labels = np.asarray(y)
             if n is not None and (labels.shape != (n,) or labels.dtype.kind not in "iu"):
                 raise ValueError(f"y must be [N] integer class labels, one per sample of x (N={n}), got "
