@@ -37,11 +37,9 @@ from fl_server.recipes.run import federate, recipe_of_run
 PHASES = ("in-distribution", "corrupted", "external classes")
 
 
-def bundle_clients(manifest: dict[str, Any], data_dir: str | None = None,
-                   recipe: Recipe | None = None) -> tuple[FederatedData, np.ndarray]:
-    """(the clients of the run behind a bundle, its new clients checked against the manifest's ``new_clients``;
-    the raw images their indices point into). ``recipe``: the run's recipe, needed only when it was built in
-    Python (the manifest then names no recipe file)."""
+def run_recipe(manifest: dict[str, Any], data_dir: str | None = None, recipe: Recipe | None = None) -> Recipe:
+    """The recipe of the run behind a bundle: ``recipe`` when given (a recipe built in Python: the manifest then
+    names no recipe file), else the one its manifest names, rebuilt from the working directory."""
     if "seed" not in manifest or not (manifest.get("federation") or manifest.get("protocol")):
         raise ValueError("this bundle's manifest does not say how its clients were made (no seed / federation): "
                          "give the device your own samples instead")
@@ -50,7 +48,15 @@ def bundle_clients(manifest: dict[str, Any], data_dir: str | None = None,
         raise ValueError(f"the bundle's recipe {source} is not found (a bundle names it FILE.py:NAME, relative to "
                          f"the working directory): run from the folder that holds it or pass "
                          f"--recipe PATH/FILE.py:NAME")
-    recipe = recipe if recipe is not None else recipe_of_run(manifest, data_dir)
+    return recipe if recipe is not None else recipe_of_run(manifest, data_dir)
+
+
+def bundle_clients(manifest: dict[str, Any], data_dir: str | None = None,
+                   recipe: Recipe | None = None) -> tuple[FederatedData, np.ndarray]:
+    """(the clients of the run behind a bundle, its new clients checked against the manifest's ``new_clients``;
+    the raw images their indices point into). ``recipe``: the run's recipe, needed only when it was built in
+    Python (the manifest then names no recipe file)."""
+    recipe = run_recipe(manifest, data_dir, recipe)
     recorded = manifest.get("new_clients")
     if not isinstance(recorded, dict):
         raise ValueError("this bundle's manifest does not identify its run's new clients (no new_clients: exported "
@@ -81,13 +87,13 @@ def stream_samples(manifest: dict[str, Any], client: int = 0, warmup: int = 32, 
                    data_dir: str | None = None, recipe: Recipe | None = None) -> dict[str, np.ndarray]:
     """New client ``client``'s warm-up window and three-phase stream (module docstring; ``recipe``: as for
     :func:`bundle_clients`)."""
-    fed, x = bundle_clients(manifest, data_dir, recipe)
-    builtin = (recipe if recipe is not None else recipe_of_run(manifest, data_dir)).data.builtin_name
-    if not 0 <= client < len(fed.new):
-        raise ValueError(f"client must be in [0, {len(fed.new)}), got {client}")
-    if not builtin:  # the corruptions are defined on a built-in set's float NCHW images in [0, 1]
+    recipe = run_recipe(manifest, data_dir, recipe)
+    if not recipe.data.builtin_name:  # the corruptions are defined on a built-in set's float NCHW images in [0, 1]
         raise ValueError("the corrupted phase needs a built-in data set (float grayscale or RGB images); use --kind "
                          "clients")
+    fed, x = bundle_clients(manifest, data_dir, recipe)
+    if not 0 <= client < len(fed.new):
+        raise ValueError(f"client must be in [0, {len(fed.new)}), got {client}")
     y = fed.dataset.y
     rng = np.random.default_rng(seed)
     own = rng.permutation(fed.new[client])

@@ -437,6 +437,8 @@ def test_coordinator_trains_a_recipe_from_its_recipe_directory(tmp_path: Path, m
         assert run["method"] == "FedAvg" and run["federation"]["partition"] == "dirichlet"
         assert run["federation"]["alpha"] == 0.5 and run["federation"]["num_clients"] == 10
         assert "a recipe / its own" in httpx.get(f"{coord.url}/", timeout=10).text  # the dashboard
+        # a recipe job that names no method: the API says which one it trained, from its run
+        assert httpx.get(f"{url}/{spread['id']}", headers=auth(ADMIN), timeout=10).json()["method"] == "FedAvg"
         out = tmp_path / "new.npz"  # the newest FedAvg bundle is the spread job's (jobs run in order)
         monkeypatch.chdir(tmp_path / "recipes")  # a manifest names its recipe FILE.py:NAME (no exporter's path)
         served = ["device-data", coord.url, "--method", "fedavg", "--kind", "clients", "--out", str(out)]

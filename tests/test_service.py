@@ -277,6 +277,7 @@ def test_jobs_need_admin(server: Coordinator, client: dict) -> None:
     assert httpx.get(url, headers=auth(client["token"]), timeout=10).status_code == 403
     jobs = httpx.get(url, headers=auth(ADMIN), timeout=10).json()
     assert {j["spec"]["method"] for j in jobs} == {"TENT", "ODPFL-HN"}
+    assert all(j["method"] == j["spec"]["method"] for j in jobs)
     assert all(j["status"] == "done" and j["rounds_done"] == 1 and j["is_default"] for j in jobs)
     one = httpx.get(f"{url}/{jobs[0]['id']}", headers=auth(ADMIN), timeout=10).json()
     assert len(one["rounds"]) == 1 and 0 <= one["rounds"][0]["val"] <= 1

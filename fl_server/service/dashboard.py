@@ -51,11 +51,11 @@ def dashboard(svc: Service = Depends(service)) -> HTMLResponse:
         data = "a recipe" if spec.get("recipe") else spec["dataset"]  # public page: no recipe file names
         outcome = svc.job_outcome(j)
         accuracy = outcome["new_client_accuracy"]  # what a device gets from the job's bundle
-        subject = scored_model(outcome["test_of"], outcome["safeguard"], svc.job_method(j) or "its method",
+        subject = scored_model(outcome["test_of"], outcome["safeguard"], outcome["method"] or "its method",
                                outcome["labeled_device_accuracy"])
         kept = f" ({e(subject)})" if subject else ""
         rows.append(f'<tr><td><code>{e(j["id"])}</code>{" (default)" if j["is_default"] else ""}</td>'
-                    f'<td>{e(spec.get("method", "its own"))}</td><td>{e(data)} / '
+                    f'<td>{e(outcome["method"] or "its own")}</td><td>{e(data)} / '
                     f'{e(spec.get("partition", "its own"))}</td><td class="{e(j["status"])}">{e(j["status"])}</td>'
                     f'<td>{len(rounds)} / {spec.get("rounds", "?")}</td>'
                     f'<td>{curve_svg(rounds, spec.get("rounds", len(rounds)))}</td>'

@@ -68,32 +68,28 @@ class JobRunner:
         self._lock = threading.Lock()
 
     def outcome(self, job: dict[str, Any]) -> dict[str, Any]:
-        """A finished job's result as its run.json records it (:func:`fl_server.recipes.train`): ``warning``
-        (collapsed or chance-level new-client predictions, else None), ``best_round`` and
-        ``new_client_accuracy`` (its new clients' accuracy at that round, a fraction: what a device gets from
-        the job's bundle), ``test_of`` (``"received"``: the received model's, for a method whose devices personalise
-        on labels), ``labeled_device_accuracy`` (for such a method, what a device gets after personalising on a
-        labeled random half of each new client, scored on the other half: :func:`fl_server.export.device_scores.
-        labeled_score`) and ``safeguard`` (the rule its devices apply after personalising; ``"rollback"``: they keep
-        the received model); all None before the job is done."""
-        empty = {"warning": None, "best_round": None, "new_client_accuracy": None, "test_of": None, "safeguard": None,
-                 "labeled_device_accuracy": None}
-        if job["status"] != "done":
-            return empty
-        try:
-            run = rundir.read_run(self.jobs_dir / job["id"] / "run")
-        except (FileNotFoundError, ValueError):
-            return empty
-        return {key: run.get(key) for key in empty}
-
-    def method(self, job: dict[str, Any]) -> str | None:
-        """The method a job trains: its request's, else (a recipe job that names none) its run's, once recorded."""
-        if job["spec"].get("method"):
-            return str(job["spec"]["method"])
-        try:
-            return rundir.read_run(self.jobs_dir / job["id"] / "run").get("method")
-        except (FileNotFoundError, ValueError):
-            return None
+        """A job's ``method`` (its request's, else a recipe job's own once its run records it) and, once it is done,
+        its result as its run.json records it (:func:`fl_server.recipes.train`): ``warning`` (collapsed or
+        chance-level new-client predictions, else None), ``best_round`` and ``new_client_accuracy`` (its new
+        clients' accuracy at that round, a fraction: what a device gets from the job's bundle), ``test_of``
+        (``"received"``: the received model's, for a method whose devices personalise on labels),
+        ``labeled_device_accuracy`` (for such a method, what a device gets after personalising on a labeled random
+        half of each new client, scored on the other half: :func:`fl_server.export.device_scores.labeled_score`)
+        and ``safeguard`` (the rule its devices apply after personalising; ``"rollback"``: they keep the received
+        model); all None before the job is done. run.json is read once."""
+        requested = job["spec"].get("method")
+        out: dict[str, Any] = {"method": str(requested) if requested else None, "warning": None, "best_round": None,
+                               "new_client_accuracy": None, "test_of": None, "safeguard": None,
+                               "labeled_device_accuracy": None}
+        if job["status"] == "done" or not requested:
+            try:
+                run = rundir.read_run(self.jobs_dir / job["id"] / "run")
+            except (FileNotFoundError, ValueError):
+                return out
+            out["method"] = out["method"] or run.get("method")
+            if job["status"] == "done":
+                out.update({key: run.get(key) for key in out if key != "method"})
+        return out
 
     def start(self) -> None:
         self.store.requeue_interrupted()

@@ -195,6 +195,8 @@ class Job(BaseModel):
     spec: dict[str, Any] = Field(description="the request's fields; a recipe job's: recipe, seed, the fields it "
                                              "set and overrides (their names; the rest is the recipe's own, in "
                                              "its run's run.json)")
+    method: str | None = Field(None, description="the method the job trains: its request's, else a recipe job's own "
+                                                 "once its run records it (null until then)")
     is_default: bool
     created: float
     started: float | None = None

@@ -353,13 +353,9 @@ class Service:
         return self.runner.cancel(job_id)
 
     def job_outcome(self, job: dict[str, Any]) -> dict[str, Any]:
-        """A finished job's ``warning``, ``best_round``, ``new_client_accuracy``, ``test_of`` and ``safeguard`` (None
-        before it is done)."""
+        """A job's ``method`` and, once it is done, its ``warning``, ``best_round``, ``new_client_accuracy``,
+        ``test_of``, ``labeled_device_accuracy`` and ``safeguard`` (:meth:`JobRunner.outcome`)."""
         return self.runner.outcome(job)
-
-    def job_method(self, job: dict[str, Any]) -> str | None:
-        """The method a job trains (a recipe job's own where its request names none)."""
-        return self.runner.method(job)
 
     def job_counts(self) -> dict[str, int]:
         """How many jobs are in each state (every state of :data:`JOB_STATES`, 0 included)."""
