@@ -53,3 +53,44 @@ def test_a_poll_interval_flower_refuses_is_refused_with_one_line() -> None:
     assert done.returncode != 0
     assert done.stderr.strip().splitlines() == [
         "error: FLWR_SUPEREXEC_TASK_POLL_INTERVAL='0': give seconds between 0.01 and 60"]
+
+
+CHILD = '''
+import os, sys, time
+from fl_server.flower.superexec import _clientapp
+
+if os.fork() == 0:  # a ClientApp child in a long wait (Flower backs off up to 20 s against a Runtime API that is gone)
+    _clientapp(lambda: time.sleep(120), os.getppid())
+print(os.getpid(), flush=True)
+time.sleep(120)
+'''
+
+
+def _ended(pid: int) -> bool:
+    """Gone, or a zombie nobody has reaped yet (its parent was killed)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc for the child's state")
+def test_a_clientapp_child_ends_within_a_second_of_its_superexec() -> None:
+    """The SuperExec's forked ClientApp child watches it as the SuperExec watches its SuperNode: killed in the
+    middle of a long wait, the child ends within a second, where Flower's own monitor waited the wait out."""
+    parent = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None and int(parent.stdout.readline()) == parent.pid
+        children = [int(p) for p in Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split()]
+        assert len(children) == 1 and not _ended(children[0])
+        time.sleep(0.5)  # the child's watch is up
+        parent.kill()
+        parent.wait()
+        killed = time.monotonic()
+        while not _ended(children[0]):
+            assert time.monotonic() - killed < 1.5, "the ClientApp child outlived its SuperExec"
+            time.sleep(0.05)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()

@@ -263,3 +263,59 @@ def test_a_rollback_methods_note_says_what_adapting_would_do_on_its_validation_d
     assert helps == (partition == "dirichlet"), (adapted, received)
     assert note.endswith("; where that holds on your data, open the bundle with edge_sdk.open_bundle(..., "
                          "safeguard=False)" if helps else "; the rule holds here too"), note
+
+
+TABULAR = '''
+import numpy as np
+
+from edge_sdk import Preprocess
+from fl_server.data import load_dataset
+from fl_server.recipes import DataSpec, Federation, Recipe
+
+test = load_dataset("mnist", root={root!r}, split="test")
+pixels = np.round(test.x[:900, 0] * 255)
+# a user's feature vectors: the ink in each 7x7 block of a digit, in raw units (0..12495: no range a device knows)
+ink = pixels.reshape(-1, 4, 7, 4, 7).sum(axis=(2, 4)).reshape(-1, 1, 1, 16).astype(np.float32)
+mean, std = ink.reshape(-1, 16).mean(0), ink.reshape(-1, 16).std(0) + 1
+tabular = Recipe(model="mlp", data=DataSpec.from_arrays(ink, test.y[:900], layout="NHWC"),
+                 preprocess=Preprocess(layout="NHWC", mean=tuple(mean.tolist()), std=tuple(std.tolist())),
+                 federation=Federation(partition="iid", num_clients=6, new_fraction=0.34), method="FedAvg",
+                 rounds=3, local_iterations=20, batch_size=32)
+'''
+
+
+def test_feature_vectors_on_another_scale_warn_on_the_device(data_root: Path, tmp_path: Path) -> None:
+    """Feature vectors in no value range a device recognises: the manifest records each feature's mean and
+    standard deviation, and a device given features normalised already (its own preprocessing before the
+    bundle's) is warned, where it used to predict on them in silence; raw features pass without a word."""
+    import warnings
+
+    from edge_sdk import InputScaleWarning, open_bundle
+    from fl_server.device_samples import client_samples
+
+    (tmp_path / "tabular.py").write_text(TABULAR.format(root=str(data_root)))
+    for argv in (["train", "--recipe", f"{tmp_path / 'tabular.py'}:tabular", "--out", str(tmp_path / "run"),
+                  "--no-progress", "--device", "cpu"], ["export", str(tmp_path / "run"), "--out", str(tmp_path / "b")]):
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main(argv) == 0
+    raw = json.loads((tmp_path / "b" / "manifest.json").read_text())["preprocess"]["raw"]
+    assert raw["range"] is None and len(raw["moments"][0]) == len(raw["moments"][1]) == 16
+    device = open_bundle(tmp_path / "b")
+    with contextlib.chdir(tmp_path):
+        samples = client_samples(device.bundle.manifest)
+    x, y = samples["x"], samples["y"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", InputScaleWarning)
+        accuracy = (device.predict(x).argmax(1) == y).mean()  # raw features: as the recipe's data held them
+    assert accuracy > 0.6, accuracy
+    flat = x.reshape(len(x), 16)
+    normalised = ((flat - flat.mean(0)) / (flat.std(0) + 1)).reshape(x.shape).astype(np.float32)
+    with pytest.warns(InputScaleWarning, match=r"^this batch is on another scale than the bundle's data \(channel "
+                                               r"means \[[^]]+\(16 channels\)\], standard deviations \[[^]]+\]\): "
+                                               r"its values lie [0-9.]+ of those standard deviations from the means "
+                                               r"\(root mean square\) and spread 0\.00\d+ times as widely \(median "
+                                               r"over channels\), so its predictions are unlikely to mean anything; "
+                                               r"pass values as the recipe's data held them \(normalised there if it "
+                                               r"was, raw if not\)$"):
+        wrong = (device.predict(normalised).argmax(1) == y).mean()
+    assert wrong < accuracy - 0.2, (wrong, accuracy)  # what the warning is for: the scores were silently wrong

@@ -39,6 +39,7 @@ _NAMES = {
     "TrustOnFirstUseWarning": "edge_sdk._client",
     "StaleReleaseWarning": "edge_sdk._client",
     "Preprocess": "edge_sdk._preprocess",
+    "InputScaleWarning": "edge_sdk._preprocess",
     "Runner": "edge_sdk._registry",
     "register_runner": "edge_sdk._registry",
     "ModelRunner": "edge_sdk._runners",

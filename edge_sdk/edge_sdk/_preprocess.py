@@ -15,12 +15,16 @@ True
 A recipe also records the raw images its data held (:class:`RawInput`: dtype, value range, one image's shape);
 ``apply`` then refuses, in one line, input that does not match: e.g. float images already in [0, 1] given to a
 bundle trained on uint8 pixels (they would be scaled by 1/255 twice), or images of another size, stated in the
-raw layout. Manifests without it (older bundles) are not checked.
+raw layout. Manifests without it (older bundles) are not checked. Float data in no range a device can recognise
+(tabular features, say) records its channels' mean and standard deviation instead, and ``apply`` warns
+(:class:`InputScaleWarning`) for a batch that lies on another scale: values normalised already, or raw ones where
+the data held normalised values.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +32,16 @@ import numpy as np
 
 LAYOUTS = ("NHWC", "NCHW")
 _KEYS = ("layout", "size", "scale", "mean", "std")  # and "raw" (optional: manifests before it have none)
-_RAW_KEYS = ("dtype", "range", "shape")
+_RAW_KEYS = ("dtype", "range", "shape")  # and "moments" (optional: only data in no recognised range has them)
+# a batch is on another scale than the data when its values lie more than SCALE_Z of the data's standard deviations
+# from its means (root mean square), or spread more than SCALE_SPREAD times as widely or narrowly (median over the
+# channels; judged on batches of SPREAD_VALUES values per channel or more)
+SCALE_Z, SCALE_SPREAD, SPREAD_VALUES = 6.0, 10.0, 8
+
+
+class InputScaleWarning(UserWarning):
+    """A raw batch lies on another scale than the recipe's data (:meth:`RawInput.check`): predictions on it are
+    unlikely to mean anything."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,7 @@ class RawInput:
     dtype: str
     range: tuple[float, float] | None = None
     shape: tuple[int | None, ...] | None = None
+    moments: tuple[tuple[float, ...], tuple[float, ...]] | None = None  # per channel (mean, std) where range is None
 
     def __post_init__(self) -> None:
         try:
@@ -65,32 +79,59 @@ class RawInput:
                 raise ValueError(f"preprocess raw shape must be one image's 2 or 3 sizes (positive integers or "
                                  f"null), got {self.shape!r}")
             object.__setattr__(self, "shape", tuple(None if s is None else int(s) for s in shape))
+        if self.moments is not None:
+            try:
+                mean, std = (tuple(v) for v in self.moments)
+            except (TypeError, ValueError):
+                mean, std = (), ()
+            if not mean or len(mean) != len(std) or not all(_finite_number(v) for v in (*mean, *std)) or \
+                    any(v < 0 for v in std):
+                raise ValueError(f"preprocess raw moments must be [means, stds], one finite value per channel "
+                                 f"(stds not negative), got {self.moments!r}")
+            object.__setattr__(self, "moments", (tuple(float(v) for v in mean), tuple(float(v) for v in std)))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "range": None if self.range is None else list(self.range),
-                "shape": None if self.shape is None else list(self.shape)}
+        d: dict[str, Any] = {"dtype": self.dtype, "range": None if self.range is None else list(self.range),
+                             "shape": None if self.shape is None else list(self.shape)}
+        if self.moments is not None:
+            d["moments"] = [list(self.moments[0]), list(self.moments[1])]
+        return d
 
     @classmethod
     def from_dict(cls, d: Any) -> "RawInput":
-        if not isinstance(d, dict) or set(d) != set(_RAW_KEYS):
-            raise ValueError(f"preprocess raw must be an object with keys {', '.join(_RAW_KEYS)}, got {d!r}")
-        for name in ("range", "shape"):
-            if d[name] is not None and not isinstance(d[name], list):
+        if not isinstance(d, dict) or set(d) - {"moments"} != set(_RAW_KEYS):
+            raise ValueError(f"preprocess raw must be an object with keys {', '.join(_RAW_KEYS)} and optionally "
+                             f"moments, got {d!r}")
+        for name in ("range", "shape", "moments"):
+            if d.get(name) is not None and not isinstance(d[name], list):
                 raise ValueError(f"preprocess raw {name} must be null or a list, got {d[name]!r}")
+        moments = d.get("moments")
+        if moments is not None and (len(moments) != 2 or not all(isinstance(m, list) for m in moments)):
+            raise ValueError(f"preprocess raw moments must be [means, stds] (two lists), got {moments!r}")
         return cls(dtype=d["dtype"], range=None if d["range"] is None else tuple(d["range"]),  # type: ignore[arg-type]
-                   shape=None if d["shape"] is None else tuple(d["shape"]))
+                   shape=None if d["shape"] is None else tuple(d["shape"]),
+                   moments=None if moments is None else (tuple(moments[0]), tuple(moments[1])))
 
     def check(self, x: np.ndarray, layout: str) -> None:
         """Raise ValueError (one line, saying what to pass) unless the raw batch ``x`` in ``layout`` has this
         shape and lies in this range. Values: a batch whose largest value is at most 1 (and not all zero) given
         where the data was 0..255 is refused as already normalised (it would be scaled twice), integers too
         (``(x / 255).astype(np.uint8)``, a thresholded mask); any batch outside the range (plus a 0.1% margin) is
-        refused."""
+        refused. Data with ``moments`` (no range): a batch on another scale is warned of
+        (:class:`InputScaleWarning`), not refused (test-time shifts move values, though not by that much): values
+        more than :data:`SCALE_Z` of their channel's standard deviations from its mean (root mean square over the
+        batch), or spread more than :data:`SCALE_SPREAD` times as widely or narrowly as the data (median over the
+        channels, with :data:`SPREAD_VALUES` values per channel or more: a batch of one feature vector is judged
+        by where its values lie alone)."""
         if self.shape is not None and not self._shape_fits(x, layout):
             raise ValueError(f"expected raw images {self._shape_text(layout)} ({self.dtype}, layout "
                              f"{'NHW' if len(self.shape) == 2 else layout}), got {list(x.shape)}: pass images of that "
                              f"size and channels (the recipe's data)")
-        if self.range is None or x.size == 0 or x.dtype.kind not in "uif":
+        if x.size == 0 or x.dtype.kind not in "uif":
+            return
+        if self.range is None:
+            if self.moments is not None:
+                self._check_scale(x, layout)
             return
         lo, hi = self.range
         x_lo, x_hi = float(x.min()), float(x.max())
@@ -105,6 +146,31 @@ class RawInput:
                    "pass images in the value range of the recipe's data")
             raise ValueError(f"this bundle {expects}; {got}: {fix}")
 
+    def _check_scale(self, x: np.ndarray, layout: str) -> None:
+        assert self.moments is not None
+        mean, std = (np.asarray(m, np.float64) for m in self.moments)
+        # [values, channels] over the whole batch: [N, H, W] is one channel
+        values = x.reshape(-1, 1) if x.ndim == 3 else (
+            x.reshape(-1, x.shape[-1]) if layout == "NHWC" else np.moveaxis(x, 1, -1).reshape(-1, x.shape[1]))
+        varied = std > 0  # a channel constant in the data has no scale to compare with
+        if values.shape[1] != len(mean) or not varied.any():
+            return  # other channels: the shape check speaks to them
+        values = values[:, varied].astype(np.float64)
+        z = (values - mean[varied]) / std[varied]
+        rms = float(np.sqrt(np.mean(z * z)))
+        spread = None
+        if len(values) >= SPREAD_VALUES:
+            ratio = values.std(0) / std[varied]
+            ratio = ratio[ratio > 0]  # a channel constant in this batch says nothing of its scale
+            spread = float(np.median(ratio)) if ratio.size else None
+        if rms > SCALE_Z or spread is not None and not 1 / SCALE_SPREAD <= spread <= SCALE_SPREAD:
+            widely = "" if spread is None else f" and spread {spread:.2g} times as widely (median over channels)"
+            warnings.warn(f"this batch is on another scale than the bundle's data (channel means {_few(mean)}, "
+                          f"standard deviations {_few(std)}): its values lie {rms:.1f} of those standard deviations "
+                          f"from the means (root mean square){widely}, so its predictions are unlikely to mean "
+                          f"anything; pass values as the recipe's data held them (normalised there if it was, raw "
+                          f"if not)", InputScaleWarning, stacklevel=4)
+
     def _shape_fits(self, x: np.ndarray, layout: str) -> bool:
         assert self.shape is not None
         if x.ndim not in (3, 4):
@@ -117,6 +183,12 @@ class RawInput:
         assert self.shape is not None
         names = ("H", "W") if len(self.shape) == 2 else ("C", "H", "W") if layout == "NCHW" else ("H", "W", "C")
         return "[N, " + ", ".join(n if s is None else str(s) for n, s in zip(names, self.shape)) + "]"
+
+
+def _few(values: np.ndarray, most: int = 3) -> str:
+    """A short list of numbers for a message: the first ``most`` and how many more."""
+    shown = ", ".join(f"{v:.3g}" for v in values[:most])
+    return f"[{shown}{f', ... ({len(values)} channels)' if len(values) > most else ''}]"
 
 
 def _chw(shape: tuple[Any, ...], layout: str) -> tuple[Any, Any, Any]:

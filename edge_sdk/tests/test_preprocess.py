@@ -64,3 +64,39 @@ def test_raw_input_refuses_images_unlike_the_recipes_in_one_line() -> None:
         Preprocess.from_dict({**resized.to_dict(), "raw": {"dtype": "uint8"}})
     with pytest.raises(ValueError, match=r"^preprocess raw range must be \[low, high\] with low < high, got \(1, 0\)$"):
         RawInput("float32", (1, 0))
+
+
+def test_data_in_no_known_range_warns_of_a_batch_on_another_scale() -> None:
+    """Feature vectors (1x1 NHWC images, a channel per feature) in no range a device recognises: the manifest holds
+    each feature's mean and standard deviation, and a batch normalised already, or raw where the data was
+    normalised, is warned of; the data itself, a shifted batch (two standard deviations) and single samples pass."""
+    import warnings
+
+    from edge_sdk import InputScaleWarning
+    from edge_sdk._preprocess import RawInput
+
+    rng = np.random.default_rng(0)
+    mean, std = np.array([40.0, 2000.0, 0.5, 7.0]), np.array([12.0, 900.0, 0.1, 0.0])  # the last: constant
+    data = (mean + std * rng.normal(size=(256, 4))).reshape(-1, 1, 1, 4).astype(np.float32)
+    pre = Preprocess(layout="NHWC", mean=tuple(mean), std=tuple(np.maximum(std, 1)),
+                     raw=RawInput("float32", None, (1, 1, 4), (tuple(mean), tuple(std))))
+    assert Preprocess.from_dict(pre.to_dict()) == pre and pre.to_dict()["raw"]["moments"][1][3] == 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", InputScaleWarning)
+        pre.apply(data)
+        pre.apply(data + (2 * std).astype(np.float32))  # a test-time shift
+        for row in data[:16]:
+            pre.apply(row[None])
+    normalised = ((data - mean) / np.maximum(std, 1)).astype(np.float32)
+    with pytest.warns(InputScaleWarning, match=r" and spread 0\.0\d+ times as widely \(median over channels\)"):
+        pre.apply(normalised)
+    with pytest.warns(InputScaleWarning, match=r"^this batch is on another scale than the bundle's data \(channel means "
+                                               r"\[40, 2e\+03, 0\.5, \.\.\. \(4 channels\)\], standard deviations \[12, "
+                                               r"900, 0\.1, \.\.\. \(4 channels\)\]\): its values lie \d+\.\d of those "
+                                               r"standard deviations from the means \(root mean square\), so"):
+        pre.apply(data[:1] * 1000)  # one sample on a scale a thousand times larger: where it lies says so alone
+    with pytest.raises(ValueError, match=r"^preprocess raw moments must be \[means, stds\], one finite value per "
+                                         r"channel \(stds not negative\), got \(\(1\.0,\), \(-1\.0,\)\)$"):
+        RawInput("float32", None, None, ((1.0,), (-1.0,)))
+    with pytest.raises(ValueError, match=r"^preprocess raw moments must be \[means, stds\] \(two lists\), got \[1\]$"):
+        Preprocess.from_dict({**pre.to_dict(), "raw": {**pre.to_dict()["raw"], "moments": [1]}})

@@ -18,7 +18,7 @@ from edge_sdk._registry import RUNNERS
 
 PUBLIC = {"Adaptation", "Bundle", "BundleError", "BundleExpiredError", "BundleRollbackError", "BundleSignatureError",
           "Device", "EdgeClient", "EdgeClientError", "EntropyEarlyStopping", "ModelRunner", "Preprocess", "Runner",
-          "StaleReleaseWarning", "StepRunner", "TrustOnFirstUseWarning", "UnverifiedSignatureWarning", "__version__", "entropy",
+          "InputScaleWarning", "StaleReleaseWarning", "StepRunner", "TrustOnFirstUseWarning", "UnverifiedSignatureWarning", "__version__", "entropy",
           "load_bundle", "log_softmax", "open_bundle", "register_runner", "safeguard", "shared", "signing", "softmax"}
 PUBLIC_MODULES = ["edge_sdk", "edge_sdk.safeguard", "edge_sdk.shared", "edge_sdk.signing"]
 REMOVED = ["Personalizer", "personalize", "DeviceModel", "BTFLDevice", "fedthe_predict"]

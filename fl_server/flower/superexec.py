@@ -10,7 +10,7 @@ task's token, its heartbeat, the message in and the reply out over the Runtime A
 changes: the child begins with the imports done (about 2 s of CPU a message on a 2-core machine), not a fresh
 interpreter. It opens no port and reads nothing but the Runtime API's answers, talks only to the address it is given
 (TLS with ``--root-certificates``, as ``flower-superexec``), and ends when the SuperNode (``--parent-pid``) does; its
-children end with it.
+children end with it, each within a fraction of a second.
 
     flower-supernode --isolation process --port 9094 ...   # then, on the same machine:
     python -m fl_server.flower.superexec --runtime-api-address 127.0.0.1:9094 --insecure --parent-pid SUPERNODE_PID
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             if res.HasField("task") and res.token and os.fork() == 0:  # the child: Flower's ClientApp process
                 _clientapp(lambda: run_clientapp(
                     runtime_api_address=args.runtime_api_address, token=res.token, insecure=args.insecure,
-                    certificates=certificates, parent_pid=os.getppid()))  # it ends when this process does
+                    certificates=certificates, parent_pid=os.getppid()), os.getppid())  # it ends when this does
             time.sleep(interval)
     except KeyboardInterrupt:
         return 0
@@ -126,13 +126,18 @@ def main(argv: list[str] | None = None) -> int:
         client.close()
 
 
-def _clientapp(run: Callable[[], None]) -> NoReturn:
-    """Run Flower's ClientApp process in this forked child, then end it with Flower's exit code."""
+def _clientapp(run: Callable[[], None], parent_pid: int) -> NoReturn:
+    """Run Flower's ClientApp process in this forked child, then end it with Flower's exit code; within 0.2 s of
+    ``parent_pid``'s end (this SuperExec's) with code 1, also in the middle of a retry's backoff (:func:`_end_with`:
+    Flower's own monitor, which ``run`` starts too, waits that backoff out)."""
     code = 1
     try:
+        _end_with(parent_pid)
         run()
     except SystemExit as exc:  # Flower's flwr_exit, after the reply and the task's output are pushed
         code = exc.code if isinstance(exc.code, int) else 1
+    except KeyboardInterrupt:  # the SuperExec is gone: so is the task's Runtime API
+        code = 1
     finally:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -214,7 +214,25 @@ class DataSpec:
         if shape is not None and preprocess.size is not None:  # any height and width: resized on the device
             hw = (0, 1) if len(shape) == 2 or self.layout == "NHWC" else (1, 2)
             shape = tuple(None if i in hw else s for i, s in enumerate(shape))
-        return RawInput(dtype, value_range, shape)
+        moments = None if value_range is not None else self._channel_moments()
+        return RawInput(dtype, value_range, shape, moments)
+
+    def _channel_moments(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Each channel's mean and standard deviation over every raw value (two passes in float64, a block of
+        images at a time): a device compares a batch's scale with them where no value range tells raw from
+        normalised data (:meth:`RawInput.check`)."""
+        x = self.x
+        blocks = ([np.asarray(im)[None] for im in x] if isinstance(x, list) else  # views, no copies
+                  [np.asarray(x)[i:i + 4096] for i in range(0, len(x), 4096)])
+        channel = -1 if self.layout == "NHWC" else 1
+
+        def values(b: np.ndarray) -> np.ndarray:  # [values, channels]; [N, H, W] is one channel
+            return b.reshape(-1, 1) if b.ndim == 3 else np.moveaxis(b, channel, -1).reshape(-1, b.shape[channel])
+
+        count = sum(len(values(b)) for b in blocks)
+        mean = sum(values(b).sum(0, dtype=np.float64) for b in blocks) / count
+        square = sum(((values(b) - mean) ** 2).sum(0) for b in blocks)
+        return tuple(float(v) for v in mean), tuple(float(v) for v in np.sqrt(square / count))
 
     def describe(self) -> dict[str, Any]:
         """JSON facts for run records and manifests."""
