@@ -229,6 +229,8 @@ def _bad(case: str, tmp_path: Path, x: np.ndarray, y: np.ndarray) -> None:  # no
         Recipe(model=ModelSpec(WideNet), data=data, method="ODPFL-HN")
     elif case == "feature vectors":
         DataSpec.from_arrays(x.reshape(len(x), -1)[:, :16].astype(np.float32), y)
+    elif case == "labels 1..K":
+        DataSpec.from_arrays(x, y + 1)
     elif case == "too few local iterations for BTFL":
         Recipe(model=ModelSpec(SmallNet), data=data, method="BTFL", local_iterations=5)
     del Image
@@ -279,6 +281,9 @@ BAD = {
     "feature vectors": "data: the samples are vectors of shape [40, 16], and the models take images: pass them as "
                        "1x1 images with a channel per feature, x.reshape(N, 1, 1, D) (layout NHWC; Preprocess(mean=..., "
                        "std=...) then normalises each feature)",
+    "labels 1..K": "data: labels 0..10 leave 1 class(es) without a sample (0), so the model would learn 11 outputs; "
+                   "relabel them 0..K-1 (np.unique(y, return_inverse=True)[1]) or, to keep classes absent from this "
+                   "data, name every class (classes=[...])",
     "too few local iterations for BTFL": "local_iterations: BTFL runs at least 6 local iterations a round with these "
                                          "hyperparameters, got 5",
 }

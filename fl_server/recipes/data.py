@@ -55,7 +55,8 @@ class DataSpec:
     def from_arrays(cls, x: Any, y: Any, client_ids: Any = None, layout: str = "NHWC",
                     name: str = "arrays", classes: Sequence[str] | None = None) -> "DataSpec":
         """Images ``x`` (uint8 or float; ``[N, H, W, C]`` for NHWC, ``[N, C, H, W]`` for NCHW, ``[N, H, W]`` for
-        one channel) with integer labels ``y`` [N] in 0..K-1; ``client_ids`` [N]: which client holds each sample."""
+        one channel) with integer labels ``y`` [N] in 0..K-1, each class with a sample unless ``classes`` names
+        every class; ``client_ids`` [N]: which client holds each sample."""
         if layout not in LAYOUTS:
             raise RecipeError(f"data: layout must be 'NHWC' or 'NCHW', got {layout!r}")
         images = x if isinstance(x, list) else np.asarray(x)
@@ -97,6 +98,13 @@ class DataSpec:
         num_classes = int(labels.max()) + 1
         if classes is not None and len(classes) != num_classes:
             raise RecipeError(f"data: {len(classes)} class names for {num_classes} classes")
+        empty = np.flatnonzero(np.bincount(labels, minlength=num_classes) == 0)
+        if classes is None and len(empty):  # labels 1..K, or gaps: outputs never trained, chance read as 1/K
+            shown = ", ".join(str(int(c)) for c in empty[:5]) + (", ..." if len(empty) > 5 else "")
+            raise RecipeError(f"data: labels 0..{num_classes - 1} leave {len(empty)} class(es) without a sample "
+                              f"({shown}), so the model would learn {num_classes} outputs; relabel them 0..K-1 "
+                              f"(np.unique(y, return_inverse=True)[1]) or, to keep classes absent from this data, "
+                              f"name every class (classes=[...])")
         return cls(name=name, layout=layout, x=images, y=labels.astype(np.int64), client_ids=ids,
                    classes=None if classes is None else tuple(classes))
 
@@ -147,9 +155,11 @@ class DataSpec:
                                name=root.name, classes=tuple(f.name for f in folders))
 
     @classmethod
-    def from_torch(cls, dataset: Any, client_ids: Any = None, layout: str = "NCHW") -> "DataSpec":
+    def from_torch(cls, dataset: Any, client_ids: Any = None, layout: str = "NCHW",
+                   classes: Sequence[str] | None = None) -> "DataSpec":
         """A map-style ``torch.utils.data.Dataset`` of ``(image, label)``: tensors and numpy images in ``layout``
-        (torchvision's tensors are CHW: NCHW), PIL images as HWC."""
+        (torchvision's tensors are CHW: NCHW), PIL images as HWC; ``classes``: every class's name, as
+        :meth:`from_arrays`."""
         images, labels = [], []
         pil_seen = False
         for i in range(len(dataset)):
@@ -165,7 +175,7 @@ class DataSpec:
             layout = "NHWC"
         same = len({im.shape for im in images}) == 1
         return cls.from_arrays(np.stack(images) if same else images, np.array(labels, np.int64), client_ids,
-                               layout=layout, name=type(dataset).__name__)
+                               layout=layout, name=type(dataset).__name__, classes=classes)
 
     @classmethod
     def builtin(cls, name: str, data_dir: str | None = None, split: str = "all") -> "DataSpec":
