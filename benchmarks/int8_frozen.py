@@ -3,7 +3,8 @@
 For each finished run directory (``fl-server train --out DIR``: run.json + best.npz), the received model's
 forward graph is exported, frozen (weights as initializers) and quantized to int8 (fl_server/export/quantize.py). Both are
 scored on the run's own new clients (the held-out clients of its protocol, received model without
-personalisation) and timed at batch 64 on one onnxruntime thread, in the same run. Rows merged into
+personalisation; each client's samples one batch, as its device predicts them) and timed at batch 64 on one
+onnxruntime thread, in the same run. Rows merged into
 docs/benchmarks/edge-sdk.json by (what, device).
 
     python benchmarks/int8_frozen.py runs/int8/mnist-fedavg [RUN_DIR ...] [--data-dir DIR]
@@ -27,9 +28,10 @@ from timing import median_ms
 
 
 def client_accuracy(session, x: np.ndarray, y: np.ndarray, clients: list[np.ndarray]) -> float:  # type: ignore[no-untyped-def]
-    """Mean over clients of the accuracy on the client's data (the UPFL new-client metric)."""
-    correct = session.run(["logits"], {"x": x})[0].argmax(-1) == y
-    return 100 * float(np.mean([correct[idx].mean() for idx in clients]))
+    """Mean over clients of the accuracy on the client's data (the UPFL new-client metric), each client's samples
+    one batch, as its device predicts them (the int8 graph scales a batch's activations by the batch's range)."""
+    return 100 * float(np.mean([(session.run(["logits"], {"x": x[idx]})[0].argmax(-1) == y[idx]).mean()
+                                for idx in clients]))
 
 
 def checkpoint_rounds(run_dir: Path) -> dict:

@@ -3,7 +3,9 @@
 For each run directory (``fl-server train --out DIR`` or a ``python -m lab bench`` run dir: run.json + best.npz) the
 run is exported to a bundle (``export_run``); every held-out new client of the run's protocol is personalised
 twice on its unlabeled data, by the method's torch code (``Algorithm.personalize``, as in the harness) and by
-``edge_sdk.open_bundle`` on onnxruntime, and scored on its labels. Reports both mean accuracies,
+``edge_sdk.open_bundle`` on onnxruntime without the safeguard (``safeguard=False``: this compares the method's step;
+the safeguard's decision on top is held to training's figure by tests/test_conformance.py), and scored on its
+labels. Reports both mean accuracies,
 their difference (target |diff| <= 0.1 point) and the per-client agreement of predictions. Rows merged into
 docs/benchmarks/edge-sdk.json by (what, device).
 
@@ -34,7 +36,8 @@ def measure(run_dir: Path, data_dir: str | None, work: Path, command: str) -> di
     state = {k: {n: v.float() for n, v in d.items()} for k, d in load_state(run_dir / "best.npz").items()
              if isinstance(d, dict)}  # sub-states (FedICON's scalar round counter is not one)
     signer = ManifestSigner.generate()  # a device loads only what it verifies
-    device = open_bundle(export_run(run_dir, work / run_dir.name, signer=signer), public_key=signer.public_hex)
+    device = open_bundle(export_run(run_dir, work / run_dir.name, signer=signer), public_key=signer.public_hex,
+                         safeguard=False)  # the method's step, as Algorithm.personalize computes it
     acc_torch, acc_sdk, agree = [], [], []
     for idx in tqdm(fed.new, desc=f"{run_dir.name}: new clients", unit="client"):
         x, y = ds.x[idx], ds.y[idx]

@@ -210,6 +210,9 @@ def cmd_device_data(args: argparse.Namespace) -> int:
     else:
         path = Path(args.source)
         path = path / "manifest.json" if path.is_dir() else path
+        if not path.is_file():
+            raise ValueError(f"{args.source}: no bundle there; give a bundle folder (fl-server export's --out), its "
+                             f"manifest.json or a coordinator's URL")
         manifest = json.loads(path.read_text())
     if args.recipe:
         manifest = {**manifest, "recipe": args.recipe}
@@ -219,7 +222,9 @@ def cmd_device_data(args: argparse.Namespace) -> int:
     else:
         arrays = ds.client_samples(manifest, args.data_dir)
     out = ds.write_samples(Path(args.out), arrays)
-    print(f"{args.kind} samples of {manifest['method']}'s {manifest['dataset']} new clients written to {out}")
+    run = f"{manifest['method']}'s run on {manifest['dataset']}"
+    print(f"new client {args.client}'s warm-up window and stream, of {run}, written to {out}" if args.kind == "stream"
+          else f"the {len(arrays['offsets']) - 1} new clients of {run} ({len(arrays['y'])} samples) written to {out}")
     return 0
 
 

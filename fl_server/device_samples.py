@@ -59,9 +59,10 @@ def bundle_clients(manifest: dict[str, Any], data_dir: str | None = None,
     recipe = run_recipe(manifest, data_dir, recipe)
     recorded = manifest.get("new_clients")
     if not isinstance(recorded, dict):
-        raise ValueError("this bundle's manifest does not identify its run's new clients (no new_clients: exported "
-                         "before it was recorded, or a Flower run): re-export the run (fl-server export RUN_DIR "
-                         "--out BUNDLE) or give the device your own samples")
+        raise ValueError("this bundle's manifest does not identify its run's new clients (no new_clients): a Flower "
+                         "run holds none out (its clients are the SuperNodes'), so give the device your own samples; "
+                         "a bundle exported before the record was kept: export its run again (fl-server export "
+                         "RUN_DIR --out BUNDLE)")
     seed = int(manifest["seed"])
     fed = federate(recipe, seed, data_dir)
     rebuilt = new_clients_identity(fed)

@@ -84,6 +84,11 @@ def test_train_export_and_personalize_on_device(tmp_path: Path) -> None:
     assert f", {received:.2f}% in float32 (" in line, (line, received)
     data = fl_server("device-data", str(tmp_path / "bundle"), "--kind", "clients", "--out", str(tmp_path / "new.npz"))
     assert data.returncode == 0, data.stderr
+    assert data.stdout.strip() == f"the 10 new clients of TENT's run on digits (900 samples) written to {tmp_path}/new.npz"
+    nowhere = fl_server("device-data", str(tmp_path / "nowhere"), "--kind", "clients", "--out", str(tmp_path / "x.npz"))
+    assert nowhere.returncode == 2 and nowhere.stderr == (
+        f"error: {tmp_path}/nowhere: no bundle there; give a bundle folder (fl-server export's --out), its "
+        f"manifest.json or a coordinator's URL\n")
     import edge_sdk
 
     with np.load(tmp_path / "new.npz") as arrays, warnings.catch_warnings():  # its int8 figure: each client's device

@@ -225,7 +225,7 @@ def test_each_methods_flower_sides_match_the_engine(method: str, data_root: Path
     diff = max(float(np.abs(flower[k] - engine[k]).max()) for k in engine if k.split("/")[0] not in private)
     assert diff <= 1e-6, f"{method}: {diff}"
     if method == "ODPFL-HN":  # validated on the models generated from the clients' own embeddings
-        assert run.validate(ask, np.arange(run.k), run.recipe.rounds - 1) == pytest.approx(engine_val, abs=1e-9)
+        assert run.validate(ask, np.arange(run.k), run.recipe.rounds - 1)[0] == pytest.approx(engine_val, abs=1e-9)
 
 
 def test_btfl_on_flower_keeps_heads_on_clients_and_its_global_dle_equals_the_engines(data_root: Path) -> None:
@@ -265,7 +265,7 @@ def test_class_set_methods_train_on_flower_like_the_engine(method: str, data_roo
     rounds of 20 local steps (MAP's two stages; the HPM's distillation from the second round) end with the
     engine's weights, HPMs, selection counts and class sets. A client's validation, sent only its own rows of
     the per-client state, scores what the server's whole state with that client's batches scores."""
-    from fl_server.flower.task import client_validation
+    from fl_server.flower.task import client_validation, validation_metrics
 
     config = {**RECIPE, "method": method, "rounds": 2, "local-iterations": 20, "max-samples": 3000}
     run, parts, _, ask = flower_rounds_without_transport(config)
@@ -278,8 +278,9 @@ def test_class_set_methods_train_on_flower_like_the_engine(method: str, data_roo
     for k, data in enumerate(parts):  # the pathological partition: each client holds 2 of the 10 digits
         assert np.flatnonzero(observed[k]).tolist() == sorted(set(data.y_train.tolist())) and observed[k].sum() == 2
     assert run.server_state["count"].tolist() == [2.0 * run.algorithm.hp.hpm] * 3  # FedRS keeps no HPM
-    accuracy = run.validate(ask, np.arange(run.k), 1)
-    whole = np.mean([client_validation(run.algorithm, run.server_state, d, run.recipe, 1) for d in parts])
+    accuracy, _ = run.validate(ask, np.arange(run.k), 1)
+    whole = np.mean([validation_metrics(client_validation(run.algorithm, run.server_state, d, run.recipe, 1),
+                                        d)["accuracy"] for d in parts])
     assert accuracy == pytest.approx(whole, abs=1e-12) and accuracy > 0.5
 
 
@@ -528,7 +529,8 @@ def test_node_data_is_checked_at_load_and_split_on_the_node(tmp_path: Path,
         with pytest.raises(RecipeError, match=pattern):
             load_node_data(recipe, tmp_path / name)
 
-    refused("new.npz", r"no labels \(array 'y'\); a node without labels is a new client .* cannot train", x=x)
+    refused("new.npz", r"^node data \S*new\.npz: no labels \(array 'y'\); a node without labels is a new client .* "
+                       r"cannot train$", x=x)  # said once, not wrapped as "unreadable arrays"
     refused("big.npz", r"labels in \[\d, 10\], the recipe has 10 classes \(0 .. 9\)", x=x, y=np.where(y == 0, 10, y))
     refused("hwc.npz", r"expected raw images \[N, 1, 28, 28\]", x=x.transpose(0, 2, 3, 1), y=y)
     refused("raw.npz", r"expects raw pixels in \[0, 1\] \(float32\)", x=x * 255, y=y)
@@ -740,3 +742,49 @@ def test_a_nodes_data_is_prepared_once_and_read_back_from_its_disk_cache(tmp_pat
     (cache / f"{data_key(recipe, str(tmp_path / 'node.npz'), None, None)}.npz").write_bytes(b"not an npz")
     assert np.array_equal(cached_node_data(recipe, str(tmp_path / "node.npz"), None, cache=cache).y_val,
                           load_node_data(recipe, tmp_path / "node.npz").y_val)
+
+
+@pytest.mark.parametrize("method", ["FedAvg", "TENT"])
+def test_a_batch_normalised_models_validation_on_flower_is_what_its_device_gets(method: str, data_root: Path) -> None:
+    """A batch-normalised model's validation on Flower equals the engine's, and both score the model as its
+    bundle's device runs it: with the population statistics of the clients' training data (the finalize step's),
+    so that a validation sample's prediction is the same alone as in its client's batch. Before, each Flower client
+    normalised its validation batch by that batch's own statistics, and the best round was chosen on those."""
+    config = {**RECIPE, "method": method, "model": "btfl_cnn_bn", "rounds": 1, "local-iterations": 20,
+              "max-samples": 1500}
+    run, _, _, ask = flower_rounds_without_transport(config)
+    sim = FlowerRecipe.from_config(config).in_process()
+    sim.run_round(0)
+    engine_val = sim.evaluate_val(0)
+    assert run.validate(ask, np.arange(run.k), 0)[0] == pytest.approx(engine_val, abs=1e-9)
+    if method == "FedAvg":  # the shared model, as a device runs it: a client's batch, and samples one at a time
+        import torch
+
+        params = sim.server_state["params"]
+        with sim.device_semantics(sim.server_state):
+            per_client = [sim.accuracy(params, idx) for idx in sim.fed.val]
+            idx = np.concatenate(sim.fed.val)[:40]
+            alone = torch.cat([sim._logits(params, idx[i:i + 1]) for i in range(len(idx))]).argmax(-1)
+            assert torch.equal(alone, sim._logits(params, idx).argmax(-1))
+        assert engine_val == pytest.approx(float(np.mean(per_client)), abs=1e-9)
+
+
+def test_a_flower_run_whose_validation_predictions_collapse_says_so(data_root: Path) -> None:
+    """A Flower run holds no new clients, so its clients' validation replies carry what the collapse check reads:
+    each client's most predicted class and its share (not the histogram, which would tell the label mix). A
+    model whose head sends every sample to one class is named in the run's warning line, as a run in one process
+    names its new clients'; a working model's pooled counts warn of nothing."""
+    from fl_server.flower.server_app import validation_warning
+
+    run, _, _, ask = flower_rounds_without_transport({**RECIPE, "method": "FedAvg", "rounds": 1, "partition": "iid",
+                                                      "local-iterations": 40})
+    accuracy, counts = run.validate(ask, np.arange(run.k), 0)
+    assert counts is not None and counts.sum() > 0 and validation_warning(run, accuracy, counts) is None
+    bias = next(k for k, v in reversed(list(run.server_state["params"].items())) if v.shape == (10,))
+    run.server_state["params"][bias][3] += 1e4  # every sample to class 3
+    accuracy, counts = run.validate(ask, np.arange(run.k), 0)
+    assert int(counts.argmax()) == 3 and counts[3] == pytest.approx(counts.sum())
+    assert validation_warning(run, accuracy, counts) == (
+        f"warning: validation predictions collapsed to one class (class 3 takes 100% of them; accuracy "
+        f"{100 * accuracy:.1f}%, chance 10.0%): the model learnt no classifier; lower the learning rate or check the "
+        f"labels, and do not ship this bundle")

@@ -103,3 +103,13 @@ def test_pathological_with_fewer_shards_than_classes_says_so() -> None:
                                          r"clients or another partition \(dirichlet, iid\)$"):
         partitions.pathological(labels, 4, np.random.default_rng(0))
     assert len(partitions.pathological(labels, 5, np.random.default_rng(0))) == 5
+
+
+def test_a_dirichlet_partition_too_fine_for_the_data_names_the_knobs() -> None:
+    """40 samples over 6 clients of at least 10: one line naming the recipe's own settings (before: a min_size no
+    recipe has)."""
+    labels = np.repeat(np.arange(10), 4)
+    with pytest.raises(ValueError, match=r"^could not draw a Dirichlet\(0\.5\) partition of 40 samples over 6 clients "
+                                         r"with >= 10 samples each in 1000 tries; use fewer clients \(num_clients, "
+                                         r"--clients\), a larger alpha or more samples$"):
+        partitions.dirichlet(labels, 6, 0.5, np.random.default_rng(0))

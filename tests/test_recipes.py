@@ -229,6 +229,9 @@ def _bad(case: str, tmp_path: Path, x: np.ndarray, y: np.ndarray) -> None:  # no
         Recipe(model=ModelSpec(WideNet), data=data, method="ODPFL-HN")
     elif case == "feature vectors":
         DataSpec.from_arrays(x.reshape(len(x), -1)[:, :16].astype(np.float32), y)
+    elif case == "pixels in [0, 1] scaled by 1/255":
+        Recipe(model="mlp", data=DataSpec.from_arrays(x.astype(np.float32) / 255, y),
+               preprocess=Preprocess(layout="NHWC", scale=1 / 255, mean=(0.5,), std=(0.5,)))
     elif case == "labels 1..K":
         DataSpec.from_arrays(x, y + 1)
     elif case == "too few local iterations for BTFL":
@@ -281,6 +284,9 @@ BAD = {
     "feature vectors": "data: the samples are vectors of shape [40, 16], and the models take images: pass them as "
                        "1x1 images with a channel per feature, x.reshape(N, 1, 1, D) (layout NHWC; Preprocess(mean=..., "
                        "std=...) then normalises each feature)",
+    "pixels in [0, 1] scaled by 1/255": "preprocess: scale 0.00392157 on data already in [0, 1] would leave every "
+                                        "value under 0.0039 (scaled twice); drop the scale (Preprocess(scale=1.0, "
+                                        "...)) or pass the 0..255 pixels",
     "labels 1..K": "data: labels 0..10 leave 1 class(es) without a sample (0), so the model would learn 11 outputs; "
                    "relabel them 0..K-1 (np.unique(y, return_inverse=True)[1]) or, to keep classes absent from this "
                    "data, name every class (classes=[...])",

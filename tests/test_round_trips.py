@@ -238,3 +238,20 @@ def test_a_recipe_edited_after_training_is_refused_not_resumed_or_exported(tmp_p
     export_run(run_dir, tmp_path / "bundle", recipe=recipe)
     manifest = json.loads((tmp_path / "bundle" / "manifest.json").read_text())
     assert manifest["model_forward"] == json.loads((run_dir / "run.json").read_text())["model_forward"]
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("from fl_server.recipes import Recipe\nrecipe = Recipe(model='mlp', data=foo(\n",
+     "error: {dir}/mine.py line 2: SyntaxError: '(' was never closed; python mine.py shows the whole traceback\n"),
+    ("import helper\n", "error: {dir}/helper.py line 2: NameError: name 'Yy' is not defined; python mine.py shows the "
+                        "whole traceback\n"),
+])
+def test_a_recipe_file_whose_code_fails_says_where_in_one_line(source: str, expected: str, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """A syntax or run-time error in a recipe file (or a module beside it): the file, the line and the error in one
+    line, where a traceback through the package's own frames came before."""
+    (tmp_path / "mine.py").write_text(source)
+    (tmp_path / "helper.py").write_text("def y():\n    return Yy\ny()\n")
+    assert main(["train", "--recipe", f"{tmp_path / 'mine.py'}:recipe", "--out", str(tmp_path / "run"),
+                 "--no-progress"]) == 2
+    assert _one_line_error(capsys) == expected.format(dir=tmp_path)

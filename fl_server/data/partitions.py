@@ -67,8 +67,9 @@ def dirichlet(
         if min(len(c) for c in clients) >= min_size:
             return clients
     raise ValueError(
-        f"could not draw a Dirichlet({alpha}) partition with >= {min_size} samples per client in "
-        f"{max_tries} tries; lower min_size or num_clients"
+        f"could not draw a Dirichlet({alpha}) partition of {len(labels)} samples over {num_clients} clients with "
+        f">= {min_size} samples each in {max_tries} tries; use fewer clients (num_clients, --clients), a larger alpha "
+        f"or more samples"
     )
 
 

@@ -415,7 +415,10 @@ class Simulation:
 
     def evaluate_val(self, round_: int) -> float:
         """Mean over training clients of the accuracy on their validation split; with validation clients
-        (``fed.val_clients``), the mean over them of the personalised accuracy, as for new clients."""
+        (``fed.val_clients``), the mean over them of the personalised accuracy, as for new clients. The shared
+        model (and every personalisation) is scored as its bundle's device runs it (:meth:`device_semantics`:
+        a batch-normalised model with its population statistics, at any batch size); per-client models (a head
+        or model fine-tuned on each client's training data) normalise by their own batches."""
         if self.fed.val_clients:
             return self._personalized_accuracy(self.fed.val_clients)
         if self.algorithm.adapts_at_test_time:
@@ -426,10 +429,11 @@ class Simulation:
         if self._is_stacked(params):
             accs = [self.accuracy(p, self.fed.val[k]) for k, p in enumerate(unstack(params))]
             return float(np.mean(accs))
-        # one shared model: a single batched forward over all validation samples
+        # one shared model, as the device runs it: a single batched forward over all validation samples
         idx = np.concatenate(self.fed.val)
         owner = np.repeat(np.arange(len(self.fed.val)), [len(v) for v in self.fed.val])
-        correct = (self._logits(params, idx).argmax(-1) == self.y[torch.from_numpy(idx)]).cpu().numpy()
+        with self.device_semantics(self.server_state):
+            correct = (self._logits(params, idx).argmax(-1) == self.y[torch.from_numpy(idx)]).cpu().numpy()
         return float(np.mean(np.bincount(owner, weights=correct) / np.bincount(owner)))
 
     def evaluate_new(self) -> float | None:

@@ -30,9 +30,9 @@ from flwr.clientapp import ClientApp
 from fl_server.algorithms.base import Algorithm
 from fl_server.algorithms.btfl import BTFL
 from fl_server.algorithms.odpfl_hn import ODPFLHN
-from fl_server.flower.task import (ClientData, FlowerRecipe, cached_node_data, client_accuracy, client_bn_sums,
-                                    client_btfl_upload, client_embedding, client_encoder_grad, client_facts,
-                                    client_round, client_train_loss, client_validation)
+from fl_server.flower.task import (ClientData, FlowerRecipe, cached_node_data, client_bn_sums, client_btfl_upload,
+                                    client_embedding, client_encoder_grad, client_facts, client_predictions,
+                                    client_round, client_train_loss, client_validation, validation_metrics)
 from fl_server.flower.wire import record_to_state, state_to_record
 from fl_server.functional import State
 
@@ -85,16 +85,18 @@ def on_train(content: RecordDict, recipe: FlowerRecipe, data: ClientData, state:
 
 def on_evaluate(content: RecordDict, recipe: FlowerRecipe, data: ClientData, state: RecordDict) -> RecordDict:
     """Validation accuracy on this client's validation split of the sent server state (``server``, with the
-    client's own rows of its per-client entries, ``own``, e.g. MAP's HPM), or of the model the server generated
-    for this client (``params``, ODPFL-HN)."""
+    client's own rows of its per-client entries, ``own``, e.g. MAP's HPM, and a batch-normalised model's
+    population statistics, ``stats``), or of the model the server generated for this client (``params``,
+    ODPFL-HN)."""
     algorithm = _algorithm(content, recipe)
     if "params" in content:
-        acc = client_accuracy(algorithm, record_to_state(content["params"]), data, recipe)
+        pred = client_predictions(algorithm, record_to_state(content["params"]), data, recipe)
     else:
         own = record_to_state(content["own"]) if "own" in content else None
-        acc = client_validation(algorithm, record_to_state(content["server"]), data, recipe,
-                                int(content["config"]["round"]), own)
-    return RecordDict({"metrics": MetricRecord({"accuracy": acc, "num-examples": len(data.y_val)})})
+        stats = {k: v.numpy() for k, v in content["stats"].items()} if "stats" in content else None
+        pred = client_validation(algorithm, record_to_state(content["server"]), data, recipe,
+                                 int(content["config"]["round"]), own, stats)
+    return RecordDict({"metrics": MetricRecord(validation_metrics(pred, data))})
 
 
 def _hypernetwork(content: RecordDict, recipe: FlowerRecipe, kind: str) -> tuple[ODPFLHN, State]:

@@ -37,6 +37,7 @@ from fl_server import rundir
 from fl_server.algorithms.base import ALGORITHMS, CLIENT_FACTS, Algorithm
 from fl_server.algorithms.btfl import BTFL
 from fl_server.algorithms.odpfl_hn import ODPFLHN
+from fl_server.diagnostics import collapse_warning
 from fl_server.engine.simulation import select_clients
 from fl_server.flower.task import FlowerRecipe, check_supported, statistics_from_uploads
 from fl_server.flower.wire import record_to_state, state_to_record
@@ -261,20 +262,72 @@ class FederatedRun:
         self.server_state = alg.end_round(state, grad_theta, grad_gamma)
         return RoundResult(asked, got, _train_loss(replies), True)
 
-    def validate(self, ask: Ask, clients: np.ndarray, round_: int) -> float | None:
-        """The mean over ``clients`` that reply of their validation accuracy (None: no reply). ODPFL-HN's clients
-        are sent the model the hypernetwork generates from their embedding (its own validation path)."""
+    def validate(self, ask: Ask, clients: np.ndarray, round_: int) -> tuple[float | None, np.ndarray | None]:
+        """(the mean over ``clients`` that reply of their validation accuracy, how many of their validation samples
+        were predicted as each class as far as the replies tell: :func:`top_class_counts`); (None, None) without a
+        reply. ODPFL-HN's clients are sent the model the hypernetwork generates from their embedding (its own
+        validation path)."""
         if isinstance(self.algorithm, ODPFLHN):
             clients, emb = self.embeddings(ask, clients, round_)
             models = unstack(self.algorithm.generate(self.server_state["hn"], emb)) if len(clients) else []
             payloads = {int(c): RecordDict({"params": state_to_record(w), "config": self.config(round_, int(c))})
                         for c, w in zip(clients, models)}
         else:
+            stats = self.validation_statistics(ask, clients, round_)
+            if stats is None:
+                return None, None
             server = self.shared_record()
             payloads = {int(c): RecordDict({"server": server, "config": self.config(round_, int(c)),
-                                            **self.own_rows(int(c))}) for c in clients}
+                                            **self.own_rows(int(c)), **stats}) for c in clients}
         evals = ask("evaluate", payloads)
-        return float(np.mean([evals[c]["metrics"]["accuracy"] for c in sorted(evals)])) if evals else None
+        if not evals:
+            return None, None
+        metrics = [evals[c]["metrics"] for c in sorted(evals)]
+        return float(np.mean([m["accuracy"] for m in metrics])), top_class_counts(metrics, self.recipe.recipe.num_classes)
+
+
+    def validation_statistics(self, ask: Ask, clients: np.ndarray, round_: int) -> dict[str, ArrayRecord] | None:
+        """What the validation message carries so that the clients validate the shared model as its bundle's
+        device runs it (the engine's ``Simulation.device_semantics``): for a batch-normalised model, the population
+        statistics of the current weights over ``clients``' training data (``stats``, from their sums, as the
+        finalize step computes them); ``{}`` for other models; None when no client replied."""
+        if not stat_norms(self.algorithm.model):
+            return {}
+        params = state_to_record({"params": self.server_state["params"]})
+        sums = ask("query.bn_sums", {int(c): RecordDict({"server": params, "config": self.config(round_, int(c))})
+                                     for c in clients})
+        if not sums:
+            return None
+        stats = statistics_from_uploads(self.algorithm, [_arrays(sums[c]["sums"]) for c in sorted(sums)])
+        return {"stats": ArrayRecord({k: Array(v) for k, v in stats.items()})}
+
+
+def top_class_counts(metrics: list[Any], num_classes: int) -> np.ndarray | None:
+    """Pooled prediction counts over the clients' validation replies, from what each reports of its own
+    predictions: the class it predicts most (``top-class``) and that class's share (``top-share``), no more (its
+    predictions' histogram would tell the server its label mix). Each client's other predictions are spread
+    evenly over the other classes, so the pool's top class and share are exact where one class dominates every
+    client (a collapse) and lower otherwise. None when a reply lacks them (a node of an older version)."""
+    if not metrics or any("top-class" not in m or "top-share" not in m for m in metrics):
+        return None
+    counts = np.zeros(num_classes)
+    for m in metrics:
+        n, top, share = float(m["num-examples"]), int(m["top-class"]), float(m["top-share"])
+        if not 0 <= top < num_classes:
+            return None
+        counts += n * (1 - share) / max(num_classes - 1, 1)
+        counts[top] += n * share - n * (1 - share) / max(num_classes - 1, 1)
+    return counts
+
+
+def validation_warning(run: FederatedRun, best_val: float | None, counts: np.ndarray | None) -> str | None:
+    """The run's one line when its best round's validation predictions collapsed to one class or its accuracy
+    sits at chance (:func:`fl_server.diagnostics.collapse_warning`; a Flower run holds no new clients, so its
+    clients' validation splits are what it can judge by); None otherwise or without a validation reply."""
+    if best_val is None:
+        return None
+    k = run.recipe.recipe.num_classes
+    return collapse_warning(counts if counts is not None else np.ones(k), k, best_val, subject="validation")
 
 
 def query_config(recipe: FlowerRecipe) -> ConfigRecord:
@@ -412,6 +465,7 @@ def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
     clients = Participants(grid, node_of, timeout)
     (run_dir / rundir.METRICS).unlink(missing_ok=True)
     best_val, best, best_round, trained, t_start = float("-inf"), run.server_state, -1, 0, time.perf_counter()
+    best_counts: np.ndarray | None = None
     for r in range(recipe.rounds):
         ask = clients.ask(r)
         available = clients.available()
@@ -425,9 +479,9 @@ def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
         if not result.aggregated:
             row["skipped"] = True
         if (recipe.eval_every and (r + 1) % recipe.eval_every == 0) or r == recipe.rounds - 1:
-            row["val"], row["test"] = run.validate(ask, clients.available(), r), None
+            (row["val"], counts), row["test"] = run.validate(ask, clients.available(), r), None
             if row["val"] is not None and row["val"] > best_val:
-                best_val, best, best_round = row["val"], run.server_state, r
+                best_val, best, best_round, best_counts = row["val"], run.server_state, r, counts
                 rundir.save_state(run_dir / rundir.BEST, run.server_state, {"round": r, "val": row["val"]})
         row["wall_s"] = round(time.perf_counter() - t_start, 3)
         with open(run_dir / rundir.METRICS, "a") as fh:
@@ -444,6 +498,13 @@ def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
     # what `fl-server export` rebuilds the model from (fl_server.recipes.run.rebuild), as for an engine run
     description = describe_run(recipe.recipe, run.algorithm, None, recipe.seed)
     description["engine"] = "flower"
+    description["clients"] = run.k
+    if any(int(i["partition-id"]) < 0 for i in infos if i is not None):  # not the recipe's federation: the nodes'
+        description["federation"] = None
+        description["clients_data"] = "each SuperNode's own (node-local)"
+    description["warning"] = validation_warning(run, best_val if best_round >= 0 else None, best_counts)
+    if description["warning"]:
+        log(WARNING, "%s", description["warning"])
     rundir.write_run(run_dir, description)
 
 

@@ -234,6 +234,8 @@ def load_node_data(recipe: FlowerRecipe, source: str | Path) -> ClientData:
                     raise RecipeError(f"{where}: no labels (array 'y'); a node without labels is a new client "
                                       "(it adapts on the device) and cannot train")
                 x, y = f["x"], f["y"]
+        except RecipeError:
+            raise
         except ValueError as exc:  # an object array: a pickle inside, never loaded
             raise RecipeError(f"{where}: unreadable arrays ({exc}); save plain numeric arrays x, y") from None
     else:
@@ -425,48 +427,73 @@ def client_btfl_upload(algorithm: BTFL, server: State, data: ClientData, recipe:
 
 
 def client_validation(algorithm: Algorithm, server: State, data: ClientData, recipe: FlowerRecipe,
-                      round_: int = 0, own: State | None = None) -> float:
-    """Accuracy on the client's validation split, as the engine's ``evaluate_val`` scores one training client:
-    after ``personalize`` on the (unlabeled) validation data and the method's declared safeguard (the device's
-    rule, :func:`~fl_server.engine.simulation.safeguarded_logits`) for test-time methods, else with the method's
-    ``val_params`` (the shared model, or one fine-tuned on the client's own training data, e.g. FedICON's head,
-    its batches from the client's own generator). ``own``: the client's own rows of the per-client server state
-    (``Algorithm.per_client_keys``, one row each, e.g. MAP's HPM), row 0 of a one-client server state."""
+                      round_: int = 0, own: State | None = None, stats: Mapping[str, np.ndarray] | None = None
+                      ) -> torch.Tensor:
+    """The predicted classes of the client's validation split, as the engine's ``evaluate_val`` scores one
+    training client: after ``personalize`` on the (unlabeled) validation data and the method's declared safeguard
+    (the device's rule, :func:`~fl_server.engine.simulation.safeguarded_logits`) for test-time methods, else with
+    the method's ``val_params`` (the shared model, or one fine-tuned on the client's own training data, e.g.
+    FedICON's head, its batches from the client's own generator). ``own``: the client's own rows of the per-client
+    server state (``Algorithm.per_client_keys``, one row each, e.g. MAP's HPM), row 0 of a one-client server state.
+    ``stats``: a batch-normalised model's population statistics of the server weights over the run's clients
+    (``FederatedRun.validation_statistics``): the shared model and every personalisation are scored as the
+    bundle's device runs them (the engine's ``Simulation.device_semantics``); per-client models normalise by
+    their own batches, as in the engine."""
     if own:
         server = {**server, **own}
     if algorithm.adapts_at_test_time:
-        x = torch.from_numpy(data.x_val).to(recipe.torch_dtype)
-        rule = declared_safeguard(algorithm)
-        if rule is not None and rule.keeps_received:  # the device adapts nothing (Device.personalize)
-            return client_accuracy(algorithm, server["params"], data, recipe)
+        with population_statistics(algorithm.model, stats):
+            return _personalised_predictions(algorithm, server, data, recipe)
+    x_tr, y_tr = torch.from_numpy(data.x_train).to(recipe.torch_dtype), torch.from_numpy(data.y_train)
+
+    def trainer(step, states, server_state, ids, iterations, step_at=None):  # type: ignore[no-untyped-def]
+        batches = client_batches([np.arange(len(y_tr))], iterations, recipe.batch_size,
+                                 np.random.default_rng([recipe.seed, round_, RNG_EVAL, data.partition_id]))
+        return run_local_steps(step, states, server_state, x_tr, y_tr, torch.from_numpy(batches), "loop",
+                               step_at=step_at)
+
+    params = algorithm.val_params(server, np.array([0 if own else data.partition_id]), trainer)
+    name, p = next(iter(algorithm.model.named_parameters()))
+    if params[name].ndim == p.ndim + 1:  # stacked: this client's own model
+        return client_predictions(algorithm, unstack(params)[0], data, recipe)
+    with population_statistics(algorithm.model, stats):  # the shared model, as its device runs it
+        return client_predictions(algorithm, params, data, recipe)
+
+
+def _personalised_predictions(algorithm: Algorithm, server: State, data: ClientData,
+                              recipe: FlowerRecipe) -> torch.Tensor:
+    """A test-time method's validation predictions: ``personalize`` on the (unlabeled) validation split, its
+    adaptation steps normalising by the method's rule (``Algorithm.adapt_norm``), then the method's declared
+    safeguard, as the engine's ``Simulation.personalized_predictions`` predicts for a client."""
+    x = torch.from_numpy(data.x_val).to(recipe.torch_dtype)
+    rule = declared_safeguard(algorithm)
+    if rule is not None and rule.keeps_received:  # the device adapts nothing (Device.personalize)
+        return client_predictions(algorithm, server["params"], data, recipe)
+    with norm_mode(algorithm.model, algorithm.adapt_norm):
         params = algorithm.personalize(server, x)
-        if rule is not None:  # the device's safeguard, as the engine's evaluate_val applies it
-            with torch.no_grad():
-                received, adapted = algorithm.predict(server["params"], x), algorithm.predict(params, x)
-            pred = safeguarded_logits(algorithm, rule, server, params, x, received, adapted).argmax(-1)
-            return float((pred == torch.from_numpy(data.y_val)).double().mean())
-    else:
-        x_tr, y_tr = torch.from_numpy(data.x_train).to(recipe.torch_dtype), torch.from_numpy(data.y_train)
-
-        def trainer(step, states, server_state, ids, iterations, step_at=None):  # type: ignore[no-untyped-def]
-            batches = client_batches([np.arange(len(y_tr))], iterations, recipe.batch_size,
-                                     np.random.default_rng([recipe.seed, round_, RNG_EVAL, data.partition_id]))
-            return run_local_steps(step, states, server_state, x_tr, y_tr, torch.from_numpy(batches), "loop",
-                                   step_at=step_at)
-
-        params = algorithm.val_params(server, np.array([0 if own else data.partition_id]), trainer)
-        name, p = next(iter(algorithm.model.named_parameters()))
-        if params[name].ndim == p.ndim + 1:  # stacked: this client's own model
-            params = unstack(params)[0]
-    return client_accuracy(algorithm, params, data, recipe)
+    if rule is None:
+        return client_predictions(algorithm, params, data, recipe)
+    with torch.no_grad():  # the device's safeguard, as the engine's evaluate_val applies it
+        received, adapted = algorithm.predict(server["params"], x), algorithm.predict(params, x)
+    return safeguarded_logits(algorithm, rule, server, params, x, received, adapted).argmax(-1)
 
 
-def client_accuracy(algorithm: Algorithm, params: State, data: ClientData, recipe: FlowerRecipe) -> float:
-    """Accuracy of the model ``params`` on the client's validation split (ODPFL-HN: the model the server's
-    hypernetwork generated from the client's embedding)."""
+def client_predictions(algorithm: Algorithm, params: State, data: ClientData, recipe: FlowerRecipe) -> torch.Tensor:
+    """The classes the model ``params`` predicts for the client's validation split (ODPFL-HN: the model the
+    server's hypernetwork generated from the client's embedding)."""
     with torch.no_grad():
-        pred = algorithm.predict(params, torch.from_numpy(data.x_val).to(recipe.torch_dtype)).argmax(-1)
-    return float((pred == torch.from_numpy(data.y_val)).double().mean())
+        return algorithm.predict(params, torch.from_numpy(data.x_val).to(recipe.torch_dtype)).argmax(-1)
+
+
+def validation_metrics(pred: torch.Tensor, data: ClientData) -> dict[str, float | int]:
+    """A validation reply's metrics: the accuracy of ``pred`` on the client's validation split, its size, and the
+    class it predicts most with that class's share (what the server's collapse check reads: not the histogram,
+    which would tell the label mix)."""
+    counts = np.bincount(pred.cpu().numpy(), minlength=data.num_classes)
+    top = int(counts.argmax()) if counts.sum() else 0
+    return {"accuracy": float((pred == torch.from_numpy(data.y_val)).double().mean()) if len(pred) else 0.0,
+            "num-examples": len(data.y_val), "top-class": top,
+            "top-share": float(counts[top] / counts.sum()) if counts.sum() else 0.0}
 
 
 def client_facts(names: Sequence[str], data: ClientData) -> dict[str, list[int]]:

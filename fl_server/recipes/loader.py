@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -57,10 +58,29 @@ def import_file(path: str | Path) -> ModuleType:
     except RecipeError as exc:
         del sys.modules[module_name]
         raise RecipeError(f"{path}: {exc}") from None
+    except Exception as exc:  # the user's code failed: where, in one line (python FILE.py shows the traceback)
+        del sys.modules[module_name]
+        raise RecipeError(f"{_where(exc, path)}: {type(exc).__name__}: {_message(exc)}; python {path.name} shows "
+                          f"the whole traceback") from None
     except BaseException:
         del sys.modules[module_name]
         raise
     return module
+
+
+def _where(exc: Exception, path: Path) -> str:
+    """``FILE line N``: the last place in ``path``'s folder (the recipe file or a module beside it) that ``exc``
+    passed through, or where a syntax error is."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return f"{exc.filename} line {exc.lineno}"
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).parent == path.parent]
+    return f"{frames[-1].filename} line {frames[-1].lineno}" if frames else str(path)
+
+
+def _message(exc: Exception) -> str:
+    """``exc``'s message on one line."""
+    text = exc.msg if isinstance(exc, SyntaxError) else str(exc)
+    return " ".join(text.split()) or "(no message)"
 
 
 def import_plugin(entry: str) -> ModuleType:

@@ -119,6 +119,13 @@ class Recipe:
                               f"use Preprocess(layout={self.data.layout!r}, ...)")
         if self.preprocess.raw is None:  # the raw images the data holds: the device refuses others (one line)
             set_("preprocess", dataclasses.replace(self.preprocess, raw=self.data.raw_input(self.preprocess)))
+        raw = self.preprocess.raw
+        if raw is not None and raw.range is not None and max(map(abs, raw.range)) <= 1 and \
+                self.preprocess.scale * max(map(abs, raw.range)) < 0.01:  # [0, 1] pixels * 1/255: scaled twice
+            lo, hi = raw.range
+            raise RecipeError(f"preprocess: scale {self.preprocess.scale:.6g} on data already in [{lo:g}, {hi:g}] "
+                              f"would leave every value under {self.preprocess.scale * max(abs(lo), abs(hi)):.2g} "
+                              f"(scaled twice); drop the scale (Preprocess(scale=1.0, ...)) or pass the 0..255 pixels")
         fed = self.federation
         if fed.partition is None:
             set_("federation", dataclasses.replace(
