@@ -788,3 +788,16 @@ def test_a_flower_run_whose_validation_predictions_collapse_says_so(data_root: P
         f"warning: validation predictions collapsed to one class (class 3 takes 100% of them; accuracy "
         f"{100 * accuracy:.1f}%, chance 10.0%): the model learnt no classifier; lower the learning rate or check the "
         f"labels, and do not ship this bundle")
+
+
+def test_a_nodes_error_reads_as_one_line() -> None:
+    """Flower reports a ClientApp's exception as ``<class 'pkg.Name'>:<'message'>``; the run's line reads
+    ``Name: message`` (a node with NCHW arrays, as a new user's audit saw it)."""
+    from fl_server.flower.server_app import error_reason
+
+    reason = ("<class 'fl_server.recipes.errors.RecipeError'>:<'node data /data/nchw.npz: expected raw images [N, 28, "
+              "28, 1] (uint8, layout NHWC), got [200, 1, 28, 28]: pass images of that size and channels'>")
+    assert error_reason(reason) == ("RecipeError: node data /data/nchw.npz: expected raw images [N, 28, 28, 1] (uint8, "
+                                    "layout NHWC), got [200, 1, 28, 28]: pass images of that size and channels")
+    assert error_reason("<class 'ValueError'>:<\"it's\n two lines\">") == "ValueError: it's two lines"
+    assert error_reason("Node unavailable") == "Node unavailable"

@@ -20,9 +20,10 @@ Example (after a SuperLink and SuperNodes are up; the app folder is ``examples/f
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
-from logging import INFO, WARNING
+from logging import ERROR, INFO, WARNING
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -103,10 +104,21 @@ def _exchange(grid: Grid, kind: str, payloads: Mapping[int, RecordDict], timeout
         elif reply.has_error() and reply.error.code == ErrorCode.NODE_UNAVAILABLE:
             lost[node] = f"gone: {reply.error.reason}"  # the SuperLink answers for a node whose heartbeats stopped
         elif reply.has_error():
-            lost[node] = f"failed: {reply.error.reason}"
+            lost[node] = f"failed: {error_reason(reply.error.reason)}"
         else:
             got[node] = reply.content
     return got, lost
+
+
+_FLOWER_REASON = re.compile(r"^<class '(?:[\w.]*\.)?(\w+)'>:<(['\"])(.*)\2>$", re.S)
+
+
+def error_reason(reason: str) -> str:
+    """A ClientApp's error as one line: Flower reports an exception as ``<class 'pkg.Name'>:<'message'>``, which
+    reads ``Name: message``; any other reason as it is."""
+    match = _FLOWER_REASON.match(reason.strip())
+    text = f"{match.group(1)}: {match.group(3)}" if match else reason
+    return " ".join(text.split())
 
 
 class Participants:
@@ -399,8 +411,13 @@ def _arrays(record: ArrayRecord) -> dict[str, np.ndarray]:
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """Train the run config's recipe on the connected SuperNodes; write the run directory ``run-dir``."""
-    train_on_grid(grid, context.run_config)
+    """Train the run config's recipe on the connected SuperNodes; write the run directory ``run-dir``. A run that
+    cannot go on logs why in one ``error:`` line before Flower's own report of the exception."""
+    try:
+        train_on_grid(grid, context.run_config)
+    except FlowerError as exc:
+        log(ERROR, "error: %s", exc)
+        raise
 
 
 def make_server_app(run_config: Mapping[str, Any]) -> ServerApp:
