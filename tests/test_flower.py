@@ -771,19 +771,28 @@ def test_a_batch_normalised_models_validation_on_flower_is_what_its_device_gets(
 
 def test_a_flower_run_whose_validation_predictions_collapse_says_so(data_root: Path) -> None:
     """A Flower run holds no new clients, so its clients' validation replies carry what the collapse check reads:
-    each client's most predicted class and its share (not the histogram, which would tell the label mix). A
-    model whose head sends every sample to one class is named in the run's warning line, as a run in one process
-    names its new clients'; a working model's pooled counts warn of nothing."""
-    from fl_server.flower.server_app import validation_warning
+    each client's most predicted class and that class's share of its predictions and of its labels (not the
+    histograms, which would tell the label mix). A model whose head sends every sample to one class is named in
+    the run's warning line, as a run in one process names its new clients'; a working model's pooled counts, or
+    data where one class is most of every client's, warn of nothing; replies of older nodes, without the counts,
+    leave the chance check."""
+    from fl_server.flower.server_app import top_class_counts, validation_warning
 
     run, _, _, ask = flower_rounds_without_transport({**RECIPE, "method": "FedAvg", "rounds": 1, "partition": "iid",
                                                       "local-iterations": 40})
     accuracy, counts = run.validate(ask, np.arange(run.k), 0)
-    assert counts is not None and counts.sum() > 0 and validation_warning(run, accuracy, counts) is None
+    assert counts is not None and counts.predicted.sum() > 0 and validation_warning(run, accuracy, counts) is None
     bias = next(k for k, v in reversed(list(run.server_state["params"].items())) if v.shape == (10,))
     run.server_state["params"][bias][3] += 1e4  # every sample to class 3
     accuracy, counts = run.validate(ask, np.arange(run.k), 0)
-    assert int(counts.argmax()) == 3 and counts[3] == pytest.approx(counts.sum())
+    assert int(counts.predicted.argmax()) == 3 and counts.predicted[3] == pytest.approx(counts.predicted.sum())
+    assert counts.labels[3] < 0.2 * counts.labels.sum()  # iid: class 3 is about a tenth of the labels
+    skewed = top_class_counts([{"accuracy": 0.95, "num-examples": 100, "top-class": 3, "top-share": 0.97,
+                                "top-label-share": 0.95}] * 3, 10)  # one class is 95% of every client's data
+    assert validation_warning(run, 0.95, skewed) is None
+    older = top_class_counts([{"accuracy": accuracy, "num-examples": 100}], 10)
+    assert older is None and validation_warning(run, 0.12, older).startswith("warning: validation accuracy 12.0% is at "
+                                                                              "chance (10.0% for 10 classes)")
     assert validation_warning(run, accuracy, counts) == (
         f"warning: validation predictions collapsed to one class (class 3 takes 100% of them; accuracy "
         f"{100 * accuracy:.1f}%, chance 10.0%): the model learnt no classifier; lower the learning rate or check the "

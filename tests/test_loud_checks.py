@@ -298,8 +298,9 @@ def test_feature_vectors_on_another_scale_warn_on_the_device(data_root: Path, tm
                   "--no-progress", "--device", "cpu"], ["export", str(tmp_path / "run"), "--out", str(tmp_path / "b")]):
         with contextlib.redirect_stdout(io.StringIO()):
             assert main(argv) == 0
-    raw = json.loads((tmp_path / "b" / "manifest.json").read_text())["preprocess"]["raw"]
-    assert raw["range"] is None and len(raw["moments"][0]) == len(raw["moments"][1]) == 16
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert manifest["preprocess"]["raw"]["range"] is None
+    assert len(manifest["input_moments"]["mean"]) == len(manifest["input_moments"]["std"]) == 16
     device = open_bundle(tmp_path / "b")
     with contextlib.chdir(tmp_path):
         samples = client_samples(device.bundle.manifest)
@@ -312,9 +313,9 @@ def test_feature_vectors_on_another_scale_warn_on_the_device(data_root: Path, tm
     normalised = ((flat - flat.mean(0)) / (flat.std(0) + 1)).reshape(x.shape).astype(np.float32)
     with pytest.warns(InputScaleWarning, match=r"^this batch is on another scale than the bundle's data \(channel "
                                                r"means \[[^]]+\(16 channels\)\], standard deviations \[[^]]+\]\): "
-                                               r"its values lie [0-9.]+ of those standard deviations from the means "
-                                               r"\(root mean square\) and spread 0\.00\d+ times as widely \(median "
-                                               r"over channels\), so its predictions are unlikely to mean anything; "
+                                               r"for the median channel, its values lie [0-9.]+ of those standard "
+                                               r"deviations from the mean \(root mean square\) and spread 0\.00\d+ "
+                                               r"times as widely, so its predictions are unlikely to mean anything; "
                                                r"pass values as the recipe's data held them \(normalised there if it "
                                                r"was, raw if not\)$"):
         wrong = (device.predict(normalised).argmax(1) == y).mean()

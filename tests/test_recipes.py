@@ -484,3 +484,16 @@ def test_a_stream_with_a_corrupted_phase_needs_a_built_in_data_set(fashion_raw, 
     with pytest.raises(ValueError, match=r"^the corrupted phase needs a built-in data set \(float grayscale or RGB "
                                          r"images\); use --kind clients$"):
         stream_samples(json.loads((bundle / "manifest.json").read_text()), recipe=recipe)
+
+
+def test_classes_a_data_set_lacks_are_kept_by_naming_every_class(fashion_raw) -> None:  # type: ignore[no-untyped-def]
+    """Labels 0..8 of a ten-class problem (the tenth absent from this data): refused without names (the model would
+    learn 9 outputs), kept with all ten names: the model has ten outputs, and too few names are refused."""
+    x, y = fashion_raw
+    keep = y < 9
+    names = [f"c{k}" for k in range(10)]
+    data = DataSpec.from_arrays(x[keep], y[keep], classes=names)
+    assert data.num_classes == 10 and Recipe(model="mlp", data=data).num_classes == 10
+    with pytest.raises(RecipeError, match=r"^data: 5 class names for labels up to 8; name every class, one name per "
+                                          r"label 0\.\.K-1$"):
+        DataSpec.from_arrays(x[keep], y[keep], classes=names[:5])

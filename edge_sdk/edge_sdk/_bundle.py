@@ -243,7 +243,8 @@ class Bundle:
         """How raw images become the model's input (``manifest["preprocess"]``); identity for bundles
         written before the manifest held one (their devices pass float32 NCHW, as the model reads)."""
         d = self.manifest.get("preprocess")
-        return Preprocess.identity() if d is None else Preprocess.from_dict(d)
+        pre = Preprocess.identity() if d is None else Preprocess.from_dict(d)
+        return pre.with_moments(self.manifest.get("input_moments"))  # float data in no known range: its scale
 
     def artifact(self, name: str) -> dict[str, Any]:
         for a in self.manifest["artifacts"]:
@@ -365,8 +366,8 @@ def load_bundle(root: str | os.PathLike, public_key: PublicKey | None = None) ->
         manifest["method"]
         if not isinstance(artifacts, list) or not all(isinstance(a, dict) for a in artifacts):
             raise TypeError("'artifacts' must be a list of objects")
-        if manifest.get("preprocess") is not None:
-            Preprocess.from_dict(manifest["preprocess"])  # a bad one fails here, not at the first image
+        if manifest.get("preprocess") is not None:  # a bad one fails here, not at the first image
+            Preprocess.from_dict(manifest["preprocess"]).with_moments(manifest.get("input_moments"))
         if manifest.get("safeguard") is not None:
             SafeguardRule.from_manifest(manifest["safeguard"])  # a bad rule fails here, not after adaptation
         fmt = manifest.get("format")

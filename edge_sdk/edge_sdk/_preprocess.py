@@ -16,9 +16,10 @@ A recipe also records the raw images its data held (:class:`RawInput`: dtype, va
 ``apply`` then refuses, in one line, input that does not match: e.g. float images already in [0, 1] given to a
 bundle trained on uint8 pixels (they would be scaled by 1/255 twice), or images of another size, stated in the
 raw layout. Manifests without it (older bundles) are not checked. Float data in no range a device can recognise
-(tabular features, say) records its channels' mean and standard deviation instead, and ``apply`` warns
-(:class:`InputScaleWarning`) for a batch that lies on another scale: values normalised already, or raw ones where
-the data held normalised values.
+(tabular features, say) records its channels' mean and standard deviation instead (:meth:`Preprocess.with_moments`,
+the manifest's ``input_moments``, beside ``preprocess`` so that SDKs that predate it read the bundle as before),
+and ``apply`` warns (:class:`InputScaleWarning`) for a batch that lies on another scale: values normalised
+already, or raw ones where the data held normalised values.
 """
 from __future__ import annotations
 
@@ -32,10 +33,11 @@ import numpy as np
 
 LAYOUTS = ("NHWC", "NCHW")
 _KEYS = ("layout", "size", "scale", "mean", "std")  # and "raw" (optional: manifests before it have none)
-_RAW_KEYS = ("dtype", "range", "shape")  # and "moments" (optional: only data in no recognised range has them)
-# a batch is on another scale than the data when its values lie more than SCALE_Z of the data's standard deviations
-# from its means (root mean square), or spread more than SCALE_SPREAD times as widely or narrowly (median over the
-# channels; judged on batches of SPREAD_VALUES values per channel or more)
+_RAW_KEYS = ("dtype", "range", "shape")
+_MOMENT_KEYS = ("mean", "std")  # the manifest's input_moments
+# a batch is on another scale than the data when, for the median channel, its values lie more than SCALE_Z of the
+# data's standard deviations from the data's mean (root mean square), or spread more than SCALE_SPREAD times as
+# widely or narrowly (judged on batches of SPREAD_VALUES values per channel or more)
 SCALE_Z, SCALE_SPREAD, SPREAD_VALUES = 6.0, 10.0, 8
 
 
@@ -58,7 +60,7 @@ class RawInput:
     dtype: str
     range: tuple[float, float] | None = None
     shape: tuple[int | None, ...] | None = None
-    moments: tuple[tuple[float, ...], tuple[float, ...]] | None = None  # per channel (mean, std) where range is None
+    moments: tuple[tuple[float, ...], tuple[float, ...]] | None = None  # per channel (mean, std); not in to_dict
 
     def __post_init__(self) -> None:
         try:
@@ -91,26 +93,20 @@ class RawInput:
             object.__setattr__(self, "moments", (tuple(float(v) for v in mean), tuple(float(v) for v in std)))
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"dtype": self.dtype, "range": None if self.range is None else list(self.range),
-                             "shape": None if self.shape is None else list(self.shape)}
-        if self.moments is not None:
-            d["moments"] = [list(self.moments[0]), list(self.moments[1])]
-        return d
+        """JSON form (the manifest's ``preprocess.raw``), without ``moments``: those go beside it
+        (:meth:`Preprocess.moments_dict`)."""
+        return {"dtype": self.dtype, "range": None if self.range is None else list(self.range),
+                "shape": None if self.shape is None else list(self.shape)}
 
     @classmethod
     def from_dict(cls, d: Any) -> "RawInput":
-        if not isinstance(d, dict) or set(d) - {"moments"} != set(_RAW_KEYS):
-            raise ValueError(f"preprocess raw must be an object with keys {', '.join(_RAW_KEYS)} and optionally "
-                             f"moments, got {d!r}")
-        for name in ("range", "shape", "moments"):
-            if d.get(name) is not None and not isinstance(d[name], list):
+        if not isinstance(d, dict) or set(d) != set(_RAW_KEYS):
+            raise ValueError(f"preprocess raw must be an object with keys {', '.join(_RAW_KEYS)}, got {d!r}")
+        for name in ("range", "shape"):
+            if d[name] is not None and not isinstance(d[name], list):
                 raise ValueError(f"preprocess raw {name} must be null or a list, got {d[name]!r}")
-        moments = d.get("moments")
-        if moments is not None and (len(moments) != 2 or not all(isinstance(m, list) for m in moments)):
-            raise ValueError(f"preprocess raw moments must be [means, stds] (two lists), got {moments!r}")
         return cls(dtype=d["dtype"], range=None if d["range"] is None else tuple(d["range"]),  # type: ignore[arg-type]
-                   shape=None if d["shape"] is None else tuple(d["shape"]),
-                   moments=None if moments is None else (tuple(moments[0]), tuple(moments[1])))
+                   shape=None if d["shape"] is None else tuple(d["shape"]))
 
     def check(self, x: np.ndarray, layout: str) -> None:
         """Raise ValueError (one line, saying what to pass) unless the raw batch ``x`` in ``layout`` has this
@@ -118,11 +114,11 @@ class RawInput:
         where the data was 0..255 is refused as already normalised (it would be scaled twice), integers too
         (``(x / 255).astype(np.uint8)``, a thresholded mask); any batch outside the range (plus a 0.1% margin) is
         refused. Data with ``moments`` (no range): a batch on another scale is warned of
-        (:class:`InputScaleWarning`), not refused (test-time shifts move values, though not by that much): values
-        more than :data:`SCALE_Z` of their channel's standard deviations from its mean (root mean square over the
-        batch), or spread more than :data:`SCALE_SPREAD` times as widely or narrowly as the data (median over the
-        channels, with :data:`SPREAD_VALUES` values per channel or more: a batch of one feature vector is judged
-        by where its values lie alone)."""
+        (:class:`InputScaleWarning`), not refused (test-time shifts move values, though not by that much): for the
+        median channel, values more than :data:`SCALE_Z` of the channel's standard deviations from its mean (root
+        mean square over the batch), or spread more than :data:`SCALE_SPREAD` times as widely or narrowly as the
+        data (with :data:`SPREAD_VALUES` values per channel or more: a batch of one feature vector is judged by where
+        its values lie alone). The median: one heavy-tailed or rarely set feature does not speak for the batch."""
         if self.shape is not None and not self._shape_fits(x, layout):
             raise ValueError(f"expected raw images {self._shape_text(layout)} ({self.dtype}, layout "
                              f"{'NHW' if len(self.shape) == 2 else layout}), got {list(x.shape)}: pass images of that "
@@ -155,21 +151,26 @@ class RawInput:
         varied = std > 0  # a channel constant in the data has no scale to compare with
         if values.shape[1] != len(mean) or not varied.any():
             return  # other channels: the shape check speaks to them
-        values = values[:, varied].astype(np.float64)
-        z = (values - mean[varied]) / std[varied]
-        rms = float(np.sqrt(np.mean(z * z)))
+        # per channel, from the batch's first two moments (float64 sums, no float64 copy of the batch)
+        n = len(values)
+        first = np.einsum("ij->j", values, dtype=np.float64)[varied] / n
+        second = np.einsum("ij,ij->j", values, values, dtype=np.float64)[varied] / n
+        if not (np.isfinite(first).all() and np.isfinite(second).all()):
+            return  # NaN or infinite values: not a question of scale
+        mu, sd = mean[varied], std[varied]
+        rms = float(np.median(np.sqrt(np.maximum(second - 2 * mu * first + mu * mu, 0.0)) / sd))
         spread = None
-        if len(values) >= SPREAD_VALUES:
-            ratio = values.std(0) / std[varied]
+        if n >= SPREAD_VALUES:
+            ratio = np.sqrt(np.maximum(second - first * first, 0.0)) / sd
             ratio = ratio[ratio > 0]  # a channel constant in this batch says nothing of its scale
             spread = float(np.median(ratio)) if ratio.size else None
         if rms > SCALE_Z or spread is not None and not 1 / SCALE_SPREAD <= spread <= SCALE_SPREAD:
-            widely = "" if spread is None else f" and spread {spread:.2g} times as widely (median over channels)"
+            widely = "" if spread is None else f" and spread {spread:.2g} times as widely"
             warnings.warn(f"this batch is on another scale than the bundle's data (channel means {_few(mean)}, "
-                          f"standard deviations {_few(std)}): its values lie {rms:.1f} of those standard deviations "
-                          f"from the means (root mean square){widely}, so its predictions are unlikely to mean "
-                          f"anything; pass values as the recipe's data held them (normalised there if it was, raw "
-                          f"if not)", InputScaleWarning, stacklevel=4)
+                          f"standard deviations {_few(std)}): for the median channel, its values lie {rms:.1f} of "
+                          f"those standard deviations from the mean (root mean square){widely}, so its predictions "
+                          f"are unlikely to mean anything; pass values as the recipe's data held them (normalised "
+                          f"there if it was, raw if not)", InputScaleWarning, stacklevel=4)
 
     def _shape_fits(self, x: np.ndarray, layout: str) -> bool:
         assert self.shape is not None
@@ -286,8 +287,29 @@ class Preprocess:
         c, h, w = self.to_nchw(np.empty((1, *raw_shape), np.uint8)).shape[1:]
         return (int(c), *(self.size or (int(h), int(w))))  # type: ignore[return-value]
 
+    def moments_dict(self) -> dict[str, list[float]] | None:
+        """The manifest's ``input_moments`` (each channel's ``mean`` and ``std`` of the raw data, where no value range
+        tells raw from normalised data), or None; kept beside ``preprocess``, whose keys older SDKs check."""
+        if self.raw is None or self.raw.moments is None:
+            return None
+        return {"mean": list(self.raw.moments[0]), "std": list(self.raw.moments[1])}
+
+    def with_moments(self, d: Any) -> "Preprocess":
+        """This preprocessing with the manifest's ``input_moments`` (None: as it is); strict, as
+        :meth:`from_dict`. Without a recorded ``raw`` there is nothing to check against: as it is."""
+        if d is None:
+            return self
+        if not isinstance(d, dict) or set(d) != set(_MOMENT_KEYS) or not all(isinstance(d[k], list)
+                                                                           for k in _MOMENT_KEYS):
+            raise ValueError(f"input_moments must be an object with lists mean and std, got {str(d)[:80]}")
+        if self.raw is None:
+            return self
+        return dataclasses.replace(self, raw=dataclasses.replace(self.raw, moments=(tuple(d["mean"]),
+                                                                                   tuple(d["std"]))))
+
     def to_dict(self) -> dict[str, Any]:
-        """JSON form (the bundle manifest's ``preprocess``); ``raw`` only when it records one."""
+        """JSON form (the bundle manifest's ``preprocess``); ``raw`` only when it records one (its ``moments``
+        are :meth:`moments_dict`'s)."""
         d: dict[str, Any] = {"layout": self.layout, "size": None if self.size is None else list(self.size),
                              "scale": self.scale, "mean": list(self.mean), "std": list(self.std)}
         if self.raw is not None:

@@ -68,35 +68,47 @@ def test_raw_input_refuses_images_unlike_the_recipes_in_one_line() -> None:
 
 def test_data_in_no_known_range_warns_of_a_batch_on_another_scale() -> None:
     """Feature vectors (1x1 NHWC images, a channel per feature) in no range a device recognises: the manifest holds
-    each feature's mean and standard deviation, and a batch normalised already, or raw where the data was
-    normalised, is warned of; the data itself, a shifted batch (two standard deviations) and single samples pass."""
+    each feature's mean and standard deviation (``input_moments``, beside ``preprocess``), and a batch normalised
+    already, or raw where the data was normalised, is warned of; the data itself, a shifted batch (two standard
+    deviations), single samples and a sample whose rare feature is set pass."""
     import warnings
 
     from edge_sdk import InputScaleWarning
     from edge_sdk._preprocess import RawInput
 
     rng = np.random.default_rng(0)
-    mean, std = np.array([40.0, 2000.0, 0.5, 7.0]), np.array([12.0, 900.0, 0.1, 0.0])  # the last: constant
-    data = (mean + std * rng.normal(size=(256, 4))).reshape(-1, 1, 1, 4).astype(np.float32)
+    mean, std = np.array([40.0, 2000.0, 50.0, 7.0, 0.01]), np.array([12.0, 900.0, 20.0, 0.0, 0.1])  # 3: constant
+    data = (mean + std * rng.normal(size=(256, 5))).reshape(-1, 1, 1, 5).astype(np.float32)
+    data[..., 4] = (rng.random((256, 1, 1)) < 0.01)  # a flag set in 1% of the samples
+    mean[4], std[4] = data[..., 4].mean(), data[..., 4].std()
     pre = Preprocess(layout="NHWC", mean=tuple(mean), std=tuple(np.maximum(std, 1)),
-                     raw=RawInput("float32", None, (1, 1, 4), (tuple(mean), tuple(std))))
-    assert Preprocess.from_dict(pre.to_dict()) == pre and pre.to_dict()["raw"]["moments"][1][3] == 0.0
+                     raw=RawInput("float32", None, (1, 1, 5), (tuple(mean), tuple(std))))
+    manifest = {"preprocess": pre.to_dict(), "input_moments": pre.moments_dict()}
+    assert set(manifest["preprocess"]["raw"]) == {"dtype", "range", "shape"}  # what older SDKs check, as before
+    assert Preprocess.from_dict(manifest["preprocess"]).with_moments(manifest["input_moments"]) == pre
     with warnings.catch_warnings():
         warnings.simplefilter("error", InputScaleWarning)
         pre.apply(data)
         pre.apply(data + (2 * std).astype(np.float32))  # a test-time shift
         for row in data[:16]:
             pre.apply(row[None])
-    normalised = ((data - mean) / np.maximum(std, 1)).astype(np.float32)
-    with pytest.warns(InputScaleWarning, match=r" and spread 0\.0\d+ times as widely \(median over channels\)"):
+        flagged = data[:1].copy()
+        flagged[..., 4] = 1.0  # the rare flag set: that feature is far out, the median channel is not
+        pre.apply(flagged)
+    normalised = ((data - mean) / np.maximum(std, 1e-3)).astype(np.float32)
+    with pytest.warns(InputScaleWarning, match=r" and spread 0\.0\d+ times as widely, so its predictions"):
         pre.apply(normalised)
     with pytest.warns(InputScaleWarning, match=r"^this batch is on another scale than the bundle's data \(channel means "
-                                               r"\[40, 2e\+03, 0\.5, \.\.\. \(4 channels\)\], standard deviations \[12, "
-                                               r"900, 0\.1, \.\.\. \(4 channels\)\]\): its values lie \d+\.\d of those "
-                                               r"standard deviations from the means \(root mean square\), so"):
+                                               r"\[40, 2e\+03, 50, \.\.\. \(5 channels\)\], standard deviations \[12, "
+                                               r"900, 20, \.\.\. \(5 channels\)\]\): for the median channel, its "
+                                               r"values lie \d+\.\d of those standard deviations from the mean \(root "
+                                               r"mean square\), so"):
         pre.apply(data[:1] * 1000)  # one sample on a scale a thousand times larger: where it lies says so alone
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", InputScaleWarning)
+        pre.apply(np.full_like(data[:4], np.nan))  # NaN is not a question of scale
     with pytest.raises(ValueError, match=r"^preprocess raw moments must be \[means, stds\], one finite value per "
                                          r"channel \(stds not negative\), got \(\(1\.0,\), \(-1\.0,\)\)$"):
         RawInput("float32", None, None, ((1.0,), (-1.0,)))
-    with pytest.raises(ValueError, match=r"^preprocess raw moments must be \[means, stds\] \(two lists\), got \[1\]$"):
-        Preprocess.from_dict({**pre.to_dict(), "raw": {**pre.to_dict()["raw"], "moments": [1]}})
+    with pytest.raises(ValueError, match=r"^input_moments must be an object with lists mean and std, got \[1\]$"):
+        Preprocess.from_dict(manifest["preprocess"]).with_moments([1])

@@ -432,7 +432,7 @@ class Simulation:
         # one shared model, as the device runs it: a single batched forward over all validation samples
         idx = np.concatenate(self.fed.val)
         owner = np.repeat(np.arange(len(self.fed.val)), [len(v) for v in self.fed.val])
-        with self.device_semantics(self.server_state):
+        with self.device_semantics({**self.server_state, "params": params}):
             correct = (self._logits(params, idx).argmax(-1) == self.y[torch.from_numpy(idx)]).cpu().numpy()
         return float(np.mean(np.bincount(owner, weights=correct) / np.bincount(owner)))
 

@@ -44,8 +44,8 @@ def export_run(run_dir: str | Path, dest: str | Path, int8: bool = False, data_r
     device = rundir.read_device(run_dir)
     extra = {"model": run["model"], "dataset": run["dataset"], "seed": run["seed"],
              "input_shape": run["input_shape"], "num_classes": run["num_classes"], "preprocess": preprocess,
-             **{k: run[k] for k in ("recipe", "federation", "protocol", "data", "new_clients", "model_forward")
-                if run.get(k) is not None}}
+             **{k: run[k] for k in ("recipe", "federation", "protocol", "data", "new_clients", "model_forward",
+                                    "input_moments") if run.get(k) is not None}}
     best = rundir.load_best(run_dir)
     diverged = nonfinite_weights(best)
     if diverged:

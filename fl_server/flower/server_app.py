@@ -274,19 +274,19 @@ class FederatedRun:
         self.server_state = alg.end_round(state, grad_theta, grad_gamma)
         return RoundResult(asked, got, _train_loss(replies), True)
 
-    def validate(self, ask: Ask, clients: np.ndarray, round_: int) -> tuple[float | None, np.ndarray | None]:
+    def validate(self, ask: Ask, clients: np.ndarray, round_: int) -> tuple[float | None, TopCounts | None]:
         """(the mean over ``clients`` that reply of their validation accuracy, how many of their validation samples
-        were predicted as each class as far as the replies tell: :func:`top_class_counts`); (None, None) without a
-        reply. ODPFL-HN's clients are sent the model the hypernetwork generates from their embedding (its own
-        validation path)."""
+        were predicted as each class and hold each label as far as the replies tell: :func:`top_class_counts`);
+        (None, None) without a reply. ODPFL-HN's clients are sent the model the hypernetwork generates from their
+        embedding (its own validation path)."""
         if isinstance(self.algorithm, ODPFLHN):
             clients, emb = self.embeddings(ask, clients, round_)
             models = unstack(self.algorithm.generate(self.server_state["hn"], emb)) if len(clients) else []
             payloads = {int(c): RecordDict({"params": state_to_record(w), "config": self.config(round_, int(c))})
                         for c, w in zip(clients, models)}
         else:
-            stats = self.validation_statistics(ask, clients, round_)
-            if stats is None:
+            stats, clients = self.validation_statistics(ask, clients, round_)
+            if not len(clients):
                 return None, None
             server = self.shared_record()
             payloads = {int(c): RecordDict({"server": server, "config": self.config(round_, int(c)),
@@ -295,51 +295,73 @@ class FederatedRun:
         if not evals:
             return None, None
         metrics = [evals[c]["metrics"] for c in sorted(evals)]
-        return float(np.mean([m["accuracy"] for m in metrics])), top_class_counts(metrics, self.recipe.recipe.num_classes)
+        accuracy = float(np.mean([m["accuracy"] for m in metrics]))
+        return accuracy, top_class_counts(metrics, self.recipe.recipe.num_classes)
 
 
-    def validation_statistics(self, ask: Ask, clients: np.ndarray, round_: int) -> dict[str, ArrayRecord] | None:
-        """What the validation message carries so that the clients validate the shared model as its bundle's
-        device runs it (the engine's ``Simulation.device_semantics``): for a batch-normalised model, the population
-        statistics of the current weights over ``clients``' training data (``stats``, from their sums, as the
-        finalize step computes them); ``{}`` for other models; None when no client replied."""
-        if not stat_norms(self.algorithm.model):
-            return {}
+    def validation_statistics(self, ask: Ask, clients: np.ndarray,
+                              round_: int) -> tuple[dict[str, ArrayRecord], np.ndarray]:
+        """(what the validation message carries so that the clients validate the shared model as its bundle's
+        device runs it, the clients to validate). For a batch-normalised model whose validation scores the shared
+        model or a personalisation of it (the engine's ``Simulation.device_semantics``): the population statistics
+        of the current weights over ``clients``' training data (``stats``, from their sums, as the finalize step
+        computes them), and the clients that sent theirs. Otherwise (a method that validates each client's own
+        model normalises by its batches, as in the engine) ``{}`` and ``clients``."""
+        alg = self.algorithm
+        shared = alg.adapts_at_test_time or type(alg).val_params is Algorithm.val_params
+        if not (stat_norms(alg.model) and shared):
+            return {}, clients
         params = state_to_record({"params": self.server_state["params"]})
         sums = ask("query.bn_sums", {int(c): RecordDict({"server": params, "config": self.config(round_, int(c))})
                                      for c in clients})
         if not sums:
-            return None
-        stats = statistics_from_uploads(self.algorithm, [_arrays(sums[c]["sums"]) for c in sorted(sums)])
-        return {"stats": ArrayRecord({k: Array(v) for k, v in stats.items()})}
+            return {}, np.empty(0, np.int64)
+        stats = statistics_from_uploads(alg, [_arrays(sums[c]["sums"]) for c in sorted(sums)])
+        return {"stats": ArrayRecord({k: Array(v) for k, v in stats.items()})}, np.array(sorted(sums), np.int64)
 
 
-def top_class_counts(metrics: list[Any], num_classes: int) -> np.ndarray | None:
-    """Pooled prediction counts over the clients' validation replies, from what each reports of its own
-    predictions: the class it predicts most (``top-class``) and that class's share (``top-share``), no more (its
-    predictions' histogram would tell the server its label mix). Each client's other predictions are spread
-    evenly over the other classes, so the pool's top class and share are exact where one class dominates every
-    client (a collapse) and lower otherwise. None when a reply lacks them (a node of an older version)."""
-    if not metrics or any("top-class" not in m or "top-share" not in m for m in metrics):
+@dataclass
+class TopCounts:
+    """Pooled over the clients' validation replies: how many samples were predicted as each class (``predicted``)
+    and hold each label (``labels``), as far as what each client reports tells (:func:`top_class_counts`)."""
+
+    predicted: np.ndarray
+    labels: np.ndarray
+
+
+def top_class_counts(metrics: list[Any], num_classes: int) -> TopCounts | None:
+    """Pooled counts over the clients' validation replies, from what each reports: the class it predicts most
+    (``top-class``), that class's share of its predictions (``top-share``) and of its labels
+    (``top-label-share``), no more (its histograms would tell the server its label mix). Each client's other
+    predictions and labels are spread evenly over the other classes, so the pool's top class and shares are exact
+    where one class dominates every client (a collapse, or data where one class is most of every client's) and
+    lower otherwise. None when a reply lacks them (a node of an older version)."""
+    keys = ("top-class", "top-share", "top-label-share")
+    if not metrics or any(k not in m for m in metrics for k in keys):
         return None
-    counts = np.zeros(num_classes)
+    out = TopCounts(np.zeros(num_classes), np.zeros(num_classes))
+    rest = 1 / max(num_classes - 1, 1)
     for m in metrics:
-        n, top, share = float(m["num-examples"]), int(m["top-class"]), float(m["top-share"])
+        n, top = float(m["num-examples"]), int(m["top-class"])
         if not 0 <= top < num_classes:
             return None
-        counts += n * (1 - share) / max(num_classes - 1, 1)
-        counts[top] += n * share - n * (1 - share) / max(num_classes - 1, 1)
-    return counts
+        for pooled, share in ((out.predicted, float(m["top-share"])), (out.labels, float(m["top-label-share"]))):
+            pooled += n * (1 - share) * rest
+            pooled[top] += n * share - n * (1 - share) * rest
+    return out
 
 
-def validation_warning(run: FederatedRun, best_val: float | None, counts: np.ndarray | None) -> str | None:
-    """The run's one line when its best round's validation predictions collapsed to one class or its accuracy
-    sits at chance (:func:`fl_server.diagnostics.collapse_warning`; a Flower run holds no new clients, so its
-    clients' validation splits are what it can judge by); None otherwise or without a validation reply."""
+def validation_warning(run: FederatedRun, best_val: float | None, counts: TopCounts | None) -> str | None:
+    """The run's one line when its best round's validation predictions collapsed to one class (more than the
+    labels' share of it) or its accuracy sits at chance (:func:`fl_server.diagnostics.collapse_warning`; a Flower
+    run holds no new clients, so its clients' validation splits are what it can judge by); None otherwise or
+    without a validation reply. Replies without the counts (older nodes): the chance check alone."""
     if best_val is None:
         return None
     k = run.recipe.recipe.num_classes
-    return collapse_warning(counts if counts is not None else np.ones(k), k, best_val, subject="validation")
+    if counts is None:
+        return collapse_warning(np.ones(k), k, best_val, subject="validation")
+    return collapse_warning(counts.predicted, k, best_val, counts.labels, subject="validation")
 
 
 def query_config(recipe: FlowerRecipe) -> ConfigRecord:
@@ -482,7 +504,7 @@ def train_on_grid(grid: Grid, cfg: Mapping[str, Any]) -> None:
     clients = Participants(grid, node_of, timeout)
     (run_dir / rundir.METRICS).unlink(missing_ok=True)
     best_val, best, best_round, trained, t_start = float("-inf"), run.server_state, -1, 0, time.perf_counter()
-    best_counts: np.ndarray | None = None
+    best_counts: TopCounts | None = None
     for r in range(recipe.rounds):
         ask = clients.ask(r)
         available = clients.available()

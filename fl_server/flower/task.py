@@ -486,14 +486,16 @@ def client_predictions(algorithm: Algorithm, params: State, data: ClientData, re
 
 
 def validation_metrics(pred: torch.Tensor, data: ClientData) -> dict[str, float | int]:
-    """A validation reply's metrics: the accuracy of ``pred`` on the client's validation split, its size, and the
-    class it predicts most with that class's share (what the server's collapse check reads: not the histogram,
-    which would tell the label mix)."""
+    """A validation reply's metrics: the accuracy of ``pred`` on the client's validation split, its size, the
+    class it predicts most with that class's share of its predictions and of its labels (what the server's
+    collapse check reads; not the histograms, which would tell the label mix)."""
     counts = np.bincount(pred.cpu().numpy(), minlength=data.num_classes)
     top = int(counts.argmax()) if counts.sum() else 0
+    n = max(len(data.y_val), 1)
     return {"accuracy": float((pred == torch.from_numpy(data.y_val)).double().mean()) if len(pred) else 0.0,
             "num-examples": len(data.y_val), "top-class": top,
-            "top-share": float(counts[top] / counts.sum()) if counts.sum() else 0.0}
+            "top-share": float(counts[top] / counts.sum()) if counts.sum() else 0.0,
+            "top-label-share": float(np.count_nonzero(data.y_val == top) / n)}
 
 
 def client_facts(names: Sequence[str], data: ClientData) -> dict[str, list[int]]:

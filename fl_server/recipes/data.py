@@ -96,8 +96,9 @@ class DataSpec:
                 raise RecipeError(f"data: client_ids must give one client per sample ({n}), got shape "
                                   f"{list(ids.shape)}")
         num_classes = int(labels.max()) + 1
-        if classes is not None and len(classes) != num_classes:
-            raise RecipeError(f"data: {len(classes)} class names for {num_classes} classes")
+        if classes is not None and len(classes) < num_classes:
+            raise RecipeError(f"data: {len(classes)} class names for labels up to {num_classes - 1}; name every "
+                              f"class, one name per label 0..K-1")
         empty = np.flatnonzero(np.bincount(labels, minlength=num_classes) == 0)
         if classes is None and len(empty):  # labels 1..K, or gaps: outputs never trained, chance read as 1/K
             shown = ", ".join(str(int(c)) for c in empty[:5]) + (", ..." if len(empty) > 5 else "")
@@ -189,7 +190,9 @@ class DataSpec:
     # ------------------------------------------------------------------ properties
     @property
     def num_classes(self) -> int:
-        return BUILTINS[self.builtin_name][1] if self.builtin_name else int(self.y.max()) + 1  # type: ignore[union-attr]
+        if self.builtin_name:
+            return BUILTINS[self.builtin_name][1]
+        return len(self.classes) if self.classes is not None else int(self.y.max()) + 1  # type: ignore[union-attr]
 
     @property
     def sample_shape(self) -> tuple[int, ...] | None:

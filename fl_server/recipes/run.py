@@ -66,6 +66,7 @@ def describe_run(recipe: Recipe, algorithm: Algorithm, fed: FederatedData | None
             "seed": seed, "recipe": recipe.source, "data": recipe.data.describe(),
             "federation": dataclasses.asdict(recipe.federation),
             "preprocess": recipe.preprocess.to_dict(),  # type: ignore[union-attr]
+            **({"input_moments": moments} if (moments := recipe.preprocess.moments_dict()) else {}),  # type: ignore[union-attr]
             "model_forward": model_forward(recipe.build_model(seed)),
             **({"new_clients": new_clients_identity(fed)} if fed is not None else {}),
             "command": invocation()}
