@@ -298,7 +298,6 @@ class FederatedRun:
         accuracy = float(np.mean([m["accuracy"] for m in metrics]))
         return accuracy, top_class_counts(metrics, self.recipe.recipe.num_classes)
 
-
     def validation_statistics(self, ask: Ask, clients: np.ndarray,
                               round_: int) -> tuple[dict[str, ArrayRecord], np.ndarray]:
         """(what the validation message carries so that the clients validate the shared model as its bundle's
