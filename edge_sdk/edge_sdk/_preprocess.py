@@ -145,9 +145,7 @@ class RawInput:
     def _check_scale(self, x: np.ndarray, layout: str) -> None:
         assert self.moments is not None
         mean, std = (np.asarray(m, np.float64) for m in self.moments)
-        # [values, channels] over the whole batch: [N, H, W] is one channel
-        values = x.reshape(-1, 1) if x.ndim == 3 else (
-            x.reshape(-1, x.shape[-1]) if layout == "NHWC" else np.moveaxis(x, 1, -1).reshape(-1, x.shape[1]))
+        values = channel_values(x, layout)
         varied = std > 0  # a channel constant in the data has no scale to compare with
         if values.shape[1] != len(mean) or not varied.any():
             return  # other channels: the shape check speaks to them
@@ -184,6 +182,14 @@ class RawInput:
         assert self.shape is not None
         names = ("H", "W") if len(self.shape) == 2 else ("C", "H", "W") if layout == "NCHW" else ("H", "W", "C")
         return "[N, " + ", ".join(n if s is None else str(s) for n, s in zip(names, self.shape)) + "]"
+
+
+def channel_values(x: np.ndarray, layout: str) -> np.ndarray:
+    """A raw batch as [values, channels] (a view where it can be): ``[N, H, W]`` is one channel; 4-D batches have
+    their channels where ``layout`` puts them. Shared with the recipe side, which records each channel's moments."""
+    if x.ndim == 3:
+        return x.reshape(-1, 1)
+    return x.reshape(-1, x.shape[-1]) if layout == "NHWC" else np.moveaxis(x, 1, -1).reshape(-1, x.shape[1])
 
 
 def _few(values: np.ndarray, most: int = 3) -> str:

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from edge_sdk import Preprocess
-from edge_sdk.shared import LAYOUTS, RawInput
+from edge_sdk.shared import LAYOUTS, RawInput, channel_values
 from fl_server.data import ArrayDataset, load_dataset
 from fl_server.data.federated import FederatedData
 from fl_server.recipes.errors import RecipeError
@@ -235,16 +235,12 @@ class DataSpec:
         images at a time): a device compares a batch's scale with them where no value range tells raw from
         normalised data (:meth:`RawInput.check`)."""
         x = self.x
-        blocks = ([np.asarray(im)[None] for im in x] if isinstance(x, list) else  # views, no copies
-                  [np.asarray(x)[i:i + 4096] for i in range(0, len(x), 4096)])
-        channel = -1 if self.layout == "NHWC" else 1
-
-        def values(b: np.ndarray) -> np.ndarray:  # [values, channels]; [N, H, W] is one channel
-            return b.reshape(-1, 1) if b.ndim == 3 else np.moveaxis(b, channel, -1).reshape(-1, b.shape[channel])
-
-        count = sum(len(values(b)) for b in blocks)
-        mean = sum(values(b).sum(0, dtype=np.float64) for b in blocks) / count
-        square = sum(((values(b) - mean) ** 2).sum(0) for b in blocks)
+        blocks = [channel_values(b, self.layout) for b in  # views, no copies
+                  ([np.asarray(im)[None] for im in x] if isinstance(x, list) else
+                   [np.asarray(x)[i:i + 4096] for i in range(0, len(x), 4096)])]
+        count = sum(len(b) for b in blocks)
+        mean = sum(b.sum(0, dtype=np.float64) for b in blocks) / count
+        square = sum(((b - mean) ** 2).sum(0) for b in blocks)
         return tuple(float(v) for v in mean), tuple(float(v) for v in np.sqrt(square / count))
 
     def describe(self) -> dict[str, Any]:
